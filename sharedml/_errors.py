@@ -1,0 +1,95 @@
+"""The exceptions sharedml raises.
+
+Every error is a ``SharedMLError``; where a built-in exception means the same thing, the
+subclass inherits it too, so callers can catch either::
+
+    SharedMLError
+    ├── ModelError (ValueError)              the model file cannot be used
+    │   ├── ModelNotFoundError (FileNotFoundError)
+    │   ├── InvalidModelError                not an ONNX model, or a malformed one
+    │   └── ExternalDataError                external data that is missing, short or unsafe
+    │       └── UnsafePathError (PermissionError)   a location escaping the model's folder
+    ├── WeightsMismatchError                 a prepared weights file changed after prepare
+    ├── PrepareError                         prepare refused (e.g. it would overwrite its source)
+    ├── ProviderError                        an execution provider that cannot be used here
+    ├── SessionCreationError                 ONNX Runtime refused to create a session
+    ├── PoolError
+    │   ├── PoolClosedError (RuntimeError)   work given to a closed pool
+    │   └── PoolTimeout (TimeoutError)       no session became free in time
+    └── MeasurementError                     a memory measurement subprocess failed
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ExternalDataError",
+    "InvalidModelError",
+    "MeasurementError",
+    "ModelError",
+    "ModelNotFoundError",
+    "PoolClosedError",
+    "PoolError",
+    "PoolTimeout",
+    "PrepareError",
+    "ProviderError",
+    "SessionCreationError",
+    "SharedMLError",
+    "UnsafePathError",
+    "WeightsMismatchError",
+]
+
+
+class SharedMLError(Exception):
+    """Base class of every error sharedml raises."""
+
+
+class ModelError(SharedMLError, ValueError):
+    """The model file, or data it refers to, cannot be used."""
+
+
+class ModelNotFoundError(ModelError, FileNotFoundError):
+    """The model file does not exist."""
+
+
+class InvalidModelError(ModelError):
+    """The file is not a valid ONNX model."""
+
+
+class ExternalDataError(ModelError):
+    """A tensor's external data is missing, truncated, overlapping or otherwise unusable."""
+
+
+class UnsafePathError(ExternalDataError, PermissionError):
+    """An external data location resolves outside the model's folder."""
+
+
+class WeightsMismatchError(SharedMLError):
+    """A prepared model's weights file no longer matches what prepare recorded."""
+
+
+class PrepareError(SharedMLError):
+    """``prepare`` refused to run (for example, it would overwrite its own source)."""
+
+
+class ProviderError(SharedMLError, ValueError):
+    """An execution provider was asked for that this onnxruntime build cannot use."""
+
+
+class SessionCreationError(SharedMLError):
+    """ONNX Runtime failed to create a session for the model."""
+
+
+class PoolError(SharedMLError):
+    """Base class for errors of a :class:`~sharedml.SessionPool`."""
+
+
+class PoolClosedError(PoolError, RuntimeError):
+    """Work was given to a pool that is closing or closed."""
+
+
+class PoolTimeout(PoolError, TimeoutError):
+    """No session of the pool became free within the timeout."""
+
+
+class MeasurementError(SharedMLError):
+    """A memory or timing measurement in a subprocess failed."""

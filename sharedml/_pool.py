@@ -1,0 +1,519 @@
+"""SessionPool: N ONNX Runtime sessions over one copy of the weights, safe to use from any thread.
+
+Data flow: model file -> (prepare, cached) prepared graph + weights file -> ``WeightStore``
+(mapped once per process) -> N ``InferenceSession``s that borrow the mapped bytes -> ``run()``.
+
+Invariants the pool keeps, whatever its callers do:
+
+- A session is used by one caller at a time: never two ``Run()``s on one session at once
+  (DirectML crashes otherwise; CUDA graphs and stateful kernels need it too).
+- Every checked-out session comes back: a run that raises returns its session; a session whose
+  provider failed (``EPFail``/``EngineError``) is dropped and a fresh one takes its place.
+- Session creation is serialized process-wide by default (concurrent creation crashes DirectML
+  on some versions), and happens outside the pool's lock so that runs go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sharedml._cache import prepared_model_for
+from sharedml._errors import (
+    PoolClosedError,
+    PoolTimeout,
+    SessionCreationError,
+    SharedMLError,
+)
+from sharedml._prepare import DEFAULT_SIZE_THRESHOLD_BYTES
+from sharedml._providers import (
+    ProviderPlan,
+    ProviderSpec,
+    plan_providers,
+    serialize_runs_by_default,
+)
+from sharedml._weights import MECHANISMS, WeightStore, zero_copy_mechanisms
+
+__all__ = ["PoolStats", "SessionPool", "clone_session_options"]
+
+_CREATION_LOCK = threading.Lock()  # process-wide: DirectML crashes on concurrent creation
+
+# Config keys copied from a caller's SessionOptions onto each session's own options. ORT's
+# Python SessionOptions can be neither copied nor enumerated, so the pool copies the public
+# attributes and these keys; anything else (free-dimension overrides, custom op libraries) goes
+# through the pool's ``configure`` callback.
+_KNOWN_CONFIG_KEYS = (
+    "session.disable_prepacking",
+    "session.use_env_allocators",
+    "session.set_denormal_as_zero",
+    "session.enable_quant_qdq",
+    "session.disable_quant_qdq",
+    "session.disable_double_qdq_remover",
+    "session.enable_quant_qdq_cleanup",
+    "optimization.enable_gelu_approximation",
+    "optimization.disable_specified_optimizers",
+    "session.inter_op.allow_spinning",
+    "session.intra_op.allow_spinning",
+    "session.intra_op_thread_affinities",
+    "session.dynamic_block_base",
+    "session.force_spinning_stop",
+    "session.strict_shape_type_inference",
+    "session.allow_released_opsets_only",
+    "session.use_device_allocator_for_initializers",
+    "session.disable_cpu_ep_fallback",
+    "session.disable_aot_function_inlining",
+    "session.qdqisint8allowed",
+    "session.x64quantprecision",
+    "ep.dml.disable_graph_fusion",
+    "ep.dml.enable_graph_capture",
+    "ep.dml.disable_memory_arena",
+    "mlas.enable_gemm_fastmath_arm64_bfloat16",
+)
+_COPIED_ATTRIBUTES = (
+    "enable_cpu_mem_arena",
+    "enable_mem_pattern",
+    "enable_mem_reuse",
+    "enable_profiling",
+    "execution_mode",
+    "execution_order",
+    "graph_optimization_level",
+    "inter_op_num_threads",
+    "intra_op_num_threads",
+    "log_severity_level",
+    "log_verbosity_level",
+    "logid",
+    "profile_file_prefix",
+    "use_deterministic_compute",
+)
+
+
+def clone_session_options(template: Any | None) -> Any:
+    """A new ``SessionOptions`` with ``template``'s public attributes and known config keys."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if template is None:
+        return so
+    for attr in _COPIED_ATTRIBUTES:
+        setattr(so, attr, getattr(template, attr))
+    for key in _KNOWN_CONFIG_KEYS:
+        try:
+            value = template.get_session_config_entry(key)
+        except RuntimeError:  # ORT raises when the key is not set
+            continue
+        so.add_session_config_entry(key, value)
+    return so
+
+
+def _config_entry(so: Any, key: str) -> str | None:
+    try:
+        return str(so.get_session_config_entry(key))
+    except RuntimeError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool's counters (``pool.stats()``).
+
+    Attributes:
+        sessions: Sessions that exist now.
+        busy: Sessions checked out now.
+        max_sessions: The most sessions the pool will create.
+        runs: ``run()`` calls and checkouts completed.
+        failed_runs: Those that raised.
+        waits: Acquisitions that had to wait for a free session.
+        wait_seconds: Total time callers spent waiting.
+        created: Sessions created over the pool's life (replacements included).
+        replaced: Sessions dropped after a provider failure.
+        create_seconds: Total time spent creating sessions.
+    """
+
+    sessions: int
+    busy: int
+    max_sessions: int
+    runs: int
+    failed_runs: int
+    waits: int
+    wait_seconds: float
+    created: int
+    replaced: int
+    create_seconds: float
+
+    @property
+    def idle(self) -> int:
+        """Sessions free now."""
+        return self.sessions - self.busy
+
+
+def _is_session_fatal(exc: BaseException) -> bool:
+    """Errors after which ORT does not promise a usable session (device and engine faults)."""
+    name = type(exc).__name__
+    return name in ("EPFail", "EngineError")
+
+
+class SessionPool:
+    """N ONNX Runtime sessions over one shared copy of a model's weights.
+
+    Example::
+
+        with sharedml.SessionPool("model.onnx", sessions=8) as pool:
+            outputs = pool.run(None, {"input": batch})        # from any thread
+            with pool.session(timeout_s=1.0) as sess:           # exclusive checkout
+                sess.run(None, {"input": batch})
+
+    Args:
+        model: Path of any ONNX model. A model not written by :func:`sharedml.prepare` is
+            prepared into the cache first (keyed by content, reused across processes).
+        sessions: How many sessions the pool holds (created up front unless ``min_sessions``).
+        min_sessions: Create only this many up front and grow on demand up to ``max_sessions``.
+        max_sessions: The most sessions the pool grows to (default ``sessions``).
+        providers: As for ``onnxruntime.InferenceSession``. Default: CPU.
+        provider_options: As for ``onnxruntime.InferenceSession``.
+        sess_options: A template ``onnxruntime.SessionOptions``; its public attributes and
+            known config entries are applied to every session (the object is not modified).
+        configure: Called with each session's ``SessionOptions`` before creation, for settings
+            that cannot be read back from a template (free-dimension overrides, custom ops).
+        mechanism: How sessions get the shared weights: ``"auto"`` (the best one measured to be
+            zero-copy on the installed ORT) or one of ``"in-memory-file"``,
+            ``"add-initializer"``, ``"ort-mmap"``.
+        prepacking: Let ORT prepack weights (faster batched MatMul/Conv on CPU) at the cost of a
+            private packed copy per session. ``None`` keeps the template's setting, else off.
+        cache_dir: Where unprepared models are prepared (default: see :func:`sharedml.cache_dir`).
+        verify_weights: Check the weights file's SHA-256 when it is first mapped in the process.
+        serialize_creation: Create one session at a time, process-wide.
+        serialize_runs: Allow only one ``Run`` at a time across the pool. ``None``: on for
+            DirectML on ORT versions where concurrent DML sessions crash.
+        size_threshold_bytes: Passed to prepare for models it prepares.
+
+    Raises:
+        SharedMLError: see :mod:`sharedml._errors`; the model, provider or first session failed.
+
+    Thread safety: every method may be called from any thread; ``run_async`` from event loops.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        sessions: int = 4,
+        min_sessions: int | None = None,
+        max_sessions: int | None = None,
+        providers: Sequence[ProviderSpec] | None = None,
+        provider_options: Sequence[dict[str, Any]] | None = None,
+        sess_options: Any | None = None,
+        configure: Callable[[Any], None] | None = None,
+        mechanism: str = "auto",
+        prepacking: bool | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        verify_weights: bool = True,
+        serialize_creation: bool = True,
+        serialize_runs: bool | None = None,
+        size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
+    ) -> None:
+        self._max = max_sessions if max_sessions is not None else sessions
+        self._min = min_sessions if min_sessions is not None else self._max
+        if self._max < 1 or not 0 <= self._min <= self._max:
+            raise ValueError(
+                f"Need 0 <= min_sessions <= max_sessions and max_sessions >= 1; got "
+                f"min_sessions={self._min}, max_sessions={self._max}."
+            )
+        if mechanism != "auto" and mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism must be 'auto' or one of {MECHANISMS}, not {mechanism!r}.")
+        self._state = "opening"
+        self._cond = threading.Condition()
+        self._idle: deque[Any] = deque()
+        self._count = 0  # sessions that exist or are being created
+        self._busy = 0
+        self._runs = self._failed = self._waits = self._created = self._replaced = 0
+        self._wait_s = self._create_s = 0.0
+        self._executor: ThreadPoolExecutor | None = None
+        self._io_meta: tuple[list[Any], list[Any]] | None = None
+
+        self.source_path = Path(model)
+        self.plan: ProviderPlan = plan_providers(providers, provider_options)
+        self.model_path = prepared_model_for(
+            model, cache=cache_dir, size_threshold_bytes=size_threshold_bytes
+        )
+        self.weights = WeightStore.open(self.model_path, verify=verify_weights)
+        self.mechanism = zero_copy_mechanisms()[0] if mechanism == "auto" else mechanism
+        self._template = sess_options
+        self._configure = configure
+        self._prepacking = prepacking
+        self._serialize_creation = serialize_creation
+        self._run_lock: threading.Lock | None = (
+            threading.Lock()
+            if (serialize_runs if serialize_runs is not None else serialize_runs_by_default(self.plan))
+            else None
+        )
+        try:
+            for _ in range(self._min):
+                self._idle.append(self._create_session())
+                self._count += 1
+        except BaseException:
+            self._idle.clear()
+            self._count = 0
+            raise
+        self._state = "open"
+
+    # ----------------------------------------------------------------------------------------
+    # Sessions
+
+    def _session_options(self) -> Any:
+        import onnxruntime as ort
+
+        so = clone_session_options(self._template)
+        if self._prepacking is not None or _config_entry(so, "session.disable_prepacking") is None:
+            # Off unless asked: with prepacking on, every session packs a private copy of each
+            # MatMul/Conv weight, which is exactly the memory the pool exists to save.
+            so.add_session_config_entry(
+                "session.disable_prepacking", "0" if self._prepacking else "1"
+            )
+        for key, value in self.plan.config_entries:
+            if _config_entry(so, key) is None:
+                so.add_session_config_entry(key, value)
+        if self.plan.disable_mem_pattern:
+            so.enable_mem_pattern = False
+        if self.plan.sequential_execution:
+            so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        self.weights.register(so, self.mechanism)
+        if self._configure is not None:
+            self._configure(so)
+        return so
+
+    def _create_session(self) -> Any:
+        import onnxruntime as ort
+
+        so = self._session_options()
+        lock = _CREATION_LOCK if self._serialize_creation else contextlib.nullcontext()
+        start = time.perf_counter()
+        try:
+            with lock:
+                sess = ort.InferenceSession(
+                    str(self.model_path),
+                    so,
+                    providers=list(self.plan.providers),
+                    provider_options=[dict(o) for o in self.plan.provider_options],
+                )
+        except SharedMLError:
+            raise
+        except Exception as exc:
+            raise SessionCreationError(
+                f"onnxruntime could not create a session for '{self.source_path}' "
+                f"(prepared as '{self.model_path}') with {list(self.plan.providers)}: {exc}"
+            ) from exc
+        elapsed = time.perf_counter() - start
+        with self._cond:
+            self._created += 1
+            self._create_s += elapsed
+        return sess
+
+    def _acquire(self, timeout_s: float | None) -> Any:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        waited_since: float | None = None
+        with self._cond:
+            while True:
+                if self._state in ("closing", "closed"):
+                    raise PoolClosedError(
+                        "This SessionPool is closed; create a new pool to run more work."
+                    )
+                if self._idle:
+                    sess = self._idle.popleft()
+                    break
+                if self._count < self._max:
+                    self._count += 1
+                    sess = None
+                    break
+                if waited_since is None:
+                    waited_since = time.monotonic()
+                    self._waits += 1
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    self._wait_s += time.monotonic() - waited_since
+                    raise PoolTimeout(
+                        f"No session of the pool became free within {timeout_s} s "
+                        f"({self._busy} of {self._max} busy). Raise max_sessions or the timeout."
+                    )
+                self._cond.wait(remaining)
+            if waited_since is not None:
+                self._wait_s += time.monotonic() - waited_since
+            self._busy += 1
+        if sess is None:
+            try:
+                sess = self._create_session()
+            except BaseException:
+                with self._cond:
+                    self._count -= 1
+                    self._busy -= 1
+                    self._cond.notify()
+                raise
+        return sess
+
+    def _release(self, sess: Any, *, failed: bool, broken: bool) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._runs += 1
+            self._failed += failed
+            if broken:
+                self._count -= 1  # the next acquire creates a fresh session in its place
+                self._replaced += 1
+            else:
+                self._idle.append(sess)
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def session(self, timeout_s: float | None = None) -> Iterator[Any]:
+        """Check out one session for exclusive use.
+
+        Args:
+            timeout_s: Wait at most this long for a free session (``None``: wait forever).
+
+        Yields:
+            An ``onnxruntime.InferenceSession`` no other caller uses until the block ends.
+
+        Raises:
+            PoolTimeout: no session became free in time (also a ``TimeoutError``).
+            PoolClosedError: the pool is closing or closed.
+        """
+        sess = self._acquire(timeout_s)
+        failed = broken = False
+        try:
+            if self._run_lock is not None:
+                with self._run_lock:
+                    yield sess
+            else:
+                yield sess
+        except BaseException as exc:
+            failed, broken = True, _is_session_fatal(exc)
+            raise
+        finally:
+            self._release(sess, failed=failed, broken=broken)
+
+    def run(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: Any | None = None,
+    ) -> list[Any]:
+        """Run the model on a free session; same arguments and result as ``InferenceSession.run``.
+
+        Blocks until a session is free. Thread-safe.
+        """
+        with self.session() as sess:
+            return list(sess.run(output_names, dict(input_feed), run_options))
+
+    async def run_async(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: Any | None = None,
+    ) -> list[Any]:
+        """``run`` for asyncio code: the run happens on a worker thread, the loop stays free."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if self._state != "open":
+                raise PoolClosedError("This SessionPool is closed; create a new pool.")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=self._max, thread_name_prefix="sharedml"
+                )
+            executor = self._executor
+        call = functools.partial(self.run, output_names, input_feed, run_options)
+        return await loop.run_in_executor(executor, call)
+
+    # ----------------------------------------------------------------------------------------
+    # Metadata and lifecycle
+
+    def _meta(self) -> tuple[list[Any], list[Any]]:
+        if self._io_meta is None:
+            with self.session() as sess:
+                self._io_meta = (list(sess.get_inputs()), list(sess.get_outputs()))
+        return self._io_meta
+
+    def get_inputs(self) -> list[Any]:
+        """The model's inputs, as ``InferenceSession.get_inputs`` gives them."""
+        return self._meta()[0]
+
+    def get_outputs(self) -> list[Any]:
+        """The model's outputs, as ``InferenceSession.get_outputs`` gives them."""
+        return self._meta()[1]
+
+    @property
+    def max_sessions(self) -> int:
+        """The most sessions this pool holds at once."""
+        return self._max
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has been called."""
+        return self._state in ("closing", "closed")
+
+    def stats(self) -> PoolStats:
+        """Counters of this pool's sessions and runs."""
+        with self._cond:
+            return PoolStats(
+                sessions=len(self._idle) + self._busy,
+                busy=self._busy,
+                max_sessions=self._max,
+                runs=self._runs,
+                failed_runs=self._failed,
+                waits=self._waits,
+                wait_seconds=self._wait_s,
+                created=self._created,
+                replaced=self._replaced,
+                create_seconds=self._create_s,
+            )
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Refuse new work, wait for runs in flight, then release every session.
+
+        Callers waiting for a session get ``PoolClosedError``. Idempotent.
+
+        Raises:
+            PoolTimeout: runs in flight did not finish within ``timeout_s`` (the pool stays
+                closing; call ``close`` again to wait more).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            if self._state == "closed":
+                return
+            self._state = "closing"
+            self._cond.notify_all()
+            while self._busy:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise PoolTimeout(
+                        f"{self._busy} run(s) still in flight after {timeout_s} s; the pool is "
+                        "closing and accepts no new work."
+                    )
+                self._cond.wait(remaining)
+            self._idle.clear()
+            self._count = 0
+            self._state = "closed"
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def __enter__(self) -> SessionPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<SessionPool {self.source_path.name!r} sessions={len(self._idle) + self._busy}/"
+            f"{self._max} providers={list(self.plan.providers)} mechanism={self.mechanism!r} "
+            f"{self._state}>"
+        )
+

@@ -1,0 +1,599 @@
+"""Rewrite a model so that every weight lives in one aligned, memory-mappable file.
+
+``prepare(src, dst)`` writes ``dst`` (the graph: small) and ``<dst stem>.weights`` beside it.
+Every tensor of at least ``size_threshold_bytes`` moves into the weights file, wherever it was
+in the source: an initializer stored inline or in external data files, a ``Constant`` node
+(turned into an initializer of the same graph, as ORT itself does at load), or either of those
+inside ``If``/``Loop``/``Scan`` bodies at any depth. Each tensor starts at a multiple of
+``alignment_bytes`` so that a mapping of the file hands ORT aligned buffers.
+
+The data is streamed: external tensors are copied in chunks, so peak memory is about one chunk
+plus the graph, not the model's size. Models over 2 GB arrive with external data and prepare
+the same way. The outputs appear atomically (temporary files, then ``os.replace``), and the
+source model and its data files are only ever read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import onnx
+from onnx import AttributeProto, GraphProto, ModelProto, TensorProto
+
+from sharedml._errors import (
+    ExternalDataError,
+    InvalidModelError,
+    ModelNotFoundError,
+    PrepareError,
+    UnsafePathError,
+)
+
+__all__ = [
+    "DEFAULT_ALIGNMENT_BYTES",
+    "DEFAULT_SIZE_THRESHOLD_BYTES",
+    "MANIFEST_KEY",
+    "PrepareResult",
+    "WeightsManifest",
+    "load_graph",
+    "prepare",
+    "read_manifest",
+    "weights_path_for",
+]
+
+DEFAULT_ALIGNMENT_BYTES = 4096  # bytes: one page, so every tensor can be mapped on its own
+DEFAULT_SIZE_THRESHOLD_BYTES = 1024  # bytes: what onnx's own external-data helpers use
+MANIFEST_KEY = "sharedml.weights"  # metadata_props key of the prepared model
+_FORMAT_VERSION = 1
+_CHUNK_BYTES = 16 * 1024 * 1024  # bytes copied at a time: bounds prepare's peak memory
+
+ProgressCallback = Callable[[int, int], None]
+"""Called as ``progress(bytes_done, bytes_total)`` while the weights file is written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsManifest:
+    """What a prepared model records about its weights file, to verify it at load.
+
+    Attributes:
+        file: The weights file's name, relative to the model's folder.
+        size_bytes: Its exact size.
+        sha256: Hex SHA-256 of its whole content.
+        alignment_bytes: The alignment every tensor offset honours.
+        tensors: How many tensors the file holds.
+    """
+
+    file: str
+    size_bytes: int
+    sha256: str
+    alignment_bytes: int
+    tensors: int
+
+    def to_json(self) -> str:
+        """Serialize as stored in the model's ``metadata_props``."""
+        return json.dumps({"format": _FORMAT_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> WeightsManifest:
+        """Parse the stored form; raises ``InvalidModelError`` when malformed."""
+        try:
+            raw = json.loads(text)
+            if raw.pop("format") != _FORMAT_VERSION:
+                raise ValueError("unknown format version")
+            manifest = cls(**raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise InvalidModelError(f"Malformed {MANIFEST_KEY} metadata: {exc}") from None
+        if Path(manifest.file).name != manifest.file:
+            raise UnsafePathError(
+                f"The prepared model names weights file {manifest.file!r}, which is not a plain "
+                "file name in the model's folder."
+            )
+        return manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareResult:
+    """What ``prepare`` wrote.
+
+    Attributes:
+        model_path: The prepared graph file.
+        weights_path: The weights file beside it.
+        tensors_moved: Tensors now in the weights file.
+        bytes_moved: Their data size (without alignment padding).
+        tensors_inline: Tensors left in the graph (below the threshold, or strings).
+        bytes_inline: Their data size.
+        constants_converted: ``Constant`` nodes turned into initializers.
+        manifest: The record stored in the model to verify the weights file.
+    """
+
+    model_path: Path
+    weights_path: Path
+    tensors_moved: int
+    bytes_moved: int
+    tensors_inline: int
+    bytes_inline: int
+    constants_converted: int
+    manifest: WeightsManifest
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (what ``sharedml prepare --json`` prints)."""
+        return {
+            "model_path": str(self.model_path),
+            "weights_path": str(self.weights_path),
+            "tensors_moved": self.tensors_moved,
+            "bytes_moved": self.bytes_moved,
+            "tensors_inline": self.tensors_inline,
+            "bytes_inline": self.bytes_inline,
+            "constants_converted": self.constants_converted,
+            "weights_file_bytes": self.manifest.size_bytes,
+            "weights_sha256": self.manifest.sha256,
+        }
+
+
+def weights_path_for(model_path: str | os.PathLike[str]) -> Path:
+    """The weights file that ``prepare`` writes beside ``model_path``."""
+    path = Path(model_path)
+    return path.with_name(path.stem + ".weights")
+
+
+def load_graph(path: str | os.PathLike[str]) -> ModelProto:
+    """Load a model's protobuf without any external data.
+
+    Raises:
+        ModelNotFoundError: ``path`` does not exist.
+        InvalidModelError: ``path`` is not a readable ONNX model.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ModelNotFoundError(f"Model file '{path}' does not exist.")
+    if not path.is_file():
+        raise InvalidModelError(f"'{path}' is not a file.")
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning, ... : all mean "not ONNX"
+        raise InvalidModelError(f"'{path}' is not a valid ONNX model: {exc}") from None
+    if not model.HasField("graph"):
+        raise InvalidModelError(f"'{path}' is not a valid ONNX model: it has no graph.")
+    return model
+
+
+def read_manifest(model: ModelProto) -> WeightsManifest | None:
+    """The weights record of a prepared model, or ``None`` for a model prepare did not write."""
+    for prop in model.metadata_props:
+        if prop.key == MANIFEST_KEY:
+            return WeightsManifest.from_json(prop.value)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Finding every tensor
+
+
+def iter_graphs(graph: GraphProto) -> Iterator[GraphProto]:
+    """``graph`` and every subgraph below it (``If``/``Loop``/``Scan`` bodies), depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == AttributeProto.GRAPH:
+                yield from iter_graphs(attr.g)
+            elif attr.type == AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from iter_graphs(sub)
+
+
+def _element_bits(data_type: int) -> int:
+    if data_type in (TensorProto.INT4, TensorProto.UINT4) or data_type == getattr(
+        TensorProto, "FLOAT4E2M1", -1
+    ):
+        return 4
+    try:
+        return 8 * onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    except Exception:
+        return 0  # unknown or undefined type: its size cannot be checked
+
+
+def tensor_nbytes(tensor: TensorProto) -> int | None:
+    """The byte size a tensor's data must have, or None where it cannot be known (strings)."""
+    if tensor.data_type == TensorProto.STRING:
+        return None
+    bits = _element_bits(tensor.data_type)
+    if bits == 0:
+        return None
+    count = math.prod(tensor.dims)
+    return (count * bits + 7) // 8
+
+
+def _is_external(tensor: TensorProto) -> bool:
+    return tensor.data_location == TensorProto.EXTERNAL
+
+
+def _constant_tensor(node: onnx.NodeProto) -> TensorProto | None:
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+        return None
+    for attr in node.attribute:
+        if attr.name == "value" and attr.type == AttributeProto.TENSOR:
+            return attr.t
+    return None
+
+
+@dataclasses.dataclass
+class _Source:
+    """Where a tensor's bytes come from: a slice of a file, or bytes in the graph."""
+
+    tensor: TensorProto
+    nbytes: int
+    file: Path | None = None
+    offset: int = 0
+
+
+def _external_source(tensor: TensorProto, base: Path, model_path: Path) -> _Source:
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    name = tensor.name or "<unnamed>"
+    location = info.get("location", "")
+    if not location:
+        raise ExternalDataError(
+            f"Tensor '{name}' in '{model_path}' uses external data but names no location."
+        )
+    if os.path.isabs(location) or Path(location).drive or location.startswith(("/", "\\")):
+        raise UnsafePathError(
+            f"Tensor '{name}' in '{model_path}': external data location '{location}' is an "
+            "absolute path; locations must be relative to the model's folder."
+        )
+    real_base = Path(os.path.realpath(base))
+    resolved = Path(os.path.realpath(base / location))
+    if os.path.commonpath([real_base, resolved]) != str(real_base):
+        raise UnsafePathError(
+            f"Tensor '{name}' in '{model_path}': external data location '{location}' resolves "
+            f"to '{resolved}', which is outside the model's folder '{real_base}'."
+        )
+    if not resolved.is_file():
+        raise ExternalDataError(
+            f"Tensor '{name}' in '{model_path}': external data file '{resolved}' does not exist."
+        )
+    try:
+        offset = int(info.get("offset", "0"))
+        length = int(info["length"]) if "length" in info else None
+    except ValueError:
+        raise ExternalDataError(
+            f"Tensor '{name}' in '{model_path}': external data offset/length are not integers."
+        ) from None
+    expected = tensor_nbytes(tensor)
+    if length is None:
+        if expected is None:
+            raise ExternalDataError(
+                f"Tensor '{name}' in '{model_path}': external data has no length and its size "
+                "cannot be derived from its type."
+            )
+        length = expected
+    file_size = resolved.stat().st_size
+    if offset < 0 or length < 0 or offset + length > file_size:
+        raise ExternalDataError(
+            f"Tensor '{name}' in '{model_path}': bytes {offset}..{offset + length} lie outside "
+            f"external data file '{resolved}' ({file_size} bytes). The file is truncated or the "
+            "model is corrupt."
+        )
+    if expected is not None and length != expected:
+        raise ExternalDataError(
+            f"Tensor '{name}' in '{model_path}': external data length {length} does not match "
+            f"its shape {list(tensor.dims)} ({expected} bytes)."
+        )
+    return _Source(tensor=tensor, nbytes=length, file=resolved, offset=offset)
+
+
+def _inline_source(tensor: TensorProto, model_path: Path) -> _Source | None:
+    expected = tensor_nbytes(tensor)
+    if expected is None:
+        return None
+    if tensor.HasField("raw_data") and len(tensor.raw_data) != expected:
+        raise InvalidModelError(
+            f"Tensor '{tensor.name or '<unnamed>'}' in '{model_path}' holds "
+            f"{len(tensor.raw_data)} bytes but its shape {list(tensor.dims)} needs {expected}."
+        )
+    return _Source(tensor=tensor, nbytes=expected)
+
+
+def _check_overlaps(sources: list[_Source], model_path: Path) -> None:
+    """Refuse partially overlapping external ranges; identical ranges (tied weights) are fine."""
+    by_file: dict[Path, list[tuple[int, int, str]]] = {}
+    for src in sources:
+        if src.file is not None and src.nbytes:
+            by_file.setdefault(src.file, []).append(
+                (src.offset, src.offset + src.nbytes, src.tensor.name)
+            )
+    for file, ranges in by_file.items():
+        ranges.sort()
+        for (a_start, a_end, a_name), (b_start, b_end, b_name) in zip(ranges, ranges[1:]):
+            if b_start < a_end and (a_start, a_end) != (b_start, b_end):
+                raise ExternalDataError(
+                    f"Tensors '{a_name}' and '{b_name}' in '{model_path}' claim overlapping bytes "
+                    f"of '{file}' ({a_start}..{a_end} and {b_start}..{b_end})."
+                )
+
+
+def _collect(
+    model: ModelProto, model_path: Path, threshold: int
+) -> tuple[list[_Source], int, int, int]:
+    """Find the tensors to move; convert large Constant nodes into initializers on the way.
+
+    Returns:
+        (sources to move, tensors left inline, bytes left inline, constants converted)
+    """
+    base = model_path.parent
+    moving: list[_Source] = []
+    inline_count = inline_bytes = converted = 0
+    # Initializers that are not graph inputs need IR version 4; older models keep their Constants.
+    may_convert = model.ir_version >= 4
+    for graph in iter_graphs(model.graph):
+        for node in list(graph.node):
+            tensor = _constant_tensor(node)
+            if tensor is None or not may_convert or len(node.output) != 1:
+                continue
+            size = (
+                tensor_nbytes(tensor)
+                if not _is_external(tensor)
+                else _external_source(tensor, base, model_path).nbytes
+            )
+            if size is None or size < threshold:
+                continue
+            # A Constant's value becomes an initializer of the same graph, named as its output:
+            # exactly what ORT does when it loads the graph, so semantics are unchanged.
+            init = graph.initializer.add()
+            init.CopyFrom(tensor)
+            init.name = node.output[0]
+            graph.node.remove(node)
+            converted += 1
+        for tensor in graph.initializer:
+            src = (
+                _external_source(tensor, base, model_path)
+                if _is_external(tensor)
+                else _inline_source(tensor, model_path)
+            )
+            # External tensors always move, small or not: the prepared model must not point at
+            # the source's files, which need not travel with it.
+            if src is None or (src.file is None and src.nbytes < threshold):
+                inline_count += 1
+                inline_bytes += src.nbytes if src is not None else 0
+                continue
+            moving.append(src)
+    _check_overlaps(moving, model_path)
+    return moving, inline_count, inline_bytes, converted
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+class _HashingWriter:
+    def __init__(self, fh: IO[bytes]) -> None:
+        self._fh = fh
+        self.position = 0
+        self.sha = hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._fh.write(data)
+        self.sha.update(data)
+        self.position += len(data)
+
+    def pad_to(self, alignment: int) -> None:
+        pad = -self.position % alignment
+        if pad:
+            self.write(b"\0" * pad)
+
+
+def _inline_bytes(tensor: TensorProto) -> bytes:
+    if tensor.HasField("raw_data"):
+        return tensor.raw_data
+    # Data in typed fields (float_data, int32_data, ...): numpy round trip gives the raw layout.
+    array = onnx.numpy_helper.to_array(tensor)
+    return onnx.numpy_helper.from_array(array).raw_data
+
+
+def _set_external(tensor: TensorProto, location: str, offset: int, length: int) -> None:
+    for field in (
+        "raw_data",
+        "float_data",
+        "int32_data",
+        "int64_data",
+        "double_data",
+        "uint64_data",
+        "string_data",
+    ):
+        tensor.ClearField(field)
+    del tensor.external_data[:]
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _write_weights(
+    moving: list[_Source],
+    writer: _HashingWriter,
+    location: str,
+    alignment: int,
+    progress: ProgressCallback | None,
+) -> None:
+    total = sum(src.nbytes for src in moving)
+    done = 0
+    placed: dict[tuple[Path, int, int], int] = {}  # tied weights are written once
+    handles: dict[Path, IO[bytes]] = {}
+    try:
+        for src in moving:
+            key = (src.file, src.offset, src.nbytes) if src.file is not None else None
+            if key is not None and key in placed:
+                _set_external(src.tensor, location, placed[key], src.nbytes)
+                done += src.nbytes
+                continue
+            writer.pad_to(alignment)
+            start = writer.position
+            if src.file is None:
+                data = _inline_bytes(src.tensor)
+                writer.write(data)
+                del data
+            else:
+                fh = handles.get(src.file)
+                if fh is None:
+                    fh = handles[src.file] = open(src.file, "rb")  # noqa: SIM115 - closed below
+                fh.seek(src.offset)
+                remaining = src.nbytes
+                while remaining:
+                    chunk = fh.read(min(_CHUNK_BYTES, remaining))
+                    if not chunk:
+                        raise ExternalDataError(
+                            f"External data file '{src.file}' ended early while reading tensor "
+                            f"'{src.tensor.name}'."
+                        )
+                    writer.write(chunk)
+                    remaining -= len(chunk)
+                    if progress is not None:
+                        progress(done + src.nbytes - remaining, total)
+                placed[key] = start  # type: ignore[index]
+            _set_external(src.tensor, location, start, src.nbytes)
+            done += src.nbytes
+            if progress is not None:
+                progress(done, total)
+        # A file ending on the alignment keeps `size` a multiple of a page for mmap users.
+        writer.pad_to(alignment)
+    finally:
+        for fh in handles.values():
+            fh.close()
+
+
+def _replace_metadata(model: ModelProto, manifest: WeightsManifest) -> None:
+    keep = [p for p in model.metadata_props if p.key != MANIFEST_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = MANIFEST_KEY, manifest.to_json()
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prepare(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    progress: ProgressCallback | None = None,
+) -> PrepareResult:
+    """Rewrite ``src`` into ``dst`` plus one aligned weights file beside it.
+
+    Args:
+        src: Any ONNX model: weights inline, in external data files, in ``Constant`` nodes or
+            in subgraphs. A model prepared before prepares again into an equivalent one.
+        dst: The graph file to write. The weights go to ``<dst stem>.weights`` in its folder,
+            which is created if missing. Existing files at both paths are replaced atomically.
+        size_threshold_bytes: Tensors at least this large move to the weights file; smaller
+            ones stay in the graph.
+        alignment_bytes: Every tensor's offset is a multiple of this (a power of two, at least
+            4096 so that each tensor can be mapped on its own).
+        progress: Called as ``progress(bytes_done, bytes_total)`` while weights are copied.
+
+    Returns:
+        A :class:`PrepareResult` describing what was written.
+
+    Raises:
+        ModelNotFoundError: ``src`` does not exist.
+        InvalidModelError: ``src`` is not a valid ONNX model.
+        ExternalDataError: external data is missing, truncated, overlapping or malformed.
+        UnsafePathError: an external data location points outside ``src``'s folder.
+        PrepareError: ``dst`` or its weights file would overwrite the source or its data.
+
+    Thread safety: safe to call concurrently, also on the same ``dst`` (the last one wins,
+    each result complete).
+    """
+    src_path = Path(src)
+    dst_path = Path(dst)
+    if alignment_bytes < 4096 or alignment_bytes & (alignment_bytes - 1):
+        raise ValueError(f"alignment_bytes must be a power of two >= 4096, not {alignment_bytes}.")
+    if size_threshold_bytes < 0:
+        raise ValueError("size_threshold_bytes must not be negative.")
+    model = load_graph(src_path)
+    weights_path = weights_path_for(dst_path)
+    if _same_file(src_path, dst_path):
+        raise PrepareError(
+            f"prepare would overwrite its source model '{src_path}'. Write the prepared model to "
+            "another path (e.g. -o model.prepared.onnx)."
+        )
+
+    moving, inline_count, inline_bytes, converted = _collect(
+        model, src_path, size_threshold_bytes
+    )
+    for source_file in {s.file for s in moving if s.file is not None}:
+        if _same_file(source_file, weights_path):
+            raise PrepareError(
+                f"prepare would overwrite '{weights_path}', which holds the source model's "
+                f"external data. Write the prepared model elsewhere."
+            )
+
+    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_weights = tmp_model = None
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{weights_path.name}.", suffix=".tmp", dir=dst_path.parent)
+        tmp_weights = Path(name)
+        with os.fdopen(fd, "wb") as fh:
+            writer = _HashingWriter(fh)
+            _write_weights(moving, writer, weights_path.name, alignment_bytes, progress)
+            fh.flush()
+            os.fsync(fh.fileno())
+        manifest = WeightsManifest(
+            file=weights_path.name,
+            size_bytes=writer.position,
+            sha256=writer.sha.hexdigest(),
+            alignment_bytes=alignment_bytes,
+            tensors=len(moving),
+        )
+        _replace_metadata(model, manifest)
+        fd, name = tempfile.mkstemp(prefix=f".{dst_path.name}.", suffix=".tmp", dir=dst_path.parent)
+        tmp_model = Path(name)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(model.SerializeToString())
+            fh.flush()
+            os.fsync(fh.fileno())
+        # Weights first: until the graph lands, no prepared model refers to the new weights; an
+        # older graph left at dst by a crash in between is caught by its recorded hash.
+        os.replace(tmp_weights, weights_path)
+        tmp_weights = None
+        os.replace(tmp_model, dst_path)
+        tmp_model = None
+        _fsync_dir(dst_path.parent)
+    finally:
+        for leftover in (tmp_weights, tmp_model):
+            if leftover is not None:
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
+
+    return PrepareResult(
+        model_path=dst_path,
+        weights_path=weights_path,
+        tensors_moved=len(moving),
+        bytes_moved=sum(s.nbytes for s in moving),
+        tensors_inline=inline_count,
+        bytes_inline=inline_bytes,
+        constants_converted=converted,
+        manifest=manifest,
+    )

@@ -1,0 +1,154 @@
+"""The ``sharedml`` command: a thin layer over the library.
+
+Every figure it prints comes from a library object; errors print one line and exit non-zero
+(``--debug`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+
+from sharedml._errors import SharedMLError
+
+__all__ = ["main"]
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, description: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar on a terminal; nothing when piped or disabled."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from sharedml._prepare import prepare
+
+    with _progress(not args.json, "preparing") as progress:
+        result = prepare(
+            args.model,
+            args.output,
+            size_threshold_bytes=args.threshold,
+            alignment_bytes=args.alignment,
+            progress=progress,
+        )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(
+            f"wrote {result.model_path} and {result.weights_path}: "
+            f"{result.tensors_moved} tensors ({_human_bytes(result.bytes_moved)}) in the weights "
+            f"file, {result.tensors_inline} small tensors ({_human_bytes(result.bytes_inline)}) "
+            f"inline, {result.constants_converted} Constant nodes turned into initializers"
+        )
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from sharedml import __version__
+    from sharedml._prepare import DEFAULT_ALIGNMENT_BYTES, DEFAULT_SIZE_THRESHOLD_BYTES
+
+    parser = argparse.ArgumentParser(
+        prog="sharedml",
+        description="Many ONNX Runtime sessions, one copy of the weights.",
+    )
+    parser.add_argument("--version", action="version", version=f"sharedml {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "prepare",
+        help="move every weight of a model into one aligned, mappable weights file",
+        description=(
+            "Rewrite MODEL into OUTPUT (the graph) plus OUTPUT's stem + '.weights' beside it. "
+            "The source model and its data files are never modified."
+        ),
+    )
+    p.add_argument("model", help="the ONNX model to prepare")
+    p.add_argument("-o", "--output", required=True, help="path of the prepared graph file")
+    p.add_argument(
+        "--threshold",
+        type=int,
+        default=DEFAULT_SIZE_THRESHOLD_BYTES,
+        metavar="BYTES",
+        help="tensors at least this large move to the weights file (default: %(default)s)",
+    )
+    p.add_argument(
+        "--alignment",
+        type=int,
+        default=DEFAULT_ALIGNMENT_BYTES,
+        metavar="BYTES",
+        help="alignment of every tensor in the weights file (default: %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=_cmd_prepare)
+
+    from sharedml import _cli_inspect
+
+    _cli_inspect.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``sharedml`` console script; returns the exit status."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        print("sharedml: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (SharedMLError, OSError, ValueError) as exc:
+        if args.debug:
+            raise
+        print(f"sharedml: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(text.split())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Developer tools for sharedml: benchmark model generators (not part of the package)."""
