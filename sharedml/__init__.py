@@ -10,7 +10,7 @@ The data flow, module by module::
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+import importlib.metadata as _metadata
 
 from sharedml._cache import cache_dir, prepared_model_for
 from sharedml._errors import (
@@ -34,8 +34,8 @@ from sharedml._prepare import PrepareResult, WeightsManifest, prepare, weights_p
 from sharedml._weights import WeightStore, zero_copy_mechanisms
 
 try:
-    __version__ = version("sharedml")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = _metadata.version("sharedml")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [

@@ -5,12 +5,27 @@ prepare wrote it, otherwise an entry of the cache, created on first use. Entries
 the SHA-256 of the model file and of every external data file it refers to, so a changed source
 gets a new entry and an unchanged one is reused by every later pool and process.
 
+Layout::
+
+    <cache_dir>/                       0700 when sharedml creates it
+    └── models/                        0700, owned by the user, checked on every use
+        ├── <key>/                     one published entry (0700), never modified again
+        │   ├── model.onnx             0444
+        │   └── model.weights          0444
+        └── .<key prefix>-XXXX.tmp/    a prepare in progress (or a crashed one): never read
+
 Concurrency and crashes: an entry is prepared in a private temporary folder and published with
 one ``rename`` of that folder. Two processes preparing the same model at once both succeed; one
 rename wins and the other process uses the winner's entry. A process killed mid-prepare leaves
-only a temporary folder, which is never read (and is removed by :func:`clear_stale`). Published
-files are read-only and never rewritten in place: a mapped file truncated under a running
-process would crash it.
+only a temporary folder, which is never read (and is removed by :func:`clear_stale` once it is
+old enough to belong to a dead process). Published files are read-only and never rewritten in
+place: a mapped file truncated under a running process would crash it (SIGBUS).
+
+Trust: the cache is trusted the way a Python ``site-packages`` is. Whoever can write to it can
+make every pool run their weights, so sharedml refuses a ``models/`` folder that another user
+owns and a cache folder that other users may write to (see ``docs/security.md``). A weights file
+changed or truncated after publication is still caught at load, by the size and SHA-256 that
+prepare recorded in the entry's graph (:class:`sharedml.WeightStore`).
 """
 
 from __future__ import annotations
@@ -24,6 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from onnx import ModelProto
+
+from sharedml._errors import PrepareError
 from sharedml._prepare import (
     DEFAULT_SIZE_THRESHOLD_BYTES,
     iter_graphs,
@@ -35,7 +53,10 @@ from sharedml._prepare import (
 __all__ = ["cache_dir", "clear_stale", "content_key", "prepared_model_for"]
 
 _KEY_VERSION = "1"  # bump when prepare's output format changes
-_STALE_TMP_SECONDS = 24 * 3600  # temporary folders older than this belong to dead processes
+_STALE_TMP_SECONDS = 24 * 3600  # seconds: a temporary folder this old is a dead process's
+_PRIVATE_DIR_MODE = stat.S_IRWXU  # 0700: other users can neither read nor plant entries
+_READ_ONLY_FILE_MODE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # 0444: never rewritten
+_TMP_SUFFIX = ".tmp"
 
 
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
@@ -58,38 +79,94 @@ def _hash_file(path: Path, sha: hashlib._Hash) -> None:
             sha.update(chunk)
 
 
-def content_key(model_path: str | os.PathLike[str], *, size_threshold_bytes: int) -> str:
-    """SHA-256 over the model file, its external data files and the prepare settings."""
-    path = Path(model_path)
-    model = load_graph(path)
+def _external_locations(model: ModelProto) -> set[str]:
     locations: set[str] = set()
     for graph in iter_graphs(model.graph):
-        for tensor in graph.initializer:
+        tensors = list(graph.initializer)
+        for node in graph.node:
+            for attr in node.attribute:
+                tensors.append(attr.t)
+                tensors.extend(attr.tensors)
+        for tensor in tensors:
             for entry in tensor.external_data:
                 if entry.key == "location":
                     locations.add(entry.value)
-        for node in graph.node:
-            for attr in node.attribute:
-                for entry in attr.t.external_data:
-                    if entry.key == "location":
-                        locations.add(entry.value)
+    return locations
+
+
+def _content_key(path: Path, model: ModelProto, size_threshold_bytes: int) -> str:
     sha = hashlib.sha256(f"sharedml-cache:{_KEY_VERSION}:{size_threshold_bytes}\n".encode())
     _hash_file(path, sha)
     base = Path(os.path.realpath(path.parent))
-    for location in sorted(locations):
+    for location in sorted(_external_locations(model)):
         sha.update(f"\n{location}\n".encode())
-        target = Path(os.path.realpath(base / location))
+        try:
+            target = Path(os.path.realpath(base / location))
+            inside = os.path.commonpath([base, target]) == str(base)
+        except ValueError:  # NUL bytes, other drives: prepare reports these with its errors
+            continue
         # Unsafe or missing locations are prepare's to report, with its clear errors.
-        if os.path.commonpath([base, target]) == str(base) and target.is_file():
+        if inside and target.is_file():
             _hash_file(target, sha)
     return sha.hexdigest()
 
 
-def _make_private_dir(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.name == "posix":
-        with contextlib.suppress(OSError):
-            os.chmod(path, stat.S_IRWXU)  # other users must not plant entries in our cache
+def content_key(model_path: str | os.PathLike[str], *, size_threshold_bytes: int) -> str:
+    """SHA-256 over the model file, its external data files and the prepare settings."""
+    path = Path(model_path)
+    return _content_key(path, load_graph(path), size_threshold_bytes)
+
+
+def _check_cache_root(root: Path) -> None:
+    """Create the cache folder (0700) or check that other users cannot write to it."""
+    if not root.exists():
+        with contextlib.suppress(FileExistsError):
+            root.mkdir(mode=_PRIVATE_DIR_MODE, parents=True)
+    if os.name != "posix":
+        return
+    st = root.stat()
+    shared_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    # A world-writable folder is safe only with the sticky bit (like /tmp): without it, another
+    # user could rename our models/ away and put their own in its place.
+    if shared_write and not st.st_mode & stat.S_ISVTX:
+        raise PrepareError(
+            f"The sharedml cache folder '{root}' is writable by other users (mode "
+            f"{stat.filemode(st.st_mode)}), who could plant weights that every pool would run. "
+            f"Run 'chmod go-w {root}' or choose another folder with SHAREDML_CACHE_DIR."
+        )
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` as a 0700 folder, or check that an existing one is ours and private."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=_PRIVATE_DIR_MODE)
+    if os.name != "posix":
+        return
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PrepareError(
+            f"The sharedml cache folder '{path}' is not a folder (a symlink or a file). "
+            "Remove it; sharedml recreates it."
+        )
+    if st.st_uid != os.geteuid():
+        raise PrepareError(
+            f"The sharedml cache folder '{path}' belongs to user id {st.st_uid}, not to this "
+            f"process's user ({os.geteuid()}): its entries cannot be trusted. Remove it, or point "
+            "SHAREDML_CACHE_DIR at a folder of your own."
+        )
+    if stat.S_IMODE(st.st_mode) != _PRIVATE_DIR_MODE:
+        os.chmod(path, _PRIVATE_DIR_MODE)  # other users must not read or plant entries
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def prepared_model_for(
@@ -100,46 +177,78 @@ def prepared_model_for(
 ) -> Path:
     """A prepared model equivalent to ``model_path``: itself if prepared, else a cache entry.
 
-    Thread and process safety: safe to call from many threads and processes at once.
+    Args:
+        model_path: Any ONNX model.
+        cache: The cache folder (default: :func:`cache_dir`).
+        size_threshold_bytes: Passed to :func:`sharedml.prepare`; part of the cache key.
+
+    Returns:
+        ``model_path`` when :func:`sharedml.prepare` wrote it, else ``<cache>/models/<key>/
+        model.onnx``.
+
+    Raises:
+        ModelError: from :func:`sharedml.prepare`: the model or its external data is unusable.
+        PrepareError: the cache folder is not private to this user, or an entry is damaged.
+
+    Thread and process safety: safe to call from many threads and processes at once; every
+    caller gets a complete entry, and no entry is ever modified after it is published.
     """
     path = Path(model_path)
-    if read_manifest(load_graph(path)) is not None:
+    model = load_graph(path)
+    if read_manifest(model) is not None:
         return path
     root = cache_dir(cache)
+    _check_cache_root(root)
     entries = root / "models"
-    _make_private_dir(entries)
-    key = content_key(path, size_threshold_bytes=size_threshold_bytes)
+    _private_dir(entries)
+    key = _content_key(path, model, size_threshold_bytes)
+    del model  # the graph can be large; prepare loads its own copy
     final = entries / key
     model_file = final / "model.onnx"
     if model_file.is_file():
         return model_file
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", suffix=".tmp", dir=entries))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", suffix=_TMP_SUFFIX, dir=entries))
     try:
         prepare(path, tmp / "model.onnx", size_threshold_bytes=size_threshold_bytes)
         for produced in tmp.iterdir():
-            os.chmod(produced, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+            os.chmod(produced, _READ_ONLY_FILE_MODE)
         try:
             os.rename(tmp, final)  # atomic publish; fails if another process published first
-        except OSError:
+        except OSError as exc:
             if not model_file.is_file():
-                raise
+                raise PrepareError(
+                    f"Could not publish the prepared model into the cache entry '{final}': "
+                    f"{exc}. If that folder is damaged, remove it and try again."
+                ) from exc
+        else:
+            _fsync_dir(entries)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        clear_stale(cache)
     return model_file
 
 
-def clear_stale(cache: str | os.PathLike[str] | None = None) -> int:
-    """Remove temporary folders left by processes killed mid-prepare; returns how many."""
+def clear_stale(
+    cache: str | os.PathLike[str] | None = None, *, older_than_s: float = _STALE_TMP_SECONDS
+) -> int:
+    """Remove temporary folders left by processes killed mid-prepare; returns how many.
+
+    Args:
+        cache: The cache folder (default: :func:`cache_dir`).
+        older_than_s: Only folders untouched for this long are removed: a younger one may
+            belong to a prepare still running in another process.
+    """
     entries = cache_dir(cache) / "models"
     removed = 0
     if not entries.is_dir():
         return 0
     now = time.time()
     for child in entries.iterdir():
-        if child.name.startswith(".") and child.name.endswith(".tmp"):
+        if child.name.startswith(".") and child.name.endswith(_TMP_SUFFIX):
             with contextlib.suppress(OSError):
-                if now - child.stat().st_mtime > _STALE_TMP_SECONDS:
+                if now - child.stat().st_mtime > older_than_s:
                     shutil.rmtree(child)
                     removed += 1
     return removed

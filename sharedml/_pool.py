@@ -22,6 +22,7 @@ import functools
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,11 +33,14 @@ from sharedml._cache import prepared_model_for
 from sharedml._errors import (
     PoolClosedError,
     PoolTimeout,
+    ProviderError,
     SessionCreationError,
     SharedMLError,
 )
 from sharedml._prepare import DEFAULT_SIZE_THRESHOLD_BYTES
 from sharedml._providers import (
+    CUDA,
+    DML,
     ProviderPlan,
     ProviderSpec,
     plan_providers,
@@ -228,8 +232,10 @@ class SessionPool:
                 f"Need 0 <= min_sessions <= max_sessions and max_sessions >= 1; got "
                 f"min_sessions={self._min}, max_sessions={self._max}."
             )
-        if mechanism != "auto" and mechanism not in MECHANISMS:
-            raise ValueError(f"mechanism must be 'auto' or one of {MECHANISMS}, not {mechanism!r}.")
+        if mechanism not in ("auto", "device", *MECHANISMS):
+            raise ValueError(
+                f"mechanism must be 'auto', 'device' or one of {MECHANISMS}, not {mechanism!r}."
+            )
         self._state = "opening"
         self._cond = threading.Condition()
         self._idle: deque[Any] = deque()
@@ -246,14 +252,19 @@ class SessionPool:
             model, cache=cache_dir, size_threshold_bytes=size_threshold_bytes
         )
         self.weights = WeightStore.open(self.model_path, verify=verify_weights)
-        self.mechanism = zero_copy_mechanisms()[0] if mechanism == "auto" else mechanism
+        self._device_store: Any = None
+        self.mechanism = self._choose_mechanism(mechanism)
         self._template = sess_options
         self._configure = configure
         self._prepacking = prepacking
         self._serialize_creation = serialize_creation
         self._run_lock: threading.Lock | None = (
             threading.Lock()
-            if (serialize_runs if serialize_runs is not None else serialize_runs_by_default(self.plan))
+            if (
+                serialize_runs
+                if serialize_runs is not None
+                else serialize_runs_by_default(self.plan)
+            )
             else None
         )
         try:
@@ -268,6 +279,34 @@ class SessionPool:
 
     # ----------------------------------------------------------------------------------------
     # Sessions
+
+    def _choose_mechanism(self, requested: str) -> str:
+        """Resolve ``mechanism``.
+
+        ``auto`` means device buffers on a GPU provider when that route works, else the best
+        zero-copy CPU mechanism measured on this ORT.
+        """
+        on_device = self.plan.primary in (CUDA, DML)
+        if requested == "device" or (requested == "auto" and on_device):
+            from sharedml import _device
+
+            if on_device and _device.device_mechanism_available(self.plan.primary):
+                self._device_store = _device.DeviceWeightStore.for_store(
+                    self.weights, self.plan.primary, self.plan.device_id
+                )
+                return "device"
+            if requested == "device":
+                raise ProviderError(
+                    f"No device weight route works for {self.plan.primary} on this onnxruntime "
+                    "build; use mechanism='auto' to fall back to host-mapped weights."
+                )
+            warnings.warn(
+                f"Device weight sharing is unavailable for {self.plan.primary} here: every "
+                "session will upload its own copy of the weights to the device.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return zero_copy_mechanisms()[0] if requested in ("auto", "device") else requested
 
     def _session_options(self) -> Any:
         import onnxruntime as ort
@@ -286,7 +325,10 @@ class SessionPool:
             so.enable_mem_pattern = False
         if self.plan.sequential_execution:
             so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        self.weights.register(so, self.mechanism)
+        if self._device_store is not None:
+            self._device_store.register(so)
+        else:
+            self.weights.register(so, self.mechanism)
         if self._configure is not None:
             self._configure(so)
         return so
@@ -516,4 +558,3 @@ class SessionPool:
             f"{self._max} providers={list(self.plan.providers)} mechanism={self.mechanism!r} "
             f"{self._state}>"
         )
-

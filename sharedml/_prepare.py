@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -54,6 +55,10 @@ DEFAULT_SIZE_THRESHOLD_BYTES = 1024  # bytes: what onnx's own external-data help
 MANIFEST_KEY = "sharedml.weights"  # metadata_props key of the prepared model
 _FORMAT_VERSION = 1
 _CHUNK_BYTES = 16 * 1024 * 1024  # bytes copied at a time: bounds prepare's peak memory
+# Tensors under this many bytes always stay inline, whatever the threshold: shape inference at
+# load must read small constant inputs (Reshape's shape, Slice's starts) from the graph, and ORT
+# copies external tensors this small into the graph at load anyway.
+_ALWAYS_INLINE_BYTES = 128
 
 ProgressCallback = Callable[[int, int], None]
 """Called as ``progress(bytes_done, bytes_total)`` while the weights file is written."""
@@ -158,7 +163,9 @@ def load_graph(path: str | os.PathLike[str]) -> ModelProto:
         raise InvalidModelError(f"'{path}' is not a file.")
     try:
         model = onnx.load_model(str(path), load_external_data=False)
-    except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning, ... : all mean "not ONNX"
+    except (
+        Exception
+    ) as exc:  # protobuf raises DecodeError, RuntimeWarning, ... : all mean "not ONNX"
         raise InvalidModelError(f"'{path}' is not a valid ONNX model: {exc}") from None
     if not model.HasField("graph"):
         raise InvalidModelError(f"'{path}' is not a valid ONNX model: it has no graph.")
@@ -207,7 +214,11 @@ def tensor_nbytes(tensor: TensorProto) -> int | None:
     bits = _element_bits(tensor.data_type)
     if bits == 0:
         return None
-    count = math.prod(tensor.dims)
+    if any(d < 0 for d in tensor.dims):
+        raise InvalidModelError(
+            f"Tensor '{tensor.name or '<unnamed>'}' has a negative dimension {list(tensor.dims)}."
+        )
+    count = int(math.prod(tensor.dims))
     return (count * bits + 7) // 8
 
 
@@ -220,7 +231,8 @@ def _constant_tensor(node: onnx.NodeProto) -> TensorProto | None:
         return None
     for attr in node.attribute:
         if attr.name == "value" and attr.type == AttributeProto.TENSOR:
-            return attr.t
+            value: TensorProto = attr.t
+            return value
     return None
 
 
@@ -310,7 +322,7 @@ def _check_overlaps(sources: list[_Source], model_path: Path) -> None:
             )
     for file, ranges in by_file.items():
         ranges.sort()
-        for (a_start, a_end, a_name), (b_start, b_end, b_name) in zip(ranges, ranges[1:]):
+        for (a_start, a_end, a_name), (b_start, b_end, b_name) in itertools.pairwise(ranges):
             if b_start < a_end and (a_start, a_end) != (b_start, b_end):
                 raise ExternalDataError(
                     f"Tensors '{a_name}' and '{b_name}' in '{model_path}' claim overlapping bytes "
@@ -341,7 +353,7 @@ def _collect(
                 if not _is_external(tensor)
                 else _external_source(tensor, base, model_path).nbytes
             )
-            if size is None or size < threshold:
+            if size is None or size < max(threshold, _ALWAYS_INLINE_BYTES):
                 continue
             # A Constant's value becomes an initializer of the same graph, named as its output:
             # exactly what ORT does when it loads the graph, so semantics are unchanged.
@@ -358,7 +370,9 @@ def _collect(
             )
             # External tensors always move, small or not: the prepared model must not point at
             # the source's files, which need not travel with it.
-            if src is None or (src.file is None and src.nbytes < threshold):
+            if src is None or (
+                src.file is None and src.nbytes < max(threshold, _ALWAYS_INLINE_BYTES)
+            ):
                 inline_count += 1
                 inline_bytes += src.nbytes if src is not None else 0
                 continue
@@ -508,7 +522,8 @@ def prepare(
         dst: The graph file to write. The weights go to ``<dst stem>.weights`` in its folder,
             which is created if missing. Existing files at both paths are replaced atomically.
         size_threshold_bytes: Tensors at least this large move to the weights file; smaller
-            ones stay in the graph.
+            ones stay in the graph (and those under 128 bytes always do: shape inference must
+            read them). Tensors that were in external files always move.
         alignment_bytes: Every tensor's offset is a multiple of this (a power of two, at least
             4096 so that each tensor can be mapped on its own).
         progress: Called as ``progress(bytes_done, bytes_total)`` while weights are copied.
@@ -540,9 +555,7 @@ def prepare(
             "another path (e.g. -o model.prepared.onnx)."
         )
 
-    moving, inline_count, inline_bytes, converted = _collect(
-        model, src_path, size_threshold_bytes
-    )
+    moving, inline_count, inline_bytes, converted = _collect(model, src_path, size_threshold_bytes)
     for source_file in {s.file for s in moving if s.file is not None}:
         if _same_file(source_file, weights_path):
             raise PrepareError(
@@ -553,7 +566,9 @@ def prepare(
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_weights = tmp_model = None
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{weights_path.name}.", suffix=".tmp", dir=dst_path.parent)
+        fd, name = tempfile.mkstemp(
+            prefix=f".{weights_path.name}.", suffix=".tmp", dir=dst_path.parent
+        )
         tmp_weights = Path(name)
         with os.fdopen(fd, "wb") as fh:
             writer = _HashingWriter(fh)

@@ -24,6 +24,7 @@ over the same model add 1561 MiB. See ``tests/test_pool_memory.py`` for the asse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -32,7 +33,7 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx
@@ -105,7 +106,7 @@ class WeightStore:
     Thread safety: ``open`` and ``register`` may be called from any thread.
     """
 
-    _registry: weakref.WeakValueDictionary[tuple[Any, ...], WeightStore] = (
+    _registry: ClassVar[weakref.WeakValueDictionary[tuple[Any, ...], WeightStore]] = (
         weakref.WeakValueDictionary()
     )
     _registry_lock = threading.Lock()
@@ -164,8 +165,15 @@ class WeightStore:
                 f"'{path}' was not written by sharedml.prepare; prepare it first (or pass it to "
                 "SessionPool, which prepares it into its cache)."
             )
-        stat = (path.parent / manifest.file).stat() if (path.parent / manifest.file).exists() else None
-        key = (str(path), manifest.sha256, stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1)
+        stat = (
+            (path.parent / manifest.file).stat() if (path.parent / manifest.file).exists() else None
+        )
+        key = (
+            str(path),
+            manifest.sha256,
+            stat.st_size if stat else -1,
+            stat.st_mtime_ns if stat else -1,
+        )
         with cls._registry_lock:
             store = cls._registry.get(key)
             if store is None:
@@ -215,10 +223,9 @@ class WeightStore:
         self._ortvalues.clear()
         self.buffer = np.empty(0, np.uint8)
         if self._mmap is not None:
-            try:
+            # Still exported (a live session's buffer): the OS unmaps it when the process exits.
+            with contextlib.suppress(BufferError):
                 self._mmap.close()
-            except BufferError:
-                pass  # still exported (a live session's buffer): the OS unmaps it at exit
             self._mmap = None
 
 
@@ -263,7 +270,9 @@ def _borrows(mechanism: str) -> bool:
 
     buffer = np.ones(_PROBE_ELEMENTS, np.float32)
     raw = buffer.view(np.uint8)
-    value = None  # ORT does not own an OrtValue given to add_initializer: it must outlive the session
+    value = (
+        None  # ORT does not own an OrtValue given to add_initializer: it must outlive the session
+    )
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if mechanism == "in-memory-file":

@@ -114,7 +114,9 @@ class _Builder:
             else_g = self.branch_graph(True, "else")
             self.current = saved
             y = self.name("if")
-            nodes.append(helper.make_node("If", ["flag"], [y], then_branch=then_g, else_branch=else_g))
+            nodes.append(
+                helper.make_node("If", ["flag"], [y], then_branch=then_g, else_branch=else_g)
+            )
         else:
             y = self.matmul_into(nodes, inits, vin, placement == "loop_constant")
         half = self.name("half")
@@ -158,9 +160,7 @@ class _Builder:
             initializer=inits,
         )
         final = self.name("scan")
-        self.nodes.append(
-            helper.make_node("Scan", [s0, x], [final], body=body, num_scan_inputs=1)
-        )
+        self.nodes.append(helper.make_node("Scan", [s0, x], [final], body=body, num_scan_inputs=1))
         shape = self.name("shape")
         self.inits.append(numpy_helper.from_array(np.array([1, self.dim], np.int64), shape))
         out = self.name("reshape")
@@ -168,7 +168,9 @@ class _Builder:
         return out
 
 
-def build_model(placements: list[str] | tuple[str, ...], *, dim: int = 64, seed: int = 0) -> onnx.ModelProto:
+def build_model(
+    placements: list[str] | tuple[str, ...], *, dim: int = 64, seed: int = 0
+) -> onnx.ModelProto:
     """A chain of blocks, one per entry of ``placements``, ending in output ``y``."""
     b = _Builder(dim, seed)
     x = "x"

@@ -1,0 +1,383 @@
+"""SessionPool: exclusive sessions, equal outputs, nothing lost whatever callers do."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from _models import PLACEMENTS, build_model, feeds, save_model
+
+import sharedml
+
+DIM = 32
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def fast_switching() -> Iterator[None]:
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # interleave threads as often as possible
+    yield
+    sys.setswitchinterval(old)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return save_model(build_model(list(PLACEMENTS), dim=DIM), tmp_path / "m.onnx")
+
+
+def plain_reference(path: Path, feed: dict[str, np.ndarray]) -> np.ndarray:
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, feed)[0]
+
+
+def test_outputs_equal_a_plain_session_over_the_original_model(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=2) as pool:
+        for flag in (True, False):
+            out = pool.run(None, feeds(DIM, flag=flag))[0]
+            # Prepacking is off in the pool, so MatMul may take another kernel: float tolerance.
+            np.testing.assert_allclose(
+                out, plain_reference(model, feeds(DIM, flag=flag)), rtol=1e-5, atol=1e-6
+            )
+            assert pool.run(["y"], feeds(DIM, flag=flag))[0].shape == (1, DIM)
+
+
+def test_run_has_inference_session_semantics(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=1) as pool:
+        assert [i.name for i in pool.get_inputs()] == ["x", "flag"]
+        assert [o.name for o in pool.get_outputs()] == ["y"]
+        opts = ort.RunOptions()
+        opts.log_severity_level = 3
+        assert len(pool.run(None, feeds(DIM), opts)) == 1
+
+
+def test_all_sessions_are_really_checked_out_at_once(model: Path, fast_switching: None) -> None:
+    n = 4
+    with sharedml.SessionPool(model, sessions=n) as pool:
+        barrier = threading.Barrier(n, timeout=30)
+        seen: list[int] = []
+        outputs: list[np.ndarray] = []
+        lock = threading.Lock()
+
+        def work() -> None:
+            with pool.session(timeout_s=30) as sess:
+                barrier.wait()  # every thread holds its session here, at the same time
+                with lock:
+                    seen.append(id(sess))
+                    assert pool.stats().busy == n
+                out = sess.run(None, feeds(DIM))[0]
+                barrier.wait()
+            with lock:
+                outputs.append(out)
+
+        threads = [threading.Thread(target=work) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(set(seen)) == n
+        reference = pool.run(None, feeds(DIM))[0]
+        assert len(outputs) == n
+        for out in outputs:
+            np.testing.assert_array_equal(out, reference)
+
+
+def test_never_two_runs_on_one_session_at_once(model: Path, fast_switching: None) -> None:
+    threads_n, per_thread = 12, 25
+    with sharedml.SessionPool(model, sessions=3) as pool:
+        reference = pool.run(None, feeds(DIM))[0]
+        active: set[int] = set()
+        lock = threading.Lock()
+        overlaps: list[int] = []
+        mismatches: list[int] = []
+        barrier = threading.Barrier(threads_n, timeout=30)
+
+        def work() -> None:
+            barrier.wait()
+            for _ in range(per_thread):
+                with pool.session() as sess:
+                    with lock:
+                        if id(sess) in active:
+                            overlaps.append(id(sess))
+                        active.add(id(sess))
+                    out = sess.run(None, feeds(DIM))[0]
+                    with lock:
+                        active.discard(id(sess))
+                if not np.array_equal(out, reference):
+                    mismatches.append(1)
+                out = pool.run(None, feeds(DIM))[0]
+                if not np.array_equal(out, reference):
+                    mismatches.append(1)
+
+        threads = [threading.Thread(target=work) for _ in range(threads_n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        assert overlaps == [] and mismatches == []
+        stats = pool.stats()
+        assert stats.runs == threads_n * per_thread * 2 + 1
+        assert stats.sessions == 3 and stats.busy == 0 and stats.created == 3
+        assert stats.waits > 0 and stats.wait_seconds > 0
+
+
+def test_bad_feeds_raise_and_return_the_session(model: Path, fast_switching: None) -> None:
+    bad_feeds = [
+        {"x": np.zeros((1, DIM + 1), np.float32), "flag": np.array(True)},  # wrong shape
+        {"x": np.zeros((1, DIM), np.float64), "flag": np.array(True)},  # wrong dtype
+        {"x": np.zeros((1, DIM), np.float32)},  # missing input
+        {"nope": np.zeros(1, np.float32)},  # unknown input
+    ]
+    with sharedml.SessionPool(model, sessions=2) as pool:
+        reference = pool.run(None, feeds(DIM))[0]
+        barrier = threading.Barrier(8, timeout=30)
+        errors: list[BaseException] = []
+        goods: list[np.ndarray] = []
+
+        def work(i: int) -> None:
+            barrier.wait()
+            for j in range(10):
+                feed = bad_feeds[(i + j) % len(bad_feeds)] if (i + j) % 2 else feeds(DIM)
+                try:
+                    goods.append(pool.run(None, feed)[0])
+                except Exception as exc:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(errors) == 40 and len(goods) == 40
+        for out in goods:
+            np.testing.assert_array_equal(out, reference)
+        stats = pool.stats()
+        assert stats.sessions == 2 and stats.busy == 0 and stats.failed_runs == 40
+        assert stats.replaced == 0
+
+
+def test_a_session_left_unusable_is_replaced(model: Path) -> None:
+    class EPFail(Exception):  # the name ORT gives provider failures
+        pass
+
+    with sharedml.SessionPool(model, sessions=2) as pool:
+        with pytest.raises(EPFail), pool.session() as broken:
+            raise EPFail("device lost")
+        stats = pool.stats()
+        assert stats.replaced == 1 and stats.sessions == 1
+        with pool.session() as a, pool.session() as b:
+            assert broken not in (a, b)
+        assert pool.stats().sessions == 2 and pool.stats().created == 3
+
+
+def test_checkout_timeout_is_a_timeout_error(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=1) as pool:
+        with pool.session():
+            start = time.monotonic()
+            with pytest.raises(TimeoutError), pool.session(timeout_s=0.2):
+                pass
+            assert 0.15 < time.monotonic() - start < 5
+            with (
+                pytest.raises(sharedml.PoolTimeout, match=r"within 0\.05 s"),
+                pool.session(timeout_s=0.05),
+            ):
+                pass
+        assert pool.stats().busy == 0 and pool.stats().sessions == 1
+
+
+def test_close_waits_for_runs_in_flight_then_refuses_work(model: Path) -> None:
+    pool = sharedml.SessionPool(model, sessions=2)
+    inside = threading.Event()
+    release = threading.Event()
+    results: list[object] = []
+
+    def holder() -> None:
+        with pool.session() as sess:
+            inside.set()
+            release.wait(30)
+            results.append(sess.run(None, feeds(DIM))[0])
+
+    def waiter() -> None:
+        try:
+            with pool.session(timeout_s=30):
+                pass
+        except BaseException as exc:
+            results.append(exc)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    inside.wait(30)
+    with pool.session():  # occupy the second session so that `waiter` must wait
+        w = threading.Thread(target=waiter)
+        w.start()
+        time.sleep(0.1)
+        closer = threading.Thread(target=pool.close)
+        closer.start()
+        w.join(30)
+    assert isinstance(results[0], sharedml.PoolClosedError)
+    assert closer.is_alive()  # still waiting for the holder's run
+    release.set()
+    t.join(30)
+    closer.join(30)
+    assert not closer.is_alive() and isinstance(results[1], np.ndarray)
+    assert pool.closed
+    with pytest.raises(sharedml.PoolClosedError, match="closed"):
+        pool.run(None, feeds(DIM))
+    pool.close()  # idempotent
+
+
+def test_close_timeout(model: Path) -> None:
+    pool = sharedml.SessionPool(model, sessions=1)
+    with pool.session(), pytest.raises(sharedml.PoolTimeout, match="in flight"):
+        pool.close(timeout_s=0.05)
+    pool.close()
+    assert pool.stats().sessions == 0
+
+
+def test_run_async_does_not_block_the_loop(model: Path) -> None:
+    async def main() -> tuple[list[np.ndarray], int]:
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        with sharedml.SessionPool(model, sessions=2) as pool:
+            tick_task = asyncio.create_task(ticker())
+            outs = await asyncio.gather(*(pool.run_async(None, feeds(DIM)) for _ in range(16)))
+            stop.set()
+            await tick_task
+            return [o[0] for o in outs], ticks
+
+    outs, ticks = asyncio.run(main())
+    assert len(outs) == 16 and ticks > 0
+    for out in outs:
+        np.testing.assert_array_equal(out, outs[0])
+
+
+def test_run_async_on_a_closed_pool(model: Path) -> None:
+    pool = sharedml.SessionPool(model, sessions=1)
+    pool.close()
+    with pytest.raises(sharedml.PoolClosedError):
+        asyncio.run(pool.run_async(None, feeds(DIM)))
+
+
+def test_lazy_growth(model: Path) -> None:
+    with sharedml.SessionPool(model, min_sessions=1, max_sessions=3) as pool:
+        assert pool.stats().sessions == 1 and pool.max_sessions == 3
+        with pool.session(), pool.session(), pool.session():
+            assert pool.stats().sessions == 3
+            with pytest.raises(sharedml.PoolTimeout), pool.session(timeout_s=0.05):
+                pass
+        assert pool.stats().created == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sessions": 0}, "max_sessions"),
+        ({"min_sessions": 3, "max_sessions": 2}, "min_sessions"),
+        ({"mechanism": "magic"}, "mechanism"),
+    ],
+)
+def test_bad_pool_arguments(model: Path, kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        sharedml.SessionPool(model, **kwargs)  # type: ignore[arg-type]
+
+
+def test_unavailable_provider_is_a_clear_error(model: Path) -> None:
+    with pytest.raises(sharedml.ProviderError, match=r"CUDAExecutionProvider.*not available"):
+        sharedml.SessionPool(model, providers=["CUDAExecutionProvider"])
+
+
+def test_pools_over_one_model_share_one_weight_store(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=1) as a, sharedml.SessionPool(model, sessions=1) as b:
+        assert a.model_path == b.model_path  # one cache entry, keyed by content
+        assert a.weights is b.weights
+        assert a.weights.nbytes >= 10 * DIM * DIM * 4
+
+
+def test_prepared_models_are_used_in_place(model: Path, tmp_path: Path) -> None:
+    prepared = sharedml.prepare(model, tmp_path / "prepared" / "m.onnx").model_path
+    with sharedml.SessionPool(prepared, sessions=1) as pool:
+        assert pool.model_path == prepared
+    assert not (tmp_path / "cache" / "models").exists()
+
+
+@pytest.mark.parametrize("mechanism", ["in-memory-file", "add-initializer", "ort-mmap"])
+def test_every_mechanism_gives_the_same_outputs(model: Path, mechanism: str) -> None:
+    with sharedml.SessionPool(model, sessions=2, mechanism=mechanism) as pool:
+        assert pool.mechanism == mechanism
+        for flag in (True, False):
+            np.testing.assert_allclose(
+                pool.run(None, feeds(DIM, flag=flag))[0],
+                plain_reference(model, feeds(DIM, flag=flag)),
+                rtol=1e-5,
+                atol=1e-6,
+            )
+
+
+def test_session_options_template_is_applied_not_modified(model: Path) -> None:
+    template = ort.SessionOptions()
+    template.intra_op_num_threads = 1
+    template.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    configured: list[ort.SessionOptions] = []
+
+    def configure(so: ort.SessionOptions) -> None:
+        assert so is not template
+        assert so.intra_op_num_threads == 1
+        assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+        assert so.get_session_config_entry("session.disable_prepacking") == "1"
+        configured.append(so)
+
+    with sharedml.SessionPool(model, sessions=3, sess_options=template, configure=configure):
+        assert len(configured) == 3
+    with pytest.raises(RuntimeError):  # the pool added nothing to the caller's object
+        template.get_session_config_entry("session.disable_prepacking")
+
+
+def test_prepacking_can_be_turned_on(model: Path) -> None:
+    seen: list[str] = []
+    with sharedml.SessionPool(
+        model,
+        sessions=1,
+        prepacking=True,
+        configure=lambda so: seen.append(so.get_session_config_entry("session.disable_prepacking")),
+    ) as pool:
+        np.testing.assert_allclose(
+            pool.run(None, feeds(DIM))[0], plain_reference(model, feeds(DIM)), rtol=1e-5, atol=1e-6
+        )
+    assert seen == ["0"]
+
+
+def test_failed_session_creation_is_a_clear_error(model: Path) -> None:
+    def configure(so: ort.SessionOptions) -> None:
+        so.add_session_config_entry("session.load_model_format", "ORT")  # not an ORT-format file
+
+    with pytest.raises(sharedml.SessionCreationError, match=r"m\.onnx"):
+        sharedml.SessionPool(model, sessions=2, configure=configure)
+
+
+def test_stats_and_repr(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=2) as pool:
+        pool.run(None, feeds(DIM))
+        stats = pool.stats()
+        assert (stats.sessions, stats.idle, stats.busy, stats.runs) == (2, 2, 0, 1)
+        assert stats.create_seconds > 0
+        assert "sessions=2/2" in repr(pool) and "open" in repr(pool)
+    assert "closed" in repr(pool)
