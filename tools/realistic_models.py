@@ -71,7 +71,8 @@ class ModelInfo:
         path: Where the ``.onnx`` file was written.
         name: Generator and size, e.g. ``"bert_like-full"``.
         weights_bytes: Total bytes of all stored tensors (weights plus the few
-            small shape constants), i.e. what a session has to hold in memory.
+            small shape constants): the payload a session has to load. ORT may
+            hold more (prepacked MatMul copies, folded constants).
         inputs: Input name -> (numpy dtype, shape); symbolic dimensions are
             named ``"batch"`` and ``"seq"``.
         description: One human-readable line about the architecture.
@@ -261,8 +262,10 @@ def _save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool) 
     if external_data:
         location = Path(path).stem + ".data"
         data_path = os.path.join(directory, location)
-        if os.path.exists(data_path):
-            os.remove(data_path)  # onnx appends to an existing data file
+        # onnx appends to an existing data file, so start from an empty one;
+        # creating it here also gives it umask permissions (onnx creates 0600).
+        with open(data_path, "wb"):
+            pass
         tensors = list(model.graph.initializer) + [
             attr.t
             for node in model.graph.node
@@ -271,7 +274,8 @@ def _save(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool) 
             if attr.name == "value"
         ]
         for tensor in tensors:
-            if len(tensor.raw_data) >= 1024:
+            # ByteSize, not len(raw_data): reading raw_data copies the bytes.
+            if tensor.ByteSize() >= 1024:
                 set_external_data(tensor, location)
     onnx.save_model(model, path)
     return path
