@@ -29,6 +29,15 @@ from sharedml._errors import (
     UnsafePathError,
     WeightsMismatchError,
 )
+from sharedml._inspect import InspectReport, inspect
+from sharedml._measure import (
+    Measurement,
+    MemoryPoint,
+    Strategy,
+    StrategyContext,
+    register_strategy,
+    registered_strategies,
+)
 from sharedml._pool import PoolStats, SessionPool
 from sharedml._prepare import PrepareResult, WeightsManifest, prepare, weights_path_for
 from sharedml._weights import WeightStore, zero_copy_mechanisms
@@ -52,6 +61,15 @@ __all__ = [
     "PoolStats",
     "WeightStore",
     "zero_copy_mechanisms",
+    # Inspecting: what N plain vs N shared sessions cost
+    "inspect",
+    "InspectReport",
+    "Measurement",
+    "MemoryPoint",
+    "Strategy",
+    "StrategyContext",
+    "register_strategy",
+    "registered_strategies",
     # Errors
     "SharedMLError",
     "ModelError",

@@ -1,0 +1,592 @@
+"""``sharedml inspect``: the static report, measured figures checked independently, the CLI.
+
+The figures are checked against an independent measurement that this file makes itself, in
+its own subprocess, of the same configuration: same model, same session count, every session
+run once on its own thread, memory read as PSS after ``malloc_trim`` over a process that has
+onnxruntime loaded. Tolerance: 10% or 8 MiB, whichever is larger (repeat runs of either
+measurement agree within about 1 MiB on the 48 MiB demo model; the margin covers a busy CI box).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+from typing import Any
+
+import onnx
+import psutil
+import pytest
+from _models import build_model, save_model
+
+import sharedml
+from sharedml._cli_inspect import render_text, write_plot
+from sharedml._inspect import InspectReport, inspect, recommend, summarize_weights
+from sharedml._measure import InputSpec, Measurement, MemoryPoint
+from sharedml._prepare import load_graph
+from sharedml.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1024 * 1024
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture
+def children_before() -> set[int]:
+    return children()
+
+
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="PSS and malloc_trim are Linux/glibc figures"
+)
+
+
+def agrees(reported: int, independent: int) -> bool:
+    return abs(reported - independent) <= max(0.10 * independent, 8 * MiB)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(cache))
+
+
+def cli(*args: str, cwd: Path | None = None, python: str = sys.executable) -> Any:
+    """``python -m sharedml.cli ARGS`` in a fresh process, stdout and stderr kept apart."""
+    return subprocess.run(
+        [python, "-m", "sharedml.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={**os.environ},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The demo, measured once for the module
+
+
+@pytest.fixture(scope="module")
+def demo_json(cache: Path) -> dict[str, Any]:
+    os.environ["SHAREDML_CACHE_DIR"] = str(cache)  # module fixtures run before monkeypatch
+    out = cli("inspect", "--json", "--sessions", "3")
+    assert out.returncode == 0, out.stderr
+    report: dict[str, Any] = json.loads(out.stdout)  # exactly one JSON object, nothing else
+    return report
+
+
+@pytest.mark.slow
+def test_the_demo_reports_the_documented_fields(demo_json: dict[str, Any]) -> None:
+    assert demo_json["demo"] is True
+    assert demo_json["sessions"] == 3
+    assert demo_json["weights_bytes"] == 12 * (1024 * 1024 + 1024) * 4
+    assert set(demo_json["strategies"]) == {"naive", "shared", "shared-prepacked", "single"}
+    for name, s in demo_json["strategies"].items():
+        for key in ("total_bytes", "per_session_bytes", "init_seconds"):
+            assert isinstance(s[key], (int, float)), (name, key)
+        assert [p["sessions"] for p in s["points"]] == [1, 2, 3]
+        assert s["init_seconds"] > 0 and s["first_run_seconds"] > 0
+        assert s["projection"]["32"] >= s["projection"]["1"]
+    assert demo_json["inputs"] == [{"name": "x", "dtype": "float32", "shape": [1, 1024]}]
+    assert "SessionPool" in demo_json["recommendation"]
+
+
+@pytest.mark.slow
+def test_shared_sessions_take_under_half_the_memory_of_plain_ones(
+    demo_json: dict[str, Any],
+) -> None:
+    naive = demo_json["strategies"]["naive"]
+    shared = demo_json["strategies"]["shared"]
+    assert shared["total_bytes"] < 0.5 * naive["total_bytes"]
+    # Each extra pooled session costs a sliver of the weights; a plain one, about a copy.
+    weights = demo_json["weights_bytes"]
+    assert shared["per_session_bytes"] < 0.05 * weights
+    assert naive["per_session_bytes"] > 0.8 * weights
+
+
+INDEPENDENT = r"""
+import ctypes, gc, json, sys, threading
+import numpy as np, onnxruntime as ort, onnx, psutil
+from onnx import TensorProto, helper
+
+strategy, model, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+libc = ctypes.CDLL("libc.so.6")
+
+def pss():
+    gc.collect()
+    libc.malloc_trim(0)
+    return psutil.Process().memory_full_info().pss
+
+# onnxruntime's environment and thread pools exist in any process that uses it: create them
+# with a throwaway session before the baseline, as inspect does.
+g = helper.make_graph([helper.make_node("Neg", ["a"], ["b"])], "w",
+    [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1])],
+    [helper.make_tensor_value_info("b", TensorProto.FLOAT, [1])])
+m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]); m.ir_version = 8
+ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+    None, {"a": np.zeros(1, np.float32)})
+if strategy == "shared":
+    import sharedml
+feed = {"x": np.full((1, 1024), 0.5, np.float32)}
+base = pss()
+if strategy == "naive":
+    sessions = [ort.InferenceSession(model, providers=["CPUExecutionProvider"]) for _ in range(n)]
+else:
+    pool = sharedml.SessionPool(model, sessions=n)
+    held = [pool.session() for _ in range(n)]
+    sessions = [h.__enter__() for h in held]
+assert len({id(s) for s in sessions}) == n
+barrier = threading.Barrier(n)
+def work(s):
+    barrier.wait()
+    s.run(None, feed)
+threads = [threading.Thread(target=work, args=(s,)) for s in sessions]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps({"pss": pss() - base}))
+"""
+
+
+def independent_pss(strategy: str, model: str, n: int) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", INDEPENDENT, strategy, model, str(n)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(json.loads(out.stdout.strip().splitlines()[-1])["pss"])
+
+
+@linux_only
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["naive", "shared"])
+def test_json_figures_agree_with_an_independent_measurement(
+    demo_json: dict[str, Any], strategy: str
+) -> None:
+    reported = demo_json["strategies"][strategy]["total_bytes"]
+    independent = independent_pss(strategy, demo_json["model"], 3)
+    print(f"{strategy}: inspect {reported / MiB:.1f} MiB, independent {independent / MiB:.1f} MiB")
+    assert demo_json["memory_metric"] == "pss"
+    assert agrees(reported, independent), (reported / MiB, independent / MiB)
+
+
+# --------------------------------------------------------------------------------------------
+# Options, end to end
+
+
+@pytest.mark.slow
+def test_every_option_together(tmp_path: Path) -> None:
+    plot = tmp_path / "memory.png"
+    out = cli(
+        "inspect",
+        "--sessions",
+        "2",
+        "--dim",
+        "batch=2",
+        "--providers",
+        "CPUExecutionProvider",
+        "--plot",
+        str(plot),
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)  # the whole of stdout is one JSON object
+    assert isinstance(report, dict) and out.stdout.lstrip().startswith("{")
+    assert report["sessions"] == 2
+    assert report["providers"] == ["CPUExecutionProvider"]
+    assert report["inputs"][0]["shape"] == [2, 1024]
+    assert all(s["measured_sessions"] == 2 for s in report["strategies"].values())
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.png"]  # no temp files left
+
+
+def placements_model() -> onnx.ModelProto:
+    """Weights as initializers, Constant nodes and in If branches, 256x256 floats each."""
+    return build_model(["initializer", "constant", "if_initializer", "if_constant"], dim=256)
+
+
+@pytest.mark.slow
+def test_a_model_file_is_reported_as_text_with_every_strategy(tmp_path: Path) -> None:
+    model = save_model(placements_model(), tmp_path / "placed.onnx")
+    out = cli("inspect", str(model), "--sessions", "2")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for expected in (
+        "placed.onnx",
+        "initializers",
+        "Constant nodes",
+        "subgraphs",
+        "prepare would move",
+        "flag bool[]",
+        "naive",
+        "shared-prepacked",
+        "single",
+        "Projected PSS",
+        "Recommendation",
+    ):
+        assert expected in text, expected
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert not any(line != line.rstrip() for line in text.splitlines())
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_the_library_returns_a_frozen_report_and_reports_progress(tmp_path: Path) -> None:
+    model = save_model(placements_model(), tmp_path / "placed.onnx")
+    steps: list[tuple[str, int, int]] = []
+    report = inspect(
+        model,
+        sessions=2,
+        strategies=["naive", "shared"],
+        progress=lambda what, done, total: steps.append((what, done, total)),
+    )
+    assert isinstance(report, InspectReport)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.sessions = 3  # type: ignore[misc]
+    assert [m.strategy for m in report.measurements] == ["naive", "shared"]
+    assert steps[-1][1:] == (4, 4)
+    assert [done for _, done, _ in steps] == sorted(done for _, done, _ in steps)
+    d = report.to_dict()
+    json.dumps(d)  # JSON-ready
+    assert d["strategies"]["shared"]["total_bytes"] < d["strategies"]["naive"]["total_bytes"]
+    assert report.projection("naive")[32] == report.strategies["naive"].projected_bytes(32)
+
+
+# --------------------------------------------------------------------------------------------
+# The static part
+
+
+def test_weights_are_counted_where_they_sit_and_match_what_prepare_moves(tmp_path: Path) -> None:
+    model_path = save_model(placements_model(), tmp_path / "placed.onnx")
+    summary = summarize_weights(load_graph(model_path), model_path)
+    per = {p.placement: (p.tensors, p.nbytes) for p in summary.placements}
+    weight = 256 * 256 * 4
+    assert per["initializers"] == (1, weight)
+    assert per["Constant nodes"] == (1, weight)
+    assert per["subgraphs"] == (4, 4 * weight)  # two branches per If
+    assert summary.total_bytes == 6 * weight and summary.tensors == 6
+    assert summary.largest[0].nbytes == weight and summary.largest[0].shape == (256, 256)
+    result = sharedml.prepare(model_path, tmp_path / "out" / "prepared.onnx")
+    assert summary.prepare_moves_tensors == result.tensors_moved
+    assert summary.prepare_moves_bytes == result.bytes_moved
+    assert summary.prepare_converts_constants == result.constants_converted
+    assert not summary.already_prepared
+    prepared = summarize_weights(load_graph(result.model_path), result.model_path)
+    assert prepared.already_prepared
+    assert prepared.placements[0].placement == "external files"
+    assert prepared.external_files == (("prepared.weights", 6 * weight),)
+
+
+def test_external_data_files_are_listed(tmp_path: Path) -> None:
+    model_path = save_model(
+        build_model(["initializer"] * 3, dim=128), tmp_path / "ext.onnx", external="one"
+    )
+    summary = summarize_weights(load_graph(model_path), model_path)
+    assert summary.external_files == (("ext.data", 3 * 128 * 128 * 4),)
+    assert {p.placement for p in summary.placements} == {"external files"}
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering and advice, from figures made up for the purpose
+
+
+def fake_measurement(
+    name: str, per_mib: float, base_mib: float, n: int = 4, **kw: Any
+) -> Measurement:
+    pts = tuple(
+        MemoryPoint(
+            sessions=k,
+            pss_bytes=int((base_mib + per_mib * k) * MiB),
+            uss_bytes=int((base_mib + per_mib * k) * MiB),
+            rss_bytes=int((base_mib + per_mib * k) * MiB),
+            untrimmed_bytes=int((base_mib + per_mib * k + 20) * MiB),
+            device_bytes=None,
+            create_seconds=0.1,
+            run_seconds=0.01,
+        )
+        for k in range(1, n + 1)
+    )
+    return Measurement(
+        strategy=name,
+        summary=f"{name} sessions",
+        sessions=n,
+        metric="pss",
+        points=pts,
+        baseline_bytes=55 * MiB,
+        trimmed=True,
+        setup_seconds=0.0,
+        concurrent=kw.pop("concurrent", True),
+        **kw,
+    )
+
+
+def fake_report(measurements: list[Measurement], weights_mib: int = 100) -> InspectReport:
+    from sharedml._inspect import PlacementSummary, TensorInfo, WeightsSummary
+
+    weights = WeightsSummary(
+        total_bytes=weights_mib * MiB,
+        tensors=1,
+        placements=(PlacementSummary("initializers", 1, weights_mib * MiB),),
+        external_files=(),
+        largest=(TensorInfo("w", "float", (5120, 5120), weights_mib * MiB, "initializers"),),
+        already_prepared=False,
+        prepare_moves_tensors=1,
+        prepare_moves_bytes=weights_mib * MiB,
+        prepare_leaves_tensors=0,
+        prepare_leaves_bytes=0,
+        prepare_converts_constants=0,
+    )
+    by_name = {m.strategy: m for m in measurements}
+    return InspectReport(
+        model_path=Path("model.onnx"),
+        demo=False,
+        sessions=4,
+        providers=("CPUExecutionProvider",),
+        inputs=(InputSpec("x", "float32", (1, 8), ("batch", None)),),
+        weights=weights,
+        measurements=tuple(measurements),
+        projection_sessions=(1, 2, 4, 8, 16, 32),
+        recommendation=recommend(by_name, sessions=4, weights_bytes=weights_mib * MiB),
+        onnxruntime_version="1.32.0",
+        platform="test",
+    )
+
+
+def test_the_recommendation_quotes_the_measured_saving() -> None:
+    report = fake_report(
+        [
+            fake_measurement("naive", 100, 0),
+            fake_measurement("shared", 1, 100),
+            fake_measurement("shared-prepacked", 60, 100),
+            fake_measurement("single", 0, 130),
+        ]
+    )
+    text = report.recommendation
+    assert "104.0 MiB" in text and "400.0 MiB" in text and "296.0 MiB (74%) less" in text
+    assert "at 32 sessions" in text and "3.12 GiB" in text
+    assert "adds 59.0 MiB per session" in text  # prepacking's extra cost
+    assert "130.0 MiB, more than the pool" in text
+
+
+def test_the_recommendation_says_when_sharing_saves_little() -> None:
+    text = recommend(
+        {"naive": fake_measurement("naive", 5, 0), "shared": fake_measurement("shared", 4.5, 1)},
+        sessions=4,
+        weights_bytes=1 * MiB,
+    )
+    assert text.startswith("Sharing saves little here")
+
+
+def test_with_one_session_the_recommendation_asks_for_more() -> None:
+    text = recommend(
+        {
+            "naive": fake_measurement("naive", 100, 0, n=1),
+            "shared": fake_measurement("shared", 1, 100, n=1),
+            "single": fake_measurement("single", 100, 0, n=1),
+        },
+        sessions=1,
+        weights_bytes=100 * MiB,
+    )
+    assert text.startswith("With one session there is nothing to share")
+    assert "--sessions 2" in text and "takes more" not in text and "One plain session" not in text
+
+
+def test_the_text_report_fits_in_100_columns_and_says_what_it_cannot_measure() -> None:
+    from rich.console import Console
+
+    note = "not measurable: DirectML reports no per-process device memory"
+    report = fake_report(
+        [
+            fake_measurement("naive", 100, 0, device_note=note, concurrent=False),
+            fake_measurement("shared", 1, 100, device_note=note, concurrent=False),
+        ]
+    )
+    buffer = io.StringIO()
+    render_text(report, console=Console(file=buffer, width=100))
+    text = buffer.getvalue()
+    assert "Device memory not measurable: DirectML" in text
+    assert "one after another" in text
+    assert "n/a" in text  # the device column: no figure, not a zero
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_the_plot_is_a_png(tmp_path: Path) -> None:
+    report = fake_report([fake_measurement("naive", 100, 0), fake_measurement("shared", 1, 100)])
+    write_plot(report, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
+    assert [p.name for p in tmp_path.iterdir()] == ["p.png"]
+
+
+# --------------------------------------------------------------------------------------------
+# Errors: one line, non-zero, nothing left behind
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["inspect", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, out: str, err: str, *fragments: str) -> None:
+    assert code != 0
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("sharedml: error: "), err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["missing.onnx"], ["'missing.onnx' does not exist"]),
+        (["--dim", "batch"], ["--dim 'batch'", "NAME=VALUE"]),
+        (["--dim", "batch=two"], ["--dim 'batch=two'"]),
+        (["--dim", "=3"], ["--dim '=3'"]),
+        (["--dim", "tokens=3"], ["no symbolic dimension 'tokens'", "batch"]),
+        (["--providers", "NoSuchExecutionProvider"], ["NoSuchExecutionProvider", "not available"]),
+        (["--sessions", "0"], ["--sessions must be at least 1"]),
+        (["--plot", "no/such/folder/p.png"], ["folder 'no/such/folder' does not exist"]),
+        (["--plot", "memory.svg"], ["name it *.png"]),
+    ],
+)
+def test_bad_arguments_fail_in_one_line_before_measuring(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    children_before: set[int],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    fragments: list[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(*run_main(capsys, *args), *fragments)
+    assert children() <= children_before  # no measuring process left behind
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_that_is_not_onnx_fails_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"\xff\x00 this is not a protobuf \x00" * 40)
+    assert_one_line_error(*run_main(capsys, str(garbage)), "is not a valid ONNX model")
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, out, err = run_main(capsys, "--plot", str(tmp_path / "p.png"))
+    assert_one_line_error(code, out, err, "pip install 'sharedml[plot]'")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_model_onnxruntime_refuses_fails_in_one_line_naming_the_strategy(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, children_before: set[int]
+) -> None:
+    model = tmp_path / "noop.onnx"
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("NoSuchOp", ["x"], ["y"])],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch"])],
+    )
+    onnx.save(onnx.helper.make_model(graph), model)
+    code, out, err = run_main(capsys, str(model), "--plot", str(tmp_path / "p.png"))
+    assert_one_line_error(code, out, err, "strategy 'naive' failed", "NoSuchOp")
+    assert children() <= children_before  # no measuring process left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["noop.onnx"]  # no plot, no temp file
+
+
+# --------------------------------------------------------------------------------------------
+# A new user: pip install, then the README's first command
+
+
+def _copy_project(dst: Path) -> Path:
+    """The files a source install needs, so that pip builds nothing inside the checkout."""
+    dst.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE", "setup.cfg", "MANIFEST.in"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dst / name)
+    shutil.copytree(
+        ROOT / "sharedml", dst / "sharedml", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return dst
+
+
+@pytest.mark.slow
+def test_the_demo_runs_in_a_fresh_venv(tmp_path: Path) -> None:
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
+    bindir = "Scripts" if os.name == "nt" else "bin"
+    python = str(env_dir / bindir / ("python.exe" if os.name == "nt" else "python"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    probe = subprocess.run(
+        [
+            python,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "-d",
+            str(tmp_path / "probe"),
+            "psutil",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"pip cannot reach a package index here: {last}")
+    project = _copy_project(tmp_path / "project")
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", str(project)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    where = subprocess.run(
+        [python, "-c", "import sharedml; print(sharedml.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        check=True,
+    ).stdout
+    assert str(env_dir) in where  # the installed copy, not this checkout
+    exe = env_dir / bindir / ("sharedml.exe" if os.name == "nt" else "sharedml")
+    run = subprocess.run(
+        [str(exe), "inspect", "--json", "--sessions", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**env, "SHAREDML_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["demo"] is True
+    assert (
+        report["strategies"]["shared"]["total_bytes"] < report["strategies"]["naive"]["total_bytes"]
+    )

@@ -1,0 +1,362 @@
+"""Measuring in fresh processes: generated inputs, the strategy registry, the fit, child errors."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import psutil
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from sharedml._errors import MeasurementError, ProviderError
+from sharedml._measure import (
+    InputSpec,
+    Measurement,
+    MemoryPoint,
+    Strategy,
+    _DeviceMemory,
+    _fit,
+    _generate,
+    get_strategy,
+    input_specs,
+    measure,
+    register_strategy,
+    registered_strategies,
+)
+
+MiB = 1024 * 1024
+
+
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture
+def children_before() -> set[int]:
+    return children()
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def embedding_model(vocab: int = 64, width: int = 256) -> onnx.ModelProto:
+    """ids: int64[batch, seq] -> Gather from a [vocab, width] table, masked by a bool input."""
+    table = np.random.default_rng(0).standard_normal((vocab, width)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["emb"]),
+            helper.make_node("Cast", ["keep"], ["keep_f"], to=TensorProto.FLOAT),
+            helper.make_node("Unsqueeze", ["keep_f", "axis"], ["keep_3d"]),
+            helper.make_node("Mul", ["emb", "keep_3d"], ["y"]),
+        ],
+        "embedding",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("keep", TensorProto.BOOL, ["batch", "seq"]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", width])],
+        [
+            numpy_helper.from_array(table, "table"),
+            numpy_helper.from_array(np.array([-1], np.int64), "axis"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def failing_model() -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("NoSuchOp", ["x"], ["y"])],
+        "bad",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# Generated inputs
+
+
+def test_symbolic_dims_default_to_one_and_can_be_overridden() -> None:
+    specs = input_specs(embedding_model())
+    assert [(s.name, s.dtype, s.shape) for s in specs] == [
+        ("ids", "int64", (1, 1)),
+        ("keep", "bool", (1, 1)),
+    ]
+    specs = input_specs(embedding_model(), {"batch": 3, "seq": 7})
+    assert specs[0].shape == (3, 7)
+    assert specs[0].describe() == "ids int64[batch=3, seq=7]"
+
+
+def test_unknown_or_negative_dims_are_refused_with_the_known_names() -> None:
+    with pytest.raises(ValueError, match=r"no symbolic dimension 'tokens'.*batch, seq"):
+        input_specs(embedding_model(), {"tokens": 4})
+    with pytest.raises(ValueError, match="non-negative integer"):
+        input_specs(embedding_model(), {"batch": -1})
+    with pytest.raises(ValueError, match="non-negative integer"):
+        input_specs(embedding_model(), {"batch": "2"})  # type: ignore[dict-item]
+
+
+def test_unnamed_dynamic_axes_are_one_and_fixed_axes_kept() -> None:
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT16, [None, 5])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [value],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [None, 5])],
+    )
+    (spec,) = input_specs(helper.make_model(graph))
+    assert spec == InputSpec("x", "float16", (1, 5), ("?", None))
+
+
+def test_initializers_listed_as_inputs_are_not_generated() -> None:
+    model = embedding_model()
+    model.graph.input.append(helper.make_tensor_value_info("table", TensorProto.FLOAT, [64, 256]))
+    assert [s.name for s in input_specs(model)] == ["ids", "keep"]
+
+
+def test_inputs_that_cannot_be_generated_are_named() -> None:
+    seq = helper.make_tensor_sequence_value_info("xs", TensorProto.FLOAT, [1])
+    graph = helper.make_graph(
+        [helper.make_node("SequenceLength", ["xs"], ["n"])],
+        "g",
+        [seq],
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+    )
+    with pytest.raises(MeasurementError, match=r"'xs'.*sequence_type"):
+        input_specs(helper.make_model(graph))
+
+
+def test_generated_values_keep_indices_valid() -> None:
+    ints = _generate({"shape": [2, 3], "dtype": "int64"})
+    assert ints.dtype == np.int64 and (ints == 1).all()  # row 1 exists in any table of 2+ rows
+    assert not _generate({"shape": [4], "dtype": "bool"}).any()
+    floats = _generate({"shape": [100], "dtype": "float32"})
+    assert floats.dtype == np.float32 and (floats >= 0).all() and (floats < 1).all()
+    assert _generate({"shape": [2], "dtype": "str"}).tolist() == ["", ""]
+
+
+# --------------------------------------------------------------------------------------------
+# The fit and the result object
+
+
+def points(values_mib: list[float]) -> tuple[MemoryPoint, ...]:
+    return tuple(
+        MemoryPoint(
+            sessions=i + 1,
+            pss_bytes=int(v * MiB),
+            uss_bytes=int(v * MiB),
+            rss_bytes=int(v * MiB),
+            untrimmed_bytes=int(v * MiB) + 7 * MiB,
+            device_bytes=None,
+            create_seconds=0.5,
+            run_seconds=0.01,
+        )
+        for i, v in enumerate(values_mib)
+    )
+
+
+def measurement(values_mib: list[float], sessions: int | None = None) -> Measurement:
+    return Measurement(
+        strategy="naive",
+        summary="test",
+        sessions=sessions or len(values_mib),
+        metric="pss",
+        points=points(values_mib),
+        baseline_bytes=50 * MiB,
+        trimmed=True,
+        setup_seconds=0.25,
+        concurrent=True,
+    )
+
+
+def test_per_session_cost_is_the_least_squares_slope() -> None:
+    m = measurement([110, 210, 310, 410])
+    assert m.per_session_bytes == 100 * MiB
+    assert m.intercept_bytes == 10 * MiB
+    assert m.projected_bytes(32) == 3210 * MiB
+    assert m.total_bytes == 410 * MiB
+    assert m.init_seconds == pytest.approx(0.25 + 4 * 0.5)
+    assert m.first_run_seconds == 0.01
+    d = m.to_dict()
+    assert d["total_bytes"] == 410 * MiB and d["untrimmed_bytes"] == 417 * MiB
+    assert not d["total_is_projected"]
+
+
+def test_a_negative_slope_is_noise_and_projects_flat() -> None:
+    intercept, slope = _fit([(1, 50.0), (2, 49.8), (3, 49.5), (4, 49.7)])  # type: ignore[misc]
+    assert slope == 0 and intercept == pytest.approx(49.75)
+
+
+def test_one_point_has_no_slope() -> None:
+    m = measurement([100])
+    assert m.per_session_bytes is None and m.projected_bytes(8) is None
+    assert m.total_bytes == 100 * MiB
+
+
+def test_a_stopped_measurement_projects_its_total() -> None:
+    m = measurement([100, 200], sessions=8)
+    assert m.total_bytes == 800 * MiB
+    assert m.to_dict()["total_is_projected"]
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+
+
+def test_builtin_strategies_are_registered_in_order() -> None:
+    names = [s.name for s in registered_strategies()]
+    assert names[:4] == ["naive", "shared", "shared-prepacked", "single"]
+    with pytest.raises(ValueError, match=r"Unknown strategy 'bogus'.*naive"):
+        get_strategy("bogus")
+
+
+def test_registering_a_taken_name_or_a_bad_factory_is_refused() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register_strategy(Strategy("naive", "again", "sharedml._measure:_naive"))
+    with pytest.raises(ValueError, match="module:function"):
+        register_strategy(Strategy("x-no-colon", "bad", "sharedml._measure._naive"))
+
+
+# --------------------------------------------------------------------------------------------
+# Device memory is read or plainly missing, never invented
+
+
+def test_cpu_has_no_device_figure_and_no_note() -> None:
+    dev = _DeviceMemory(["CPUExecutionProvider"])
+    assert dev.read() is None and dev.note is None and dev.metric is None
+
+
+def test_directml_device_memory_is_not_measurable() -> None:
+    dev = _DeviceMemory(["DmlExecutionProvider", "CPUExecutionProvider"])
+    assert dev.read() is None
+    assert dev.note is not None and dev.note.startswith("not measurable")
+
+
+def test_cuda_without_nvml_or_nvidia_smi_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    dev = _DeviceMemory(["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert dev.read() is None
+    assert dev.note is not None and "not measurable" in dev.note
+
+
+def test_cuda_process_missing_from_nvidia_smi_is_not_reported_as_zero(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '1, 900'\n")  # some other process
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    dev = _DeviceMemory(["CUDAExecutionProvider"])
+    assert dev.metric == "nvidia-smi"
+    assert dev.read() == 0
+    dev.finish()
+    assert dev.metric is None and dev.note is not None and "does not list" in dev.note
+
+
+def test_cuda_process_listed_by_nvidia_smi_is_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\necho '1, 900'\necho '{os.getpid()}, 1500'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    dev = _DeviceMemory(["CUDAExecutionProvider"])
+    assert dev.read() == 1500 * MiB
+    dev.finish()
+    assert dev.metric == "nvidia-smi" and dev.note is None
+
+
+# --------------------------------------------------------------------------------------------
+# In a fresh process
+
+
+def test_unknown_provider_fails_before_any_process_starts(
+    tmp_path: Path, children_before: set[int]
+) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(embedding_model(), path)
+    with pytest.raises(ProviderError, match="NoSuchExecutionProvider"):
+        measure(path, "naive", sessions=1, providers=["NoSuchExecutionProvider"])
+    assert children() <= children_before  # no measuring process left behind
+
+
+@pytest.mark.slow
+def test_integer_and_bool_inputs_run_and_every_session_is_measured(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(embedding_model(), path)
+    seen: list[tuple[int, int]] = []
+    m = measure(
+        path,
+        "naive",
+        sessions=3,
+        dims={"batch": 2, "seq": 5},
+        progress=lambda done, total: seen.append((done, total)),
+    )
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    assert [p.sessions for p in m.points] == [1, 2, 3]
+    assert m.metric == ("pss" if sys.platform.startswith("linux") else "uss")
+    assert m.concurrent and m.stopped_reason is None
+    assert m.device_metric is None and m.device_note is None
+    assert all(p.run_seconds > 0 and p.create_seconds > 0 for p in m.points)
+
+
+@pytest.mark.slow
+def test_a_registered_strategy_runs_in_the_child(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(embedding_model(), path)
+    register_strategy(
+        Strategy("test-plain", "plain sessions, again", "sharedml._measure:_naive", default=False),
+        replace=True,
+    )
+    m = measure(path, "test-plain", sessions=2)
+    assert m.strategy == "test-plain" and m.measured_sessions == 2
+
+
+@pytest.mark.slow
+def test_a_failing_child_names_the_strategy_and_its_last_stderr_line(
+    tmp_path: Path, children_before: set[int]
+) -> None:
+    path = tmp_path / "bad.onnx"
+    onnx.save(failing_model(), path)
+    with pytest.raises(MeasurementError, match=r"strategy 'single' failed.*NoSuchOp"):
+        measure(path, "single", sessions=2)
+    register_strategy(
+        Strategy("test-missing", "no such factory", "sharedml._measure:_nope", default=False),
+        replace=True,
+    )
+    with pytest.raises(MeasurementError, match=r"'test-missing'.*AttributeError.*_nope"):
+        measure(path, "test-missing", sessions=1)
+    assert children() <= children_before  # no measuring process left behind
+
+
+@pytest.mark.slow
+def test_a_child_past_its_timeout_is_killed(tmp_path: Path, children_before: set[int]) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(embedding_model(), path)
+    with pytest.raises(MeasurementError, match=r"longer than 0\.2 s"):
+        measure(path, "naive", sessions=1, timeout_s=0.2)
+    assert children() <= children_before  # no measuring process left behind
+
+
+@pytest.mark.slow
+def test_measuring_stops_before_memory_runs_out_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(embedding_model(), path)
+    m = measure(path, "naive", sessions=3, memory_reserve_bytes=1 << 50)  # 1 PiB: never there
+    assert m.measured_sessions == 1
+    assert m.stopped_reason is not None and "stopped after 1 of 3" in m.stopped_reason
+    assert m.to_dict()["total_is_projected"]
