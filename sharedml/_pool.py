@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sharedml._cache import cache_dir as cache_root
 from sharedml._cache import prepared_model_for
 from sharedml._errors import (
     PoolClosedError,
@@ -39,6 +40,7 @@ from sharedml._errors import (
 )
 from sharedml._prepare import DEFAULT_SIZE_THRESHOLD_BYTES
 from sharedml._providers import (
+    CPU,
     CUDA,
     DML,
     ProviderPlan,
@@ -119,6 +121,16 @@ def clone_session_options(template: Any | None) -> Any:
     return so
 
 
+_PREPACKING_ALIASES: dict[object, str] = {None: "auto", False: "off", True: "per-session"}
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _config_entry(so: Any, key: str) -> str | None:
     try:
         return str(so.get_session_config_entry(key))
@@ -191,8 +203,17 @@ class SessionPool:
         mechanism: How sessions get the shared weights: ``"auto"`` (the best one measured to be
             zero-copy on the installed ORT) or one of ``"in-memory-file"``,
             ``"add-initializer"``, ``"ort-mmap"``.
-        prepacking: Let ORT prepack weights (faster batched MatMul/Conv on CPU) at the cost of a
-            private packed copy per session. ``None`` keeps the template's setting, else off.
+        prepacking: What to do with ORT's CPU weight prepacking (packed MatMul/Conv/Gemm
+            kernels are faster, up to 2.2x at batch 8):
+            ``"auto"`` (default, also ``None``): on CPU, share the *packed* weights too, through
+            an optimized model whose data file carries ORT's prepacked blobs (built once, cached
+            per ORT build and CPU), wherever ORT packs or derives any weight of the model;
+            otherwise share the raw weights. See :mod:`sharedml._prepack`.
+            ``"shared"``: the prepacked-file route, or an error if it cannot be built.
+            ``"off"`` (also ``False``): share raw weights, prepacking off (least memory, slowest
+            batched kernels, fastest session creation).
+            ``"per-session"`` (also ``True``): ORT's own behaviour: each session packs a private
+            copy of every packed weight.
         cache_dir: Where unprepared models are prepared (default: see :func:`sharedml.cache_dir`).
         verify_weights: Check the weights file's SHA-256 when it is first mapped in the process.
         serialize_creation: Create one session at a time, process-wide.
@@ -218,7 +239,7 @@ class SessionPool:
         sess_options: Any | None = None,
         configure: Callable[[Any], None] | None = None,
         mechanism: str = "auto",
-        prepacking: bool | None = None,
+        prepacking: str | bool | None = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
         verify_weights: bool = True,
         serialize_creation: bool = True,
@@ -231,6 +252,16 @@ class SessionPool:
             raise ValueError(
                 f"Need 0 <= min_sessions <= max_sessions and max_sessions >= 1; got "
                 f"min_sessions={self._min}, max_sessions={self._max}."
+            )
+        prepacking = _PREPACKING_ALIASES.get(prepacking, prepacking)
+        if prepacking not in ("auto", "shared", "off", "per-session"):
+            raise ValueError(
+                "prepacking must be 'auto', 'shared', 'off' or 'per-session' (or None, False, "
+                f"True), not {prepacking!r}."
+            )
+        if prepacking == "shared" and mechanism != "auto":
+            raise ValueError(
+                "prepacking='shared' chooses the weight mechanism itself; leave mechanism='auto'."
             )
         if mechanism not in ("auto", "device", *MECHANISMS):
             raise ValueError(
@@ -253,10 +284,16 @@ class SessionPool:
         )
         self.weights = WeightStore.open(self.model_path, verify=verify_weights)
         self._device_store: Any = None
-        self.mechanism = self._choose_mechanism(mechanism)
         self._template = sess_options
         self._configure = configure
-        self._prepacking = prepacking
+        self._prepacking: str = str(prepacking)
+        self._prepacked: Any = None  # a _prepack.PrepackedModel on the prepacked-file route
+        self.mechanism_reason = ""
+        self.mechanism = self._choose_mechanism(mechanism)
+        if self.plan.primary == CPU and mechanism == "auto" and prepacking in ("auto", "shared"):
+            self._prepacked = self._plan_prepacked(cache_dir, forced=prepacking == "shared")
+            if self._prepacked is not None:
+                self.mechanism = "prepacked-file"
         self._serialize_creation = serialize_creation
         self._run_lock: threading.Lock | None = (
             threading.Lock()
@@ -290,7 +327,9 @@ class SessionPool:
         if requested == "device" or (requested == "auto" and on_device):
             from sharedml import _device
 
-            if on_device and _device.device_mechanism_available(self.plan.primary):
+            if on_device and _device.device_mechanism_available(
+                self.plan.primary, self.plan.device_id
+            ):
                 self._device_store = _device.DeviceWeightStore.for_store(
                     self.weights, self.plan.primary, self.plan.device_id
                 )
@@ -308,15 +347,51 @@ class SessionPool:
             )
         return zero_copy_mechanisms()[0] if requested in ("auto", "device") else requested
 
+    def _plan_prepacked(self, cache: str | os.PathLike[str] | None, *, forced: bool) -> Any:
+        """Build (or find in the cache) the prepacked model; None where it does not pay."""
+        from sharedml import _prepack
+
+        try:
+            prepacked = _prepack.build_prepacked_model(
+                self.model_path,
+                self.weights.path,
+                cache_root(cache) / "prepacked",
+                sess_options=self._template,
+                weights_digest="sha256:" + self.weights.manifest.sha256,
+            )
+        except SharedMLError as exc:
+            if forced:
+                raise
+            self.mechanism_reason = f"prepacked model could not be built ({exc}); raw weights"
+            warnings.warn(
+                f"sharedml: sharing prepacked weights failed for '{self.source_path}', the pool "
+                f"shares raw weights with prepacking off instead: {exc}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        decision = _prepack.choose_cpu_route(prepacked.stats, sessions=self._max)
+        self.mechanism_reason = decision.reason
+        if forced or decision.route is _prepack.CpuRoute.PREPACKED_FILE:
+            return prepacked
+        return None
+
     def _session_options(self) -> Any:
         import onnxruntime as ort
 
         so = clone_session_options(self._template)
-        if self._prepacking is not None or _config_entry(so, "session.disable_prepacking") is None:
-            # Off unless asked: with prepacking on, every session packs a private copy of each
-            # MatMul/Conv weight, which is exactly the memory the pool exists to save.
+        if self.plan.primary == CPU and so.intra_op_num_threads == 0:
+            # N sessions run at once: ORT's default (one thread per core in every session)
+            # oversubscribes the cores N-fold. Measured (4 sessions, 2 cores): about 2x slower.
+            so.intra_op_num_threads = max(1, _usable_cores() // self._max)
+        if self._prepacked is not None:
+            self._prepacked.apply(so)
+        elif self._prepacking != "auto" or _config_entry(so, "session.disable_prepacking") is None:
+            # Raw weights shared: prepacking off unless asked for, since with it on every
+            # session packs a private copy of each MatMul/Conv weight, exactly the memory the
+            # pool exists to save.
             so.add_session_config_entry(
-                "session.disable_prepacking", "0" if self._prepacking else "1"
+                "session.disable_prepacking", "0" if self._prepacking == "per-session" else "1"
             )
         for key, value in self.plan.config_entries:
             if _config_entry(so, key) is None:
@@ -327,7 +402,9 @@ class SessionPool:
             so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         if self._device_store is not None:
             self._device_store.register(so)
-        else:
+        elif self._prepacked is None:
+            # (The prepacked model is loaded by path: ORT must map its data file itself, or it
+            # ignores the prepacked blobs; see PrepackedModel.apply.)
             self.weights.register(so, self.mechanism)
         if self._configure is not None:
             self._configure(so)
@@ -338,11 +415,12 @@ class SessionPool:
 
         so = self._session_options()
         lock = _CREATION_LOCK if self._serialize_creation else contextlib.nullcontext()
+        path = self._prepacked.model_path if self._prepacked is not None else self.model_path
         start = time.perf_counter()
         try:
             with lock:
                 sess = ort.InferenceSession(
-                    str(self.model_path),
+                    str(path),
                     so,
                     providers=list(self.plan.providers),
                     provider_options=[dict(o) for o in self.plan.provider_options],
@@ -354,6 +432,12 @@ class SessionPool:
                 f"onnxruntime could not create a session for '{self.source_path}' "
                 f"(prepared as '{self.model_path}') with {list(self.plan.providers)}: {exc}"
             ) from exc
+        if self._prepacked is not None:
+            # ORT packs every weight again at load to validate the mapped blobs, then frees
+            # that work; glibc keeps the freed pages (up to ~65 MiB a session) unless trimmed.
+            from sharedml._prepack import release_freed_heap
+
+            release_freed_heap()
         elapsed = time.perf_counter() - start
         with self._cond:
             self._created += 1
