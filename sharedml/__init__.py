@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata as _metadata
 
 from sharedml._cache import cache_dir, prepared_model_for
+from sharedml._device import DeviceWeightStore, device_mechanism_available
 from sharedml._errors import (
     ExternalDataError,
     InvalidModelError,
@@ -61,6 +62,8 @@ __all__ = [
     "PoolStats",
     "WeightStore",
     "zero_copy_mechanisms",
+    "DeviceWeightStore",
+    "device_mechanism_available",
     # Inspecting: what N plain vs N shared sessions cost
     "inspect",
     "InspectReport",

@@ -1,0 +1,350 @@
+"""The device weight store: routes, probes, fallbacks, and (with a GPU) sessions borrowing VRAM.
+
+Everything but the ``gpu`` tests runs on the CPU: the store's upload / view / register path
+works the same with ORT's CPU device, and a CPU session's output shows whether it borrowed the
+store's buffer (change the buffer, see the output change). Probe failures are simulated by
+swapping the probe child's code, so crash handling is tested with real crashing processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from _models import build_model, feeds, save_model
+from onnx import TensorProto
+
+import sharedml
+from sharedml import _device
+from sharedml._device import DeviceWeightStore, RouteProbe
+from sharedml._weights import TensorSlot
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+DML = "DmlExecutionProvider"
+HAS_CUDA = CUDA in ort.get_available_providers()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime-gpu with a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_device.ROUTE_ENV, raising=False)
+    monkeypatch.setattr(_device, "_PROBES", {})
+
+
+@pytest.fixture
+def prepared(tmp_path: Path) -> Path:
+    model = build_model(["initializer", "if_initializer", "loop_constant"], dim=64)
+    src = save_model(model, tmp_path / "m.onnx")
+    dst = tmp_path / "prepared" / "m.onnx"
+    sharedml.prepare(src, dst)
+    return dst
+
+
+def _cpu_session(path: Path, store: DeviceWeightStore) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    # CPU MatMul prepacks (copies) its weight unless told not to; the pool does the same.
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    store.register(so)
+    return ort.InferenceSession(str(path), so, providers=[CPU])
+
+
+def _scaled(buffer: np.ndarray, factor: float) -> np.ndarray:
+    return (np.array(buffer).view(np.float32) * np.float32(factor)).view(np.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# Uploads and views (CPU device)
+
+
+@pytest.mark.parametrize("route", ["ort-slab", "ort-per-tensor"])
+def test_sessions_borrow_the_uploaded_buffers_in_subgraphs_too(prepared: Path, route: str) -> None:
+    weights = sharedml.WeightStore.open(prepared)
+    store = DeviceWeightStore.for_store(weights, CPU, 0, route=route)
+    assert set(store.tensor_names) == {s.name for s in weights.slots}
+    assert store.host_tensors == ()
+    sessions = [_cpu_session(prepared, store) for _ in range(3)]
+    feed = feeds(64)
+    before = [s.run(None, feed)[0] for s in sessions]
+    for out in before[1:]:
+        np.testing.assert_array_equal(out, before[0])
+
+    store.reload(_scaled(weights.buffer, 2.0))
+    after = [s.run(None, feed)[0] for s in sessions]
+    # Every weight on the path doubled, in place, in every session: the main graph's, the
+    # If branch's and the Loop body's (which runs more than once).
+    ratio = np.abs(after[0]).sum() / np.abs(before[0]).sum()
+    assert ratio >= 8.0 - 1e-3
+    for out in after[1:]:
+        np.testing.assert_array_equal(out, after[0])
+
+
+def test_slab_views_point_into_one_buffer_at_the_file_offsets(prepared: Path) -> None:
+    weights = sharedml.WeightStore.open(prepared)
+    store = DeviceWeightStore.for_store(weights, CPU, 0, route="ort-slab")
+    lo = min(s.offset for s in weights.slots)
+    hi = max(s.offset + s.length for s in weights.slots)
+    assert store.device_bytes == hi - lo
+    values = store._upload.values  # type: ignore[union-attr]
+    base = values[weights.slots[0].name].data_ptr() - (weights.slots[0].offset - lo)
+    for slot in weights.slots:
+        assert values[slot.name].data_ptr() == base + slot.offset - lo
+        assert tuple(values[slot.name].shape()) == slot.dims
+        expected = weights.buffer[slot.offset : slot.offset + slot.length].view(np.float32)
+        np.testing.assert_array_equal(values[slot.name].numpy().ravel(), expected)
+
+
+def test_views_keep_the_slab_alive_after_the_store_is_closed() -> None:
+    # 64 MiB: the allocator hands a block this large back to the OS when it is freed, so a
+    # view that outlived its slab would fault here instead of reading stale bytes.
+    size = 64 << 20
+    buffer = np.zeros(size, np.uint8)
+    buffer[-4096:].view(np.float32)[:] = 5.0
+    slot = TensorSlot("last", TensorProto.FLOAT, (1024,), size - 4096, 4096)
+    store = DeviceWeightStore(_device._ProbeWeights(buffer, (slot,)), CPU, 0, route="ort-slab")
+    value = store._upload.values["last"]  # type: ignore[union-attr]
+    store.close()
+    del store
+    gc.collect()
+    churn = [np.full(size // 8, 7.0) for _ in range(4)]
+    np.testing.assert_array_equal(value.numpy(), np.full(1024, 5.0, np.float32))
+    del churn
+
+
+def test_for_store_returns_the_live_store(prepared: Path) -> None:
+    weights = sharedml.WeightStore.open(prepared)
+    a = DeviceWeightStore.for_store(weights, CPU, 0, route="ort-slab")
+    assert DeviceWeightStore.for_store(weights, CPU, 0, route="ort-slab") is a
+    assert DeviceWeightStore.for_store(weights, CPU, 0, route="ort-per-tensor") is not a
+    a.close()
+    b = DeviceWeightStore.for_store(weights, CPU, 0, route="ort-slab")
+    assert b is not a and b.device_bytes > 0
+
+
+def test_types_dlpack_cannot_carry_stay_in_the_file() -> None:
+    buffer = np.zeros(4 * 4096, np.uint8)
+    slots = (
+        TensorSlot("f32", TensorProto.FLOAT, (256,), 0, 1024),
+        TensorSlot("bf16", TensorProto.BFLOAT16, (512,), 4096, 1024),
+        TensorSlot("flag", TensorProto.BOOL, (1024,), 8192, 1024),
+        TensorSlot("i64", TensorProto.INT64, (128,), 12288, 1024),
+    )
+    store = DeviceWeightStore(_device._ProbeWeights(buffer, slots), CPU, 0, route="ort-slab")
+    assert set(store.tensor_names) == {"f32", "i64"}
+    assert store.host_tensors == ("bf16", "flag")
+
+
+def test_closed_store_refuses_to_register(prepared: Path) -> None:
+    store = DeviceWeightStore(sharedml.WeightStore.open(prepared), CPU, 0, route="ort-slab")
+    store.close()
+    with pytest.raises(sharedml.ProviderError, match="closed"):
+        store.register(ort.SessionOptions())
+
+
+def test_unknown_route_and_provider_are_refused(prepared: Path) -> None:
+    weights = sharedml.WeightStore.open(prepared)
+    with pytest.raises(sharedml.ProviderError, match="Unknown device weight route"):
+        DeviceWeightStore(weights, CPU, 0, route="magic")
+    with pytest.raises(sharedml.ProviderError, match="sharedml knows how for"):
+        DeviceWeightStore(weights, "OpenVINOExecutionProvider", 0, route="ort-slab")
+
+
+def test_cupy_route_needs_cuda(prepared: Path) -> None:
+    with pytest.raises(sharedml.ProviderError, match="cupy-slab"):
+        DeviceWeightStore(sharedml.WeightStore.open(prepared), CPU, 0, route="cupy-slab")
+
+
+# --------------------------------------------------------------------------------------------
+# Probes and route selection
+
+
+def test_probe_child_finds_the_slab_route_on_cpu() -> None:
+    (probe,) = _device.probe_routes(CPU, 0, routes=("ort-slab",))
+    assert probe.ok, probe.reason
+    assert probe.route == "ort-slab" and probe.seconds > 0
+
+
+def test_a_probe_that_crashes_is_reported_not_propagated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_device, "_PROBE_CODE", "import os, signal; os.kill(os.getpid(), 11)")
+    probe = _device._run_probe(CPU, 0, "ort-slab", timeout_s=60)
+    assert not probe.ok
+    assert "SIGSEGV" in probe.reason and "crash" in probe.reason
+
+
+def test_a_probe_that_hangs_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_device, "_PROBE_CODE", "import time; time.sleep(60)")
+    probe = _device._run_probe(CPU, 0, "ort-slab", timeout_s=1)
+    assert not probe.ok and "did not finish" in probe.reason
+
+
+def test_a_probe_that_fails_gives_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_device, "_PROBE_CODE", "import sys; sys.exit('no luck')")
+    probe = _device._run_probe(CPU, 0, "ort-slab", timeout_s=60)
+    assert not probe.ok and "status 1" in probe.reason and "no luck" in probe.reason
+
+
+def _fake_probes(results: dict[str, bool], calls: list[str]):  # type: ignore[no-untyped-def]
+    def fake(provider: str, device_id: int, route: str, timeout_s: float) -> RouteProbe:
+        calls.append(route)
+        ok = results[route]
+        return RouteProbe(route, provider, device_id, ok, "" if ok else "crashed (SIGSEGV)")
+
+    return fake
+
+
+def test_a_crashing_route_falls_back_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    fake = _fake_probes({"ort-slab": False, "ort-per-tensor": True, "cupy-slab": True}, calls)
+    monkeypatch.setattr(_device, "_run_probe", fake)
+    monkeypatch.setattr(_device, "_provider_available", lambda provider: True)
+    assert _device.select_route(CUDA) == "ort-per-tensor"
+    assert calls == ["ort-slab", "ort-per-tensor"]  # stops at the first that works
+    assert _device.device_mechanism_available(CUDA)
+    assert calls == ["ort-slab", "ort-per-tensor"]  # cached for the process
+
+
+def test_no_working_route_means_no_device_mechanism(
+    monkeypatch: pytest.MonkeyPatch, prepared: Path
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(
+        _device, "_run_probe", _fake_probes(dict.fromkeys(_device.ROUTES, False), calls)
+    )
+    monkeypatch.setattr(_device, "_provider_available", lambda provider: True)
+    assert not _device.device_mechanism_available(DML)
+    assert calls == list(_device.ROUTES)
+    with pytest.raises(sharedml.ProviderError, match=r"ort-slab: crashed \(SIGSEGV\)"):
+        DeviceWeightStore.for_store(sharedml.WeightStore.open(prepared), DML, 0)
+
+
+def test_probe_errors_never_escape_device_mechanism_available(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def boom(provider: str, device_id: int, route: str, timeout_s: float) -> RouteProbe:
+        raise OSError("fork failed")
+
+    monkeypatch.setattr(_device, "_run_probe", boom)
+    monkeypatch.setattr(_device, "_provider_available", lambda provider: True)
+    assert _device.device_mechanism_available(CUDA) is False
+
+
+def test_missing_or_hostless_providers_are_not_probed(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(_device, "_run_probe", _fake_probes({}, calls))
+    monkeypatch.setattr(_device, "_provider_available", lambda provider: False)
+    assert not _device.device_mechanism_available(CUDA)
+    assert not _device.device_mechanism_available(CPU)  # CPU sessions share host memory
+    assert not _device.device_mechanism_available("OpenVINOExecutionProvider")
+    assert _device.probe_routes(CUDA) == ()
+    assert calls == []
+
+
+def test_environment_forces_a_route_without_probing(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(_device, "_run_probe", _fake_probes({}, calls))
+    monkeypatch.setenv(_device.ROUTE_ENV, "cupy-slab")
+    assert _device.select_route(CUDA) == "cupy-slab"
+    monkeypatch.setenv(_device.ROUTE_ENV, "none")
+    assert _device.select_route(CUDA) is None
+    assert not _device.device_mechanism_available(CUDA)
+    monkeypatch.setenv(_device.ROUTE_ENV, "telepathy")
+    with pytest.raises(sharedml.ProviderError, match="SHAREDML_DEVICE_ROUTE"):
+        _device.select_route(CUDA)
+    assert calls == []
+
+
+def test_shared_arena_is_refused_for_providers_without_one() -> None:
+    assert _device.register_shared_arena(CPU) is False
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA (skipped without onnxruntime-gpu and a device)
+
+
+@pytest.fixture(scope="module")
+def cuda_ready() -> None:
+    if not HAS_CUDA:
+        pytest.skip("needs onnxruntime-gpu with a CUDA device")
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+
+
+def _cuda_model(tmp_path: Path) -> tuple[Path, Path]:
+    model = build_model(["initializer", "initializer", "if_initializer"], dim=256)
+    src = save_model(model, tmp_path / "cuda.onnx")
+    dst = tmp_path / "prepared" / "cuda.onnx"
+    sharedml.prepare(src, dst)
+    return src, dst
+
+
+@gpu
+@needs_cuda
+def test_cuda_probe_finds_a_route(cuda_ready: None) -> None:
+    probes = _device.probe_routes(CUDA, 0)
+    assert probes and probes[-1].ok, probes
+
+
+@gpu
+@needs_cuda
+def test_cuda_sessions_borrow_one_upload(cuda_ready: None, tmp_path: Path) -> None:
+    src, dst = _cuda_model(tmp_path)
+    weights = sharedml.WeightStore.open(dst)
+    store = DeviceWeightStore.for_store(weights, CUDA, 0)
+    providers = [(CUDA, {"device_id": "0"}), CPU]
+    sessions = []
+    for _ in range(3):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        store.register(so)
+        sessions.append(ort.InferenceSession(str(dst), so, providers=providers))
+    plain = ort.InferenceSession(str(src), providers=providers)
+    feed = feeds(256)
+    ref = plain.run(None, feed)[0]
+    for sess in sessions:
+        np.testing.assert_array_equal(sess.run(None, feed)[0], ref)
+    store.reload(_scaled(weights.buffer, 2.0))
+    for sess in sessions:  # two main-graph weights and the If branch's: 2**3
+        np.testing.assert_allclose(sess.run(None, feed)[0], 8.0 * ref, rtol=1e-5, atol=1e-6)
+    store.reload(weights.buffer)
+
+
+@gpu
+@needs_cuda
+def test_cuda_pool_threads_all_match_a_plain_session(cuda_ready: None, tmp_path: Path) -> None:
+    src, dst = _cuda_model(tmp_path)
+    feed = feeds(256)
+    ref = ort.InferenceSession(str(src), providers=[CUDA, CPU]).run(None, feed)[0]
+    with sharedml.SessionPool(dst, sessions=4, providers=[CUDA]) as pool:
+        assert pool.mechanism == "device"
+        threads, barrier = 8, threading.Barrier(8)
+        outputs: list[np.ndarray] = []
+        lock = threading.Lock()
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
+
+        def work() -> None:
+            barrier.wait()
+            for _ in range(20):
+                out = pool.run(None, feed)[0]
+                with lock:
+                    outputs.append(out)
+
+        try:
+            workers = [threading.Thread(target=work) for _ in range(threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        finally:
+            sys.setswitchinterval(old)
+        assert len(outputs) == threads * 20
+        for out in outputs:
+            np.testing.assert_array_equal(out, ref)
+        assert pool.stats().created == 4

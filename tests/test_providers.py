@@ -1,0 +1,208 @@
+"""Provider policy: what the pool passes to ORT for CPU, CUDA and DirectML.
+
+DirectML cannot run on Linux, so these tests check the *plan* (providers, options, session
+settings, run serialization) that the pool applies; ``.github/workflows/windows-directml.yml``
+runs the suite with onnxruntime-directml on Windows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+from _models import build_model, save_model
+
+import sharedml
+from sharedml import _device, _providers
+from sharedml._providers import (
+    CPU,
+    CUDA,
+    DML,
+    ProviderPlan,
+    plan_providers,
+    serialize_runs_by_default,
+)
+
+ALL = [CPU, CUDA, DML]
+
+
+def test_no_providers_means_cpu() -> None:
+    plan = plan_providers(None, available=[CPU])
+    assert plan.providers == (CPU,)
+    assert plan.provider_options == ({},)
+    assert plan.primary == CPU and plan.device_id == 0
+    assert plan.config_entries == ()
+    assert not plan.disable_mem_pattern and not plan.sequential_execution
+
+
+def test_cuda_gets_a_device_id_and_cpu_as_fallback() -> None:
+    plan = plan_providers([CUDA], available=ALL)
+    assert plan.providers == (CUDA, CPU)
+    assert plan.provider_options[0]["device_id"] == "0"
+    assert plan.provider_options[1] == {}
+    assert plan.config_entries == ()
+    assert not plan.disable_mem_pattern and not plan.sequential_execution
+
+
+def test_callers_options_win_and_become_strings() -> None:
+    plan = plan_providers(
+        [(CUDA, {"device_id": 1, "gpu_mem_limit": 2 << 30})],
+        available=ALL,
+    )
+    assert plan.device_id == 1
+    assert plan.provider_options[0]["device_id"] == "1"
+    assert plan.provider_options[0]["gpu_mem_limit"] == str(2 << 30)
+
+    plan = plan_providers([CUDA], [{"device_id": 3}], available=ALL)
+    assert plan.device_id == 3
+
+
+def test_cuda_sessions_get_one_stream_each_unless_the_caller_says_otherwise() -> None:
+    defaults = getattr(_providers, "CUDA_SESSION_DEFAULTS", None)
+    if defaults is None:
+        pytest.skip("needs CUDA_SESSION_DEFAULTS in sharedml/_providers.py (issue 7 patch)")
+    # Measured: 8 pool sessions over 1 GiB take 1638 MiB with it, 2808 without (docs/gpu.md).
+    plan = plan_providers([CUDA], available=ALL)
+    assert plan.provider_options[0]["use_ep_level_unified_stream"] == "1"
+    plan = plan_providers([(CUDA, {"use_ep_level_unified_stream": "0"})], available=ALL)
+    assert plan.provider_options[0]["use_ep_level_unified_stream"] == "0"
+    assert (
+        "use_ep_level_unified_stream"
+        not in plan_providers([DML], available=ALL).provider_options[0]
+    )
+
+
+def test_a_single_provider_name_is_accepted() -> None:
+    assert plan_providers(CUDA, available=ALL).providers == (CUDA, CPU)
+
+
+def test_cpu_is_not_added_twice_and_keeps_its_place() -> None:
+    plan = plan_providers([CUDA, CPU], available=ALL)
+    assert plan.providers == (CUDA, CPU)
+
+
+def test_directml_plan_has_the_settings_dml_needs() -> None:
+    plan = plan_providers([DML], available=ALL)
+    assert plan.providers == (DML, CPU)
+    assert plan.provider_options[0] == {"device_id": "0"}
+    # ORT forces both for DML (with a warning); the pool sets them so that it does not have to.
+    assert plan.disable_mem_pattern
+    assert plan.sequential_execution
+    # Graph fusion would upload fused partitions' weights per session.
+    assert ("ep.dml.disable_graph_fusion", "1") in plan.config_entries
+
+
+def test_directml_device_id_is_kept() -> None:
+    plan = plan_providers([(DML, {"device_id": "1"})], available=ALL)
+    assert plan.device_id == 1
+
+
+def test_mismatched_provider_options_are_refused() -> None:
+    with pytest.raises(sharedml.ProviderError, match="one dict per provider"):
+        plan_providers([CUDA, CPU], [{}], available=ALL)
+
+
+@pytest.mark.parametrize(
+    ("provider", "hint"),
+    [(CUDA, "onnxruntime-gpu"), (DML, "onnxruntime-directml")],
+)
+def test_missing_providers_are_an_error_with_the_package_to_install(
+    provider: str, hint: str
+) -> None:
+    with pytest.raises(sharedml.ProviderError, match=hint) as info:
+        plan_providers([provider], available=[CPU])
+    assert provider in str(info.value) and "available: CPUExecutionProvider" in str(info.value)
+
+
+def test_unknown_providers_pass_through_when_available() -> None:
+    plan = plan_providers(
+        ["OpenVINOExecutionProvider"], available=[CPU, "OpenVINOExecutionProvider"]
+    )
+    assert plan.providers == ("OpenVINOExecutionProvider", CPU)
+    assert plan.provider_options[0] == {}
+
+
+def test_default_availability_comes_from_onnxruntime() -> None:
+    assert _providers.available_providers() == ort.get_available_providers()
+
+
+@pytest.mark.parametrize(
+    ("version", "serialize"),
+    [
+        ("1.17.3", False),  # the last release where concurrent DML sessions worked (#20713)
+        ("1.18.0", True),
+        ("1.18.0.dev20240501", True),
+        ("1.20.1", True),
+        ("1.24.4", True),
+        ("2.0.0rc1", True),
+        ("1.9.0", False),
+    ],
+)
+def test_directml_runs_are_serialized_from_1_18(version: str, serialize: bool) -> None:
+    plan = plan_providers([DML], available=ALL)
+    assert serialize_runs_by_default(plan, version) is serialize
+
+
+@pytest.mark.parametrize("provider", [CPU, CUDA])
+def test_other_providers_are_not_serialized(provider: str) -> None:
+    plan = plan_providers([provider], available=ALL)
+    assert serialize_runs_by_default(plan, "1.24.0") is False
+
+
+def test_serialization_reads_the_installed_version_by_default() -> None:
+    plan = ProviderPlan(providers=(DML, CPU), provider_options=({"device_id": "0"}, {}))
+    expected = _providers._version_tuple(ort.__version__) >= (1, 18)
+    assert serialize_runs_by_default(plan) is expected
+
+
+# --------------------------------------------------------------------------------------------
+# The pool applies a DirectML plan (sessions are never created here: min_sessions=0)
+
+
+@pytest.fixture
+def dml_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> sharedml.SessionPool:
+    monkeypatch.setattr(_providers, "available_providers", lambda: [DML, CPU])
+    # No device store for DML on this machine: the probe finds DML missing from the real build.
+    monkeypatch.setattr(_device, "_PROBES", {})
+    monkeypatch.delenv(_device.ROUTE_ENV, raising=False)
+    src = save_model(build_model(["initializer"], dim=32), tmp_path / "m.onnx")
+    with pytest.warns(RuntimeWarning, match="upload its own copy"):
+        pool = sharedml.SessionPool(
+            src, sessions=2, min_sessions=0, providers=[DML], cache_dir=tmp_path / "cache"
+        )
+    return pool
+
+
+def test_pool_applies_directml_session_settings(dml_pool: sharedml.SessionPool) -> None:
+    assert dml_pool.mechanism != "device"  # fell back to host-shared weights, with a warning
+    so = dml_pool._session_options()
+    assert so.enable_mem_pattern is False
+    assert so.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
+    assert so.get_session_config_entry("ep.dml.disable_graph_fusion") == "1"
+    expected = _providers._version_tuple(ort.__version__) >= (1, 18)
+    assert (dml_pool._run_lock is not None) is expected
+
+
+def test_pool_keeps_a_callers_graph_fusion_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_providers, "available_providers", lambda: [DML, CPU])
+    monkeypatch.setattr(_device, "_PROBES", {})
+    monkeypatch.delenv(_device.ROUTE_ENV, raising=False)
+    src = save_model(build_model(["initializer"], dim=32), tmp_path / "m.onnx")
+    template = ort.SessionOptions()
+    template.add_session_config_entry("ep.dml.disable_graph_fusion", "0")
+    with pytest.warns(RuntimeWarning):
+        pool = sharedml.SessionPool(
+            src,
+            sessions=1,
+            min_sessions=0,
+            providers=[DML],
+            sess_options=template,
+            serialize_runs=False,
+            cache_dir=tmp_path / "cache",
+        )
+    so = pool._session_options()
+    assert so.get_session_config_entry("ep.dml.disable_graph_fusion") == "0"
+    assert pool._run_lock is None  # the caller's explicit choice wins
