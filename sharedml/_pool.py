@@ -178,6 +178,16 @@ def _is_session_fatal(exc: BaseException) -> bool:
     return name in ("EPFail", "EngineError")
 
 
+class _Ticket:
+    """A caller waiting for a session: granted a session, or a slot to create one."""
+
+    __slots__ = ("granted", "session")
+
+    def __init__(self) -> None:
+        self.granted = False
+        self.session: Any = None
+
+
 class SessionPool:
     """N ONNX Runtime sessions over one shared copy of a model's weights.
 
@@ -270,6 +280,7 @@ class SessionPool:
         self._state = "opening"
         self._cond = threading.Condition()
         self._idle: deque[Any] = deque()
+        self._queue: deque[_Ticket] = deque()  # callers waiting for a session, oldest first
         self._count = 0  # sessions that exist or are being created
         self._busy = 0
         self._runs = self._failed = self._waits = self._created = self._replaced = 0
@@ -444,36 +455,80 @@ class SessionPool:
             self._create_s += elapsed
         return sess
 
+    def _dispatch(self) -> None:
+        """Hand free sessions (or creation slots) to waiting callers, oldest first.
+
+        Called with ``self._cond`` held. A handed-over session counts as busy from here on, so
+        ``stats()`` never misses it while its new owner wakes up.
+        """
+        while self._state == "open" and self._queue and (self._idle or self._count < self._max):
+            ticket = self._queue.popleft()
+            if self._idle:
+                ticket.session = self._idle.popleft()
+            else:
+                self._count += 1  # the waiter creates it
+            ticket.granted = True
+            self._busy += 1
+        self._cond.notify_all()  # granted waiters, and close() waiting for busy to reach 0
+
     def _acquire(self, timeout_s: float | None) -> Any:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         waited_since: float | None = None
+        ticket: _Ticket | None = None
         with self._cond:
-            while True:
-                if self._state in ("closing", "closed"):
-                    raise PoolClosedError(
-                        "This SessionPool is closed; create a new pool to run more work."
-                    )
-                if self._idle:
-                    sess = self._idle.popleft()
-                    break
-                if self._count < self._max:
-                    self._count += 1
-                    sess = None
-                    break
-                if waited_since is None:
-                    waited_since = time.monotonic()
-                    self._waits += 1
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+            try:
+                while True:
+                    if self._state in ("closing", "closed"):
+                        raise PoolClosedError(
+                            "This SessionPool is closed; create a new pool to run more work."
+                        )
+                    if ticket is not None and ticket.granted:
+                        sess = ticket.session
+                        break
+                    # First come, first served: nobody may take a session while others wait,
+                    # or a caller that loops on the pool starves the ones already waiting.
+                    if ticket is None and not self._queue:
+                        if self._idle:
+                            sess = self._idle.popleft()
+                            self._busy += 1
+                            break
+                        if self._count < self._max:
+                            self._count += 1
+                            self._busy += 1
+                            sess = None
+                            break
+                    if ticket is None:
+                        ticket = _Ticket()
+                        self._queue.append(ticket)
+                        waited_since = time.monotonic()
+                        self._waits += 1
+                        self._dispatch()
+                        continue
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise PoolTimeout(
+                            f"No session of the pool became free within {timeout_s} s "
+                            f"({self._busy} of {self._max} busy). Raise max_sessions or the "
+                            "timeout."
+                        )
+                    self._cond.wait(remaining)
+            except BaseException:
+                # Timeout, close, or KeyboardInterrupt while waiting: leave the queue, and pass
+                # on a session (or creation slot) handed over in the meantime.
+                if ticket is not None:
+                    if ticket.granted:
+                        self._busy -= 1
+                        if ticket.session is not None:
+                            self._idle.append(ticket.session)
+                        else:
+                            self._count -= 1
+                        self._dispatch()
+                    else:
+                        self._queue.remove(ticket)
+                raise
+            finally:
+                if waited_since is not None:
                     self._wait_s += time.monotonic() - waited_since
-                    raise PoolTimeout(
-                        f"No session of the pool became free within {timeout_s} s "
-                        f"({self._busy} of {self._max} busy). Raise max_sessions or the timeout."
-                    )
-                self._cond.wait(remaining)
-            if waited_since is not None:
-                self._wait_s += time.monotonic() - waited_since
-            self._busy += 1
         if sess is None:
             try:
                 sess = self._create_session()
@@ -481,7 +536,7 @@ class SessionPool:
                 with self._cond:
                     self._count -= 1
                     self._busy -= 1
-                    self._cond.notify()
+                    self._dispatch()
                 raise
         return sess
 
@@ -495,7 +550,7 @@ class SessionPool:
                 self._replaced += 1
             else:
                 self._idle.append(sess)
-            self._cond.notify_all()
+            self._dispatch()
 
     @contextlib.contextmanager
     def session(self, timeout_s: float | None = None) -> Iterator[Any]:

@@ -22,7 +22,7 @@ import itertools
 import json
 import math
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -254,6 +254,11 @@ def _external_source(tensor: TensorProto, base: Path, model_path: Path) -> _Sour
         raise ExternalDataError(
             f"Tensor '{name}' in '{model_path}' uses external data but names no location."
         )
+    if "\0" in location:
+        raise UnsafePathError(
+            f"Tensor '{name}' in '{model_path}': external data location {location!r} contains a "
+            "NUL byte, which would make ONNX Runtime and sharedml read different files."
+        )
     if os.path.isabs(location) or Path(location).drive or location.startswith(("/", "\\")):
         raise UnsafePathError(
             f"Tensor '{name}' in '{model_path}': external data location '{location}' is an "
@@ -304,11 +309,26 @@ def _inline_source(tensor: TensorProto, model_path: Path) -> _Source | None:
     expected = tensor_nbytes(tensor)
     if expected is None:
         return None
-    if tensor.HasField("raw_data") and len(tensor.raw_data) != expected:
-        raise InvalidModelError(
-            f"Tensor '{tensor.name or '<unnamed>'}' in '{model_path}' holds "
-            f"{len(tensor.raw_data)} bytes but its shape {list(tensor.dims)} needs {expected}."
-        )
+    name = tensor.name or "<unnamed>"
+    if tensor.HasField("raw_data"):
+        if len(tensor.raw_data) != expected:
+            raise InvalidModelError(
+                f"Tensor '{name}' in '{model_path}' holds {len(tensor.raw_data)} bytes but its "
+                f"shape {list(tensor.dims)} needs {expected}."
+            )
+    else:
+        # Values in typed fields (float_data, int32_data, ...): a handful of them may declare any
+        # shape. Converting costs only what is really stored (numpy refuses the reshape before
+        # anything of the declared size exists), and tells a corrupt tensor apart here rather
+        # than in the middle of writing the weights file.
+        try:
+            onnx.numpy_helper.to_array(tensor)
+        except Exception as exc:
+            raise InvalidModelError(
+                f"Tensor '{name}' in '{model_path}' declares shape {list(tensor.dims)} "
+                f"({expected} bytes) but its stored values do not fill it ({exc}). The model "
+                "is corrupt; export it again."
+            ) from None
     return _Source(tensor=tensor, nbytes=expected)
 
 
@@ -496,6 +516,22 @@ def _replace_metadata(model: ModelProto, manifest: WeightsManifest) -> None:
     entry.key, entry.value = MANIFEST_KEY, manifest.to_json()
 
 
+def _create_temp(final: Path) -> tuple[int, Path]:
+    """A new temporary file beside ``final``, with the permissions the umask gives new files.
+
+    (``tempfile.mkstemp`` would make it 0600, so a prepared model would be unreadable by the
+    other users a deployment often runs its workers as.)
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        path = final.with_name(f".{final.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(path, flags, 0o666), path
+        except FileExistsError:
+            continue
+    raise PrepareError(f"Could not create a temporary file beside '{final}'.")  # pragma: no cover
+
+
 def _fsync_dir(path: Path) -> None:
     if os.name != "posix":
         return
@@ -566,10 +602,7 @@ def prepare(
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_weights = tmp_model = None
     try:
-        fd, name = tempfile.mkstemp(
-            prefix=f".{weights_path.name}.", suffix=".tmp", dir=dst_path.parent
-        )
-        tmp_weights = Path(name)
+        fd, tmp_weights = _create_temp(weights_path)
         with os.fdopen(fd, "wb") as fh:
             writer = _HashingWriter(fh)
             _write_weights(moving, writer, weights_path.name, alignment_bytes, progress)
@@ -583,8 +616,7 @@ def prepare(
             tensors=len(moving),
         )
         _replace_metadata(model, manifest)
-        fd, name = tempfile.mkstemp(prefix=f".{dst_path.name}.", suffix=".tmp", dir=dst_path.parent)
-        tmp_model = Path(name)
+        fd, tmp_model = _create_temp(dst_path)
         with os.fdopen(fd, "wb") as fh:
             fh.write(model.SerializeToString())
             fh.flush()

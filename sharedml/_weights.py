@@ -38,8 +38,14 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx
 
-from sharedml._errors import ExternalDataError, WeightsMismatchError
-from sharedml._prepare import WeightsManifest, iter_graphs, load_graph, read_manifest
+from sharedml._errors import ExternalDataError, UnsafePathError, WeightsMismatchError
+from sharedml._prepare import (
+    WeightsManifest,
+    iter_graphs,
+    load_graph,
+    read_manifest,
+    tensor_nbytes,
+)
 
 __all__ = [
     "MECHANISMS",
@@ -64,7 +70,15 @@ class TensorSlot:
     length: int
 
 
-def _slots(model: onnx.ModelProto, weights_file: str) -> tuple[TensorSlot, ...]:
+def _slots(
+    model: onnx.ModelProto, model_path: Path, manifest: WeightsManifest, size: int
+) -> tuple[TensorSlot, ...]:
+    """Every tensor's place in the weights file, checked against the file as prepare wrote it.
+
+    The graph is not covered by the recorded hash (the hash lives in it), so a changed graph
+    must not make the store hand ORT a slice other than the tensor's own bytes.
+    """
+    weights_file = manifest.file
     slots = []
     for graph in iter_graphs(model.graph):
         for tensor in graph.initializer:
@@ -73,16 +87,36 @@ def _slots(model: onnx.ModelProto, weights_file: str) -> tuple[TensorSlot, ...]:
             info = {e.key: e.value for e in tensor.external_data}
             if info.get("location") != weights_file:
                 raise ExternalDataError(
-                    f"Tensor '{tensor.name}' refers to '{info.get('location')}', not to the "
-                    f"prepared weights file '{weights_file}'. Prepare the model again."
+                    f"Tensor '{tensor.name}' of '{model_path}' refers to "
+                    f"'{info.get('location')}', not to the prepared weights file "
+                    f"'{weights_file}'. Prepare the model again."
+                )
+            try:
+                offset, length = int(info.get("offset", "0")), int(info["length"])
+            except (KeyError, ValueError):
+                offset = length = -1
+            expected = tensor_nbytes(tensor)
+            if (
+                offset < 0
+                or length < 0
+                or offset + length > size
+                or offset % manifest.alignment_bytes
+                or (expected is not None and length != expected)
+            ):
+                raise ExternalDataError(
+                    f"Tensor '{tensor.name}' of prepared model '{model_path}' claims bytes "
+                    f"{info.get('offset')}..+{info.get('length')} of weights file "
+                    f"'{weights_file}' ({size} bytes, tensors aligned to "
+                    f"{manifest.alignment_bytes}, its shape needs {expected} bytes): the graph "
+                    "was changed after prepare. Prepare the model again."
                 )
             slots.append(
                 TensorSlot(
                     name=tensor.name,
                     data_type=tensor.data_type,
                     dims=tuple(tensor.dims),
-                    offset=int(info.get("offset", "0")),
-                    length=int(info["length"]),
+                    offset=offset,
+                    length=length,
                 )
             )
     return tuple(slots)
@@ -115,6 +149,16 @@ class WeightStore:
         self.model_path = model_path
         self.manifest = manifest
         self.path = model_path.parent / manifest.file
+        # ORT refuses external data that resolves outside the model's folder; the store hands
+        # ORT the bytes itself, so it must refuse the same (a symlink to another file).
+        real_folder = os.path.realpath(model_path.parent)
+        real = os.path.realpath(self.path)
+        if os.path.commonpath([real_folder, real]) != real_folder:
+            raise UnsafePathError(
+                f"Weights file '{self.path}' of prepared model '{model_path}' resolves to "
+                f"'{real}', outside the model's folder '{real_folder}'. Weights are read only "
+                "from the model's own folder: prepare the model again."
+            )
         if not self.path.is_file():
             raise WeightsMismatchError(
                 f"Weights file '{self.path}' of prepared model '{model_path}' is missing. "
@@ -126,12 +170,10 @@ class WeightStore:
                 f"Weights file '{self.path}' has {size} bytes, but prepare wrote "
                 f"{manifest.size_bytes}: it was truncated or replaced. Prepare the model again."
             )
-        if verify and _sha256_of(self.path) != manifest.sha256:
-            raise WeightsMismatchError(
-                f"Weights file '{self.path}' does not match the SHA-256 that prepare recorded in "
-                f"'{model_path}': it was modified. Prepare the model again."
-            )
-        self.slots = _slots(load_graph(model_path), manifest.file)
+        self.verified = False
+        if verify:
+            self._verify()
+        self.slots = _slots(load_graph(model_path), model_path, manifest, size)
         with open(self.path, "rb") as fh:
             # Read-only and shared: pages come from the page cache, one copy for every session
             # of every pool (and every process) that maps this file.
@@ -141,6 +183,14 @@ class WeightStore:
         )
         self._ortvalues: dict[str, Any] = {}
         self._lock = threading.Lock()
+
+    def _verify(self) -> None:
+        if _sha256_of(self.path) != self.manifest.sha256:
+            raise WeightsMismatchError(
+                f"Weights file '{self.path}' does not match the SHA-256 that prepare recorded in "
+                f"'{self.model_path}': it was modified. Prepare the model again."
+            )
+        self.verified = True
 
     @classmethod
     def open(cls, model_path: str | os.PathLike[str], *, verify: bool = True) -> WeightStore:
@@ -179,6 +229,8 @@ class WeightStore:
             if store is None:
                 store = cls(path, manifest, verify=verify)
                 cls._registry[key] = store
+            elif verify and not store.verified:
+                store._verify()  # first opened with verify=False: check the hash now
             return store
 
     @property

@@ -35,9 +35,14 @@ def original_tensors(model: onnx.ModelProto) -> dict[str, bytes]:
 
 
 def check_layout(
-    result: sharedml.PrepareResult, expected: dict[str, bytes], alignment: int
+    result: sharedml.PrepareResult,
+    expected: dict[str, bytes],
+    alignment: int,
+    threshold: int = 1024,
 ) -> None:
-    """Every external tensor is aligned, holds the expected bytes, and ranges don't overlap."""
+    """Every external tensor is aligned, holds the expected bytes, and ranges don't overlap;
+    nothing at or above the threshold stayed in the graph."""
+    limit = max(threshold, 128)  # prepare keeps tensors under 128 bytes inline regardless
     model = onnx.load_model(str(result.model_path), load_external_data=False)
     data = result.weights_path.read_bytes()
     assert len(data) == result.manifest.size_bytes
@@ -45,9 +50,10 @@ def check_layout(
     ranges = []
     for graph in iter_graphs(model.graph):
         for node in graph.node:
-            assert node.op_type != "Constant" or tensor_nbytes(node.attribute[0].t) < 1024
+            assert node.op_type != "Constant" or tensor_nbytes(node.attribute[0].t) < limit
         for t in graph.initializer:
             if t.data_location != TensorProto.EXTERNAL:
+                assert tensor_nbytes(t) < limit, t.name
                 continue
             info = {e.key: e.value for e in t.external_data}
             assert info["location"] == result.weights_path.name
@@ -180,7 +186,7 @@ def test_any_mix_of_placements_round_trips(
     model = build_model(placements, dim=dim, seed=seed)
     src = save_model(model, tmp / "src" / "m.onnx", external=external, threshold=256)
     result = sharedml.prepare(src, tmp / "out" / "m.onnx", size_threshold_bytes=threshold)
-    check_layout(result, original_tensors(model), 4096)
+    check_layout(result, original_tensors(model), 4096, threshold)
     for flag in (True, False):
         np.testing.assert_array_equal(
             run_ort(result.model_path, feeds(dim, flag=flag)), run_ort(src, feeds(dim, flag=flag))
@@ -370,3 +376,15 @@ def test_cli_errors_are_one_line_without_traceback(
     assert "Traceback" not in err
     with pytest.raises(sharedml.ModelNotFoundError):
         main(["--debug", "prepare", str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "p.onnx")])
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_outputs_get_the_permissions_the_umask_gives(tmp_path: Path) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    old = os.umask(0o022)
+    try:
+        result = sharedml.prepare(src, tmp_path / "out" / "m.onnx")
+    finally:
+        os.umask(old)
+    for path in (result.model_path, result.weights_path):
+        assert path.stat().st_mode & 0o777 == 0o644  # readable by workers running as others
