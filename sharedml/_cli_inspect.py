@@ -31,7 +31,9 @@ def add_parser(sub: Any) -> None:
             "Report a model's weights (how many bytes, where they sit, what prepare would move) "
             "and measure, each in a fresh process, the memory and time of N sessions per "
             "strategy: N plain onnxruntime sessions (naive), sharedml's pool (shared), the pool "
-            "with prepacking, and one session shared by all threads (single). Without MODEL, a "
+            "with prepacking off (shared-raw) and with ORT's per-session packing "
+            "(shared-private-packs), and one session shared by all threads (single). Without "
+            "MODEL, a "
             "built-in demo model is generated and inspected."
         ),
     )

@@ -366,7 +366,8 @@ def recommend(measurements: Mapping[str, Measurement], *, sessions: int, weights
     parts: list[str] = []
     naive = measurements.get("naive")
     shared = measurements.get("shared")
-    prepacked = measurements.get("shared-prepacked")
+    prepacked = measurements.get("shared-private-packs")
+    raw = measurements.get("shared-raw")
     single = measurements.get("single")
     big = max(DEFAULT_PROJECTION_SESSIONS[-1], sessions * 2)
     metric = next(iter(measurements.values())).metric.upper() if measurements else "PSS"
@@ -424,18 +425,26 @@ def recommend(measurements: Mapping[str, Measurement], *, sessions: int, weights
             extra = b - a
             if extra <= max(0.02 * weights_bytes, 1 * _MiB):
                 parts.append(
-                    f"Prepacking costs next to nothing per session for this model "
-                    f"({human_bytes(extra)}): pass prepacking=True to get ORT's packed "
-                    "MatMul/Conv kernels."
+                    f"ORT's own per-session prepacking (prepacking='per-session') costs next "
+                    f"to nothing more per session for this model ({human_bytes(extra)})."
                 )
             else:
                 parts.append(
-                    f"Prepacking (prepacking=True) adds {human_bytes(extra)} per session "
-                    f"({human_bytes(total(prepacked))} in all at {sessions}): ORT keeps a packed "
-                    "copy of each MatMul/Conv weight per session. It speeds up those kernels "
-                    "mainly at larger batch sizes, so leave it off (the pool's default) unless "
-                    "a throughput test at your batch size shows that it pays."
+                    f"ORT's own per-session prepacking (prepacking='per-session') would add "
+                    f"{human_bytes(extra)} per session ({human_bytes(total(prepacked))} in all "
+                    f"at {sessions}): each session keeps a packed copy of each MatMul/Conv "
+                    "weight. The pool's default shares the packed weights instead, where ORT "
+                    "packs any."
                 )
+    if shared is not None and raw is not None:
+        raw_total = total(raw)
+        if shared_total is not None and raw_total is not None:
+            parts.append(
+                f"With prepacking off (prepacking='off') the pool takes "
+                f"{human_bytes(raw_total)} against {human_bytes(shared_total)} for its default: "
+                "the least memory and the fastest session creation, but unpacked MatMul/Gemm "
+                "kernels (about 2x slower at batch 8 on CPU, see benchmarks/)."
+            )
     if single is not None and shared is not None and sessions > 1:
         single_total = total(single)
         if single_total is not None and shared_total is not None:
@@ -497,7 +506,8 @@ def inspect(
         provider_options: As for ``onnxruntime.InferenceSession``.
         dims: Sizes of the inputs' symbolic dimensions by name (default 1 each).
         strategies: Names of registered strategies to measure (default: every strategy
-            registered as a default: naive, shared, shared-prepacked, single).
+            registered as a default: naive, shared, shared-raw, shared-private-packs,
+            single).
         projection_sessions: Session counts to project memory to (N is added).
         timeout_s: Stop any one measurement after this long.
         progress: Called as ``progress(description, steps_done, steps_total)``.

@@ -217,7 +217,7 @@ class _PlainSessions:
 class _PoolSessions:
     """A :class:`sharedml.SessionPool` grown one session at a time by holding checkouts."""
 
-    def __init__(self, ctx: StrategyContext, *, prepacking: bool | None) -> None:
+    def __init__(self, ctx: StrategyContext, *, prepacking: str) -> None:
         from sharedml._pool import SessionPool
 
         self._stack = contextlib.ExitStack()
@@ -253,22 +253,35 @@ def _single(ctx: StrategyContext) -> SessionSet:
 
 
 def _shared(ctx: StrategyContext) -> SessionSet:
-    return _PoolSessions(ctx, prepacking=None)
+    return _PoolSessions(ctx, prepacking="auto")
 
 
-def _shared_prepacked(ctx: StrategyContext) -> SessionSet:
-    return _PoolSessions(ctx, prepacking=True)
+def _shared_raw(ctx: StrategyContext) -> SessionSet:
+    return _PoolSessions(ctx, prepacking="off")
+
+
+def _shared_private_packs(ctx: StrategyContext) -> SessionSet:
+    return _PoolSessions(ctx, prepacking="per-session")
 
 
 for _strategy in (
     Strategy("naive", "N plain onnxruntime.InferenceSession, ORT defaults", f"{_MODULE}:_naive"),
     Strategy(
-        "shared", "sharedml.SessionPool(model, sessions=N)", f"{_MODULE}:_shared", warm_cache=True
+        "shared",
+        "sharedml.SessionPool(model, sessions=N): defaults (packed weights shared too)",
+        f"{_MODULE}:_shared",
+        warm_cache=True,
     ),
     Strategy(
-        "shared-prepacked",
-        "SessionPool(..., prepacking=True)",
-        f"{_MODULE}:_shared_prepacked",
+        "shared-raw",
+        "SessionPool(..., prepacking='off'): raw weights shared, no packed kernels",
+        f"{_MODULE}:_shared_raw",
+        warm_cache=True,
+    ),
+    Strategy(
+        "shared-private-packs",
+        "SessionPool(..., prepacking='per-session'): each session packs its own copy",
+        f"{_MODULE}:_shared_private_packs",
         warm_cache=True,
     ),
     Strategy("single", "one plain session shared by all N threads", f"{_MODULE}:_single"),

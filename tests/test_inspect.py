@@ -95,7 +95,13 @@ def test_the_demo_reports_the_documented_fields(demo_json: dict[str, Any]) -> No
     assert demo_json["demo"] is True
     assert demo_json["sessions"] == 3
     assert demo_json["weights_bytes"] == 12 * (1024 * 1024 + 1024) * 4
-    assert set(demo_json["strategies"]) == {"naive", "shared", "shared-prepacked", "single"}
+    assert set(demo_json["strategies"]) == {
+        "naive",
+        "shared",
+        "shared-raw",
+        "shared-private-packs",
+        "single",
+    }
     for name, s in demo_json["strategies"].items():
         for key in ("total_bytes", "per_session_bytes", "init_seconds"):
             assert isinstance(s[key], (int, float)), (name, key)
@@ -235,7 +241,7 @@ def test_a_model_file_is_reported_as_text_with_every_strategy(tmp_path: Path) ->
         "prepare would move",
         "flag bool[]",
         "naive",
-        "shared-prepacked",
+        "shared-private-packs",
         "single",
         "Projected PSS",
         "Recommendation",
@@ -373,14 +379,14 @@ def test_the_recommendation_quotes_the_measured_saving() -> None:
         [
             fake_measurement("naive", 100, 0),
             fake_measurement("shared", 1, 100),
-            fake_measurement("shared-prepacked", 60, 100),
+            fake_measurement("shared-private-packs", 60, 100),
             fake_measurement("single", 0, 130),
         ]
     )
     text = report.recommendation
     assert "104.0 MiB" in text and "400.0 MiB" in text and "296.0 MiB (74%) less" in text
     assert "at 32 sessions" in text and "3.12 GiB" in text
-    assert "adds 59.0 MiB per session" in text  # prepacking's extra cost
+    assert "would add 59.0 MiB per session" in text  # per-session prepacking's extra cost
     assert "130.0 MiB, more than the pool" in text
 
 

@@ -216,7 +216,7 @@ def test_a_stopped_measurement_projects_its_total() -> None:
 
 def test_builtin_strategies_are_registered_in_order() -> None:
     names = [s.name for s in registered_strategies()]
-    assert names[:4] == ["naive", "shared", "shared-prepacked", "single"]
+    assert names[:5] == ["naive", "shared", "shared-raw", "shared-private-packs", "single"]
     with pytest.raises(ValueError, match=r"Unknown strategy 'bogus'.*naive"):
         get_strategy("bogus")
 
