@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 
 from sharedml._errors import ExternalDataError, ModelNotFoundError, SessionCreationError
+from sharedml._weights import sha256_of
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -94,7 +95,6 @@ _DATA_NAME = "model.data"
 _META_NAME = "prepack.json"
 _FORMAT = 1  # bump when an entry's layout, or what goes into its key, changes
 _PAGE_BYTES = mmap.PAGESIZE  # bytes; a blob at a page-aligned offset is mapped without slack
-_HASH_CHUNK_BYTES = 8 * 1024 * 1024  # bytes read per step when hashing a weights file
 _READ_ONLY_FILE_MODE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # 0444: never rewritten in place
 
 # Initializers below this size stay inside the saved .onnx instead of its data file. ORT maps
@@ -308,7 +308,7 @@ def build_prepacked_model(
                 f"Weights file '{weights_file}' of model '{prepared_model}' does not exist."
             ) from None
         if weights_digest is None:
-            weights_digest = "sha256:" + _sha256_of(weights_file)
+            weights_digest = "sha256:" + sha256_of(weights_file)
     key_material = {
         "format": _FORMAT,
         "ort_version": ort.__version__,
@@ -611,12 +611,6 @@ def _tensor_names(graph: onnx.GraphProto) -> set[str]:
     return {name for name, _ in _named_tensors(graph)}
 
 
-def _sha256_of(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK_BYTES):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 def _ort_build_info() -> str:

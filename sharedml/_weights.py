@@ -51,6 +51,7 @@ __all__ = [
     "MECHANISMS",
     "TensorSlot",
     "WeightStore",
+    "sha256_of",
     "zero_copy_mechanisms",
 ]
 
@@ -122,7 +123,8 @@ def _slots(
     return tuple(slots)
 
 
-def _sha256_of(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
     sha = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(_HASH_CHUNK_BYTES):
@@ -185,7 +187,7 @@ class WeightStore:
         self._lock = threading.Lock()
 
     def _verify(self) -> None:
-        if _sha256_of(self.path) != self.manifest.sha256:
+        if sha256_of(self.path) != self.manifest.sha256:
             raise WeightsMismatchError(
                 f"Weights file '{self.path}' does not match the SHA-256 that prepare recorded in "
                 f"'{self.model_path}': it was modified. Prepare the model again."

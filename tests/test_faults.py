@@ -33,19 +33,6 @@ JOIN_S = 60  # seconds: far above any legitimate wait here; reaching it means a 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def fast_switching() -> Iterator[None]:
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # interleave threads as often as possible
-    yield
-    sys.setswitchinterval(old)
-
-
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
     return save_model(build_model(list(PLACEMENTS), dim=DIM), tmp_path / "m.onnx")

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,19 +15,6 @@ from _models import PLACEMENTS, build_model, feeds, save_model
 import sharedml
 
 DIM = 32
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def fast_switching() -> Iterator[None]:
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # interleave threads as often as possible
-    yield
-    sys.setswitchinterval(old)
 
 
 @pytest.fixture

@@ -18,11 +18,6 @@ import sharedml
 from sharedml import _prepack
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
-
-
 @pytest.fixture(scope="module")
 def mlp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tools.realistic_models import mlp
