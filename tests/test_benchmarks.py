@@ -1,0 +1,152 @@
+"""benchmarks/run.py: end to end on tiny models, and the pieces its figures rest on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import onnxruntime as ort
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import _harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+REQUIRED_STRATEGIES = ("naive", "single", "shared", "shared-prepacking", "shared-raw")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "results" / "tiny.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "run.py"),
+            "--size", "tiny",
+            "--models", "mlp",
+            "--sessions", "1", "2",
+            "--repeats", "1",
+            "--warmup-s", "0.05",
+            "--duration-s", "0.1",
+            "--out-dir", str(tmp / "out"),
+            "--json", str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_run_writes_results_with_machine_info(tiny_run: tuple[Path, dict[str, Any]]) -> None:
+    _, doc = tiny_run
+    assert doc["schema"] == "sharedml-benchmarks/1"
+    machine = doc["machine"]
+    assert machine["onnxruntime"] == ort.__version__
+    assert machine["logical_cores"] >= 1
+    assert machine["memory_total_gib"] > 0
+    assert doc["settings"]["sessions"] == [1, 2]
+    assert doc["failures"] == []
+
+    results = doc["results"]
+    assert isinstance(results, list)
+    combos = {(r["model"], r["strategy"], r["sessions"]) for r in results}
+    assert combos == {("mlp", s, n) for s in _harness.DEFAULT_STRATEGIES for n in (1, 2)}
+    for row in results:
+        assert row["repeats"] == 1
+        assert row["threads"] == row["sessions"]
+        for metric in ("pss_mib", "create_s", "first_run_ms", "throughput_b1", "throughput_b8"):
+            summary = row[metric]
+            assert set(summary) >= {"median", "min", "max", "values"}, metric
+            assert summary["min"] <= summary["median"] <= summary["max"]
+        assert row["throughput_b1"]["median"] > 0
+        assert row["throughput_b8"]["median"] > 0
+        assert row["create_s"]["median"] > 0
+        assert row["vs_naive"]["pss_mib"] is not None
+    pools = [r for r in results if r["strategy"].startswith("shared")]
+    assert all(r["mechanism"] for r in pools)
+    assert {t["strategy"] for t in doc["targets"]} == set(_harness.DEFAULT_STRATEGIES) - {"naive"}
+
+
+@pytest.mark.slow
+def test_every_strategy_matches_plain_outputs(tiny_run: tuple[Path, dict[str, Any]]) -> None:
+    _, doc = tiny_run
+    for row in doc["results"]:
+        assert row["outputs_equal"] is True, row["strategy"]
+        # each session at batch 1 and 8, plus the first run
+        assert row["outputs_checked"] == 2 * row["sessions"] + 1
+        assert row["max_abs_diff"]["max"] < 1e-3
+
+
+@pytest.mark.slow
+def test_markdown_and_chart_are_written(tiny_run: tuple[Path, dict[str, Any]]) -> None:
+    out, doc = tiny_run
+    md = out.with_suffix(".md").read_text()
+    assert "## Issue 6 figures" in md
+    assert "| strategy | N | PSS MiB |" in md
+    for name in REQUIRED_STRATEGIES:
+        assert f"| {name} | 2 |" in md
+    assert doc["command"] in md
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_render_rebuilds_the_report_from_the_json(
+    tiny_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    out, _ = tiny_run
+    copy = tmp_path / "again.json"
+    copy.write_text(out.read_text())
+    subprocess.run(
+        [sys.executable, str(BENCHMARKS / "run.py"), "--render", str(copy), "--no-png"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    assert copy.with_suffix(".md").read_text() == out.with_suffix(".md").read_text()
+
+
+def test_required_strategies_run_by_default() -> None:
+    assert set(REQUIRED_STRATEGIES) <= set(_harness.DEFAULT_STRATEGIES)
+    for name in REQUIRED_STRATEGIES:
+        assert _harness.STRATEGIES[name].description
+
+
+def test_a_strategy_is_added_with_a_decorator() -> None:
+    @_harness.strategy("test-extra", "for this test", copies_fixed=1, copies_per_session=1)
+    def _extra(req: _harness.OpenRequest) -> _harness.Opened:
+        raise NotImplementedError
+
+    try:
+        assert _harness.STRATEGIES["test-extra"].opener is _extra
+        with pytest.raises(ValueError, match="registered twice"):
+            _harness.strategy("test-extra", "again", copies_fixed=1, copies_per_session=1)(_extra)
+    finally:
+        del _harness.STRATEGIES["test-extra"]
+
+
+def test_throughput_window_counts_straddling_runs_by_fraction() -> None:
+    spans = [(0.0, 1.0), (1.0, 2.0), (2.0, 4.0), (4.0, 5.0)]
+    # window [1.5, 3.0]: half of the 2nd run, half of the 3rd
+    assert _harness._window_runs(spans, 1.5, 3.0) == pytest.approx(1.0)
+    assert _harness._window_runs(spans, 0.0, 5.0) == pytest.approx(4.0)
+    assert _harness._window_runs(spans, 5.0, 6.0) == 0.0
+
+
+def test_compare_flags_differences_beyond_tolerance() -> None:
+    import numpy as np
+
+    ref = [np.linspace(-1, 1, 100, dtype=np.float32)]
+    same = _harness._compare([ref[0] * (1 + 1e-6)], ref)
+    assert same["equal"] and same["max_abs_diff"] < 1e-5
+    off = _harness._compare([ref[0] + 1e-2], ref)
+    assert not off["equal"] and off["max_abs_diff"] == pytest.approx(1e-2, rel=1e-3)
+    assert not _harness._compare([ref[0][:10]], ref)["equal"]
