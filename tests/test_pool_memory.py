@@ -8,13 +8,12 @@ measured by the same test on the same machine.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _memory import measure_pss
 
 import sharedml
 
@@ -26,52 +25,9 @@ pytestmark = [
 SESSIONS = 8
 WEIGHTS_MIB = 100
 
-MEASURE = r"""
-import json, sys, threading
-import numpy as np, psutil
-import onnxruntime as ort
-import sharedml
-
-strategy, model, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-proc = psutil.Process()
-base = proc.memory_full_info().pss
-feed = {"input": np.ones((1, 2048), np.float32)}
-
-if strategy == "naive":
-    sessions = [ort.InferenceSession(model, providers=["CPUExecutionProvider"]) for _ in range(n)]
-    checkouts = None
-else:
-    pool = sharedml.SessionPool(model, sessions=n)
-    checkouts = [pool.session() for _ in range(n)]
-    sessions = [c.__enter__() for c in checkouts]  # every session checked out at once
-assert len({id(s) for s in sessions}) == n
-
-barrier = threading.Barrier(n)
-outs = [None] * n
-def work(i):
-    barrier.wait()  # all sessions run concurrently
-    outs[i] = sessions[i].run(None, feed)[0]
-threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-for t in threads: t.start()
-for t in threads: t.join()
-pss = proc.memory_full_info().pss - base
-for o in outs[1:]:
-    assert np.array_equal(o, outs[0])
-print(json.dumps({"pss": pss}))
-"""
-
 
 def measure(strategy: str, model: Path, n: int) -> int:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", MEASURE, strategy, str(model), str(n)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return int(json.loads(out.stdout.strip().splitlines()[-1])["pss"])
+    return measure_pss(strategy, model, n, batch=1, width=2048)
 
 
 @pytest.fixture(scope="module")

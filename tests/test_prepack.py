@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -12,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from _memory import measure_pss
 from _models import PLACEMENTS, build_model, feeds, save_model
 
 import sharedml
@@ -66,9 +65,7 @@ def test_forced_shared_prepacking_works_on_subgraph_models(tmp_path: Path) -> No
     ("prepacking", "config"),
     [("off", "1"), (False, "1"), ("per-session", "0"), (True, "0")],
 )
-def test_explicit_prepacking_modes(
-    mlp_model: Path, prepacking: object, config: str
-) -> None:
+def test_explicit_prepacking_modes(mlp_model: Path, prepacking: object, config: str) -> None:
     seen: list[str] = []
     with sharedml.SessionPool(
         mlp_model,
@@ -145,33 +142,6 @@ def test_release_freed_heap_reports_what_it_did() -> None:
         assert released is False
 
 
-MEASURE = r"""
-import json, sys, threading
-import numpy as np, psutil
-import onnxruntime as ort
-import sharedml
-
-strategy, model, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-proc = psutil.Process()
-base = proc.memory_full_info().pss
-feed = {"input": np.ones((8, 1024), np.float32)}
-if strategy == "naive":
-    sessions = [ort.InferenceSession(model, providers=["CPUExecutionProvider"]) for _ in range(n)]
-else:
-    pool = sharedml.SessionPool(model, sessions=n)
-    assert pool.mechanism == "prepacked-file", pool.mechanism
-    sessions = [pool.session().__enter__() for _ in range(n)]
-barrier = threading.Barrier(n)
-def work(s):
-    barrier.wait()
-    s.run(None, feed)
-threads = [threading.Thread(target=work, args=(s,)) for s in sessions]
-for t in threads: t.start()
-for t in threads: t.join()
-print(json.dumps({"pss": proc.memory_full_info().pss - base}))
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is read from Linux smaps")
 def test_four_sessions_with_shared_prepacked_weights_cost_a_third_of_plain(
@@ -182,16 +152,13 @@ def test_four_sessions_with_shared_prepacked_weights_cost_a_third_of_plain(
         pass
 
     def measure(strategy: str) -> int:
-        out = subprocess.run(
-            [sys.executable, "-c", MEASURE, strategy, str(mlp_model), "4"],
-            capture_output=True,
-            text=True,
-            timeout=300,
+        return measure_pss(
+            strategy, mlp_model, 4, batch=8, width=1024, expect_mechanism="prepacked-file"
         )
-        assert out.returncode == 0, out.stderr[-2000:]
-        return int(json.loads(out.stdout.strip().splitlines()[-1])["pss"])
 
     naive, shared = measure("naive"), measure("shared")
-    print(f"4 sessions, PSS growth: plain {naive / 2**20:.0f} MiB, shared prepacked "
-          f"{shared / 2**20:.0f} MiB ({shared / naive:.2f}x)")
+    print(
+        f"4 sessions, PSS growth: plain {naive / 2**20:.0f} MiB, shared prepacked "
+        f"{shared / 2**20:.0f} MiB ({shared / naive:.2f}x)"
+    )
     assert shared <= 0.35 * naive
