@@ -147,7 +147,14 @@ class WeightStore:
     )
     _registry_lock = threading.Lock()
 
-    def __init__(self, model_path: Path, manifest: WeightsManifest, *, verify: bool) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        manifest: WeightsManifest,
+        *,
+        verify: bool,
+        model: onnx.ModelProto | None = None,
+    ) -> None:
         self.model_path = model_path
         self.manifest = manifest
         self.path = model_path.parent / manifest.file
@@ -175,7 +182,8 @@ class WeightStore:
         self.verified = False
         if verify:
             self._verify()
-        self.slots = _slots(load_graph(model_path), model_path, manifest, size)
+        graph = model if model is not None else load_graph(model_path)  # open() parsed it already
+        self.slots = _slots(graph, model_path, manifest, size)
         with open(self.path, "rb") as fh:
             # Read-only and shared: pages come from the page cache, one copy for every session
             # of every pool (and every process) that maps this file.
@@ -229,7 +237,7 @@ class WeightStore:
         with cls._registry_lock:
             store = cls._registry.get(key)
             if store is None:
-                store = cls(path, manifest, verify=verify)
+                store = cls(path, manifest, verify=verify, model=model)
                 cls._registry[key] = store
             elif verify and not store.verified:
                 store._verify()  # first opened with verify=False: check the hash now
