@@ -59,6 +59,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import mmap
@@ -504,18 +505,25 @@ def release_freed_heap() -> bool:
 
     Thread-safety: may be called from any thread at any time.
     """
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """The C library's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``)."""
     if platform.system() != "Linux":
-        return False
+        return None
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
         trim = ctypes.CDLL(name).malloc_trim
     except (OSError, AttributeError):  # musl and other C libraries have no malloc_trim
-        return False
+        return None
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
-    return bool(trim(0))
+    return trim
 
 
 # --------------------------------------------------------------------------------------------
@@ -609,8 +617,6 @@ def _named_tensors(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.TensorPro
 
 def _tensor_names(graph: onnx.GraphProto) -> set[str]:
     return {name for name, _ in _named_tensors(graph)}
-
-
 
 
 def _ort_build_info() -> str:

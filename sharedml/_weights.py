@@ -154,6 +154,7 @@ class WeightStore:
         *,
         verify: bool,
         model: onnx.ModelProto | None = None,
+        cache: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model_path = model_path
         self.manifest = manifest
@@ -180,6 +181,7 @@ class WeightStore:
                 f"{manifest.size_bytes}: it was truncated or replaced. Prepare the model again."
             )
         self.verified = False
+        self._cache = cache
         if verify:
             self._verify()
         graph = model if model is not None else load_graph(model_path)  # open() parsed it already
@@ -195,7 +197,15 @@ class WeightStore:
         self._lock = threading.Lock()
 
     def _verify(self) -> None:
-        if sha256_of(self.path) != self.manifest.sha256:
+        # A stamp (dev, inode, size, mtime, ctime) from an earlier hash of this very file spares
+        # reading it again in every process; any write since changes the ctime.
+        from sharedml._cache import recall_stamp, record_stamp
+
+        digest = recall_stamp("weights-sha256", self.path, cache=self._cache)
+        if digest != self.manifest.sha256:
+            digest = sha256_of(self.path)
+            record_stamp("weights-sha256", self.path, digest, cache=self._cache)
+        if digest != self.manifest.sha256:
             raise WeightsMismatchError(
                 f"Weights file '{self.path}' does not match the SHA-256 that prepare recorded in "
                 f"'{self.model_path}': it was modified. Prepare the model again."
@@ -203,13 +213,22 @@ class WeightStore:
         self.verified = True
 
     @classmethod
-    def open(cls, model_path: str | os.PathLike[str], *, verify: bool = True) -> WeightStore:
+    def open(
+        cls,
+        model_path: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        cache: str | os.PathLike[str] | None = None,
+    ) -> WeightStore:
         """Map the weights of the prepared model at ``model_path`` (or reuse the live mapping).
 
         Args:
             model_path: A model written by :func:`sharedml.prepare`.
             verify: Check the whole file against the SHA-256 that prepare recorded (the size is
-                always checked). Costs one read of the file, once per process.
+                always checked). Costs one read of the file, once per process, unless a stamp
+                in the cache shows the file unchanged since an earlier check (see
+                :mod:`sharedml._cache`).
+            cache: The cache folder holding those stamps (default: :func:`sharedml.cache_dir`).
 
         Raises:
             InvalidModelError: ``model_path`` was not written by prepare.
@@ -237,7 +256,7 @@ class WeightStore:
         with cls._registry_lock:
             store = cls._registry.get(key)
             if store is None:
-                store = cls(path, manifest, verify=verify, model=model)
+                store = cls(path, manifest, verify=verify, model=model, cache=cache)
                 cls._registry[key] = store
             elif verify and not store.verified:
                 store._verify()  # first opened with verify=False: check the hash now

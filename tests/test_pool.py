@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -366,3 +367,72 @@ def test_stats_and_repr(model: Path) -> None:
         assert stats.create_seconds > 0
         assert "sessions=2/2" in repr(pool) and "open" in repr(pool)
     assert "closed" in repr(pool)
+
+
+class _CountingSessions:
+    """Wraps ``ort.InferenceSession`` to count how many are being created at once."""
+
+    def __init__(
+        self, model: Path, monkeypatch: pytest.MonkeyPatch, *, fail_on: int | None = None
+    ) -> None:
+        sharedml.SessionPool(model, sessions=1).close()  # one-off work: prepare, prepacked build
+        self.real = ort.InferenceSession
+        self.lock = threading.Lock()
+        self.active = self.peak = self.calls = 0
+        self.fail_on = fail_on
+        self.both_in = threading.Barrier(2)
+        monkeypatch.setattr(ort, "InferenceSession", self)
+
+    def __call__(self, *args: object, **kwargs: object) -> ort.InferenceSession:
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            if call <= 2:
+                # The first two creations meet here when they run at once; serialized, the
+                # first waits out the timeout alone.
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    self.both_in.wait(timeout=2.0)
+            if call == self.fail_on:
+                raise RuntimeError("injected creation failure")
+            return self.real(*args, **kwargs)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+def test_unserialized_creation_creates_the_first_sessions_in_parallel(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sharedml._pool, "_usable_cores", lambda: 2)
+    counting = _CountingSessions(model, monkeypatch)
+    with sharedml.SessionPool(model, sessions=4, serialize_creation=False) as pool:
+        assert counting.peak == 2 and counting.calls == 4
+        assert pool.stats().sessions == 4 and pool.stats().created == 4
+        sessions = [pool._idle[i] for i in range(4)]
+        assert len({id(s) for s in sessions}) == 4
+        assert_allclose_to_plain(pool, model)
+
+
+def test_creation_is_serialized_by_default(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sharedml._pool, "_usable_cores", lambda: 2)
+    counting = _CountingSessions(model, monkeypatch)
+    counting.both_in = threading.Barrier(1)  # nothing to meet: serialized creation never waits
+    with sharedml.SessionPool(model, sessions=3) as pool:
+        assert counting.peak == 1 and pool.stats().sessions == 3
+
+
+def test_a_failed_parallel_creation_fails_the_pool_with_the_cause(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sharedml._pool, "_usable_cores", lambda: 2)
+    _CountingSessions(model, monkeypatch, fail_on=3)
+    with pytest.raises(sharedml.SessionCreationError, match="injected creation failure"):
+        sharedml.SessionPool(model, sessions=4, serialize_creation=False)
+
+
+def assert_allclose_to_plain(pool: sharedml.SessionPool, path: Path) -> None:
+    feed = feeds(DIM)
+    np.testing.assert_allclose(pool.run(None, feed)[0], plain_reference(path, feed), rtol=1e-5)
