@@ -19,7 +19,20 @@ when the installed sharedml has that mechanism; otherwise from ``DeviceWeightSto
 plain sessions (the JSON's ``route`` says which). Extra shared variants at the largest N
 measure the per-session memory knobs: ``arena_extend_strategy=kSameAsRequested``, one shared
 arena in ORT's environment (``session.use_env_allocators=1``) and a 4 MiB cuBLAS workspace
-(``CUBLAS_WORKSPACE_CONFIG=:4096:1``, an environment variable cuBLAS reads at start).
+(``CUBLAS_WORKSPACE_CONFIG=:4096:1``, an environment variable cuBLAS reads once per process,
+at its first use: measured below).
+
+``scoped-*`` variants set ``CUBLAS_WORKSPACE_CONFIG`` only around the pool's session creation
+(and, for most, each session's first run), then restore the environment before the threads
+run: can a library scope the setting to its own sessions? Their child then creates one plain
+session with the CUDA provider's defaults and runs a torch matmul (``later_*`` fields): does the
+setting leak to what the process creates afterwards? ``scoped-4mib-after-*`` first use cuBLAS
+(a torch matmul, a plain ORT session) and only then scope the setting around the pool. Measured
+on an H200 (``benchmarks/results/gpu-cuda.json``): the scope works only when the pool's session
+creation is the process's first use of cuBLAS, and then leaks (a plain session created after
+the environment was restored gets the same workspace and numerics); after any earlier cuBLAS
+use it has no effect. ``user-stream*`` variants give every pool session one compute stream made
+by torch (``has_user_compute_stream``).
 
 Usage (on a machine with onnxruntime-gpu and torch; ``onnxruntime.preload_dlls()`` is called)::
 
@@ -60,7 +73,18 @@ CUBLAS_1MIB = {"CUBLAS_WORKSPACE_CONFIG": ":1024:1"}
 CUBLASLT_1MIB = {"CUBLASLT_WORKSPACE_SIZE": "1024"}  # KiB: cuBLASLt's own workspace knob
 SAME = {"arena_extend_strategy": "kSameAsRequested"}
 UNIFIED = {"use_ep_level_unified_stream": "1"}  # one stream (and handle set) per session
-PROPOSED_DEFAULT = "unified-stream"  # the pool's CUDA defaults once the proposed patch is in
+PER_RUN_STREAMS = {"use_ep_level_unified_stream": "0"}  # overrides the pool's default
+LATER_KEYS = (
+    "later_plain_created_bytes",
+    "later_plain_warm_bytes",
+    "later_plain_loaded_bytes",
+    "later_plain_runs",
+    "later_plain_equal_default",
+    "later_plain_equal_variant_numerics",
+    "later_torch_matmul_bytes",
+    "later_torch_matmul_tensor_bytes",
+    "later_error",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +98,17 @@ class Variant:
         runtime_env: Environment variables set inside the process, after torch's CUDA context
             exists and before onnxruntime is imported (can a library still set them then?).
         threads_per_session: Threads running the N sessions, per session.
+        scoped_env: Environment variables set inside the process only for ``scope``, then
+            restored (a key absent before is deleted again) before the threads run.
+        scope: When ``scoped_env`` is set: ``"create"`` (the sessions' creation),
+            ``"create+warmup"`` (creation and each session's first run) or ``"warmup"``.
+        later_plain: Afterwards (pool still open), one plain session with the CUDA provider's
+            defaults and a torch matmul: the device memory each adds (does a setting leak?).
+        user_stream: Every session runs on one compute stream made by torch
+            (``has_user_compute_stream=1``, ``user_compute_stream``).
+        cublas_before: Use cuBLAS before the measured sessions exist (and before any scoped
+            environment): ``"torch"`` (a torch matmul) or ``"ort"`` (a one-MatMul plain CUDA
+            session, run once). Device memory is then counted from after that.
     """
 
     options: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -81,6 +116,11 @@ class Variant:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     runtime_env: dict[str, str] = dataclasses.field(default_factory=dict)
     threads_per_session: int = 1
+    scoped_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    scope: str = "create+warmup"
+    later_plain: bool = False
+    user_stream: bool = False
+    cublas_before: str = ""
 
     @property
     def numerics(self) -> str:
@@ -88,26 +128,48 @@ class Variant:
 
         The workspace sizes steer cuBLAS's choice of GEMM algorithm, hence the rounding.
         """
-        env = {**self.env, **self.runtime_env}
+        env = {**self.env, **self.runtime_env, **self.scoped_env}
         keys = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
         return ",".join(f"{k}={env[k]}" for k in keys if k in env) or "default"
 
 
 VARIANTS: dict[str, Variant] = {
     "default": Variant(),
+    # The pool's defaults, then a later plain session and torch matmul: the baseline of the
+    # later_* figures of the scoped variants.
+    "default-then-later": Variant(later_plain=True),
     "same-as-requested": Variant(options=SAME),
     "env-arena": Variant(options=SAME, env_arena=True),
     "cublas-4mib": Variant(options=SAME, env=CUBLAS_SMALL),
     "all": Variant(options=SAME, env_arena=True, env=CUBLAS_SMALL),
-    "cublas-4mib-set-at-runtime": Variant(options=SAME, runtime_env=CUBLAS_SMALL),
+    "cublas-4mib-set-at-runtime": Variant(options=SAME, runtime_env=CUBLAS_SMALL, later_plain=True),
     # More threads than sessions: sessions change threads all the time (per-thread state).
     "default-2x-threads": Variant(threads_per_session=2),
     "cublas-4mib-2x-threads": Variant(options=SAME, env=CUBLAS_SMALL, threads_per_session=2),
+    # The pool's CUDA default since CUDA_SESSION_DEFAULTS; explicit here, and turned off:
     "unified-stream": Variant(options=UNIFIED),
+    "per-run-streams": Variant(options=PER_RUN_STREAMS),
     "cublas-4mib-unified-stream": Variant(options={**SAME, **UNIFIED}, env=CUBLAS_SMALL),
     "cublas-1mib": Variant(options=SAME, env=CUBLAS_1MIB),
     "cublas-4mib-lt-1mib": Variant(options=SAME, env={**CUBLAS_SMALL, **CUBLASLT_1MIB}),
     "tight": Variant(options={**SAME, **UNIFIED}, env={**CUBLAS_1MIB, **CUBLASLT_1MIB}),
+    # cuBLAS's workspace set only while the pool creates (and warms up) its sessions:
+    "scoped-4mib": Variant(scoped_env=CUBLAS_SMALL, later_plain=True),
+    "scoped-1mib": Variant(scoped_env=CUBLAS_1MIB, later_plain=True),
+    "scoped-4mib-create-only": Variant(scoped_env=CUBLAS_SMALL, scope="create", later_plain=True),
+    "scoped-1mib-create-only": Variant(scoped_env=CUBLAS_1MIB, scope="create", later_plain=True),
+    "scoped-4mib-warmup-only": Variant(scoped_env=CUBLAS_SMALL, scope="warmup", later_plain=True),
+    # One compute stream (torch's) for every session of the pool:
+    "user-stream": Variant(user_stream=True),
+    "user-stream-per-run-streams": Variant(options=PER_RUN_STREAMS, user_stream=True),
+    "user-stream-scoped-4mib": Variant(user_stream=True, scoped_env=CUBLAS_SMALL),
+    # The scoped setting when the process used cuBLAS before (torch, or another ORT session):
+    "scoped-4mib-after-torch-matmul": Variant(
+        scoped_env=CUBLAS_SMALL, cublas_before="torch", later_plain=True
+    ),
+    "scoped-4mib-after-ort-session": Variant(
+        scoped_env=CUBLAS_SMALL, cublas_before="ort", later_plain=True
+    ),
     # The other device routes, forced (for the record: memory and speed of each).
     "route-ort-per-tensor": Variant(env={"SHAREDML_DEVICE_ROUTE": "ort-per-tensor"}),
     "route-cupy-slab": Variant(env={"SHAREDML_DEVICE_ROUTE": "cupy-slab"}),
@@ -193,6 +255,77 @@ def _compare(outputs: Sequence[Any], ref_path: Path) -> tuple[bool | None, float
     return equal, diff
 
 
+@contextlib.contextmanager
+def _env_set(env: dict[str, str]) -> Any:
+    """Set ``env`` in this process, then restore what was there (absent keys deleted again)."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, old in before.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+
+
+def _later_plain(
+    cfg: dict[str, Any], provider: str, base: int, feed: dict[str, Any], ort: Any
+) -> dict[str, Any]:
+    """One plain session (provider defaults) and a torch matmul, after the measured sessions.
+
+    Each figure is the device memory it added; the session's outputs are compared with the
+    default and the variant's references (a leaked cuBLAS setting can change the algorithm).
+    """
+    out: dict[str, Any] = {}
+    try:
+        _later_plain_measure(cfg, provider, base, feed, ort, out)
+    except Exception as exc:  # keep the variant's own figures
+        out["later_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _later_plain_measure(
+    cfg: dict[str, Any],
+    provider: str,
+    base: int,
+    feed: dict[str, Any],
+    ort: Any,
+    out: dict[str, Any],
+) -> None:
+    before = _device_used(provider) - base
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    providers: list[Any] = [(provider, {"device_id": "0"})] if provider != CPU else []
+    sess = ort.InferenceSession(cfg["src"], so, providers=[*providers, CPU])
+    out["later_plain_created_bytes"] = _device_used(provider) - base - before
+    y = sess.run(None, feed)[0]
+    out["later_plain_warm_bytes"] = _device_used(provider) - base - before
+    stop = time.perf_counter() + 1.0
+    runs = 0
+    while time.perf_counter() < stop:
+        sess.run(None, feed)
+        runs += 1
+    out["later_plain_loaded_bytes"] = _device_used(provider) - base - before
+    out["later_plain_runs"] = runs
+    out["later_plain_equal_default"], _ = _compare([y], _ref_path(cfg["workdir"], "default"))
+    numerics = VARIANTS[cfg["variant"]].numerics
+    out["later_plain_equal_variant_numerics"], _ = _compare(
+        [y], _ref_path(cfg["workdir"], numerics)
+    )
+    if provider == CUDA:
+        import torch
+
+        before_t = _device_used(provider)
+        a = torch.randn(cfg["dim"], cfg["dim"], device="cuda")
+        b = a @ a
+        torch.cuda.synchronize()
+        out["later_torch_matmul_bytes"] = _device_used(provider) - before_t
+        out["later_torch_matmul_tensor_bytes"] = 2 * a.numel() * a.element_size()
+        del a, b
+
+
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
     """Measure one configuration; returns the result dict (printed as JSON by ``main``)."""
     import numpy as np
@@ -209,6 +342,19 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     import sharedml
     from sharedml import _device
 
+    if v.cublas_before and provider == CUDA:
+        result_before = _use_cublas(v.cublas_before, cfg["dim"], ort)
+        base = _device_used(provider)
+    stream = None
+    if v.user_stream and provider == CUDA:
+        import torch
+
+        stream = torch.cuda.Stream()  # kept alive until the sessions are gone
+        options = {
+            **options,
+            "has_user_compute_stream": "1",
+            "user_compute_stream": str(int(stream.cuda_stream)),
+        }
     providers: list[Any] = [(provider, {"device_id": "0", **options})] if provider != CPU else []
     providers.append(CPU)
     template = ort.SessionOptions()
@@ -220,6 +366,9 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     x = np.random.default_rng(1).standard_normal((cfg["batch"], cfg["dim"])).astype(np.float32)
     feed = {"x": x}
     result: dict[str, Any] = {**cfg, "ort_version": ort.__version__}
+    result["sharedml_file"] = sharedml.__file__
+    if v.cublas_before and provider == CUDA:
+        result["cublas_before"] = result_before
 
     pool = None
     sessions: list[Any] = []
@@ -228,6 +377,11 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         result["selected_route"] = _device.select_route(provider, 0)
         result["select_route_s"] = round(time.perf_counter() - start, 3)
+    # The scoped environment: entered here (creation) or before the first runs (warm-up only),
+    # left after creation or after the first runs.
+    scope = contextlib.ExitStack()
+    if v.scoped_env and v.scope in ("create", "create+warmup"):
+        scope.enter_context(_env_set(v.scoped_env))
     start = time.perf_counter()
     if kind == "plain":
         sessions = [
@@ -265,6 +419,10 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             result["host_tensors"] = list(store.host_tensors)
     result["create_s"] = round(time.perf_counter() - start, 3)
     result["device_bytes_created"] = _device_used(provider) - base
+    if v.scope == "create":
+        scope.close()
+    elif v.scoped_env and v.scope == "warmup":
+        scope.enter_context(_env_set(v.scoped_env))
 
     # Each session once (all checked out at once from the pool, so each is a different one).
     outputs = []
@@ -275,6 +433,10 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
             outputs.append(sess.run(None, feed)[0])
             after_each.append(_mib(_device_used(provider) - base))
     result["device_mib_after_each_first_run"] = after_each
+    scope.close()
+    if v.scoped_env:
+        result["scope"] = v.scope
+        result["env_after_scope"] = {k: os.environ.get(k) for k in v.scoped_env}
     ref = _ref_path(cfg["workdir"], v.numerics)
     if kind == "plain" and n == 1 and not ref.exists():
         np.save(ref, outputs[0])
@@ -324,10 +486,64 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         _, result["max_abs_diff_vs_default"] = _compare(
             checked, _ref_path(cfg["workdir"], "default")
         )
+    if v.later_plain:
+        result.update(_later_plain(cfg, provider, base, feed, ort))
     if pool is not None:
         result["pool_sessions_created"] = pool.stats().created
         pool.close()
+    del stream
+    result["libcublas_loaded"] = _loaded_libs("libcublas")
     return result
+
+
+def _loaded_libs(prefix: str) -> list[str]:
+    """The shared libraries of this process whose file name starts with ``prefix`` (Linux)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    paths = {line.split()[-1] for line in maps.splitlines() if "/" in line}
+    return sorted(p for p in paths if Path(p).name.startswith(prefix))
+
+
+def _use_cublas(how: str, dim: int, ort: Any) -> dict[str, Any]:
+    """Use cuBLAS once, before the measured sessions (``Variant.cublas_before``)."""
+    import numpy as np
+
+    if how == "torch":
+        import torch
+
+        a = torch.randn(dim, dim, device="cuda")
+        (a @ a).sum().item()
+        return {"how": "torch matmul", "env": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+    from onnx import TensorProto, helper
+
+    w = helper.make_tensor("W", TensorProto.FLOAT, [64, 64], np.ones(64 * 64, np.float32))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 64])],
+        initializer=[w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(
+        model.SerializeToString(),
+        so,
+        providers=[(CUDA, {"device_id": "0"}), CPU],
+    )
+    sess.run(None, {"x": np.ones((8, 64), np.float32)})
+    _KEEP.append(sess)  # alive for the rest of the process, as another library's would be
+    return {
+        "how": "plain ORT CUDA session, one MatMul",
+        "env": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
+
+
+_KEEP: list[Any] = []
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,8 +565,8 @@ def configs(
         headline += [("shared", top, tuned), ("plain", top, tuned)]
     # First a plain session per cuBLAS setting: the reference outputs of that setting.
     refs: dict[str, str] = {}
-    for v in ["default", *variants]:
-        refs.setdefault(VARIANTS[v].numerics, v)
+    for v in ["default", *sorted(variants, key=lambda v: bool(VARIANTS[v].scoped_env))]:
+        refs.setdefault(VARIANTS[v].numerics, v)  # a process-wide setting where there is one
     order: list[tuple[str, int, str]] = [("plain", 1, v) for v in refs.values()]
     order += headline
     for n in sorted(set(sessions) - {top}):
@@ -453,6 +669,7 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]
             "outputs_equal": all(r.get("outputs_equal") is True for r in rs),
             "max_abs_diff": max(r.get("max_abs_diff") or 0.0 for r in rs),
             "max_abs_diff_vs_default": first.get("max_abs_diff_vs_default"),
+            **{k: first[k] for k in (*LATER_KEYS, "scope", "env_after_scope") if k in first},
         }
 
     top = meta["sessions_max"]
@@ -471,16 +688,36 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]
     ]
     best = min(candidates, key=lambda r: r["device_bytes_loaded"], default={})
     best_settings = VARIANTS[best["variant"]] if best else None
-    proposed = row(("shared", top, PROPOSED_DEFAULT))
     at_top = {
         r["variant"]: {
+            "device_mib_created": _mib(r["device_bytes_created"]),
+            "device_mib_warm": _mib(r["device_bytes_warm"]),
+            "device_mib_loaded": r["device_mib_loaded"],
+            "x_weights": r["x_weights_loaded"],
+            "runs_per_s": r["runs_per_s"],
+            "outputs_equal": r["outputs_equal"],
+            "numerics": r["numerics"],
+            **{k: r[k] for k in ("scope", "env_after_scope") if k in r},
+            **{
+                k.replace("_bytes", "_mib"): _mib(r[k])
+                for k in LATER_KEYS
+                if k.endswith("_bytes") and k in r
+            },
+            **{k: r[k] for k in LATER_KEYS if not k.endswith("_bytes") and k in r},
+        }
+        for r in table
+        if r["kind"] == "shared" and r["sessions"] == top
+    }
+    by_n = {
+        f"{kind}_n{n}": {
             "device_mib_loaded": r["device_mib_loaded"],
             "x_weights": r["x_weights_loaded"],
             "runs_per_s": r["runs_per_s"],
             "outputs_equal": r["outputs_equal"],
         }
-        for r in table
-        if r["kind"] == "shared" and r["sessions"] == top
+        for n in sorted({k[1] for k in groups})
+        for kind in ("shared", "plain")
+        if (r := row((kind, n, "default")))
     }
     return {
         "benchmark": "benchmarks/gpu_cuda.py",
@@ -518,16 +755,9 @@ def summarize(raw: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]
         "tuned_outputs_equal": bool(shared_t)
         and shared_t["outputs_equal"]
         and plain_t.get("outputs_equal"),
-        # What the pool gives once CUDA sessions get use_ep_level_unified_stream=1 by default
-        # (the patch proposed with this benchmark), cuBLAS at its defaults:
-        "proposed_default": {
-            "variant": PROPOSED_DEFAULT,
-            "cuda_provider_options": VARIANTS[PROPOSED_DEFAULT].options,
-            "device_bytes": proposed.get("device_bytes_loaded"),
-            "x_weights": proposed.get("x_weights_loaded"),
-            "runs_per_s": proposed.get("runs_per_s"),
-            "outputs_equal": proposed.get("outputs_equal"),
-        },
+        # The CUDA provider options the pool added to every session ("default" variant):
+        "pool_cuda_defaults": meta.get("pool_cuda_defaults"),
+        "default_by_sessions": by_n,
         "shared_by_variant": at_top,
         # The shared configuration with the least device memory (outputs equal to plain's):
         "best_shared_variant": best.get("variant"),
@@ -598,6 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             list(argv or sys.argv[1:])
         )
         meta.update(
+            pool_cuda_defaults=old.get("pool_cuda_defaults"),
             sessions_max=old["sessions"],
             probes=old.get("probes", []),
             measured_at=old["measured_at"],
@@ -607,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     sys.path.insert(0, str(REPO))
-    from sharedml import _device, prepare
+    from sharedml import _device, _providers, prepare
 
     sessions = [int(s) for s in args.sessions.split(",")]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="sharedml-gpu-"))
@@ -639,6 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "weights_bytes": weights_bytes,
         "sessions_max": max(sessions),
+        "pool_cuda_defaults": dict(getattr(_providers, "CUDA_SESSION_DEFAULTS", {})),
         "probes": probes,
         "command": "python benchmarks/gpu_cuda.py " + shlex.join(list(argv or sys.argv[1:])),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -681,6 +913,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"(max diff {r['max_abs_diff']}) [{r.get('route')}] {r['wall_s']} s",
                 flush=True,
             )
+            if "later_plain_loaded_bytes" in r:
+                print(
+                    f"{'':6}   later plain session +{_mib(r['later_plain_loaded_bytes'])} MiB "
+                    f"(created +{_mib(r['later_plain_created_bytes'])}), equal to default "
+                    f"{r['later_plain_equal_default']}; torch matmul "
+                    f"+{_mib(r.get('later_torch_matmul_bytes'))} MiB",
+                    flush=True,
+                )
     report = summarize(raw, meta)
     write(report)
     print(json.dumps({k: v for k, v in report.items() if k not in ("raw", "table")}, indent=1))
