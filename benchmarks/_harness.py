@@ -235,23 +235,30 @@ def _warm_pool(req: OpenRequest) -> dict[str, Any]:
 
 
 def _pool_opener(
-    req: OpenRequest, *, config: dict[str, str] | None = None, **pool_kwargs: Any
+    req: OpenRequest,
+    *,
+    config: dict[str, str] | None = None,
+    attributes: dict[str, Any] | None = None,
+    **pool_kwargs: Any,
 ) -> Opened:
     """A ``sharedml.SessionPool`` of N sessions; each thread checks one out for a whole phase.
 
-    ``config`` entries go into a template ``SessionOptions`` (``sess_options=``).
+    ``config`` entries and ``attributes`` go into a template ``SessionOptions``
+    (``sess_options=``).
     """
     import onnxruntime as ort
 
     import sharedml
 
     recorded: dict[str, Any] = dict(pool_kwargs)
-    if config:
+    if config or attributes:
         so = ort.SessionOptions()
-        for key, value in config.items():
+        for key, value in (config or {}).items():
             so.add_session_config_entry(key, value)
+        for name, value in (attributes or {}).items():
+            setattr(so, name, value)
         pool_kwargs["sess_options"] = so
-        recorded["config"] = config
+        recorded.update(config=config or {}, attributes=attributes or {})
     pool = sharedml.SessionPool(
         req.model_path, sessions=req.sessions, cache_dir=req.cache_dir, **pool_kwargs
     )
@@ -324,6 +331,30 @@ def _shared_raw_no_nchwc(req: OpenRequest) -> Opened:
     )
 
 
+@strategy(
+    "shared-parallel-start",
+    "SessionPool(..., serialize_creation=False): the default route, first sessions created on "
+    "one thread per core (faster start-up; glibc keeps some load-time heap in thread arenas)",
+    copies_fixed=3.0,
+    copies_per_session=0.3,
+    warm=_warm_pool,
+)
+def _shared_parallel_start(req: OpenRequest) -> Opened:
+    return _pool_opener(req, serialize_creation=False)
+
+
+@strategy(
+    "shared-no-arena",
+    "SessionPool(..., sess_options with enable_cpu_mem_arena=False): the default route, "
+    "activation buffers freed after each run instead of kept by each session's arena",
+    copies_fixed=3.0,
+    copies_per_session=0.3,
+    warm=_warm_pool,
+)
+def _shared_no_arena(req: OpenRequest) -> Opened:
+    return _pool_opener(req, attributes={"enable_cpu_mem_arena": False})
+
+
 # A new strategy is one decorated opener; e.g. a pool option under trial:
 #
 #     @strategy("shared-xyz", "SessionPool(..., xyz=True)", copies_fixed=2, copies_per_session=0.5,
@@ -333,7 +364,7 @@ def _shared_raw_no_nchwc(req: OpenRequest) -> Opened:
 #
 # It then appears in --strategies, the tables, the chart and the JSON with nothing else to change.
 
-OPT_IN = frozenset({"shared-raw-no-nchwc"})
+OPT_IN = frozenset({"shared-raw-no-nchwc", "shared-parallel-start", "shared-no-arena"})
 # Strategies run when --strategies is not given.
 DEFAULT_STRATEGIES = tuple(name for name in STRATEGIES if name not in OPT_IN)
 
