@@ -348,3 +348,45 @@ def test_cuda_pool_threads_all_match_a_plain_session(cuda_ready: None, tmp_path:
         for out in outputs:
             np.testing.assert_array_equal(out, ref)
         assert pool.stats().created == 4
+
+
+@gpu
+@needs_cuda
+def test_cli_inspect_reports_device_memory_with_cuda(cuda_ready: None, tmp_path: Path) -> None:
+    # The issue's acceptance: `sharedml inspect --providers CUDAExecutionProvider` on a GPU
+    # machine reports device memory per strategy, and the pool's is below plain sessions'.
+    import json
+    import subprocess
+
+    from tools.realistic_models import mlp
+
+    info = mlp(tmp_path / "mlp.onnx", target_bytes=64 * 2**20, width=2048)
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "sharedml", "inspect", str(info.path)),
+            "--sessions",
+            "4",
+            "--providers",
+            CUDA,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    strategies = report["strategies"]
+    naive, shared = strategies["naive"], strategies["shared"]
+    print(
+        "\ninspect, CUDA, 4 sessions of a 64 MiB MLP: device "
+        f"naive {naive['device_bytes']} ({naive['device_metric']}), "
+        f"shared {shared['device_bytes']} ({shared['device_metric']}); notes: "
+        f"{naive['device_note']!r} {shared['device_note']!r}"
+    )
+    assert naive["device_bytes"] is not None, naive["device_note"]
+    assert shared["device_bytes"] is not None, shared["device_note"]
+    weights = 64 * 2**20
+    assert naive["device_bytes"] >= 4 * weights  # four uploads
+    assert shared["device_bytes"] < 2 * weights  # one upload and four small execution states
