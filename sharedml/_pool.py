@@ -234,7 +234,7 @@ class SessionPool:
             either. Faster start-up, more memory: a pool of 8 over a 100 MiB MLP starts in
             0.29 s instead of 0.55 s on 2 cores, but glibc keeps 12-48 MiB of the freed
             load-time heap in the helper threads' arenas, which ``malloc_trim`` cannot return.
-            Never ``False`` with DirectML.
+            Refused (``ValueError``) with DirectML.
         serialize_runs: Allow only one ``Run`` at a time across the pool. ``None``: on for
             DirectML on ORT versions where concurrent DML sessions crash.
         size_threshold_bytes: Passed to prepare for models it prepares.
@@ -270,6 +270,13 @@ class SessionPool:
             raise ValueError(
                 f"Need 0 <= min_sessions <= max_sessions and max_sessions >= 1; got "
                 f"min_sessions={self._min}, max_sessions={self._max}."
+            )
+        if not serialize_creation and any(
+            (p if isinstance(p, str) else p[0]) == DML for p in providers or ()
+        ):
+            raise ValueError(
+                "serialize_creation=False with DmlExecutionProvider: creating DirectML sessions "
+                "concurrently crashes some onnxruntime-directml versions; leave it True."
             )
         prepacking = _PREPACKING_ALIASES.get(prepacking, prepacking)
         if prepacking not in ("auto", "shared", "off", "per-session"):

@@ -436,3 +436,10 @@ def test_a_failed_parallel_creation_fails_the_pool_with_the_cause(
 def assert_allclose_to_plain(pool: sharedml.SessionPool, path: Path) -> None:
     feed = feeds(DIM)
     np.testing.assert_allclose(pool.run(None, feed)[0], plain_reference(path, feed), rtol=1e-5)
+
+
+def test_parallel_creation_is_refused_with_directml(model: Path) -> None:
+    # Checked before the provider is looked up, so it holds on machines without DirectML too.
+    for providers in (["DmlExecutionProvider"], [("DmlExecutionProvider", {"device_id": 0})]):
+        with pytest.raises(ValueError, match="DirectML sessions concurrently"):
+            sharedml.SessionPool(model, sessions=2, providers=providers, serialize_creation=False)
