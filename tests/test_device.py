@@ -387,6 +387,7 @@ def test_cli_inspect_reports_device_memory_with_cuda(cuda_ready: None, tmp_path:
     )
     assert naive["device_bytes"] is not None, naive["device_note"]
     assert shared["device_bytes"] is not None, shared["device_note"]
+    # Both include the process's CUDA context (~500 MiB on an H200) and cuBLAS workspaces; the
+    # plain sessions hold three more copies of the weights (measured: 964 vs 710 MiB).
     weights = 64 * 2**20
-    assert naive["device_bytes"] >= 4 * weights  # four uploads
-    assert shared["device_bytes"] < 2 * weights  # one upload and four small execution states
+    assert naive["device_bytes"] - shared["device_bytes"] >= 2.5 * weights
