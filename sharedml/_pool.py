@@ -336,8 +336,6 @@ class SessionPool:
             self._idle.clear()
             raise
         self._count = len(self._idle)
-        if self._prepacked is not None:
-            _release_freed_heap()
         self._state = "open"
 
     # ----------------------------------------------------------------------------------------
@@ -445,19 +443,23 @@ class SessionPool:
         """
         workers = 1 if self._serialize_creation else min(n, _usable_cores())
         if workers <= 1:
-            return [self._create_session(trim=False) for _ in range(n)]
+            return [self._create_session() for _ in range(n)]
         with ThreadPoolExecutor(workers - 1, thread_name_prefix="sharedml-create") as executor:
             share = n * (workers - 1) // workers
-            futures = [executor.submit(self._create_session, trim=False) for _ in range(share)]
+            futures = [executor.submit(self._create_session) for _ in range(share)]
             try:
-                mine = [self._create_session(trim=False) for _ in range(n - share)]
-                return mine + [future.result() for future in futures]
+                mine = [self._create_session() for _ in range(n - share)]
+                created = mine + [future.result() for future in futures]
             except BaseException:
                 for future in futures:
                     future.cancel()
                 raise
+        if self._prepacked is not None:
+            # Each creation trimmed as it finished, but another was still freeing meanwhile.
+            _release_freed_heap()
+        return created
 
-    def _create_session(self, *, trim: bool = True) -> Any:
+    def _create_session(self) -> Any:
         import onnxruntime as ort
 
         so = self._session_options()
@@ -479,7 +481,7 @@ class SessionPool:
                 f"onnxruntime could not create a session for '{self.source_path}' "
                 f"(prepared as '{self.model_path}') with {list(self.plan.providers)}: {exc}"
             ) from exc
-        if trim and self._prepacked is not None:
+        if self._prepacked is not None:
             # ORT packs every weight again at load to validate the mapped blobs, then frees
             # that work; glibc keeps the freed pages (up to ~65 MiB a session) unless trimmed.
             _release_freed_heap()

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx
 
+from sharedml._cache import recall_stamp, record_stamp
 from sharedml._errors import ExternalDataError, UnsafePathError, WeightsMismatchError
 from sharedml._prepare import (
     WeightsManifest,
@@ -199,8 +200,6 @@ class WeightStore:
     def _verify(self) -> None:
         # A stamp (dev, inode, size, mtime, ctime) from an earlier hash of this very file spares
         # reading it again in every process; any write since changes the ctime.
-        from sharedml._cache import recall_stamp, record_stamp
-
         digest = recall_stamp("weights-sha256", self.path, cache=self._cache)
         if digest != self.manifest.sha256:
             digest = sha256_of(self.path)
