@@ -232,8 +232,9 @@ class SessionPool:
             the first ``min_sessions`` sessions are created on up to one thread per core (ORT
             releases the GIL while it loads), and sessions grown later are not serialized
             either. Faster start-up, more memory: a pool of 8 over a 100 MiB MLP starts in
-            0.29 s instead of 0.55 s on 2 cores, but glibc keeps 12-48 MiB of the freed
-            load-time heap in the helper threads' arenas, which ``malloc_trim`` cannot return.
+            0.29 s instead of 0.55 s on 2 cores, but glibc keeps 4-11 MiB of the freed
+            load-time heap per process in the helper threads' arenas, which ``malloc_trim``
+            cannot return (``benchmarks/parallel_start_memory.py``).
             Refused (``ValueError``) with DirectML.
         serialize_runs: Allow only one ``Run`` at a time across the pool. ``None``: on for
             DirectML on ORT versions where concurrent DML sessions crash.
