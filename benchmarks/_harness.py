@@ -302,13 +302,13 @@ def _shared_raw(req: OpenRequest) -> Opened:
 
 
 @strategy(
-    "shared-prepacking",
+    "shared-private-packs",
     "SessionPool(..., prepacking=True): raw weights shared, each session packs a private copy",
     copies_fixed=2.0,
     copies_per_session=1.4,
     warm=_warm_pool,
 )
-def _shared_prepacking(req: OpenRequest) -> Opened:
+def _shared_private_packs(req: OpenRequest) -> Opened:
     return _pool_opener(req, prepacking=True)
 
 
@@ -434,7 +434,7 @@ def _throwaway_session() -> None:
     import onnxruntime as ort
 
     # The same one-node model inspect's measurements warm up with: same baseline definition.
-    from sharedml._measure import _tiny_model_bytes
+    from sharedml._measure_child import warmup_model_bytes as _tiny_model_bytes
 
     sess = ort.InferenceSession(_tiny_model_bytes(), providers=CPU)
     sess.run(None, {"a": np.ones(1, np.float32)})
@@ -730,7 +730,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         import sharedml
 
         start = time.perf_counter()
-        sharedml.prepared_model_for(req.model_path, cache=req.cache_dir)
+        sharedml.prepared_model_for(req.model_path, cache_dir=req.cache_dir)
         result["extras"]["cache_lookup_s"] = time.perf_counter() - start
 
     for key in ("pss_mib", "uss_mib", "rss_mib"):

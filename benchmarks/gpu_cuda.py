@@ -586,7 +586,8 @@ def run_child(cfg: dict[str, Any], timeout_s: float, route: str | None = None) -
     if route and "SHAREDML_DEVICE_ROUTE" not in env:
         env["SHAREDML_DEVICE_ROUTE"] = route  # the parent probed: children need not again
     env.update(VARIANTS[cfg["variant"]].env)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    paths = [str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
     start = time.perf_counter()
     try:
@@ -837,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         return 0
 
-    sys.path.insert(0, str(REPO))
+    sys.path[:0] = [str(REPO / "src"), str(REPO)]
     from sharedml import _device, _providers, prepare
 
     sessions = [int(s) for s in args.sessions.split(",")]

@@ -240,7 +240,7 @@ class Maker:
             )
             ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
         if base == "pool":
-            sys.path.insert(0, str(REPO))
+            sys.path.insert(0, str(REPO / "src"))
             from sharedml import _prepack
 
             st = (d / "ext.bin").stat()

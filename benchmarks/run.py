@@ -56,7 +56,7 @@ FULL = {
 }
 QUICK = {
     "models": ["mlp", "resnet"],
-    "strategies": ["naive", "single", "shared", "shared-raw", "shared-prepacking"],
+    "strategies": ["naive", "single", "shared", "shared-raw", "shared-private-packs"],
     "sessions": [1, 4],
     "repeats": 2,
     "warmup_s": 0.1,
@@ -212,7 +212,7 @@ def _source_fingerprint() -> str:
     import hashlib
 
     sha = hashlib.sha256()
-    for path in sorted((REPO / "sharedml").glob("*.py")):
+    for path in sorted((REPO / "src" / "sharedml").rglob("*.py")):
         sha.update(path.name.encode() + b"\0" + path.read_bytes())
     return sha.hexdigest()[:16]
 

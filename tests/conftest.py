@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import builtins
+import io
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,3 +29,35 @@ def fast_switching() -> Iterator[None]:
     sys.setswitchinterval(1e-5)
     yield
     sys.setswitchinterval(old)
+
+
+@pytest.fixture
+def forbid_reading(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """``forbid_reading(path, ...)``: from now on, opening any of these files fails the test.
+
+    It guards the open calls themselves (``open``, ``io.open``, ``os.open``), not the function a
+    module happens to use today, so a new read path cannot slip past it. ``stat`` stays allowed.
+    """
+
+    def forbid(*paths: Path) -> None:
+        guarded = {os.path.realpath(p) for p in paths}
+        real_open, real_os_open = builtins.open, os.open
+
+        def check(file: object) -> None:
+            is_path = isinstance(file, (str, bytes, os.PathLike))
+            if is_path and os.path.realpath(os.fsdecode(file)) in guarded:  # type: ignore[arg-type]
+                raise AssertionError(f"'{os.fsdecode(file)}' was opened again")  # type: ignore[arg-type]
+
+        def guarded_open(file: object, *args: object, **kwargs: object) -> object:
+            check(file)
+            return real_open(file, *args, **kwargs)  # type: ignore[call-overload]
+
+        def guarded_os_open(path: object, *args: object, **kwargs: object) -> int:
+            check(path)
+            return real_os_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(builtins, "open", guarded_open)
+        monkeypatch.setattr(io, "open", guarded_open)
+        monkeypatch.setattr(os, "open", guarded_os_open)
+
+    return forbid

@@ -17,7 +17,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import _harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
-REQUIRED_STRATEGIES = ("naive", "single", "shared", "shared-prepacking", "shared-raw")
+REQUIRED_STRATEGIES = ("naive", "single", "shared", "shared-private-packs", "shared-raw")
 
 
 @pytest.fixture(scope="module")

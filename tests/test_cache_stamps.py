@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from _models import build_model, feeds, run_ort, save_model
 
 import sharedml
 import sharedml._cache
-import sharedml._weights
+import sharedml._host
 from sharedml._cache import recall_stamp, record_stamp
 
 POSIX = os.name == "posix"
@@ -57,19 +58,11 @@ def source(tmp_path: Path) -> Path:
     return save_model(build_model(["initializer"], dim=64), tmp_path / "src" / "m.onnx")
 
 
-def forbid_reading_models(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the model was parsed or hashed again")
-
-    monkeypatch.setattr(sharedml._cache, "_hash_file", refuse)
-    monkeypatch.setattr(sharedml._cache, "load_graph", refuse)
-
-
 def test_an_unchanged_source_is_found_without_parsing_or_hashing_it(
-    source: Path, no_racy_window: None, monkeypatch: pytest.MonkeyPatch
+    source: Path, no_racy_window: None, forbid_reading: Callable[..., None]
 ) -> None:
     first = sharedml.prepared_model_for(source)
-    forbid_reading_models(monkeypatch)
+    forbid_reading(source)
     assert sharedml.prepared_model_for(source) == first
 
 
@@ -170,13 +163,13 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     sharedml.WeightStore._registry.clear()  # as in a new process
 
     hashed: list[Path] = []
-    real = sharedml._weights.sha256_of
+    real = sharedml._host.sha256_file
 
-    def counting(path: Path) -> str:
+    def counting(path: Path, sha: object = None) -> str:
         hashed.append(Path(path))
-        return real(path)
+        return real(path, sha)
 
-    monkeypatch.setattr(sharedml._weights, "sha256_of", counting)
+    monkeypatch.setattr(sharedml._host, "sha256_file", counting)
     assert sharedml.WeightStore.open(prepared).verified
     assert hashed == []
     sharedml.WeightStore._registry.clear()

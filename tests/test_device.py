@@ -20,8 +20,11 @@ from _models import build_model, feeds, save_model
 from onnx import TensorProto
 
 import sharedml
-from sharedml import _device
-from sharedml._device import DeviceWeightStore, RouteProbe
+from sharedml import _device, _device_probe
+from sharedml._device import DeviceWeightStore
+from sharedml._device_probe import RouteProbe
+from sharedml._providers import plan_providers
+from sharedml._route import plan_route
 from sharedml._weights import TensorSlot
 
 CPU = "CPUExecutionProvider"
@@ -34,8 +37,8 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime-gpu with
 
 @pytest.fixture(autouse=True)
 def _fresh_probes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(_device.ROUTE_ENV, raising=False)
-    monkeypatch.setattr(_device, "_PROBES", {})
+    monkeypatch.delenv(_device_probe.ROUTE_ENV, raising=False)
+    monkeypatch.setattr(_device_probe, "_PROBES", {})
 
 
 @pytest.fixture
@@ -108,7 +111,9 @@ def test_views_keep_the_slab_alive_after_the_store_is_closed() -> None:
     buffer = np.zeros(size, np.uint8)
     buffer[-4096:].view(np.float32)[:] = 5.0
     slot = TensorSlot("last", TensorProto.FLOAT, (1024,), size - 4096, 4096)
-    store = DeviceWeightStore(_device._ProbeWeights(buffer, (slot,)), CPU, 0, route="ort-slab")
+    store = DeviceWeightStore(
+        _device_probe._ProbeWeights(buffer, (slot,)), CPU, 0, route="ort-slab"
+    )
     value = store._upload.values["last"]  # type: ignore[union-attr]
     store.close()
     del store
@@ -136,7 +141,7 @@ def test_types_dlpack_cannot_carry_stay_in_the_file() -> None:
         TensorSlot("flag", TensorProto.BOOL, (1024,), 8192, 1024),
         TensorSlot("i64", TensorProto.INT64, (128,), 12288, 1024),
     )
-    store = DeviceWeightStore(_device._ProbeWeights(buffer, slots), CPU, 0, route="ort-slab")
+    store = DeviceWeightStore(_device_probe._ProbeWeights(buffer, slots), CPU, 0, route="ort-slab")
     assert set(store.tensor_names) == {"f32", "i64"}
     assert store.host_tensors == ("bf16", "flag")
 
@@ -166,27 +171,27 @@ def test_cupy_route_needs_cuda(prepared: Path) -> None:
 
 
 def test_probe_child_finds_the_slab_route_on_cpu() -> None:
-    (probe,) = _device.probe_routes(CPU, 0, routes=("ort-slab",))
+    (probe,) = _device_probe.probe_routes(CPU, 0, routes=("ort-slab",))
     assert probe.ok, probe.reason
     assert probe.route == "ort-slab" and probe.seconds > 0
 
 
 def test_a_probe_that_crashes_is_reported_not_propagated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_device, "_PROBE_CODE", "import os, signal; os.kill(os.getpid(), 11)")
-    probe = _device._run_probe(CPU, 0, "ort-slab", timeout_s=60)
+    monkeypatch.setattr(_device_probe, "_PROBE_CODE", "import os, signal; os.kill(os.getpid(), 11)")
+    probe = _device_probe._run_probe(CPU, 0, "ort-slab", timeout_s=60)
     assert not probe.ok
     assert "SIGSEGV" in probe.reason and "crash" in probe.reason
 
 
 def test_a_probe_that_hangs_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_device, "_PROBE_CODE", "import time; time.sleep(60)")
-    probe = _device._run_probe(CPU, 0, "ort-slab", timeout_s=1)
+    monkeypatch.setattr(_device_probe, "_PROBE_CODE", "import time; time.sleep(60)")
+    probe = _device_probe._run_probe(CPU, 0, "ort-slab", timeout_s=1)
     assert not probe.ok and "did not finish" in probe.reason
 
 
 def test_a_probe_that_fails_gives_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_device, "_PROBE_CODE", "import sys; sys.exit('no luck')")
-    probe = _device._run_probe(CPU, 0, "ort-slab", timeout_s=60)
+    monkeypatch.setattr(_device_probe, "_PROBE_CODE", "import sys; sys.exit('no luck')")
+    probe = _device_probe._run_probe(CPU, 0, "ort-slab", timeout_s=60)
     assert not probe.ok and "status 1" in probe.reason and "no luck" in probe.reason
 
 
@@ -202,11 +207,11 @@ def _fake_probes(results: dict[str, bool], calls: list[str]):  # type: ignore[no
 def test_a_crashing_route_falls_back_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     fake = _fake_probes({"ort-slab": False, "ort-per-tensor": True, "cupy-slab": True}, calls)
-    monkeypatch.setattr(_device, "_run_probe", fake)
-    monkeypatch.setattr(_device, "_provider_available", lambda provider: True)
-    assert _device.select_route(CUDA) == "ort-per-tensor"
+    monkeypatch.setattr(_device_probe, "_run_probe", fake)
+    monkeypatch.setattr(_device_probe, "_provider_available", lambda provider: True)
+    assert _device_probe.select_route(CUDA) == "ort-per-tensor"
     assert calls == ["ort-slab", "ort-per-tensor"]  # stops at the first that works
-    assert _device.device_mechanism_available(CUDA)
+    assert _device_probe.device_mechanism_available(CUDA)
     assert calls == ["ort-slab", "ort-per-tensor"]  # cached for the process
 
 
@@ -215,13 +220,14 @@ def test_no_working_route_means_no_device_mechanism(
 ) -> None:
     calls: list[str] = []
     monkeypatch.setattr(
-        _device, "_run_probe", _fake_probes(dict.fromkeys(_device.ROUTES, False), calls)
+        _device_probe, "_run_probe", _fake_probes(dict.fromkeys(_device.ROUTES, False), calls)
     )
-    monkeypatch.setattr(_device, "_provider_available", lambda provider: True)
-    assert not _device.device_mechanism_available(DML)
+    monkeypatch.setattr(_device_probe, "_provider_available", lambda provider: True)
+    assert not _device_probe.device_mechanism_available(DML)
     assert calls == list(_device.ROUTES)
+    plan = plan_providers([DML], available=[DML, CPU])
     with pytest.raises(sharedml.ProviderError, match=r"ort-slab: crashed \(SIGSEGV\)"):
-        DeviceWeightStore.for_store(sharedml.WeightStore.open(prepared), DML, 0)
+        plan_route(prepared, plan=plan, max_sessions=1, mechanism="device")
 
 
 def test_probe_errors_never_escape_device_mechanism_available(
@@ -230,33 +236,33 @@ def test_probe_errors_never_escape_device_mechanism_available(
     def boom(provider: str, device_id: int, route: str, timeout_s: float) -> RouteProbe:
         raise OSError("fork failed")
 
-    monkeypatch.setattr(_device, "_run_probe", boom)
-    monkeypatch.setattr(_device, "_provider_available", lambda provider: True)
-    assert _device.device_mechanism_available(CUDA) is False
+    monkeypatch.setattr(_device_probe, "_run_probe", boom)
+    monkeypatch.setattr(_device_probe, "_provider_available", lambda provider: True)
+    assert _device_probe.device_mechanism_available(CUDA) is False
 
 
 def test_missing_or_hostless_providers_are_not_probed(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(_device, "_run_probe", _fake_probes({}, calls))
-    monkeypatch.setattr(_device, "_provider_available", lambda provider: False)
-    assert not _device.device_mechanism_available(CUDA)
-    assert not _device.device_mechanism_available(CPU)  # CPU sessions share host memory
-    assert not _device.device_mechanism_available("OpenVINOExecutionProvider")
-    assert _device.probe_routes(CUDA) == ()
+    monkeypatch.setattr(_device_probe, "_run_probe", _fake_probes({}, calls))
+    monkeypatch.setattr(_device_probe, "_provider_available", lambda provider: False)
+    assert not _device_probe.device_mechanism_available(CUDA)
+    assert not _device_probe.device_mechanism_available(CPU)  # CPU sessions share host memory
+    assert not _device_probe.device_mechanism_available("OpenVINOExecutionProvider")
+    assert _device_probe.probe_routes(CUDA) == ()
     assert calls == []
 
 
 def test_environment_forces_a_route_without_probing(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(_device, "_run_probe", _fake_probes({}, calls))
-    monkeypatch.setenv(_device.ROUTE_ENV, "cupy-slab")
-    assert _device.select_route(CUDA) == "cupy-slab"
-    monkeypatch.setenv(_device.ROUTE_ENV, "none")
-    assert _device.select_route(CUDA) is None
-    assert not _device.device_mechanism_available(CUDA)
-    monkeypatch.setenv(_device.ROUTE_ENV, "telepathy")
+    monkeypatch.setattr(_device_probe, "_run_probe", _fake_probes({}, calls))
+    monkeypatch.setenv(_device_probe.ROUTE_ENV, "cupy-slab")
+    assert _device_probe.select_route(CUDA) == "cupy-slab"
+    monkeypatch.setenv(_device_probe.ROUTE_ENV, "none")
+    assert _device_probe.select_route(CUDA) is None
+    assert not _device_probe.device_mechanism_available(CUDA)
+    monkeypatch.setenv(_device_probe.ROUTE_ENV, "telepathy")
     with pytest.raises(sharedml.ProviderError, match="SHAREDML_DEVICE_ROUTE"):
-        _device.select_route(CUDA)
+        _device_probe.select_route(CUDA)
     assert calls == []
 
 
@@ -287,7 +293,7 @@ def _cuda_model(tmp_path: Path) -> tuple[Path, Path]:
 @gpu
 @needs_cuda
 def test_cuda_probe_finds_a_route(cuda_ready: None) -> None:
-    probes = _device.probe_routes(CUDA, 0)
+    probes = _device_probe.probe_routes(CUDA, 0)
     assert probes and probes[-1].ok, probes
 
 

@@ -27,9 +27,10 @@ from _models import build_model, save_model
 
 import sharedml
 from sharedml._cli_inspect import render_text, write_plot
+from sharedml._inputs import InputSpec
 from sharedml._inspect import InspectReport, inspect, recommend, summarize_weights
-from sharedml._measure import InputSpec, Measurement, MemoryPoint
-from sharedml._prepare import load_graph
+from sharedml._onnx import load_graph
+from sharedml._results import Measurement, MemoryPoint
 from sharedml.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -530,9 +531,7 @@ def _copy_project(dst: Path) -> Path:
     for name in ("pyproject.toml", "README.md", "LICENSE", "setup.cfg", "MANIFEST.in"):
         if (ROOT / name).exists():
             shutil.copy2(ROOT / name, dst / name)
-    shutil.copytree(
-        ROOT / "sharedml", dst / "sharedml", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    shutil.copytree(ROOT / "src", dst / "src", ignore=shutil.ignore_patterns("__pycache__"))
     return dst
 
 

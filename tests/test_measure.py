@@ -13,20 +13,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from sharedml._errors import MeasurementError, ProviderError
-from sharedml._measure import (
-    InputSpec,
-    Measurement,
-    MemoryPoint,
-    Strategy,
-    _DeviceMemory,
-    _fit,
-    _generate,
-    get_strategy,
-    input_specs,
-    measure,
-    register_strategy,
-    registered_strategies,
-)
+from sharedml._inputs import InputSpec, generate, input_specs
+from sharedml._measure import measure
+from sharedml._measure_child import _DeviceMemory
+from sharedml._results import Measurement, MemoryPoint, _fit
+from sharedml._strategies import Strategy, get_strategy, register_strategy, registered_strategies
 
 MiB = 1024 * 1024
 
@@ -138,12 +129,12 @@ def test_inputs_that_cannot_be_generated_are_named() -> None:
 
 
 def test_generated_values_keep_indices_valid() -> None:
-    ints = _generate({"shape": [2, 3], "dtype": "int64"})
+    ints = generate({"shape": [2, 3], "dtype": "int64"})
     assert ints.dtype == np.int64 and (ints == 1).all()  # row 1 exists in any table of 2+ rows
-    assert not _generate({"shape": [4], "dtype": "bool"}).any()
-    floats = _generate({"shape": [100], "dtype": "float32"})
+    assert not generate({"shape": [4], "dtype": "bool"}).any()
+    floats = generate({"shape": [100], "dtype": "float32"})
     assert floats.dtype == np.float32 and (floats >= 0).all() and (floats < 1).all()
-    assert _generate({"shape": [2], "dtype": "str"}).tolist() == ["", ""]
+    assert generate({"shape": [2], "dtype": "str"}).tolist() == ["", ""]
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,9 +214,9 @@ def test_builtin_strategies_are_registered_in_order() -> None:
 
 def test_registering_a_taken_name_or_a_bad_factory_is_refused() -> None:
     with pytest.raises(ValueError, match="already registered"):
-        register_strategy(Strategy("naive", "again", "sharedml._measure:_naive"))
+        register_strategy(Strategy("naive", "again", "sharedml._strategies:_naive"))
     with pytest.raises(ValueError, match="module:function"):
-        register_strategy(Strategy("x-no-colon", "bad", "sharedml._measure._naive"))
+        register_strategy(Strategy("x-no-colon", "bad", "sharedml._strategies._naive"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,7 +310,9 @@ def test_a_registered_strategy_runs_in_the_child(tmp_path: Path) -> None:
     path = tmp_path / "m.onnx"
     onnx.save(embedding_model(), path)
     register_strategy(
-        Strategy("test-plain", "plain sessions, again", "sharedml._measure:_naive", default=False),
+        Strategy(
+            "test-plain", "plain sessions, again", "sharedml._strategies:_naive", default=False
+        ),
         replace=True,
     )
     m = measure(path, "test-plain", sessions=2)
@@ -335,7 +328,7 @@ def test_a_failing_child_names_the_strategy_and_its_last_stderr_line(
     with pytest.raises(MeasurementError, match=r"strategy 'single' failed.*NoSuchOp"):
         measure(path, "single", sessions=2)
     register_strategy(
-        Strategy("test-missing", "no such factory", "sharedml._measure:_nope", default=False),
+        Strategy("test-missing", "no such factory", "sharedml._strategies:_nope", default=False),
         replace=True,
     )
     with pytest.raises(MeasurementError, match=r"'test-missing'.*AttributeError.*_nope"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -12,8 +13,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from _models import PLACEMENTS, build_model, feeds, save_model
+from _waiting import DEADLINE_S, wait_until
 
 import sharedml
+from sharedml import _providers
 
 DIM = 32
 
@@ -183,7 +186,7 @@ def test_checkout_timeout_is_a_timeout_error(model: Path) -> None:
         assert pool.stats().busy == 0 and pool.stats().sessions == 1
 
 
-def test_close_waits_for_runs_in_flight_then_refuses_work(model: Path) -> None:
+def test_close_wakes_waiting_callers_and_waits_for_runs_in_flight(model: Path) -> None:
     pool = sharedml.SessionPool(model, sessions=2)
     inside = threading.Event()
     release = threading.Event()
@@ -192,31 +195,33 @@ def test_close_waits_for_runs_in_flight_then_refuses_work(model: Path) -> None:
     def holder() -> None:
         with pool.session() as sess:
             inside.set()
-            release.wait(30)
+            release.wait(DEADLINE_S)
             results.append(sess.run(None, feeds(DIM))[0])
 
     def waiter() -> None:
         try:
-            with pool.session(timeout_s=30):
+            with pool.session(timeout_s=DEADLINE_S):
                 pass
         except BaseException as exc:
             results.append(exc)
 
     t = threading.Thread(target=holder)
     t.start()
-    inside.wait(30)
+    assert inside.wait(DEADLINE_S)
     with pool.session():  # occupy the second session so that `waiter` must wait
         w = threading.Thread(target=waiter)
         w.start()
-        time.sleep(0.1)
+        wait_until(lambda: pool.stats().waiting == 1, what="the waiter to queue")
         closer = threading.Thread(target=pool.close)
         closer.start()
-        w.join(30)
+        # close() wakes the waiter at once: far sooner than its own timeout would.
+        w.join(DEADLINE_S / 3)
+        assert not w.is_alive(), "close() left a waiting caller asleep"
     assert isinstance(results[0], sharedml.PoolClosedError)
     assert closer.is_alive()  # still waiting for the holder's run
     release.set()
-    t.join(30)
-    closer.join(30)
+    t.join(DEADLINE_S)
+    closer.join(DEADLINE_S)
     assert not closer.is_alive() and isinstance(results[1], np.ndarray)
     assert pool.closed
     with pytest.raises(sharedml.PoolClosedError, match="closed"):
@@ -232,28 +237,40 @@ def test_close_timeout(model: Path) -> None:
     assert pool.stats().sessions == 0
 
 
-def test_run_async_does_not_block_the_loop(model: Path) -> None:
-    async def main() -> tuple[list[np.ndarray], int]:
-        ticks = 0
-        stop = asyncio.Event()
+def test_run_async_leaves_the_loop_free_while_a_run_waits(model: Path) -> None:
+    """The run waits for the pool's one session, held by a thread the loop itself releases.
 
-        async def ticker() -> None:
-            nonlocal ticks
-            while not stop.is_set():
+    If ``run_async`` ran synchronously, the loop would block inside it and never release the
+    session: the holder gives up after its deadline and the test fails instead of hanging.
+    """
+
+    async def main() -> tuple[np.ndarray, int]:
+        with sharedml.SessionPool(model, sessions=1) as pool:
+            held, release = threading.Event(), threading.Event()
+
+            def holder() -> None:
+                with pool.session():
+                    held.set()
+                    release.wait(DEADLINE_S)
+
+            thread = threading.Thread(target=holder)
+            thread.start()
+            assert held.wait(DEADLINE_S)
+            pending = asyncio.ensure_future(pool.run_async(None, feeds(DIM)))
+            ticks = 0
+            while pool.stats().waiting == 0:  # the loop turns while the run queues
                 ticks += 1
-                await asyncio.sleep(0)
+                await asyncio.sleep(0.001)
+                assert ticks < DEADLINE_S * 1000, "run_async never queued its run"
+            assert not pending.done()
+            release.set()  # from the loop: only possible if run_async did not block it
+            out = await asyncio.wait_for(pending, DEADLINE_S)
+            thread.join(DEADLINE_S)
+            return out[0], ticks
 
-        with sharedml.SessionPool(model, sessions=2) as pool:
-            tick_task = asyncio.create_task(ticker())
-            outs = await asyncio.gather(*(pool.run_async(None, feeds(DIM)) for _ in range(16)))
-            stop.set()
-            await tick_task
-            return [o[0] for o in outs], ticks
-
-    outs, ticks = asyncio.run(main())
-    assert len(outs) == 16 and ticks > 0
-    for out in outs:
-        np.testing.assert_array_equal(out, outs[0])
+    out, ticks = asyncio.run(main())
+    assert ticks >= 1
+    np.testing.assert_allclose(out, plain_reference(model, feeds(DIM)), rtol=1e-5)
 
 
 def test_run_async_on_a_closed_pool(model: Path) -> None:
@@ -406,7 +423,7 @@ class _CountingSessions:
 def test_unserialized_creation_creates_the_first_sessions_in_parallel(
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sharedml._pool, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     counting = _CountingSessions(model, monkeypatch)
     with sharedml.SessionPool(model, sessions=4, serialize_creation=False) as pool:
         assert counting.peak == 2 and counting.calls == 4
@@ -417,7 +434,7 @@ def test_unserialized_creation_creates_the_first_sessions_in_parallel(
 
 
 def test_creation_is_serialized_by_default(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sharedml._pool, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     counting = _CountingSessions(model, monkeypatch)
     counting.both_in = threading.Barrier(1)  # nothing to meet: serialized creation never waits
     with sharedml.SessionPool(model, sessions=3) as pool:
@@ -427,7 +444,7 @@ def test_creation_is_serialized_by_default(model: Path, monkeypatch: pytest.Monk
 def test_a_failed_parallel_creation_fails_the_pool_with_the_cause(
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sharedml._pool, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     _CountingSessions(model, monkeypatch, fail_on=3)
     with pytest.raises(sharedml.SessionCreationError, match="injected creation failure"):
         sharedml.SessionPool(model, sessions=4, serialize_creation=False)
@@ -438,8 +455,12 @@ def assert_allclose_to_plain(pool: sharedml.SessionPool, path: Path) -> None:
     np.testing.assert_allclose(pool.run(None, feed)[0], plain_reference(path, feed), rtol=1e-5)
 
 
-def test_parallel_creation_is_refused_with_directml(model: Path) -> None:
-    # Checked before the provider is looked up, so it holds on machines without DirectML too.
-    for providers in (["DmlExecutionProvider"], [("DmlExecutionProvider", {"device_id": 0})]):
+def test_parallel_creation_is_refused_with_directml(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The guard reads the planned providers: a bare string, a list, a (name, options) pair.
+    dml = "DmlExecutionProvider"
+    monkeypatch.setattr(_providers, "available_providers", lambda: [dml, "CPUExecutionProvider"])
+    for providers in (dml, [dml], [(dml, {"device_id": 0})]):
         with pytest.raises(ValueError, match="DirectML sessions concurrently"):
             sharedml.SessionPool(model, sessions=2, providers=providers, serialize_creation=False)

@@ -1,9 +1,10 @@
 """Memory: a pool of N sessions costs about one copy of the weights, measured in fresh processes.
 
-Each configuration runs in its own subprocess, so one measurement's allocations cannot hide or
-inflate another's. PSS (proportional set size) counts shared pages once across processes, so
-it is the honest figure for mapped weights; the ratio is taken against plain ORT sessions
-measured by the same test on the same machine.
+The measurements run the code ``sharedml inspect`` runs (:func:`sharedml.measure`): each
+strategy in its own subprocess, sessions added one at a time, all of them run concurrently
+after each step, outputs compared, PSS read after each step. PSS counts shared pages once
+across processes, so it is the honest figure for mapped weights; every ratio is taken against
+plain ORT sessions measured by the same test on the same machine.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from _memory import measure_pss
 
 import sharedml
 
@@ -26,10 +26,6 @@ SESSIONS = 8
 WEIGHTS_MIB = 100
 
 
-def measure(strategy: str, model: Path, n: int) -> int:
-    return measure_pss(strategy, model, n, batch=1, width=2048)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tools.realistic_models import mlp
@@ -37,26 +33,40 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("memory")
     info = mlp(folder / "mlp.onnx", target_bytes=WEIGHTS_MIB * 2**20, width=2048)
     os.environ["SHAREDML_CACHE_DIR"] = str(folder / "cache")
-    sharedml.prepared_model_for(info.path)  # prepare outside the measured processes
     return Path(info.path)
 
 
-def test_eight_shared_sessions_cost_under_a_third_of_eight_plain_ones(model: Path) -> None:
-    naive = measure("naive", model, SESSIONS)
-    shared = measure("shared", model, SESSIONS)
-    weights = sharedml.SessionPool(model, sessions=1).weights.nbytes
+@pytest.fixture(scope="module")
+def measured(model: Path) -> dict[str, sharedml.Measurement]:
+    # measure() fills the cache first for the pool's strategy: its one-off prepare is not counted.
+    return {s: sharedml.measure(model, s, sessions=SESSIONS) for s in ("naive", "shared")}
+
+
+def test_eight_shared_sessions_cost_under_a_third_of_eight_plain_ones(
+    model: Path, measured: dict[str, sharedml.Measurement]
+) -> None:
+    naive, shared = measured["naive"], measured["shared"]
+    assert naive.outputs_agree and shared.outputs_agree
+    assert naive.total_bytes is not None and shared.total_bytes is not None
+    with sharedml.SessionPool(model, sessions=1) as pool:
+        weights = pool.weights.nbytes
     print(
-        f"PSS growth, {SESSIONS} sessions: plain {naive / 2**20:.0f} MiB, shared "
-        f"{shared / 2**20:.0f} MiB ({shared / naive:.2f}x), weights {weights / 2**20:.0f} MiB"
+        f"PSS growth, {SESSIONS} sessions: plain {naive.total_bytes / 2**20:.0f} MiB, shared "
+        f"{shared.total_bytes / 2**20:.0f} MiB ({shared.total_bytes / naive.total_bytes:.2f}x), "
+        f"weights {weights / 2**20:.0f} MiB, route {shared.details.get('mechanism')}"
     )
-    assert naive > SESSIONS * weights  # the baseline really holds a copy per session
-    assert shared <= 0.3 * naive
+    assert naive.total_bytes > SESSIONS * weights  # the baseline really holds a copy per session
+    assert shared.total_bytes <= 0.3 * naive.total_bytes
 
 
-def test_each_extra_session_adds_under_five_percent_of_the_weights(model: Path) -> None:
-    one = measure("shared", model, 1)
-    many = measure("shared", model, SESSIONS)
-    weights = sharedml.SessionPool(model, sessions=1).weights.nbytes
+def test_each_extra_session_adds_under_five_percent_of_the_weights(
+    model: Path, measured: dict[str, sharedml.Measurement]
+) -> None:
+    shared = measured["shared"]
+    one, many = shared.points[0].pss_bytes, shared.points[-1].pss_bytes
+    assert one is not None and many is not None and shared.measured_sessions == SESSIONS
+    with sharedml.SessionPool(model, sessions=1) as pool:
+        weights = pool.weights.nbytes
     per_extra = (many - one) / (SESSIONS - 1)
     activations = 2 * 2048 * 4 * 64  # generous: a few [1, 2048] float buffers per layer
     print(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -10,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from _memory import measure_pss
 from _models import PLACEMENTS, build_model, feeds, save_model
 
 import sharedml
-from sharedml import _prepack
+from sharedml import _host, _prepack
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +103,13 @@ def test_a_failed_build_falls_back_to_raw_sharing_with_a_warning(
 
 def test_the_prepacked_model_is_built_once_and_reused(mlp_model: Path, tmp_path: Path) -> None:
     with sharedml.SessionPool(mlp_model, sessions=1) as first:
-        assert first._prepacked is not None
-        entry = first._prepacked.model_path
+        assert first.recipe.prepacked is not None
+        entry = first.recipe.prepacked.model_path
     mtime = entry.stat().st_mtime_ns
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with sharedml.SessionPool(mlp_model, sessions=1) as second:
-            assert second._prepacked.model_path == entry
+            assert second.recipe.prepacked.model_path == entry
     assert entry.stat().st_mtime_ns == mtime
     assert not os.access(entry, os.W_OK) or os.geteuid() == 0  # published read-only
 
@@ -135,11 +136,40 @@ def test_cache_key_changes_with_the_ort_version(
     assert _prepack.build_prepacked_model(model, weights, tmp_path / "pp").key != base.key
 
 
-def test_release_freed_heap_reports_what_it_did() -> None:
-    released = _prepack.release_freed_heap()
-    assert isinstance(released, bool)
-    if not sys.platform.startswith("linux"):
-        assert released is False
+HEAP_SCRIPT = r"""
+import ctypes, json, psutil
+from sharedml import _host
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+proc = psutil.Process()
+before = proc.memory_info().rss
+# 160 MiB in 64 KiB blocks (below glibc's mmap threshold: they come from the heap), touched,
+# then a small block on top so that freeing the rest leaves a hole glibc keeps.
+blocks = [libc.malloc(64 * 1024) for _ in range(2560)]
+for b in blocks:
+    ctypes.memset(b, 1, 64 * 1024)
+pin = libc.malloc(64 * 1024)  # from the top of the heap: nothing freed yet fits
+for b in blocks:
+    libc.free(b)
+kept = proc.memory_info().rss - before
+released = _host.release_freed_heap()
+after = proc.memory_info().rss - before
+print(json.dumps({"kept": kept, "released": released, "after": after}))
+"""
+
+
+@pytest.mark.skipif(not _host.heap_trim_available(), reason="malloc_trim is glibc's")
+def test_release_freed_heap_gives_freed_heap_back_to_the_os() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["kept"] > 120 * 2**20, result  # glibc kept the freed heap...
+    assert result["released"] is True
+    assert result["after"] < 40 * 2**20, result  # ...until it was trimmed
 
 
 @pytest.mark.slow
@@ -147,18 +177,14 @@ def test_release_freed_heap_reports_what_it_did() -> None:
 def test_four_sessions_with_shared_prepacked_weights_cost_a_third_of_plain(
     mlp_model: Path,
 ) -> None:
-    sharedml.prepared_model_for(mlp_model)  # build caches outside the measured processes
-    with sharedml.SessionPool(mlp_model, sessions=4):
-        pass
-
-    def measure(strategy: str) -> int:
-        return measure_pss(
-            strategy, mlp_model, 4, batch=8, width=1024, expect_mechanism="prepacked-file"
-        )
-
-    naive, shared = measure("naive"), measure("shared")
-    print(
-        f"4 sessions, PSS growth: plain {naive / 2**20:.0f} MiB, shared prepacked "
-        f"{shared / 2**20:.0f} MiB ({shared / naive:.2f}x)"
+    naive, shared = (
+        sharedml.measure(mlp_model, s, sessions=4, dims={"batch": 8}) for s in ("naive", "shared")
     )
-    assert shared <= 0.35 * naive
+    assert shared.details["mechanism"] == "prepacked-file"
+    assert naive.outputs_agree and shared.outputs_agree
+    assert naive.total_bytes and shared.total_bytes is not None
+    print(
+        f"4 sessions, PSS growth: plain {naive.total_bytes / 2**20:.0f} MiB, shared prepacked "
+        f"{shared.total_bytes / 2**20:.0f} MiB ({shared.total_bytes / naive.total_bytes:.2f}x)"
+    )
+    assert shared.total_bytes <= 0.35 * naive.total_bytes

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
-from sharedml._prepare import iter_graphs, tensor_nbytes
+from sharedml._onnx import iter_graphs, tensor_nbytes
 
 DIM = 64
 
@@ -25,7 +25,7 @@ DIM = 64
 def original_tensors(model: onnx.ModelProto) -> dict[str, bytes]:
     """Name -> raw bytes of every initializer and Constant value (Constants by output name)."""
     out: dict[str, bytes] = {}
-    for graph in iter_graphs(model.graph):
+    for graph, _ in iter_graphs(model.graph):
         for t in graph.initializer:
             out[t.name] = numpy_helper.to_array(t).tobytes()
         for node in graph.node:
@@ -48,7 +48,7 @@ def check_layout(
     assert len(data) == result.manifest.size_bytes
     assert hashlib.sha256(data).hexdigest() == result.manifest.sha256
     ranges = []
-    for graph in iter_graphs(model.graph):
+    for graph, _ in iter_graphs(model.graph):
         for node in graph.node:
             assert node.op_type != "Constant" or tensor_nbytes(node.attribute[0].t) < limit
         for t in graph.initializer:
@@ -98,7 +98,7 @@ def test_constant_nodes_become_initializers_of_their_own_graph(tmp_path: Path) -
     prepared = onnx.load_model(str(result.model_path), load_external_data=False)
     big_constants = [
         n
-        for g in iter_graphs(prepared.graph)
+        for g, _ in iter_graphs(prepared.graph)
         for n in g.node
         if n.op_type == "Constant" and tensor_nbytes(n.attribute[0].t) >= 1024
     ]

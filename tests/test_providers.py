@@ -14,7 +14,7 @@ import pytest
 from _models import build_model, save_model
 
 import sharedml
-from sharedml import _device, _providers
+from sharedml import _device_probe, _providers
 from sharedml._providers import (
     CPU,
     CUDA,
@@ -59,9 +59,7 @@ def test_callers_options_win_and_become_strings() -> None:
 
 
 def test_cuda_sessions_get_one_stream_each_unless_the_caller_says_otherwise() -> None:
-    defaults = getattr(_providers, "CUDA_SESSION_DEFAULTS", None)
-    if defaults is None:
-        pytest.skip("needs CUDA_SESSION_DEFAULTS in sharedml/_providers.py (issue 7 patch)")
+    assert _providers.CUDA_SESSION_DEFAULTS == {"use_ep_level_unified_stream": "1"}
     # Measured: 8 pool sessions over 1 GiB take 1638 MiB with it, 2808 without (docs/gpu.md).
     plan = plan_providers([CUDA], available=ALL)
     assert plan.provider_options[0]["use_ep_level_unified_stream"] == "1"
@@ -164,8 +162,8 @@ def test_serialization_reads_the_installed_version_by_default() -> None:
 def dml_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> sharedml.SessionPool:
     monkeypatch.setattr(_providers, "available_providers", lambda: [DML, CPU])
     # No device store for DML on this machine: the probe finds DML missing from the real build.
-    monkeypatch.setattr(_device, "_PROBES", {})
-    monkeypatch.delenv(_device.ROUTE_ENV, raising=False)
+    monkeypatch.setattr(_device_probe, "_PROBES", {})
+    monkeypatch.delenv(_device_probe.ROUTE_ENV, raising=False)
     src = save_model(build_model(["initializer"], dim=32), tmp_path / "m.onnx")
     with pytest.warns(RuntimeWarning, match="upload its own copy"):
         pool = sharedml.SessionPool(
@@ -176,7 +174,7 @@ def dml_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> sharedml.Sessio
 
 def test_pool_applies_directml_session_settings(dml_pool: sharedml.SessionPool) -> None:
     assert dml_pool.mechanism != "device"  # fell back to host-shared weights, with a warning
-    so = dml_pool._session_options()
+    so = dml_pool.recipe.options()
     assert so.enable_mem_pattern is False
     assert so.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
     assert so.get_session_config_entry("ep.dml.disable_graph_fusion") == "1"
@@ -188,8 +186,8 @@ def test_pool_keeps_a_callers_graph_fusion_setting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_providers, "available_providers", lambda: [DML, CPU])
-    monkeypatch.setattr(_device, "_PROBES", {})
-    monkeypatch.delenv(_device.ROUTE_ENV, raising=False)
+    monkeypatch.setattr(_device_probe, "_PROBES", {})
+    monkeypatch.delenv(_device_probe.ROUTE_ENV, raising=False)
     src = save_model(build_model(["initializer"], dim=32), tmp_path / "m.onnx")
     template = ort.SessionOptions()
     template.add_session_config_entry("ep.dml.disable_graph_fusion", "0")
@@ -203,6 +201,6 @@ def test_pool_keeps_a_callers_graph_fusion_setting(
             serialize_runs=False,
             cache_dir=tmp_path / "cache",
         )
-    so = pool._session_options()
+    so = pool.recipe.options()
     assert so.get_session_config_entry("ep.dml.disable_graph_fusion") == "0"
     assert pool._run_lock is None  # the caller's explicit choice wins

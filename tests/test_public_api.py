@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import sharedml
 
@@ -33,3 +38,57 @@ def test_every_error_is_a_sharedml_error() -> None:
     assert issubclass(sharedml.PoolClosedError, RuntimeError)
     assert issubclass(sharedml.ModelNotFoundError, FileNotFoundError)
     assert issubclass(sharedml.UnsafePathError, PermissionError)
+
+
+def test_public_objects_name_sharedml_as_their_module() -> None:
+    for name in sharedml.__all__:
+        obj = getattr(sharedml, name)
+        if isinstance(obj, (type, types.FunctionType)):
+            assert obj.__module__ == "sharedml", name
+    assert repr(sharedml.SessionPool).startswith("<class 'sharedml.SessionPool'")
+
+
+def _annotations_of(obj: object) -> list[str]:
+    if isinstance(obj, type):
+        hints = [str(a) for a in getattr(obj, "__annotations__", {}).values()]
+        init = obj.__dict__.get("__init__")
+        if init is not None:
+            hints += [str(a) for a in getattr(init, "__annotations__", {}).values()]
+        for member in vars(obj).values():
+            if isinstance(member, property) and member.fget is not None:
+                hints += [str(a) for a in member.fget.__annotations__.values()]
+            elif isinstance(member, (types.FunctionType, classmethod, staticmethod)):
+                func = getattr(member, "__func__", member)
+                if not func.__name__.startswith("_"):
+                    hints += [str(a) for a in func.__annotations__.values()]
+        return hints
+    return [str(a) for a in getattr(obj, "__annotations__", {}).values()]
+
+
+def test_every_sharedml_type_a_public_signature_names_is_exported() -> None:
+    missing = set()
+    for name in sharedml.__all__:
+        obj = getattr(sharedml, name)
+        for hint in _annotations_of(obj):
+            for ident in re.findall(r"[A-Z][A-Za-z0-9_]+", hint):
+                for module in [m for n, m in sys.modules.items() if n.startswith("sharedml._")]:
+                    value = getattr(module, ident, None)
+                    ours = isinstance(value, type) and value.__module__.startswith("sharedml")
+                    if ours and ident not in sharedml.__all__:
+                        missing.add(f"{name} -> {ident}")
+    assert not missing, sorted(missing)
+
+
+def test_a_clone_named_sharedml_does_not_shadow_the_installed_package(tmp_path: Path) -> None:
+    clone = tmp_path / "sharedml"  # as `git clone ... sharedml` leaves it: no __init__.py
+    (clone / "tests").mkdir(parents=True)
+    (clone / "README.md").write_text("a checkout")
+    out = subprocess.run(
+        [sys.executable, "-c", "import sharedml; print(sharedml.SessionPool.__name__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "SessionPool", out.stderr[-2000:]

@@ -18,24 +18,31 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import SharedMLError
+from sharedml._format import human_bytes, human_seconds
 
 __all__ = ["add_parser", "parse_dims", "render_text", "write_plot"]
 
 
 def add_parser(sub: Any) -> None:
     """Add the ``inspect`` subcommand to the CLI's subparsers."""
+    from sharedml._strategies import registered_strategies
+
+    strategies = registered_strategies()
+    defaults = [s.name for s in strategies if s.default]
+    listing = "\n".join(
+        f"  {s.name:<22} {s.summary}{'' if s.default else ' (not measured by default)'}"
+        for s in strategies
+    )
     p = sub.add_parser(
         "inspect",
         help="report what a model holds and what N plain vs N shared sessions cost in memory",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Report a model's weights (how many bytes, where they sit, what prepare would move) "
-            "and measure, each in a fresh process, the memory and time of N sessions per "
-            "strategy: N plain onnxruntime sessions (naive), sharedml's pool (shared), the pool "
-            "with prepacking off (shared-raw) and with ORT's per-session packing "
-            "(shared-private-packs), and one session shared by all threads (single). Without "
-            "MODEL, a "
-            "built-in demo model is generated and inspected."
+            "Report a model's weights (how many bytes, where they sit, what prepare would move)\n"
+            "and measure, each in a fresh process, the memory and time of N sessions per\n"
+            "strategy. Without MODEL, a built-in demo model is generated and inspected."
         ),
+        epilog=f"strategies (--strategy; default: {', '.join(defaults)}):\n{listing}",
     )
     p.add_argument("model", nargs="?", help="the ONNX model (default: a built-in demo model)")
     p.add_argument(
@@ -58,6 +65,14 @@ def add_parser(sub: Any) -> None:
         default=[],
         metavar="NAME=VALUE",
         help="size of a symbolic input dimension (default 1); repeatable",
+    )
+    p.add_argument(
+        "--strategy",
+        action="append",
+        dest="strategies",
+        choices=[s.name for s in strategies],
+        metavar="NAME",
+        help="measure this strategy (repeatable; default: every default strategy, listed below)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument(
@@ -152,6 +167,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             sessions=args.sessions,
             providers=args.providers,
             dims=dims,
+            strategies=args.strategies,
             progress=progress,
         )
     if plot is not None:
@@ -174,26 +190,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 # Rendering
 
 
-def _mib(n: float | None) -> str:
-    from sharedml._inspect import human_bytes
-
-    return human_bytes(n)
-
-
-def _seconds(s: float | None) -> str:
-    if s is None:
-        return "n/a"
-    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
-
-
 def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -> None:
     """Print ``report`` (an :class:`~sharedml.InspectReport`) as tables on ``console``."""
     from rich.console import Console
     from rich.padding import Padding
     from rich.table import Table
     from rich.text import Text
-
-    from sharedml._inspect import human_bytes
 
     out = console or Console(highlight=False)
     w = report.weights
@@ -295,7 +297,7 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         if show_device:
             device = m.points[-1].device_bytes if m.points else None
             row.append(human_bytes(device) if device is not None else "n/a")
-        row += [_seconds(m.init_seconds), _seconds(m.first_run_seconds)]
+        row += [human_seconds(m.init_seconds), human_seconds(m.first_run_seconds)]
         table.add_row(*row)
     out.print(Padding(table, (0, 0, 0, 2), expand=False))
     legend = Table.grid(padding=(0, 2))

@@ -1,12 +1,14 @@
 """SessionPool: N ONNX Runtime sessions over one copy of the weights, safe to use from any thread.
 
-Data flow: model file -> (prepare, cached) prepared graph + weights file -> ``WeightStore``
-(mapped once per process) -> N ``InferenceSession``s that borrow the mapped bytes -> ``run()``.
+The pool is the client side of the split: it owns the queue of callers and the lifecycle of its
+sessions; how a session gets its weights is the route planner's (:mod:`sharedml._route`), which
+hands the pool a :class:`~sharedml.SessionRecipe`.
 
 Invariants the pool keeps, whatever its callers do:
 
 - A session is used by one caller at a time: never two ``Run()``s on one session at once
   (DirectML crashes otherwise; CUDA graphs and stateful kernels need it too).
+- Waiting callers are served first come, first served.
 - Every checked-out session comes back: a run that raises returns its session; a session whose
   provider failed (``EPFail``/``EngineError``) is dropped and a fresh one takes its place.
 - Session creation happens outside the pool's lock, so that runs go on meanwhile. It is
@@ -19,125 +21,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import functools
 import os
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sharedml._cache import cache_dir as cache_root
-from sharedml._cache import prepared_model_for
-from sharedml._errors import (
-    PoolClosedError,
-    PoolTimeout,
-    ProviderError,
-    SessionCreationError,
-    SharedMLError,
-)
-from sharedml._prepack import release_freed_heap as _release_freed_heap
-from sharedml._prepare import DEFAULT_SIZE_THRESHOLD_BYTES
+from sharedml._cache import CacheDir
+from sharedml._errors import PoolClosedError, PoolTimeout
+from sharedml._host import release_freed_heap, usable_cores
 from sharedml._providers import (
-    CPU,
-    CUDA,
     DML,
     ProviderPlan,
     ProviderSpec,
     plan_providers,
     serialize_runs_by_default,
 )
-from sharedml._weights import MECHANISMS, WeightStore, zero_copy_mechanisms
+from sharedml._route import Mechanism, SessionRecipe, plan_route
 
-__all__ = ["PoolStats", "SessionPool", "clone_session_options"]
+__all__ = ["PoolStats", "SessionPool"]
 
 _CREATION_LOCK = threading.Lock()  # process-wide: DirectML crashes on concurrent creation
 
-# Config keys copied from a caller's SessionOptions onto each session's own options. ORT's
-# Python SessionOptions can be neither copied nor enumerated, so the pool copies the public
-# attributes and these keys; anything else (free-dimension overrides, custom op libraries) goes
-# through the pool's ``configure`` callback.
-_KNOWN_CONFIG_KEYS = (
-    "session.disable_prepacking",
-    "session.use_env_allocators",
-    "session.set_denormal_as_zero",
-    "session.enable_quant_qdq",
-    "session.disable_quant_qdq",
-    "session.disable_double_qdq_remover",
-    "session.enable_quant_qdq_cleanup",
-    "optimization.enable_gelu_approximation",
-    "optimization.disable_specified_optimizers",
-    "session.inter_op.allow_spinning",
-    "session.intra_op.allow_spinning",
-    "session.intra_op_thread_affinities",
-    "session.dynamic_block_base",
-    "session.force_spinning_stop",
-    "session.strict_shape_type_inference",
-    "session.allow_released_opsets_only",
-    "session.use_device_allocator_for_initializers",
-    "session.disable_cpu_ep_fallback",
-    "session.disable_aot_function_inlining",
-    "session.qdqisint8allowed",
-    "session.x64quantprecision",
-    "ep.dml.disable_graph_fusion",
-    "ep.dml.enable_graph_capture",
-    "ep.dml.disable_memory_arena",
-    "mlas.enable_gemm_fastmath_arm64_bfloat16",
-)
-_COPIED_ATTRIBUTES = (
-    "enable_cpu_mem_arena",
-    "enable_mem_pattern",
-    "enable_mem_reuse",
-    "enable_profiling",
-    "execution_mode",
-    "execution_order",
-    "graph_optimization_level",
-    "inter_op_num_threads",
-    "intra_op_num_threads",
-    "log_severity_level",
-    "log_verbosity_level",
-    "logid",
-    "profile_file_prefix",
-    "use_deterministic_compute",
-)
 
+class _State(enum.Enum):
+    """A pool's lifecycle: opening -> open -> closing -> closed; never reopened."""
 
-def clone_session_options(template: Any | None) -> Any:
-    """A new ``SessionOptions`` with ``template``'s public attributes and known config keys."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    if template is None:
-        return so
-    for attr in _COPIED_ATTRIBUTES:
-        setattr(so, attr, getattr(template, attr))
-    for key in _KNOWN_CONFIG_KEYS:
-        try:
-            value = template.get_session_config_entry(key)
-        except RuntimeError:  # ORT raises when the key is not set
-            continue
-        so.add_session_config_entry(key, value)
-    return so
-
-
-_PREPACKING_ALIASES: dict[object, str] = {None: "auto", False: "off", True: "per-session"}
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _config_entry(so: Any, key: str) -> str | None:
-    try:
-        return str(so.get_session_config_entry(key))
-    except RuntimeError:
-        return None
+    OPENING = "opening"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +65,7 @@ class PoolStats:
     Attributes:
         sessions: Sessions that exist now.
         busy: Sessions checked out now.
+        waiting: Callers waiting for a session now.
         max_sessions: The most sessions the pool will create.
         runs: ``run()`` calls and checkouts completed.
         failed_runs: Those that raised.
@@ -159,6 +78,7 @@ class PoolStats:
 
     sessions: int
     busy: int
+    waiting: int
     max_sessions: int
     runs: int
     failed_runs: int
@@ -212,33 +132,30 @@ class SessionPool:
             known config entries are applied to every session (the object is not modified).
         configure: Called with each session's ``SessionOptions`` before creation, for settings
             that cannot be read back from a template (free-dimension overrides, custom ops).
-        mechanism: How sessions get the shared weights: ``"auto"`` (the best one measured to be
-            zero-copy on the installed ORT) or one of ``"in-memory-file"``,
-            ``"add-initializer"``, ``"ort-mmap"``.
-        prepacking: What to do with ORT's CPU weight prepacking (packed MatMul/Conv/Gemm
-            kernels are faster, up to 2.2x at batch 8):
+        mechanism: How sessions get the shared weights: ``"auto"`` (the route planner picks:
+            device buffers on a GPU provider where a route works, else the best zero-copy host
+            mechanism measured on the installed ORT) or a :class:`~sharedml.Mechanism` value:
+            ``"device"``, ``"in-memory-file"``, ``"add-initializer"``, ``"ort-mmap"``.
+        prepacking: What to do with ORT's CPU weight prepacking (see
+            :class:`~sharedml.Prepacking` and ``docs/cpu-prepacking.md``):
             ``"auto"`` (default, also ``None``): on CPU, share the *packed* weights too, through
-            an optimized model whose data file carries ORT's prepacked blobs (built once, cached
-            per ORT build and CPU), wherever ORT packs or derives any weight of the model;
-            otherwise share the raw weights. See :mod:`sharedml._prepack`.
+            ORT's saved prepacked model (built once, cached per ORT build and CPU), wherever ORT
+            packs or derives any weight of the model; otherwise share the raw weights.
             ``"shared"``: the prepacked-file route, or an error if it cannot be built.
-            ``"off"`` (also ``False``): share raw weights, prepacking off (least memory, slowest
-            batched kernels, fastest session creation).
+            ``"off"`` (also ``False``): share raw weights, prepacking off (unpacked kernels).
             ``"per-session"`` (also ``True``): ORT's own behaviour: each session packs a private
             copy of every packed weight.
-        cache_dir: Where unprepared models are prepared (default: see :func:`sharedml.cache_dir`).
-        verify_weights: Check the weights file's SHA-256 when it is first mapped in the process.
+        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
+        verify_weights: Check the weights' SHA-256 when they are first mapped in the process.
         serialize_creation: Create one session at a time, process-wide (default). ``False``:
             the first ``min_sessions`` sessions are created on up to one thread per core (ORT
             releases the GIL while it loads), and sessions grown later are not serialized
-            either. Faster start-up, more memory: a pool of 8 over a 100 MiB MLP starts in
-            0.29 s instead of 0.55 s on 2 cores, but glibc keeps 4-11 MiB of the freed
-            load-time heap per process in the helper threads' arenas, which ``malloc_trim``
-            cannot return (``benchmarks/parallel_start_memory.py``).
-            Refused (``ValueError``) with DirectML.
+            either: faster start-up, but glibc keeps a few MiB of freed load-time heap per
+            process in the helper threads' arenas (figures: README, Benchmarks). Refused
+            (``ValueError``) with DirectML.
         serialize_runs: Allow only one ``Run`` at a time across the pool. ``None``: on for
             DirectML on ORT versions where concurrent DML sessions crash.
-        size_threshold_bytes: Passed to prepare for models it prepares.
+        size_threshold_bytes: Passed to :func:`sharedml.prepare` for models it prepares.
 
     Raises:
         SharedMLError: see :mod:`sharedml._errors`; the model, provider or first session failed.
@@ -259,12 +176,13 @@ class SessionPool:
         configure: Callable[[Any], None] | None = None,
         mechanism: str = "auto",
         prepacking: str | bool | None = "auto",
-        cache_dir: str | os.PathLike[str] | None = None,
+        cache_dir: CacheDir = None,
         verify_weights: bool = True,
         serialize_creation: bool = True,
         serialize_runs: bool | None = None,
-        size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
+        size_threshold_bytes: int | None = None,
     ) -> None:
+        self._state = _State.OPENING
         self._max = max_sessions if max_sessions is not None else sessions
         self._min = min_sessions if min_sessions is not None else self._max
         if self._max < 1 or not 0 <= self._min <= self._max:
@@ -272,28 +190,12 @@ class SessionPool:
                 f"Need 0 <= min_sessions <= max_sessions and max_sessions >= 1; got "
                 f"min_sessions={self._min}, max_sessions={self._max}."
             )
-        if not serialize_creation and any(
-            (p if isinstance(p, str) else p[0]) == DML for p in providers or ()
-        ):
+        self.plan: ProviderPlan = plan_providers(providers, provider_options)
+        if not serialize_creation and DML in self.plan.providers:
             raise ValueError(
                 "serialize_creation=False with DmlExecutionProvider: creating DirectML sessions "
                 "concurrently crashes some onnxruntime-directml versions; leave it True."
             )
-        prepacking = _PREPACKING_ALIASES.get(prepacking, prepacking)
-        if prepacking not in ("auto", "shared", "off", "per-session"):
-            raise ValueError(
-                "prepacking must be 'auto', 'shared', 'off' or 'per-session' (or None, False, "
-                f"True), not {prepacking!r}."
-            )
-        if prepacking == "shared" and mechanism != "auto":
-            raise ValueError(
-                "prepacking='shared' chooses the weight mechanism itself; leave mechanism='auto'."
-            )
-        if mechanism not in ("auto", "device", *MECHANISMS):
-            raise ValueError(
-                f"mechanism must be 'auto', 'device' or one of {MECHANISMS}, not {mechanism!r}."
-            )
-        self._state = "opening"
         self._cond = threading.Condition()
         self._idle: deque[Any] = deque()
         self._queue: deque[_Ticket] = deque()  # callers waiting for a session, oldest first
@@ -303,25 +205,20 @@ class SessionPool:
         self._wait_s = self._create_s = 0.0
         self._executor: ThreadPoolExecutor | None = None
         self._io_meta: tuple[list[Any], list[Any]] | None = None
-
-        self.source_path = Path(model)
-        self.plan: ProviderPlan = plan_providers(providers, provider_options)
-        self.model_path = prepared_model_for(
-            model, cache=cache_dir, size_threshold_bytes=size_threshold_bytes
-        )
-        self.weights = WeightStore.open(self.model_path, verify=verify_weights, cache=cache_dir)
-        self._device_store: Any = None
-        self._template = sess_options
-        self._configure = configure
-        self._prepacking: str = str(prepacking)
-        self._prepacked: Any = None  # a _prepack.PrepackedModel on the prepacked-file route
-        self.mechanism_reason = ""
-        self.mechanism = self._choose_mechanism(mechanism)
-        if self.plan.primary == CPU and mechanism == "auto" and prepacking in ("auto", "shared"):
-            self._prepacked = self._plan_prepacked(cache_dir, forced=prepacking == "shared")
-            if self._prepacked is not None:
-                self.mechanism = "prepacked-file"
         self._serialize_creation = serialize_creation
+
+        self.recipe: SessionRecipe = plan_route(
+            model,
+            plan=self.plan,
+            max_sessions=self._max,
+            sess_options=sess_options,
+            configure=configure,
+            mechanism=mechanism,
+            prepacking=prepacking,
+            cache_dir=cache_dir,
+            verify_weights=verify_weights,
+            size_threshold_bytes=size_threshold_bytes,
+        )
         self._run_lock: threading.Lock | None = (
             threading.Lock()
             if (
@@ -337,103 +234,38 @@ class SessionPool:
             self._idle.clear()
             raise
         self._count = len(self._idle)
-        self._state = "open"
+        self._state = _State.OPEN
+
+    # ----------------------------------------------------------------------------------------
+    # What the route planner decided
+
+    @property
+    def source_path(self) -> Path:
+        """The model as given."""
+        return self.recipe.source_path
+
+    @property
+    def model_path(self) -> Path:
+        """The prepared model the sessions' weights come from."""
+        return self.recipe.model_path
+
+    @property
+    def weights(self) -> Any:
+        """The :class:`~sharedml.WeightStore` mapping the weights once for the process."""
+        return self.recipe.weights
+
+    @property
+    def mechanism(self) -> Mechanism:
+        """How the sessions get the weights (see :class:`~sharedml.Mechanism`)."""
+        return self.recipe.mechanism
+
+    @property
+    def mechanism_reason(self) -> str:
+        """Why the route planner chose :attr:`mechanism`."""
+        return self.recipe.reason
 
     # ----------------------------------------------------------------------------------------
     # Sessions
-
-    def _choose_mechanism(self, requested: str) -> str:
-        """Resolve ``mechanism``.
-
-        ``auto`` means device buffers on a GPU provider when that route works, else the best
-        zero-copy CPU mechanism measured on this ORT.
-        """
-        on_device = self.plan.primary in (CUDA, DML)
-        if requested == "device" or (requested == "auto" and on_device):
-            from sharedml import _device
-
-            if on_device and _device.device_mechanism_available(
-                self.plan.primary, self.plan.device_id
-            ):
-                self._device_store = _device.DeviceWeightStore.for_store(
-                    self.weights, self.plan.primary, self.plan.device_id
-                )
-                return "device"
-            if requested == "device":
-                raise ProviderError(
-                    f"No device weight route works for {self.plan.primary} on this onnxruntime "
-                    "build; use mechanism='auto' to fall back to host-mapped weights."
-                )
-            warnings.warn(
-                f"Device weight sharing is unavailable for {self.plan.primary} here: every "
-                "session will upload its own copy of the weights to the device.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return zero_copy_mechanisms()[0] if requested in ("auto", "device") else requested
-
-    def _plan_prepacked(self, cache: str | os.PathLike[str] | None, *, forced: bool) -> Any:
-        """Build (or find in the cache) the prepacked model; None where it does not pay."""
-        from sharedml import _prepack
-
-        try:
-            prepacked = _prepack.build_prepacked_model(
-                self.model_path,
-                self.weights.path,
-                cache_root(cache) / "prepacked",
-                sess_options=self._template,
-                weights_digest="sha256:" + self.weights.manifest.sha256,
-            )
-        except SharedMLError as exc:
-            if forced:
-                raise
-            self.mechanism_reason = f"prepacked model could not be built ({exc}); raw weights"
-            warnings.warn(
-                f"sharedml: sharing prepacked weights failed for '{self.source_path}', the pool "
-                f"shares raw weights with prepacking off instead: {exc}",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return None
-        decision = _prepack.choose_cpu_route(prepacked.stats, sessions=self._max)
-        self.mechanism_reason = decision.reason
-        if forced or decision.route is _prepack.CpuRoute.PREPACKED_FILE:
-            return prepacked
-        return None
-
-    def _session_options(self) -> Any:
-        import onnxruntime as ort
-
-        so = clone_session_options(self._template)
-        if self.plan.primary == CPU and so.intra_op_num_threads == 0:
-            # N sessions run at once: ORT's default (one thread per core in every session)
-            # oversubscribes the cores N-fold. Measured (4 sessions, 2 cores): about 2x slower.
-            so.intra_op_num_threads = max(1, _usable_cores() // self._max)
-        if self._prepacked is not None:
-            self._prepacked.apply(so)
-        elif self._prepacking != "auto" or _config_entry(so, "session.disable_prepacking") is None:
-            # Raw weights shared: prepacking off unless asked for, since with it on every
-            # session packs a private copy of each MatMul/Conv weight, exactly the memory the
-            # pool exists to save.
-            so.add_session_config_entry(
-                "session.disable_prepacking", "0" if self._prepacking == "per-session" else "1"
-            )
-        for key, value in self.plan.config_entries:
-            if _config_entry(so, key) is None:
-                so.add_session_config_entry(key, value)
-        if self.plan.disable_mem_pattern:
-            so.enable_mem_pattern = False
-        if self.plan.sequential_execution:
-            so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        if self._device_store is not None:
-            self._device_store.register(so)
-        elif self._prepacked is None:
-            # (The prepacked model is loaded by path: ORT must map its data file itself, or it
-            # ignores the prepacked blobs; see PrepackedModel.apply.)
-            self.weights.register(so, self.mechanism)
-        if self._configure is not None:
-            self._configure(so)
-        return so
 
     def _create_initial_sessions(self, n: int) -> list[Any]:
         """Create ``n`` sessions, on up to one thread per core unless creation is serialized.
@@ -442,7 +274,7 @@ class SessionPool:
         whose freed top ``malloc_trim`` gives back. On the first failure the sessions already
         made are dropped and the error is raised.
         """
-        workers = 1 if self._serialize_creation else min(n, _usable_cores())
+        workers = 1 if self._serialize_creation else min(n, usable_cores())
         if workers <= 1:
             return [self._create_session() for _ in range(n)]
         with ThreadPoolExecutor(workers - 1, thread_name_prefix="sharedml-create") as executor:
@@ -455,37 +287,16 @@ class SessionPool:
                 for future in futures:
                     future.cancel()
                 raise
-        if self._prepacked is not None:
+        if self.recipe.prepacked is not None:
             # Each creation trimmed as it finished, but another was still freeing meanwhile.
-            _release_freed_heap()
+            release_freed_heap()
         return created
 
     def _create_session(self) -> Any:
-        import onnxruntime as ort
-
-        so = self._session_options()
         lock = _CREATION_LOCK if self._serialize_creation else contextlib.nullcontext()
-        path = self._prepacked.model_path if self._prepacked is not None else self.model_path
         start = time.perf_counter()
-        try:
-            with lock:
-                sess = ort.InferenceSession(
-                    str(path),
-                    so,
-                    providers=list(self.plan.providers),
-                    provider_options=[dict(o) for o in self.plan.provider_options],
-                )
-        except SharedMLError:
-            raise
-        except Exception as exc:
-            raise SessionCreationError(
-                f"onnxruntime could not create a session for '{self.source_path}' "
-                f"(prepared as '{self.model_path}') with {list(self.plan.providers)}: {exc}"
-            ) from exc
-        if self._prepacked is not None:
-            # ORT packs every weight again at load to validate the mapped blobs, then frees
-            # that work; glibc keeps the freed pages (up to ~65 MiB a session) unless trimmed.
-            _release_freed_heap()
+        with lock:
+            sess = self.recipe.create_session()
         elapsed = time.perf_counter() - start
         with self._cond:
             self._created += 1
@@ -498,7 +309,9 @@ class SessionPool:
         Called with ``self._cond`` held. A handed-over session counts as busy from here on, so
         ``stats()`` never misses it while its new owner wakes up.
         """
-        while self._state == "open" and self._queue and (self._idle or self._count < self._max):
+        while (
+            self._state is _State.OPEN and self._queue and (self._idle or self._count < self._max)
+        ):
             ticket = self._queue.popleft()
             if self._idle:
                 ticket.session = self._idle.popleft()
@@ -515,7 +328,7 @@ class SessionPool:
         with self._cond:
             try:
                 while True:
-                    if self._state in ("closing", "closed"):
+                    if self._state in (_State.CLOSING, _State.CLOSED):
                         raise PoolClosedError(
                             "This SessionPool is closed; create a new pool to run more work."
                         )
@@ -639,7 +452,7 @@ class SessionPool:
         """``run`` for asyncio code: the run happens on a worker thread, the loop stays free."""
         loop = asyncio.get_running_loop()
         with self._cond:
-            if self._state != "open":
+            if self._state is not _State.OPEN:
                 raise PoolClosedError("This SessionPool is closed; create a new pool.")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
@@ -674,7 +487,7 @@ class SessionPool:
     @property
     def closed(self) -> bool:
         """Whether ``close`` has been called."""
-        return self._state in ("closing", "closed")
+        return self._state in (_State.CLOSING, _State.CLOSED)
 
     def stats(self) -> PoolStats:
         """Counters of this pool's sessions and runs."""
@@ -682,6 +495,7 @@ class SessionPool:
             return PoolStats(
                 sessions=len(self._idle) + self._busy,
                 busy=self._busy,
+                waiting=len(self._queue),
                 max_sessions=self._max,
                 runs=self._runs,
                 failed_runs=self._failed,
@@ -703,9 +517,9 @@ class SessionPool:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            if self._state == "closed":
+            if self._state is _State.CLOSED:
                 return
-            self._state = "closing"
+            self._state = _State.CLOSING
             self._cond.notify_all()
             while self._busy:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -717,7 +531,7 @@ class SessionPool:
                 self._cond.wait(remaining)
             self._idle.clear()
             self._count = 0
-            self._state = "closed"
+            self._state = _State.CLOSED
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
@@ -732,5 +546,5 @@ class SessionPool:
         return (
             f"<SessionPool {self.source_path.name!r} sessions={len(self._idle) + self._busy}/"
             f"{self._max} providers={list(self.plan.providers)} mechanism={self.mechanism!r} "
-            f"{self._state}>"
+            f"{self._state.value}>"
         )

@@ -20,22 +20,29 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import math
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import onnx
-from onnx import AttributeProto, GraphProto, ModelProto, TensorProto
+from onnx import ModelProto, TensorProto
 
-from sharedml._errors import (
-    ExternalDataError,
-    InvalidModelError,
-    ModelNotFoundError,
-    PrepareError,
-    UnsafePathError,
+from sharedml import _host
+from sharedml._cache import Built, CacheDir, ensure_entry, recall_stamp, record_stamp
+from sharedml._errors import ExternalDataError, InvalidModelError, PrepareError, UnsafePathError
+from sharedml._host import fsync_dir
+from sharedml._onnx import (
+    Placement,
+    external_locations,
+    inline_bytes,
+    is_external,
+    iter_tensors,
+    load_graph,
+    resolve_external,
+    set_external,
+    tensor_nbytes,
 )
 
 __all__ = [
@@ -44,8 +51,12 @@ __all__ = [
     "MANIFEST_KEY",
     "PrepareResult",
     "WeightsManifest",
+    "WeightsPlan",
+    "content_key",
     "load_graph",
+    "plan_weights",
     "prepare",
+    "prepared_model_for",
     "read_manifest",
     "weights_path_for",
 ]
@@ -149,29 +160,6 @@ def weights_path_for(model_path: str | os.PathLike[str]) -> Path:
     return path.with_name(path.stem + ".weights")
 
 
-def load_graph(path: str | os.PathLike[str]) -> ModelProto:
-    """Load a model's protobuf without any external data.
-
-    Raises:
-        ModelNotFoundError: ``path`` does not exist.
-        InvalidModelError: ``path`` is not a readable ONNX model.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise ModelNotFoundError(f"Model file '{path}' does not exist.")
-    if not path.is_file():
-        raise InvalidModelError(f"'{path}' is not a file.")
-    try:
-        model = onnx.load_model(str(path), load_external_data=False)
-    except (
-        Exception
-    ) as exc:  # protobuf raises DecodeError, RuntimeWarning, ... : all mean "not ONNX"
-        raise InvalidModelError(f"'{path}' is not a valid ONNX model: {exc}") from None
-    if not model.HasField("graph"):
-        raise InvalidModelError(f"'{path}' is not a valid ONNX model: it has no graph.")
-    return model
-
-
 def read_manifest(model: ModelProto) -> WeightsManifest | None:
     """The weights record of a prepared model, or ``None`` for a model prepare did not write."""
     for prop in model.metadata_props:
@@ -181,59 +169,7 @@ def read_manifest(model: ModelProto) -> WeightsManifest | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Finding every tensor
-
-
-def iter_graphs(graph: GraphProto) -> Iterator[GraphProto]:
-    """``graph`` and every subgraph below it (``If``/``Loop``/``Scan`` bodies), depth first."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == AttributeProto.GRAPH:
-                yield from iter_graphs(attr.g)
-            elif attr.type == AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from iter_graphs(sub)
-
-
-def _element_bits(data_type: int) -> int:
-    if data_type in (TensorProto.INT4, TensorProto.UINT4) or data_type == getattr(
-        TensorProto, "FLOAT4E2M1", -1
-    ):
-        return 4
-    try:
-        return 8 * onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
-    except Exception:
-        return 0  # unknown or undefined type: its size cannot be checked
-
-
-def tensor_nbytes(tensor: TensorProto) -> int | None:
-    """The byte size a tensor's data must have, or None where it cannot be known (strings)."""
-    if tensor.data_type == TensorProto.STRING:
-        return None
-    bits = _element_bits(tensor.data_type)
-    if bits == 0:
-        return None
-    if any(d < 0 for d in tensor.dims):
-        raise InvalidModelError(
-            f"Tensor '{tensor.name or '<unnamed>'}' has a negative dimension {list(tensor.dims)}."
-        )
-    count = int(math.prod(tensor.dims))
-    return (count * bits + 7) // 8
-
-
-def _is_external(tensor: TensorProto) -> bool:
-    return tensor.data_location == TensorProto.EXTERNAL
-
-
-def _constant_tensor(node: onnx.NodeProto) -> TensorProto | None:
-    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
-        return None
-    for attr in node.attribute:
-        if attr.name == "value" and attr.type == AttributeProto.TENSOR:
-            value: TensorProto = attr.t
-            return value
-    return None
+# The plan: which tensors move, computed before any byte is written
 
 
 @dataclasses.dataclass
@@ -246,66 +182,33 @@ class _Source:
     offset: int = 0
 
 
-def _external_source(tensor: TensorProto, base: Path, model_path: Path) -> _Source:
-    info = {entry.key: entry.value for entry in tensor.external_data}
-    name = tensor.name or "<unnamed>"
-    location = info.get("location", "")
-    if not location:
-        raise ExternalDataError(
-            f"Tensor '{name}' in '{model_path}' uses external data but names no location."
-        )
-    if "\0" in location:
-        raise UnsafePathError(
-            f"Tensor '{name}' in '{model_path}': external data location {location!r} contains a "
-            "NUL byte, which would make ONNX Runtime and sharedml read different files."
-        )
-    if os.path.isabs(location) or Path(location).drive or location.startswith(("/", "\\")):
-        raise UnsafePathError(
-            f"Tensor '{name}' in '{model_path}': external data location '{location}' is an "
-            "absolute path; locations must be relative to the model's folder."
-        )
-    real_base = Path(os.path.realpath(base))
-    resolved = Path(os.path.realpath(base / location))
-    if os.path.commonpath([real_base, resolved]) != str(real_base):
-        raise UnsafePathError(
-            f"Tensor '{name}' in '{model_path}': external data location '{location}' resolves "
-            f"to '{resolved}', which is outside the model's folder '{real_base}'."
-        )
-    if not resolved.is_file():
-        raise ExternalDataError(
-            f"Tensor '{name}' in '{model_path}': external data file '{resolved}' does not exist."
-        )
-    try:
-        offset = int(info.get("offset", "0"))
-        length = int(info["length"]) if "length" in info else None
-    except ValueError:
-        raise ExternalDataError(
-            f"Tensor '{name}' in '{model_path}': external data offset/length are not integers."
-        ) from None
-    expected = tensor_nbytes(tensor)
-    if length is None:
-        if expected is None:
-            raise ExternalDataError(
-                f"Tensor '{name}' in '{model_path}': external data has no length and its size "
-                "cannot be derived from its type."
-            )
-        length = expected
-    file_size = resolved.stat().st_size
-    if offset < 0 or length < 0 or offset + length > file_size:
-        raise ExternalDataError(
-            f"Tensor '{name}' in '{model_path}': bytes {offset}..{offset + length} lie outside "
-            f"external data file '{resolved}' ({file_size} bytes). The file is truncated or the "
-            "model is corrupt."
-        )
-    if expected is not None and length != expected:
-        raise ExternalDataError(
-            f"Tensor '{name}' in '{model_path}': external data length {length} does not match "
-            f"its shape {list(tensor.dims)} ({expected} bytes)."
-        )
-    return _Source(tensor=tensor, nbytes=length, file=resolved, offset=offset)
+@dataclasses.dataclass
+class WeightsPlan:
+    """What prepare will do to a model, computed from its protobuf before any I/O.
+
+    Attributes:
+        moving: The tensors that go to the weights file, in the order they are written.
+        inline_tensors: Tensors left in the graph (below the threshold, or strings).
+        inline_bytes: Their data size.
+        constants_converted: ``Constant`` nodes turned into initializers (already done to the
+            model the plan was made from).
+    """
+
+    moving: list[_Source]
+    inline_tensors: int
+    inline_bytes: int
+    constants_converted: int
+
+    @property
+    def moving_bytes(self) -> int:
+        """Data bytes of the tensors that move (without alignment padding)."""
+        return sum(s.nbytes for s in self.moving)
 
 
-def _inline_source(tensor: TensorProto, model_path: Path) -> _Source | None:
+def _source_of(tensor: TensorProto, model_path: Path) -> _Source | None:
+    if is_external(tensor):
+        piece = resolve_external(tensor, model_path)
+        return _Source(tensor=tensor, nbytes=piece.length, file=piece.file, offset=piece.offset)
     expected = tensor_nbytes(tensor)
     if expected is None:
         return None
@@ -350,55 +253,52 @@ def _check_overlaps(sources: list[_Source], model_path: Path) -> None:
                 )
 
 
-def _collect(
-    model: ModelProto, model_path: Path, threshold: int
-) -> tuple[list[_Source], int, int, int]:
-    """Find the tensors to move; convert large Constant nodes into initializers on the way.
+def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> WeightsPlan:
+    """Decide which tensors move; turn large ``Constant`` nodes into initializers on the way.
 
-    Returns:
-        (sources to move, tensors left inline, bytes left inline, constants converted)
+    Moves initializers and ``Constant`` values at any depth; other tensor attributes and sparse
+    initializers stay in the graph (ORT reads them from there). ``model`` is modified: large
+    Constant nodes become initializers of the same graph, named as their output, which is what
+    ORT itself does when it loads the graph, so semantics are unchanged.
+
+    Raises:
+        ExternalDataError, UnsafePathError, InvalidModelError: as :func:`prepare`.
     """
-    base = model_path.parent
     moving: list[_Source] = []
     inline_count = inline_bytes = converted = 0
+    floor = max(threshold, _ALWAYS_INLINE_BYTES)
     # Initializers that are not graph inputs need IR version 4; older models keep their Constants.
     may_convert = model.ir_version >= 4
-    for graph in iter_graphs(model.graph):
-        for node in list(graph.node):
-            tensor = _constant_tensor(node)
-            if tensor is None or not may_convert or len(node.output) != 1:
+    for ref in list(iter_tensors(model.graph)):
+        tensor = ref.tensor
+        if ref.placement is Placement.CONSTANT:
+            assert ref.node is not None
+            if not may_convert or len(ref.node.output) != 1:
                 continue
             size = (
-                tensor_nbytes(tensor)
-                if not _is_external(tensor)
-                else _external_source(tensor, base, model_path).nbytes
+                resolve_external(tensor, model_path).length
+                if is_external(tensor)
+                else tensor_nbytes(tensor)
             )
-            if size is None or size < max(threshold, _ALWAYS_INLINE_BYTES):
+            if size is None or size < floor:
                 continue
-            # A Constant's value becomes an initializer of the same graph, named as its output:
-            # exactly what ORT does when it loads the graph, so semantics are unchanged.
-            init = graph.initializer.add()
-            init.CopyFrom(tensor)
-            init.name = node.output[0]
-            graph.node.remove(node)
+            tensor = ref.graph.initializer.add()
+            tensor.CopyFrom(ref.tensor)
+            tensor.name = ref.name
+            ref.graph.node.remove(ref.node)
             converted += 1
-        for tensor in graph.initializer:
-            src = (
-                _external_source(tensor, base, model_path)
-                if _is_external(tensor)
-                else _inline_source(tensor, model_path)
-            )
-            # External tensors always move, small or not: the prepared model must not point at
-            # the source's files, which need not travel with it.
-            if src is None or (
-                src.file is None and src.nbytes < max(threshold, _ALWAYS_INLINE_BYTES)
-            ):
-                inline_count += 1
-                inline_bytes += src.nbytes if src is not None else 0
-                continue
-            moving.append(src)
+        elif ref.placement is not Placement.INITIALIZER:
+            continue
+        src = _source_of(tensor, model_path)
+        # External tensors always move, small or not: the prepared model must not point at
+        # the source's files, which need not travel with it.
+        if src is None or (src.file is None and src.nbytes < floor):
+            inline_count += 1
+            inline_bytes += src.nbytes if src is not None else 0
+            continue
+        moving.append(src)
     _check_overlaps(moving, model_path)
-    return moving, inline_count, inline_bytes, converted
+    return WeightsPlan(moving, inline_count, inline_bytes, converted)
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,32 +320,6 @@ class _HashingWriter:
         pad = -self.position % alignment
         if pad:
             self.write(b"\0" * pad)
-
-
-def _inline_bytes(tensor: TensorProto) -> bytes:
-    if tensor.HasField("raw_data"):
-        return tensor.raw_data
-    # Data in typed fields (float_data, int32_data, ...): numpy round trip gives the raw layout.
-    array = onnx.numpy_helper.to_array(tensor)
-    return onnx.numpy_helper.from_array(array).raw_data
-
-
-def _set_external(tensor: TensorProto, location: str, offset: int, length: int) -> None:
-    for field in (
-        "raw_data",
-        "float_data",
-        "int32_data",
-        "int64_data",
-        "double_data",
-        "uint64_data",
-        "string_data",
-    ):
-        tensor.ClearField(field)
-    del tensor.external_data[:]
-    tensor.data_location = TensorProto.EXTERNAL
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -470,13 +344,13 @@ def _write_weights(
         for src in moving:
             key = (src.file, src.offset, src.nbytes) if src.file is not None else None
             if key is not None and key in placed:
-                _set_external(src.tensor, location, placed[key], src.nbytes)
+                set_external(src.tensor, location, placed[key], src.nbytes)
                 done += src.nbytes
                 continue
             writer.pad_to(alignment)
             start = writer.position
             if src.file is None:
-                data = _inline_bytes(src.tensor)
+                data = inline_bytes(src.tensor)
                 writer.write(data)
                 del data
             else:
@@ -497,7 +371,7 @@ def _write_weights(
                     if progress is not None:
                         progress(done + src.nbytes - remaining, total)
                 placed[key] = start  # type: ignore[index]
-            _set_external(src.tensor, location, start, src.nbytes)
+            set_external(src.tensor, location, start, src.nbytes)
             done += src.nbytes
             if progress is not None:
                 progress(done, total)
@@ -530,16 +404,6 @@ def _create_temp(final: Path) -> tuple[int, Path]:
         except FileExistsError:
             continue
     raise PrepareError(f"Could not create a temporary file beside '{final}'.")  # pragma: no cover
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def prepare(
@@ -591,7 +455,8 @@ def prepare(
             "another path (e.g. -o model.prepared.onnx)."
         )
 
-    moving, inline_count, inline_bytes, converted = _collect(model, src_path, size_threshold_bytes)
+    plan = plan_weights(model, src_path, size_threshold_bytes)
+    moving = plan.moving
     for source_file in {s.file for s in moving if s.file is not None}:
         if _same_file(source_file, weights_path):
             raise PrepareError(
@@ -627,7 +492,7 @@ def prepare(
         tmp_weights = None
         os.replace(tmp_model, dst_path)
         tmp_model = None
-        _fsync_dir(dst_path.parent)
+        fsync_dir(dst_path.parent)
     finally:
         for leftover in (tmp_weights, tmp_model):
             if leftover is not None:
@@ -638,9 +503,114 @@ def prepare(
         model_path=dst_path,
         weights_path=weights_path,
         tensors_moved=len(moving),
-        bytes_moved=sum(s.nbytes for s in moving),
-        tensors_inline=inline_count,
-        bytes_inline=inline_bytes,
-        constants_converted=converted,
+        bytes_moved=plan.moving_bytes,
+        tensors_inline=plan.inline_tensors,
+        bytes_inline=plan.inline_bytes,
+        constants_converted=plan.constants_converted,
         manifest=manifest,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Prepared once per content: the cache's ``models`` entries
+
+_KEY_VERSION = "1"  # bump when prepare's output format changes
+_PREPARED_NAME = "model.onnx"
+
+
+def _content_key(
+    path: Path, model: ModelProto, size_threshold_bytes: int
+) -> tuple[str, list[Path]]:
+    """The entry key, and the external data files it covers (existing or not)."""
+    sha = hashlib.sha256(f"sharedml-cache:{_KEY_VERSION}:{size_threshold_bytes}\n".encode())
+    _host.sha256_file(path, sha)
+    base = Path(os.path.realpath(path.parent))
+    covered: list[Path] = []
+    for location in sorted(external_locations(model.graph)):
+        sha.update(f"\n{location}\n".encode())
+        try:
+            target = Path(os.path.realpath(base / location))
+            inside = os.path.commonpath([base, target]) == str(base)
+        except ValueError:  # NUL bytes, other drives: prepare reports these with its errors
+            continue
+        # Unsafe or missing locations are prepare's to report, with its clear errors.
+        if inside:
+            covered.append(target)
+            if target.is_file():
+                _host.sha256_file(target, sha)
+    return sha.hexdigest(), covered
+
+
+def content_key(model_path: str | os.PathLike[str], *, size_threshold_bytes: int) -> str:
+    """SHA-256 over the model file, its external data files and the prepare settings."""
+    path = Path(model_path)
+    return _content_key(path, load_graph(path), size_threshold_bytes)[0]
+
+
+def prepared_model_for(
+    model_path: str | os.PathLike[str],
+    *,
+    cache_dir: CacheDir = None,
+    size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
+    verify: bool = True,
+) -> Path:
+    """A prepared model equivalent to ``model_path``: itself if prepared, else a cache entry.
+
+    Entries are keyed by the SHA-256 of the model file and of every external data file it
+    refers to, so a changed source gets a new entry and an unchanged one is reused by every
+    later pool and process. A stamp of the source files spares parsing and hashing them again
+    while they are unchanged (see :mod:`sharedml._cache`).
+
+    Args:
+        model_path: Any ONNX model.
+        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
+        size_threshold_bytes: Passed to :func:`sharedml.prepare`; part of the cache key.
+        verify: Check every file of the entry against the SHA-256 recorded when it was built
+            (a stamp spares re-reading unchanged files); False checks the graph only (the
+            weights' size is always checked). A damaged entry is built again, with a warning.
+
+    Returns:
+        ``model_path`` when :func:`sharedml.prepare` wrote it, else ``<cache>/models/<key>/
+        model.onnx``.
+
+    Raises:
+        ModelError: from :func:`sharedml.prepare`: the model or its external data is unusable.
+        CacheError: the cache folder fails sharedml's permission policy, or an entry cannot be
+            published.
+
+    Thread and process safety: safe to call from many threads and processes at once; every
+    caller gets a complete entry, and no entry is ever modified after it is published.
+    """
+    path = Path(model_path)
+    params = f"{_KEY_VERSION}:{size_threshold_bytes}"
+    checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
+
+    def entry_for(key: str) -> Path:
+        entry = ensure_entry(
+            "models",
+            key,
+            lambda tmp: _prepare_into(path, tmp, size_threshold_bytes),
+            cache_dir=cache_dir,
+            verify=checked,
+        )
+        return entry.file(_PREPARED_NAME)
+
+    known = recall_stamp("prepared", path, params, cache_dir=cache_dir)
+    if known is not None:  # the source is unchanged since it was hashed: skip parse and hash
+        return entry_for(known)
+    model = load_graph(path)
+    if read_manifest(model) is not None:
+        return path
+    key, covered = _content_key(path, model, size_threshold_bytes)
+    del model  # the graph can be large; prepare loads its own copy
+    prepared = entry_for(key)
+    record_stamp("prepared", path, key, params, companions=covered, cache_dir=cache_dir)
+    return prepared
+
+
+def _prepare_into(src: Path, folder: Path, size_threshold_bytes: int) -> Built:
+    result = prepare(src, folder / _PREPARED_NAME, size_threshold_bytes=size_threshold_bytes)
+    return Built(
+        meta={"source": str(src), "tensors": result.tensors_moved, "bytes": result.bytes_moved},
+        sha256={result.weights_path.name: result.manifest.sha256},
     )

@@ -11,6 +11,7 @@ subclass inherits it too, so callers can catch either::
     │       └── UnsafePathError (PermissionError)   a location escaping the model's folder
     ├── WeightsMismatchError                 a prepared weights file changed after prepare
     ├── PrepareError                         prepare refused (e.g. it would overwrite its source)
+    ├── CacheError                           a cache folder or entry that cannot be trusted or used
     ├── ProviderError                        an execution provider that cannot be used here
     ├── SessionCreationError                 ONNX Runtime refused to create a session
     ├── PoolError
@@ -22,6 +23,7 @@ subclass inherits it too, so callers can catch either::
 from __future__ import annotations
 
 __all__ = [
+    "CacheError",
     "ExternalDataError",
     "InvalidModelError",
     "MeasurementError",
@@ -69,6 +71,10 @@ class WeightsMismatchError(SharedMLError):
 
 class PrepareError(SharedMLError):
     """``prepare`` refused to run (for example, it would overwrite its own source)."""
+
+
+class CacheError(SharedMLError):
+    """A cache folder or entry cannot be trusted (another user could write it) or used."""
 
 
 class ProviderError(SharedMLError, ValueError):

@@ -9,16 +9,13 @@
   :func:`serialize_runs_by_default` says to run one ``Run`` at a time across the pool there.
 - CUDA: a ``device_id`` (default 0) and ``use_ep_level_unified_stream=1`` (one stream per
   session: the pool never runs a session from two threads at once, and per-run streams each
-  bring their own cuBLAS/cuDNN handles and workspaces); weights are shared through the device
-  weight store. Measured (``benchmarks/gpu_cuda.py``, H200, onnxruntime-gpu 1.31.1, 1 GiB of
-  weights): 8 pool sessions take 1638 MiB of device memory with it, 2808 without, at the same
-  throughput and with bitwise-equal outputs.
+  bring their own cuBLAS/cuDNN handles and workspaces, which cost device memory and bought no
+  throughput where measured: ``docs/gpu.md``); weights are shared through the device weight
+  store.
 - CPU: always appended last as the fallback for nodes other providers do not take.
 - Anything else passes through unchanged.
 
-Verified here: CPU on Linux (tests), CUDA on an NVIDIA H200 (``benchmarks/gpu_cuda.py``).
-DirectML code paths are unit-tested on Linux for the options they set; they have not run on
-Windows from this repository's CI.
+What was verified where (DirectML has not run on Windows from this repository): README.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ __all__ = [
     "CUDA_SESSION_DEFAULTS",
     "DML",
     "ProviderPlan",
+    "ProviderSpec",
     "available_providers",
     "plan_providers",
     "serialize_runs_by_default",

@@ -7,20 +7,17 @@ is symbolic, so ``--dim batch=8`` has something to override.
 
 The model is generated, not downloaded: deterministic (fixed seed, so every machine builds the
 same bytes and sharedml's content-keyed cache reuses one prepared copy), built in well under a
-second, and written once into the cache folder (:func:`sharedml.cache_dir`).
+second, and written once into the cache (:mod:`sharedml._cache`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from sharedml._cache import cache_dir
+from sharedml._cache import CacheDir, ensure_entry
 
 __all__ = [
     "DEMO_BATCH_DIM",
@@ -36,6 +33,7 @@ DEMO_BATCH_DIM = "batch"
 _SEED = 0
 _VERSION = 1  # bump when the model changes, so that caches build the new one
 _OPSET = 17
+_FILE_NAME = "model.onnx"
 
 
 def build_demo_model() -> onnx.ModelProto:
@@ -83,33 +81,23 @@ def build_demo_model() -> onnx.ModelProto:
     return model
 
 
-def demo_model_path(cache: str | os.PathLike[str] | None = None) -> Path:
-    """The demo model's file, built into the cache folder on first use.
+def demo_model_path(cache_dir: CacheDir = None) -> Path:
+    """The demo model's file, built into the cache (its ``demo`` entries) on first use.
 
     Args:
-        cache: The cache folder (default: :func:`sharedml.cache_dir`).
+        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
 
     Returns:
         The path of the ``.onnx`` file.
 
     Raises:
-        OSError: the cache folder cannot be written.
+        CacheError: the cache folder fails sharedml's permission policy or cannot be written.
 
-    Thread and process safety: safe to call concurrently; the file appears atomically.
+    Thread and process safety: safe to call concurrently; the entry appears atomically.
     """
-    folder = cache_dir(cache) / "demo"
-    path = folder / f"demo-mlp-v{_VERSION}.onnx"
-    if path.is_file():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    data = build_demo_model().SerializeToString()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp_name, path)  # atomic: concurrent builders write the same bytes anyway
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp_name)
-        raise
-    return path
+
+    def build(folder: Path) -> dict[str, str]:
+        (folder / _FILE_NAME).write_bytes(build_demo_model().SerializeToString())
+        return {"model": f"{DEMO_LAYERS}-layer MLP of width {DEMO_WIDTH}"}
+
+    return ensure_entry("demo", f"mlp-v{_VERSION}", build, cache_dir=cache_dir).file(_FILE_NAME)

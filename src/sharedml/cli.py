@@ -13,20 +13,13 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 
 from sharedml._errors import SharedMLError
+from sharedml._format import human_bytes
 
 __all__ = ["main"]
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
 
 
 @contextlib.contextmanager
@@ -75,8 +68,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     else:
         print(
             f"wrote {result.model_path} and {result.weights_path}: "
-            f"{result.tensors_moved} tensors ({_human_bytes(result.bytes_moved)}) in the weights "
-            f"file, {result.tensors_inline} small tensors ({_human_bytes(result.bytes_inline)}) "
+            f"{result.tensors_moved} tensors ({human_bytes(result.bytes_moved)}) in the weights "
+            f"file, {result.tensors_inline} small tensors ({human_bytes(result.bytes_inline)}) "
             f"inline, {result.constants_converted} Constant nodes turned into initializers"
         )
     return 0

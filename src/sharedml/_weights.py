@@ -17,9 +17,8 @@ that without a copy depends on the ORT version, so the store *measures* it once 
     Let ORT open the file itself: it maps external data files, so sessions share the page
     cache, but every session maps the file again and no verification happens in between.
 
-Measured on onnxruntime 1.32.0 (CPU, 96 MiB of weights in ``If`` branches, 4 sessions, prepacking
-off): each of the three adds one copy of the weights in total (PSS +190 MiB); plain sessions
-over the same model add 1561 MiB. See ``tests/test_pool_memory.py`` for the asserted ratios.
+Each of the three gives N sessions one copy of the weights in total; the test suite asserts it
+(``tests/test_pool_memory.py``) and ``docs/cpu-prepacking.md`` has the figures.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import mmap
 import os
 import threading
@@ -38,27 +36,25 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx
 
-from sharedml._cache import recall_stamp, record_stamp
-from sharedml._errors import ExternalDataError, UnsafePathError, WeightsMismatchError
-from sharedml._prepare import (
-    WeightsManifest,
-    iter_graphs,
-    load_graph,
-    read_manifest,
-    tensor_nbytes,
+from sharedml._cache import CacheDir, verified_sha256
+from sharedml._errors import (
+    ExternalDataError,
+    InvalidModelError,
+    UnsafePathError,
+    WeightsMismatchError,
 )
+from sharedml._onnx import ExternalData, Placement, iter_tensors, load_graph, tensor_nbytes
+from sharedml._prepare import WeightsManifest, read_manifest
 
 __all__ = [
-    "MECHANISMS",
+    "HOST_MECHANISMS",
     "TensorSlot",
     "WeightStore",
-    "sha256_of",
     "zero_copy_mechanisms",
 ]
 
-MECHANISMS = ("in-memory-file", "add-initializer", "ort-mmap")
+HOST_MECHANISMS = ("in-memory-file", "add-initializer", "ort-mmap")
 _DIRECT_BUFFERS_KEY = "session.use_external_initializer_file_buffers_directly"
-_HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,55 +78,42 @@ def _slots(
     """
     weights_file = manifest.file
     slots = []
-    for graph in iter_graphs(model.graph):
-        for tensor in graph.initializer:
-            if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            info = {e.key: e.value for e in tensor.external_data}
-            if info.get("location") != weights_file:
-                raise ExternalDataError(
-                    f"Tensor '{tensor.name}' of '{model_path}' refers to "
-                    f"'{info.get('location')}', not to the prepared weights file "
-                    f"'{weights_file}'. Prepare the model again."
-                )
-            try:
-                offset, length = int(info.get("offset", "0")), int(info["length"])
-            except (KeyError, ValueError):
-                offset = length = -1
-            expected = tensor_nbytes(tensor)
-            if (
-                offset < 0
-                or length < 0
-                or offset + length > size
-                or offset % manifest.alignment_bytes
-                or (expected is not None and length != expected)
-            ):
-                raise ExternalDataError(
-                    f"Tensor '{tensor.name}' of prepared model '{model_path}' claims bytes "
-                    f"{info.get('offset')}..+{info.get('length')} of weights file "
-                    f"'{weights_file}' ({size} bytes, tensors aligned to "
-                    f"{manifest.alignment_bytes}, its shape needs {expected} bytes): the graph "
-                    "was changed after prepare. Prepare the model again."
-                )
-            slots.append(
-                TensorSlot(
-                    name=tensor.name,
-                    data_type=tensor.data_type,
-                    dims=tuple(tensor.dims),
-                    offset=offset,
-                    length=length,
-                )
+    for ref in iter_tensors(model.graph):
+        info = ExternalData.of(ref.tensor)
+        if ref.placement is not Placement.INITIALIZER or info is None:
+            continue
+        tensor = ref.tensor
+        if info.location != weights_file:
+            raise ExternalDataError(
+                f"Tensor '{tensor.name}' of '{model_path}' refers to '{info.location}', not to "
+                f"the prepared weights file '{weights_file}'. Prepare the model again."
             )
+        offset, length = info.offset, info.length if info.length is not None else -1
+        expected = tensor_nbytes(tensor)
+        if (
+            info.malformed
+            or length < 0
+            or offset + length > size
+            or offset % manifest.alignment_bytes
+            or (expected is not None and length != expected)
+        ):
+            raise ExternalDataError(
+                f"Tensor '{tensor.name}' of prepared model '{model_path}' claims bytes "
+                f"{info.get('offset')}..+{info.get('length')} of weights file "
+                f"'{weights_file}' ({size} bytes, tensors aligned to "
+                f"{manifest.alignment_bytes}, its shape needs {expected} bytes): the graph "
+                "was changed after prepare. Prepare the model again."
+            )
+        slots.append(
+            TensorSlot(
+                name=tensor.name,
+                data_type=tensor.data_type,
+                dims=tuple(tensor.dims),
+                offset=offset,
+                length=length,
+            )
+        )
     return tuple(slots)
-
-
-def sha256_of(path: Path) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK_BYTES):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 class WeightStore:
@@ -155,7 +138,7 @@ class WeightStore:
         *,
         verify: bool,
         model: onnx.ModelProto | None = None,
-        cache: str | os.PathLike[str] | None = None,
+        cache_dir: CacheDir = None,
     ) -> None:
         self.model_path = model_path
         self.manifest = manifest
@@ -182,7 +165,7 @@ class WeightStore:
                 f"{manifest.size_bytes}: it was truncated or replaced. Prepare the model again."
             )
         self.verified = False
-        self._cache = cache
+        self._cache_dir = cache_dir
         if verify:
             self._verify()
         graph = model if model is not None else load_graph(model_path)  # open() parsed it already
@@ -198,13 +181,8 @@ class WeightStore:
         self._lock = threading.Lock()
 
     def _verify(self) -> None:
-        # A stamp (dev, inode, size, mtime, ctime) from an earlier hash of this very file spares
-        # reading it again in every process; any write since changes the ctime.
-        digest = recall_stamp("weights-sha256", self.path, cache=self._cache)
-        if digest != self.manifest.sha256:
-            digest = sha256_of(self.path)
-            record_stamp("weights-sha256", self.path, digest, cache=self._cache)
-        if digest != self.manifest.sha256:
+        # A stamp from an earlier hash of this very file spares reading it in every process.
+        if not verified_sha256(self.path, self.manifest.sha256, cache_dir=self._cache_dir):
             raise WeightsMismatchError(
                 f"Weights file '{self.path}' does not match the SHA-256 that prepare recorded in "
                 f"'{self.model_path}': it was modified. Prepare the model again."
@@ -217,7 +195,7 @@ class WeightStore:
         model_path: str | os.PathLike[str],
         *,
         verify: bool = True,
-        cache: str | os.PathLike[str] | None = None,
+        cache_dir: CacheDir = None,
     ) -> WeightStore:
         """Map the weights of the prepared model at ``model_path`` (or reuse the live mapping).
 
@@ -227,7 +205,7 @@ class WeightStore:
                 always checked). Costs one read of the file, once per process, unless a stamp
                 in the cache shows the file unchanged since an earlier check (see
                 :mod:`sharedml._cache`).
-            cache: The cache folder holding those stamps (default: :func:`sharedml.cache_dir`).
+            cache_dir: The cache folder holding those stamps (default: :func:`sharedml.cache_dir`).
 
         Raises:
             InvalidModelError: ``model_path`` was not written by prepare.
@@ -237,8 +215,6 @@ class WeightStore:
         model = load_graph(path)
         manifest = read_manifest(model)
         if manifest is None:
-            from sharedml._errors import InvalidModelError
-
             raise InvalidModelError(
                 f"'{path}' was not written by sharedml.prepare; prepare it first (or pass it to "
                 "SessionPool, which prepares it into its cache)."
@@ -255,7 +231,7 @@ class WeightStore:
         with cls._registry_lock:
             store = cls._registry.get(key)
             if store is None:
-                store = cls(path, manifest, verify=verify, model=model, cache=cache)
+                store = cls(path, manifest, verify=verify, model=model, cache_dir=cache_dir)
                 cls._registry[key] = store
             elif verify and not store.verified:
                 store._verify()  # first opened with verify=False: check the hash now
@@ -283,7 +259,7 @@ class WeightStore:
 
         Args:
             so: An ``onnxruntime.SessionOptions`` dedicated to this model.
-            mechanism: One of :data:`MECHANISMS`; see the module docstring.
+            mechanism: One of :data:`HOST_MECHANISMS`; see the module docstring.
         """
         if mechanism == "in-memory-file":
             so.add_external_initializers_from_files_in_memory(
@@ -296,7 +272,9 @@ class WeightStore:
         elif mechanism == "ort-mmap":
             pass  # ORT maps the file named in the graph itself.
         else:
-            raise ValueError(f"Unknown weight mechanism {mechanism!r}; use one of {MECHANISMS}.")
+            raise ValueError(
+                f"Unknown weight mechanism {mechanism!r}; use one of {HOST_MECHANISMS}."
+            )
 
     def close(self) -> None:
         """Drop this process's mapping. Sessions that use it must be gone first."""

@@ -18,12 +18,18 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sharedml._measure import (
-    InputSpec,
-    Measurement,
+from sharedml._format import human_bytes
+from sharedml._inputs import InputSpec, input_specs
+from sharedml._measure import measure
+from sharedml._onnx import ExternalData, Placement, iter_tensors, tensor_nbytes
+from sharedml._results import Measurement
+from sharedml._strategies import (
+    NAIVE,
+    SHARED,
+    SHARED_PRIVATE_PACKS,
+    SHARED_RAW,
+    SINGLE,
     get_strategy,
-    input_specs,
-    measure,
     registered_strategies,
 )
 
@@ -34,7 +40,6 @@ __all__ = [
     "PlacementSummary",
     "TensorInfo",
     "WeightsSummary",
-    "human_bytes",
     "inspect",
     "recommend",
     "summarize_weights",
@@ -51,6 +56,7 @@ InspectProgress = Callable[[str, int, int], None]
 PLACEMENTS = (
     "initializers",
     "Constant nodes",
+    "node attributes",
     "subgraphs",
     "external files",
     "sparse initializers",
@@ -152,84 +158,54 @@ def _dtype_name(data_type: int) -> str:
 
 
 def _tensor_bytes(tensor: Any) -> int:
-    import onnx
-
-    from sharedml._prepare import tensor_nbytes
-
     size = tensor_nbytes(tensor)
     if size is not None:
         return size
-    if tensor.data_location != onnx.TensorProto.EXTERNAL:  # inline strings: what they hold
+    if ExternalData.of(tensor) is None:  # inline strings: what they hold
         return sum(len(s) for s in tensor.string_data)
     return 0
 
 
-def _external_file(tensor: Any) -> str | None:
-    import onnx
-
-    if tensor.data_location != onnx.TensorProto.EXTERNAL:
-        return None
-    for entry in tensor.external_data:
-        if entry.key == "location":
-            return str(entry.value)
-    return ""
+_PLACEMENT_NAMES = {
+    Placement.INITIALIZER: "initializers",
+    Placement.CONSTANT: "Constant nodes",
+    Placement.ATTRIBUTE: "node attributes",
+    Placement.SPARSE: "sparse initializers",
+}
 
 
 def summarize_weights(model: Any, model_path: str | os.PathLike[str]) -> WeightsSummary:
     """The static part of the report for ``model`` (an ``onnx.ModelProto`` without data).
 
     Args:
-        model: As :func:`sharedml._prepare.load_graph` returns it. It is modified (prepare's
-            analysis converts large Constant nodes in place): pass a model you no longer need.
+        model: As :func:`sharedml._onnx.load_graph` returns it. It is modified (prepare's
+            plan converts large Constant nodes in place): pass a model you no longer need.
         model_path: The model's file, to resolve external data.
 
     Raises:
         ExternalDataError: external data that prepare would refuse (missing, short, unsafe).
     """
-    import onnx
-
-    from sharedml._prepare import (
-        DEFAULT_SIZE_THRESHOLD_BYTES,
-        _collect,
-        iter_graphs,
-        read_manifest,
-    )
+    from sharedml._prepare import DEFAULT_SIZE_THRESHOLD_BYTES, plan_weights, read_manifest
 
     tensors: list[TensorInfo] = []
-    for depth, graph in enumerate(iter_graphs(model.graph)):
-        found: list[tuple[Any, str, str]] = [(t, t.name, "initializers") for t in graph.initializer]
-        for node in graph.node:
-            if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
-                continue
-            for attr in node.attribute:
-                if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
-                    found.append((attr.t, node.output[0] if node.output else "", "Constant nodes"))
-        for tensor, name, placement in found:
-            file = _external_file(tensor)
-            if file is not None:
-                placement = "external files"
-            elif depth > 0:
-                placement = "subgraphs"
-            tensors.append(
-                TensorInfo(
-                    name=name or "<unnamed>",
-                    dtype=_dtype_name(tensor.data_type),
-                    shape=tuple(int(d) for d in tensor.dims),
-                    nbytes=_tensor_bytes(tensor),
-                    placement=placement,
-                    file=file,
-                )
+    for ref in iter_tensors(model.graph):
+        info = ExternalData.of(ref.tensor)
+        if info is not None:
+            placement = "external files"
+        elif ref.depth > 0 and ref.placement is not Placement.SPARSE:
+            placement = "subgraphs"
+        else:
+            placement = _PLACEMENT_NAMES[ref.placement]
+        tensors.append(
+            TensorInfo(
+                name=ref.name or "<unnamed>",
+                dtype=_dtype_name(ref.tensor.data_type),
+                shape=tuple(int(d) for d in ref.tensor.dims),
+                nbytes=_tensor_bytes(ref.tensor),
+                placement=placement,
+                file=info.location if info is not None else None,
             )
-        for sparse in graph.sparse_initializer:
-            tensors.append(
-                TensorInfo(
-                    name=sparse.values.name or "<unnamed>",
-                    dtype=_dtype_name(sparse.values.data_type),
-                    shape=tuple(int(d) for d in sparse.dims),
-                    nbytes=_tensor_bytes(sparse.values) + _tensor_bytes(sparse.indices),
-                    placement="sparse initializers",
-                )
-            )
+        )
     placements = []
     for placement in PLACEMENTS:
         chosen = [t for t in tensors if t.placement == placement]
@@ -244,10 +220,8 @@ def summarize_weights(model: Any, model_path: str | os.PathLike[str]) -> Weights
     largest = sorted(tensors, key=lambda t: t.nbytes, reverse=True)[:_LARGEST_SHOWN]
 
     already = read_manifest(model) is not None
-    # prepare's own analysis, so that "what prepare would move" cannot drift from prepare.
-    moving, left, left_bytes, converted = _collect(
-        model, Path(model_path), DEFAULT_SIZE_THRESHOLD_BYTES
-    )
+    # prepare's own plan, so that "what prepare would move" cannot drift from prepare.
+    plan = plan_weights(model, Path(model_path), DEFAULT_SIZE_THRESHOLD_BYTES)
     return WeightsSummary(
         total_bytes=sum(t.nbytes for t in tensors),
         tensors=len(tensors),
@@ -255,28 +229,16 @@ def summarize_weights(model: Any, model_path: str | os.PathLike[str]) -> Weights
         external_files=tuple(sorted(files.items())),
         largest=tuple(largest),
         already_prepared=already,
-        prepare_moves_tensors=len(moving),
-        prepare_moves_bytes=sum(s.nbytes for s in moving),
-        prepare_leaves_tensors=left,
-        prepare_leaves_bytes=left_bytes,
-        prepare_converts_constants=converted,
+        prepare_moves_tensors=len(plan.moving),
+        prepare_moves_bytes=plan.moving_bytes,
+        prepare_leaves_tensors=plan.inline_tensors,
+        prepare_leaves_bytes=plan.inline_bytes,
+        prepare_converts_constants=plan.constants_converted,
     )
 
 
 # --------------------------------------------------------------------------------------------
 # The report
-
-
-def human_bytes(n: float | None) -> str:
-    """``48.0 MiB``: bytes for people, binary units; ``n/a`` for ``None``."""
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.2f} GiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,11 +326,11 @@ def _pct(part: float, whole: float) -> str:
 def recommend(measurements: Mapping[str, Measurement], *, sessions: int, weights_bytes: int) -> str:
     """A paragraph of advice computed from the measurements (no figure is made up)."""
     parts: list[str] = []
-    naive = measurements.get("naive")
-    shared = measurements.get("shared")
-    prepacked = measurements.get("shared-private-packs")
-    raw = measurements.get("shared-raw")
-    single = measurements.get("single")
+    naive = measurements.get(NAIVE)
+    shared = measurements.get(SHARED)
+    prepacked = measurements.get(SHARED_PRIVATE_PACKS)
+    raw = measurements.get(SHARED_RAW)
+    single = measurements.get(SINGLE)
     big = max(DEFAULT_PROJECTION_SESSIONS[-1], sessions * 2)
     metric = next(iter(measurements.values())).metric.upper() if measurements else "PSS"
 
@@ -443,7 +405,7 @@ def recommend(measurements: Mapping[str, Measurement], *, sessions: int, weights
                 f"With prepacking off (prepacking='off') the pool takes "
                 f"{human_bytes(raw_total)} against {human_bytes(shared_total)} for its default: "
                 "the least memory and the fastest session creation, but unpacked MatMul/Gemm "
-                "kernels (about 2x slower at batch 8 on CPU, see benchmarks/)."
+                "kernels (slower for batched inputs on CPU: see docs/cpu-prepacking.md)."
             )
     if single is not None and shared is not None and sessions > 1:
         single_total = total(single)
@@ -506,8 +468,7 @@ def inspect(
         provider_options: As for ``onnxruntime.InferenceSession``.
         dims: Sizes of the inputs' symbolic dimensions by name (default 1 each).
         strategies: Names of registered strategies to measure (default: every strategy
-            registered as a default: naive, shared, shared-raw, shared-private-packs,
-            single).
+            registered as a default; see :func:`sharedml.registered_strategies`).
         projection_sessions: Session counts to project memory to (N is added).
         timeout_s: Stop any one measurement after this long.
         progress: Called as ``progress(description, steps_done, steps_total)``.
@@ -527,7 +488,7 @@ def inspect(
     """
     import onnxruntime as ort
 
-    from sharedml._prepare import load_graph
+    from sharedml._onnx import load_graph
     from sharedml._providers import plan_providers
 
     if sessions < 1:

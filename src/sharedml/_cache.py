@@ -1,0 +1,610 @@
+"""The cache: every file sharedml keeps between processes, one owner for all of it.
+
+Layout and permission policy (POSIX; the one policy every kind of entry gets)::
+
+    <cache_dir>/                    0700 when sharedml creates it; an existing one may be shared
+    │                               only with the sticky bit (like /tmp), else CacheError
+    ├── <kind>/                     0700, owned by this user, not a symlink: checked on every
+    │   │                           use; a lax mode is repaired, another owner is refused
+    │   ├── <key>/                  one published entry (0700), never modified after publishing
+    │   │   ├── entry.json          what the entry holds: each file's size and SHA-256
+    │   │   └── <files>             0444
+    │   └── .<key prefix>-XXXX.tmp/ an entry being built (or a crashed build): never read
+    └── stamps/                     0700: "this file, unchanged since, has this digest"
+
+The kinds of entry (:data:`ENTRY_KINDS`): ``models`` (prepared models, keyed by content: see
+:func:`prepared_model_for`), ``prepacked`` (ORT's prepacked form of a prepared model, see
+:mod:`sharedml._prepack`) and ``demo`` (the built-in demo model).
+
+Publishing (:func:`publish`): a builder writes an entry's files into a private temporary folder;
+the cache hashes them into ``entry.json``, makes them read-only and renames the folder into
+place. Readers therefore never see half an entry; of concurrent builders of one key one rename
+wins and the others use the winner's entry. A crashed build leaves only a temporary folder, which
+is never read and is removed by :func:`clear_stale` once it is old enough to be a dead process's.
+Published files are never rewritten in place: a mapped file truncated under a running process
+would crash it (SIGBUS).
+
+Opening (:func:`open_entry`): an entry is used only if its folder and files pass the policy above
+and every file has the size ``entry.json`` records, and the SHA-256 for the files the caller
+names. A damaged entry raises :class:`~sharedml.CacheError`; :func:`ensure_entry` moves it aside
+and builds it again.
+
+Trust: the cache is trusted the way a Python ``site-packages`` is. Whoever can write to it can
+make every pool run their graph, hence the policy; ``docs/security.md`` has the threat model.
+
+Stamps spare the work that start-up would otherwise repeat in every process: hashing a source
+model to find its entry and hashing a weights file to verify it. A stamp records each file's
+device, inode, size, mtime and ctime; any write to a file changes its ctime, which no
+unprivileged process can set back, so a stamp that still matches names the same bytes. No stamp
+is written for a file changed in the last :data:`_RACY_WINDOW_NS` (a write within the timestamp
+granularity could leave mtime and ctime as they were; git's index has the same rule).
+``SHAREDML_STAMPS=0`` turns stamps off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Collection, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from sharedml import _host
+from sharedml._errors import CacheError, SharedMLError
+from sharedml._host import fsync_dir
+
+__all__ = [
+    "ENTRY_FILE",
+    "ENTRY_KINDS",
+    "Built",
+    "CacheEntry",
+    "cache_dir",
+    "clear_stale",
+    "ensure_entry",
+    "iter_entries",
+    "kind_folder",
+    "open_entry",
+    "publish",
+    "recall_stamp",
+    "record_stamp",
+    "verified_sha256",
+]
+
+ENTRY_KINDS = ("models", "prepacked", "demo")
+ENTRY_FILE = "entry.json"
+_ENTRY_FORMAT = 1
+_STALE_TMP_SECONDS = 24 * 3600  # seconds: a temporary folder this old is a dead process's
+_PRIVATE_DIR_MODE = stat.S_IRWXU  # 0700: other users can neither read nor plant entries
+_READ_ONLY_FILE_MODE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # 0444: never rewritten
+_TMP_SUFFIX = ".tmp"
+_RACY_WINDOW_NS = 3_000_000_000  # a file changed this recently gets no stamp (FAT: 2 s mtimes)
+_STAMP_VERSION = 1
+
+CacheDir = str | os.PathLike[str] | None
+"""A cache folder argument: a path, or None for :func:`cache_dir`'s default."""
+
+
+def cache_dir(override: CacheDir = None) -> Path:
+    """The cache folder: ``override``, ``$SHAREDML_CACHE_DIR``, or the user's cache folder."""
+    if override is not None:
+        return Path(override)
+    env = os.environ.get("SHAREDML_CACHE_DIR")
+    if env:
+        return Path(env)
+    if os.name == "nt":
+        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local"))
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "sharedml"
+
+
+# --------------------------------------------------------------------------------------------
+# The permission policy
+
+
+def _check_root(root: Path) -> None:
+    """Create the cache folder (0700) or check that other users cannot replace what is in it."""
+    try:
+        if not root.exists():
+            with contextlib.suppress(FileExistsError):
+                root.mkdir(mode=_PRIVATE_DIR_MODE, parents=True)
+        st = root.stat()
+    except OSError as exc:
+        raise CacheError(
+            f"The sharedml cache folder '{root}' cannot be created or read ({exc.strerror or exc})."
+            " Point SHAREDML_CACHE_DIR at a folder you can write."
+        ) from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheError(f"The sharedml cache folder '{root}' is not a folder. Remove it.")
+    if os.name != "posix":
+        return
+    shared_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    # A folder others can write is safe only with the sticky bit (like /tmp): without it,
+    # another user could rename our kind folders away and put their own in their place.
+    if shared_write and not st.st_mode & stat.S_ISVTX:
+        raise CacheError(
+            f"The sharedml cache folder '{root}' is writable by other users (mode "
+            f"{stat.filemode(st.st_mode)}), who could plant weights that every pool would run. "
+            f"Run 'chmod go-w {root}' or choose another folder with SHAREDML_CACHE_DIR."
+        )
+
+
+def _is_private_dir(path: Path) -> bool:
+    """Whether ``path`` is a real folder owned by this user that nobody else may write."""
+    if os.name != "posix":
+        return path.is_dir()
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISDIR(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` as a 0700 folder, or check that an existing one is ours, and repair it."""
+    try:
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=_PRIVATE_DIR_MODE)
+    except OSError as exc:
+        raise CacheError(
+            f"Cannot create the sharedml cache folder '{path}' ({exc.strerror or exc}). Check "
+            "its parent's permissions and free disk space, or set SHAREDML_CACHE_DIR."
+        ) from exc
+    if os.name != "posix":
+        return
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheError(
+            f"The sharedml cache folder '{path}' is not a folder (a symlink or a file). "
+            "Remove it; sharedml recreates it."
+        )
+    if st.st_uid != os.geteuid():
+        raise CacheError(
+            f"The sharedml cache folder '{path}' belongs to user id {st.st_uid}, not to this "
+            f"process's user ({os.geteuid()}): its entries cannot be trusted. Remove it, or point "
+            "SHAREDML_CACHE_DIR at a folder of your own."
+        )
+    if stat.S_IMODE(st.st_mode) != _PRIVATE_DIR_MODE:
+        os.chmod(path, _PRIVATE_DIR_MODE)  # other users must not read or plant entries
+
+
+def kind_folder(kind: str, cache_dir: CacheDir = None) -> Path:
+    """The folder of one kind of entry (or ``stamps``), created and checked by the policy.
+
+    Raises:
+        CacheError: the cache folder or the kind's folder fails the policy.
+    """
+    root = _root_of(cache_dir)
+    _check_root(root)
+    folder = root / kind
+    _private_dir(folder)
+    return folder
+
+
+def _root_of(override: CacheDir) -> Path:
+    return cache_dir(override)
+
+
+# --------------------------------------------------------------------------------------------
+# Entries
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEntry:
+    """One published entry of the cache.
+
+    Attributes:
+        kind: One of :data:`ENTRY_KINDS`.
+        key: Its key (a content hash for ``models`` and ``prepacked``).
+        path: Its folder.
+        files: ``{name: (size in bytes, hex SHA-256)}`` of every file it holds.
+        meta: What its builder recorded (the source model, the ORT build, ...).
+        created: When it was published (seconds since the epoch).
+    """
+
+    kind: str
+    key: str
+    path: Path
+    files: Mapping[str, tuple[int, str]]
+    meta: Mapping[str, Any]
+    created: float
+
+    def file(self, name: str) -> Path:
+        """The path of one of its files."""
+        if name not in self.files:
+            raise KeyError(f"Cache entry '{self.path}' holds no file '{name}'.")
+        return self.path / name
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of its files on disk."""
+        return sum(size for size, _ in self.files.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What an entry's builder may return: metadata to record, and digests it already knows.
+
+    Attributes:
+        meta: JSON-ready metadata recorded in ``entry.json``.
+        sha256: Hex SHA-256 of files the builder computed while writing them, by file name;
+            the cache hashes the others.
+    """
+
+    meta: Mapping[str, Any]
+    sha256: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+Builder = Callable[[Path], "Built | Mapping[str, Any] | None"]
+"""Writes an entry's files into the folder it is given (see :func:`publish`)."""
+
+
+def _damaged(path: Path, why: str) -> CacheError:
+    return CacheError(
+        f"The cache entry '{path}' is damaged: {why}. sharedml builds it again; if this "
+        "repeats, remove the folder (or run 'sharedml cache clear')."
+    )
+
+
+def _read_entry(kind: str, key: str, path: Path) -> CacheEntry:
+    """Parse an entry's record and check its folder and files against the policy (no hashing)."""
+    if not _is_private_dir(path):
+        raise _damaged(path, "its folder is not a private folder of this user")
+    try:
+        record = json.loads((path / ENTRY_FILE).read_text())
+        if record.get("format") != _ENTRY_FORMAT or record.get("key") != key:
+            raise ValueError("written for another key or by another sharedml version")
+        files = {str(n): (int(v["bytes"]), str(v["sha256"])) for n, v in record["files"].items()}
+        meta = dict(record.get("meta") or {})
+        created = float(record.get("created", 0.0))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _damaged(path, f"its {ENTRY_FILE} is unreadable ({exc})") from None
+    for name, (size, _digest) in files.items():
+        if Path(name).name != name or name == ENTRY_FILE:
+            raise _damaged(path, f"its record names the file {name!r}")
+        try:
+            st = os.lstat(path / name)
+        except OSError:
+            raise _damaged(path, f"'{name}' is missing") from None
+        if not stat.S_ISREG(st.st_mode) or (os.name == "posix" and st.st_uid != os.geteuid()):
+            raise _damaged(path, f"'{name}' is not a regular file of this user")
+        if st.st_size != size:
+            raise _damaged(path, f"'{name}' has {st.st_size} bytes, {size} were published")
+    return CacheEntry(kind, key, path, files, meta, created)
+
+
+def open_entry(
+    kind: str,
+    key: str,
+    *,
+    cache_dir: CacheDir = None,
+    verify: bool | Collection[str] = True,
+) -> CacheEntry | None:
+    """The published entry ``key`` of ``kind``, checked, or None if there is none.
+
+    Args:
+        kind: One of :data:`ENTRY_KINDS`.
+        key: The entry's key.
+        cache_dir: The cache folder (default: :func:`cache_dir`).
+        verify: Which files to check against their recorded SHA-256: all (True), none
+            (False: sizes only), or the names given. A stamp spares re-reading a file that
+            was verified before and has not changed since.
+
+    Raises:
+        CacheError: the entry exists but is damaged, or the cache fails the policy.
+    """
+    path = kind_folder(kind, cache_dir) / key
+    if not os.path.lexists(path):
+        return None
+    entry = _read_entry(kind, key, path)
+    names = entry.files if verify is True else () if verify is False else verify
+    for name in names:
+        _size, digest = entry.files[name]
+        if not verified_sha256(path / name, digest, cache_dir=cache_dir):
+            raise _damaged(path, f"'{name}' does not match the SHA-256 recorded when it was built")
+    return entry
+
+
+def publish(
+    kind: str,
+    key: str,
+    build: Builder,
+    *,
+    cache_dir: CacheDir = None,
+) -> CacheEntry:
+    """Build an entry in a private temporary folder and publish it atomically.
+
+    Args:
+        kind: One of :data:`ENTRY_KINDS`.
+        key: The entry's key.
+        build: Writes the entry's files into the folder it is given; returns metadata to record
+            (JSON-ready, or a :class:`Built`) or None. Anything it raises is raised here, with
+            nothing published.
+        cache_dir: The cache folder (default: :func:`cache_dir`).
+
+    Returns:
+        The published entry: ours, or the one another process published first.
+
+    Raises:
+        CacheError: the cache fails the policy, or the entry cannot be published.
+    """
+    folder = kind_folder(kind, cache_dir)
+    final = folder / key
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", suffix=_TMP_SUFFIX, dir=folder))
+    except OSError as exc:
+        raise CacheError(
+            f"Cannot write to the sharedml cache folder '{folder}' ({exc.strerror or exc}). "
+            "Free some disk space or set SHAREDML_CACHE_DIR."
+        ) from exc
+    try:
+        built = build(tmp)
+        if not isinstance(built, Built):
+            built = Built(meta=built or {})
+        files: dict[str, dict[str, Any]] = {}
+        for produced in sorted(tmp.iterdir()):
+            if not produced.is_file() or produced.is_symlink():
+                raise CacheError(f"The cache builder left '{produced}', which is not a file.")
+            digest = built.sha256.get(produced.name) or _host.sha256_file(produced)
+            files[produced.name] = {"bytes": produced.stat().st_size, "sha256": digest}
+            os.chmod(produced, _READ_ONLY_FILE_MODE)
+        record = {
+            "format": _ENTRY_FORMAT,
+            "kind": kind,
+            "key": key,
+            "created": time.time(),
+            "files": files,
+            "meta": dict(built.meta),
+        }
+        (tmp / ENTRY_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
+        os.chmod(tmp / ENTRY_FILE, _READ_ONLY_FILE_MODE)
+        try:
+            os.rename(tmp, final)  # atomic; fails if another process published first
+        except OSError as exc:
+            existing = _open_or_none(kind, key, cache_dir)
+            if existing is not None:
+                return existing
+            if not os.path.lexists(final):
+                raise CacheError(
+                    f"Could not publish the cache entry '{final}': {exc.strerror or exc}."
+                ) from exc
+            _move_aside(final, folder)  # a damaged leftover: ours takes its place
+            os.rename(tmp, final)
+        fsync_dir(folder)
+    except SharedMLError:
+        raise  # the builder's own errors (some are OSErrors too: UnsafePathError)
+    except OSError as exc:
+        raise CacheError(
+            f"Writing the cache entry '{final}' failed ({exc.strerror or exc}): free some disk "
+            "space or set SHAREDML_CACHE_DIR to a folder with room."
+        ) from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    entry = _open_or_none(kind, key, cache_dir)
+    if entry is None:  # pragma: no cover - only if someone deletes the entry meanwhile
+        raise CacheError(f"The cache entry '{final}' vanished right after it was published.")
+    with contextlib.suppress(OSError):
+        clear_stale(cache_dir)  # a new entry is a good moment to sweep dead builds away
+    return entry
+
+
+def _open_or_none(kind: str, key: str, cache_dir: CacheDir) -> CacheEntry | None:
+    try:
+        return open_entry(kind, key, cache_dir=cache_dir, verify=False)
+    except CacheError:
+        return None
+
+
+def _move_aside(path: Path, folder: Path) -> None:
+    """Move a damaged entry out of the way (processes that map its files keep their maps)."""
+    grave = Path(tempfile.mkdtemp(prefix=".damaged-", suffix=_TMP_SUFFIX, dir=folder))
+    os.replace(path, grave / "entry")
+    shutil.rmtree(grave, ignore_errors=True)
+
+
+def ensure_entry(
+    kind: str,
+    key: str,
+    build: Builder,
+    *,
+    cache_dir: CacheDir = None,
+    verify: bool | Collection[str] = True,
+) -> CacheEntry:
+    """The entry ``key`` of ``kind``: opened and checked if published, else built and published.
+
+    A damaged entry is moved aside (with a warning) and built again.
+
+    Raises:
+        CacheError: the cache fails the policy, or the entry cannot be published.
+    """
+    try:
+        entry = open_entry(kind, key, cache_dir=cache_dir, verify=verify)
+    except CacheError as exc:
+        path = kind_folder(kind, cache_dir) / key
+        if not os.path.lexists(path) or "is damaged" not in str(exc):
+            raise
+        warnings.warn(str(exc), RuntimeWarning, stacklevel=3)
+        _move_aside(path, path.parent)
+        entry = None
+    if entry is not None:
+        return entry
+    return publish(kind, key, build, cache_dir=cache_dir)
+
+
+def iter_entries(kind: str, *, cache_dir: CacheDir = None) -> Iterator[CacheEntry | CacheError]:
+    """Every published entry of ``kind`` (unverified), or the error that makes one unusable."""
+    folder = kind_folder(kind, cache_dir)
+    for child in sorted(folder.iterdir()):
+        if child.name.startswith("."):
+            continue
+        try:
+            yield _read_entry(kind, child.name, child)
+        except CacheError as exc:
+            yield exc
+
+
+def clear_stale(cache_dir: CacheDir = None, *, older_than_s: float = _STALE_TMP_SECONDS) -> int:
+    """Remove temporary folders left by builds that were killed; returns how many.
+
+    Args:
+        cache_dir: The cache folder (default: :func:`cache_dir`).
+        older_than_s: Only folders untouched for this long are removed: a younger one may
+            belong to a build still running in another process.
+    """
+    root = _root_of(cache_dir)
+    removed = 0
+    now = time.time()
+    for kind in ENTRY_KINDS:
+        folder = root / kind
+        if not _is_private_dir(folder):
+            continue
+        for child in folder.iterdir():
+            if child.name.startswith(".") and child.name.endswith(_TMP_SUFFIX):
+                with contextlib.suppress(OSError):
+                    if now - child.stat().st_mtime > older_than_s:
+                        shutil.rmtree(child)
+                        removed += 1
+    return removed
+
+
+# --------------------------------------------------------------------------------------------
+# Stamps
+
+
+def _file_stamp(path: Path) -> list[int] | None:
+    """Device, inode, size, mtime and ctime of ``path`` (following links); None if absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _stamp_path(folder: Path, kind: str, path: Path, params: str) -> Path:
+    name = hashlib.sha256(f"{kind}\0{os.path.realpath(path)}\0{params}".encode()).hexdigest()
+    return folder / f"{kind}-{name[:40]}.json"
+
+
+def recall_stamp(
+    kind: str,
+    path: str | os.PathLike[str],
+    params: str = "",
+    *,
+    cache_dir: CacheDir = None,
+) -> str | None:
+    """The value recorded for ``path`` (and its companion files) if none of them changed since.
+
+    Args:
+        kind: What the value is (``"sha256"``, ``"prepared"``).
+        path: The file the value describes.
+        params: Anything else the value depends on (settings), part of the stamp's name.
+        cache_dir: The cache folder (default: :func:`cache_dir`).
+
+    Returns:
+        The value, or None: no stamp, a file changed, the stamps folder is not private to this
+        user (a stamp there could have been planted), or ``$SHAREDML_STAMPS`` is ``0`` (for
+        filesystems whose ctime does not move on writes). Never raises.
+    """
+    if os.environ.get("SHAREDML_STAMPS") == "0":
+        return None
+    root = _root_of(cache_dir)
+    try:
+        _check_root(root)
+        if not _is_private_dir(root / "stamps"):
+            return None
+        record = json.loads(_stamp_path(root / "stamps", kind, Path(path), params).read_text())
+        if record.get("version") != _STAMP_VERSION or not record.get("files"):
+            return None
+        if record["files"][0][0] != os.path.realpath(path):
+            return None
+        for name, stamp in record["files"]:
+            if _file_stamp(Path(name)) != stamp:
+                return None
+        value = record["value"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, CacheError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def record_stamp(
+    kind: str,
+    path: str | os.PathLike[str],
+    value: str,
+    params: str = "",
+    *,
+    companions: Collection[Path] = (),
+    cache_dir: CacheDir = None,
+) -> bool:
+    """Remember ``value`` for ``path`` as it is now (and ``companions``, present or absent).
+
+    Call it right after computing ``value`` from the files' bytes. Nothing is recorded for a
+    file changed within the last :data:`_RACY_WINDOW_NS` (its next use computes the value again
+    and records it then), nor when the cache folder cannot be written. Never raises.
+
+    Returns:
+        True if the stamp was written.
+    """
+    files = [Path(os.path.realpath(path)), *(Path(os.path.realpath(c)) for c in companions)]
+    stamps = [_file_stamp(f) for f in files]
+    if stamps[0] is None:
+        return False
+    now = time.time_ns()
+    for st in stamps:
+        if st is not None and now - max(st[3], st[4]) < _RACY_WINDOW_NS:
+            return False
+    record = {
+        "version": _STAMP_VERSION,
+        "files": [[str(f), st] for f, st in zip(files, stamps, strict=True)],
+        "value": value,
+    }
+    try:
+        folder = kind_folder("stamps", cache_dir)
+        target = _stamp_path(folder, kind, Path(path), params)
+        fd, tmp = tempfile.mkstemp(prefix=".", suffix=_TMP_SUFFIX, dir=folder)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(record, fh)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except (OSError, CacheError):
+        return False
+    return True
+
+
+# Digests this process computed, by (path, file stamp): a file verified a moment ago (by the
+# cache, then by the weight store) is not read again while its stamp is unchanged, also within
+# the racy window in which no stamp is persisted.
+_DIGESTS: dict[tuple[str, tuple[int, ...]], str] = {}
+
+
+def verified_sha256(path: Path, expected: str, *, cache_dir: CacheDir = None) -> bool:
+    """Whether ``path`` has the SHA-256 ``expected``; a stamp spares reading an unchanged file."""
+    st = _file_stamp(path)
+    memo = (os.path.realpath(path), tuple(st)) if st is not None else None
+    if memo is not None and _DIGESTS.get(memo) == expected:
+        return True
+    if recall_stamp("sha256", path, cache_dir=cache_dir) == expected:
+        return True
+    digest = _host.sha256_file(path)
+    record_stamp("sha256", path, digest, cache_dir=cache_dir)
+    if memo is not None and _file_stamp(path) == st:  # unchanged while it was read
+        _DIGESTS[memo] = digest
+    return digest == expected

@@ -1,0 +1,188 @@
+"""Measure what N sessions of a model cost, each strategy in a fresh subprocess.
+
+This is the parent side: :func:`measure` starts ``python -c "...sharedml._measure_child..."
+SPEC`` with the strategy, the providers and the inputs as JSON, reads its progress lines, and
+turns its one result line into a :class:`~sharedml.Measurement`. The child
+(:mod:`sharedml._measure_child`) says what a point is and how memory is read. One process per
+measurement, so that what one strategy allocated (heap kept by the allocator, mapped files,
+thread pools) can neither hide nor inflate another's figures.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sharedml._errors import MeasurementError
+from sharedml._host import child_env
+from sharedml._inputs import InputSpec, input_specs
+from sharedml._measure_child import PROGRESS_PREFIX, RESULT_PREFIX, SPEC_VERSION
+from sharedml._results import Measurement
+from sharedml._strategies import get_strategy
+
+__all__ = ["DEFAULT_MEMORY_RESERVE_BYTES", "ProgressCallback", "measure"]
+
+DEFAULT_MEMORY_RESERVE_BYTES = 512 * 1024 * 1024  # bytes a measurement leaves free for the box
+_STDERR_LINES_KEPT = 50  # of the child's stderr, for error messages
+# -c rather than -m: runpy would import the child module a second time as __main__.
+_CHILD_CODE = (
+    "import sys; from sharedml._measure_child import child_main; sys.exit(child_main(sys.argv[1:]))"
+)
+
+ProgressCallback = Callable[[int, int], None]
+"""Called as ``progress(sessions_done, sessions_total)`` while a child measures."""
+
+
+def measure(
+    model: str | os.PathLike[str],
+    strategy: str = "naive",
+    *,
+    sessions: int = 4,
+    providers: Sequence[Any] | None = None,
+    provider_options: Sequence[dict[str, Any]] | None = None,
+    dims: Mapping[str, int] | None = None,
+    inputs: Sequence[InputSpec] | None = None,
+    timeout_s: float | None = None,
+    memory_reserve_bytes: int = DEFAULT_MEMORY_RESERVE_BYTES,
+    progress: ProgressCallback | None = None,
+) -> Measurement:
+    """Measure one strategy at ``sessions`` sessions in a fresh subprocess.
+
+    Args:
+        model: The ONNX model.
+        strategy: A registered strategy's name (see :func:`registered_strategies`).
+        sessions: How many sessions to create (all of them run once, concurrently).
+        providers: As for ``onnxruntime.InferenceSession``; default CPU.
+        provider_options: As for ``onnxruntime.InferenceSession``.
+        dims: Sizes of the inputs' symbolic dimensions (default 1); ignored with ``inputs``.
+        inputs: The inputs to generate (default: from the model's signature and ``dims``).
+        timeout_s: Stop the child after this long (``None``: no limit).
+        memory_reserve_bytes: Memory to leave free: the child creates no further session when
+            less than this plus 1.5 times the largest per-session growth seen is available (the
+            machine's available memory, or the cgroup's room), and the rest is projected
+            (:attr:`Measurement.stopped_reason`). Measuring N plain sessions of a large model
+            must not push the machine into swapping or the OOM killer.
+        progress: Called as ``progress(sessions_done, sessions)`` while the child works.
+
+    Returns:
+        The :class:`Measurement`.
+
+    Raises:
+        ValueError: ``sessions`` below 1, an unknown strategy or dimension.
+        ProviderError: a provider this onnxruntime build does not have.
+        ModelError: the model cannot be read (see :mod:`sharedml._errors`).
+        MeasurementError: the child failed; the message names the strategy and the child's
+            last line of stderr.
+
+    Thread safety: safe to call from several threads, but concurrent measurements disturb each
+    other's figures (memory pressure, CPU time); ``inspect`` runs them one after another.
+    """
+    from sharedml._prepare import load_graph
+    from sharedml._providers import plan_providers
+
+    if sessions < 1:
+        raise ValueError(f"sessions must be at least 1, not {sessions}.")
+    chosen = get_strategy(strategy)
+    plan = plan_providers(providers, provider_options)
+    path = Path(model)
+    if inputs is None:
+        inputs = input_specs(load_graph(path), dims, model_name=f"'{path}'")
+    if chosen.warm_cache:
+        from sharedml._prepare import prepared_model_for
+
+        prepared_model_for(path)
+    spec = {
+        "version": SPEC_VERSION,
+        "model": str(path.resolve()),
+        "strategy": chosen.name,
+        "factory": chosen.factory,
+        "sessions": sessions,
+        "providers": list(plan.providers),
+        "provider_options": [dict(o) for o in plan.provider_options],
+        "inputs": [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape)} for i in inputs],
+        "memory_reserve_bytes": int(memory_reserve_bytes),
+    }
+    raw = _run_child(spec, timeout_s=timeout_s, progress=progress)
+    return Measurement._from_child(chosen, sessions, raw)
+
+
+def _run_child(
+    spec: Mapping[str, Any], *, timeout_s: float | None, progress: ProgressCallback | None
+) -> dict[str, Any]:
+    name = spec["strategy"]
+    cmd = [sys.executable, "-c", _CHILD_CODE, json.dumps(spec)]
+    stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES_KEPT)
+    result: dict[str, Any] | None = None
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        env=child_env(),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    stderr = proc.stderr
+
+    def drain_stderr() -> None:  # a full pipe would block the child
+        for line in stderr:
+            if line.strip():
+                stderr_tail.append(line.strip())
+
+    drainer = threading.Thread(target=drain_stderr, name="sharedml-measure-stderr", daemon=True)
+    drainer.start()
+    timer: threading.Timer | None = None
+    timed_out = threading.Event()
+    if timeout_s is not None:
+
+        def kill() -> None:
+            timed_out.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout_s, kill)
+        timer.daemon = True
+        timer.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith(PROGRESS_PREFIX):
+                if progress is not None:
+                    done, total = (int(v) for v in line[len(PROGRESS_PREFIX) :].split())
+                    progress(done, total)
+            elif line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX) :])
+        returncode = proc.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if proc.poll() is None:  # interrupted (Ctrl-C) or a callback raised: leave no child
+            proc.kill()
+            proc.wait()
+        drainer.join(timeout=5)
+        proc.stdout.close()
+        proc.stderr.close()
+    last = stderr_tail[-1] if stderr_tail else "(no output on stderr)"
+    if timed_out.is_set():
+        raise MeasurementError(
+            f"Measuring strategy '{name}' took longer than {timeout_s} s and was stopped. "
+            f"Last stderr line: {last}"
+        )
+    if returncode != 0 or result is None:
+        if returncode < 0:
+            how = f"was killed by signal {-returncode}"
+            if -returncode == 9:
+                how += " (out of memory?)"
+        else:
+            how = f"exited with status {returncode}"
+        raise MeasurementError(
+            f"Measuring strategy '{name}' failed: the measuring process {how}: {last}"
+        )
+    return result

@@ -1,0 +1,350 @@
+"""The measuring child: creates a strategy's sessions one at a time and records memory.
+
+Started by :func:`sharedml.measure` (``child_main``) with one JSON spec. The child:
+
+1. imports onnxruntime and the strategy, builds the inputs, and creates and drops one tiny
+   session with the same providers, so that loading the providers' libraries and ORT's
+   environment (one-time costs of any process) are not counted;
+2. records the baseline: psutil ``memory_full_info()`` (PSS, USS, RSS), and device memory where
+   it can be read;
+3. for k = 1 .. N: creates session k, then runs sessions 1..k once each, *concurrently* (k
+   threads released together by a ``threading.Barrier``), checks that their outputs agree, and
+   records memory again. Point k is therefore "k sessions, each having run once,
+   concurrently": point N is the total, and the per-extra-session cost is a fit over all points;
+4. prints one ``RESULT`` line of JSON on stdout (progress lines before it), or an error as its
+   last stderr line and a non-zero exit status.
+
+The headline metric is PSS where the platform has it (Linux): a page mapped by several processes
+counts a share in each, and a file mapped once by this process counts once, which is what "how
+much RAM does this cost" means. Elsewhere it is USS. With glibc, each reading follows
+``malloc_trim(0)``: how much freed heap glibc keeps after session creation varies from run to
+run, so the trimmed figure, what the sessions hold, is the repeatable one; the reading before
+the trim is kept too. Device memory: with CUDA, the child's own usage through NVML (``pynvml``)
+or ``nvidia-smi``; with DirectML it is reported as not measurable; never estimated.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sharedml._host import available_bytes, heap_trim_available, release_freed_heap
+from sharedml._inputs import generate
+from sharedml._strategies import Runner, StrategyContext
+
+__all__ = ["PROGRESS_PREFIX", "RESULT_PREFIX", "SPEC_VERSION", "child_main", "warmup_model_bytes"]
+
+SPEC_VERSION = 2
+RESULT_PREFIX = "RESULT "
+PROGRESS_PREFIX = "PROGRESS "
+
+
+def _memory() -> dict[str, int | None]:
+    import psutil
+
+    proc = psutil.Process()
+    try:
+        info = proc.memory_full_info()
+    except (psutil.AccessDenied, NotImplementedError):  # pragma: no cover - not on Linux
+        basic = proc.memory_info()
+        return {"pss": None, "uss": None, "rss": int(basic.rss)}
+    pss = getattr(info, "pss", None)
+    uss = getattr(info, "uss", None)
+    return {
+        "pss": int(pss) if pss is not None else None,
+        "uss": int(uss) if uss is not None else None,
+        "rss": int(info.rss),
+    }
+
+
+class _DeviceMemory:
+    """This process's device memory, where the provider and platform let it be read."""
+
+    def __init__(self, providers: Sequence[str]) -> None:
+        self.metric: str | None = None
+        self.note: str | None = None
+        self._nvml: Any = None
+        primary = providers[0] if providers else "CPUExecutionProvider"
+        if primary in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+            try:
+                pynvml = importlib.import_module("pynvml")  # optional: nvidia-ml-py
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self.metric = "nvml"
+            except Exception:
+                if shutil.which("nvidia-smi"):
+                    self.metric = "nvidia-smi"
+                else:
+                    self.note = (
+                        "not measurable: neither pynvml (pip install nvidia-ml-py) nor nvidia-smi "
+                        "is available"
+                    )
+        elif primary == "DmlExecutionProvider":
+            self.note = (
+                "not measurable: DirectML reports no per-process device memory that sharedml can "
+                "read; use Task Manager's 'Dedicated GPU memory' column for this process"
+            )
+        elif primary != "CPUExecutionProvider":
+            self.note = f"not measured: sharedml reads device memory only for CUDA, not {primary}"
+        self._seen = False
+
+    def read(self) -> int | None:
+        """Bytes of device memory this process uses now, or None where it cannot be read."""
+        if self.metric is None:
+            return None
+        pid = os.getpid()
+        total = 0
+        found = False
+        try:
+            if self.metric == "nvml":
+                nvml = self._nvml
+                for index in range(nvml.nvmlDeviceGetCount()):
+                    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                    for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                        if proc.pid == pid and proc.usedGpuMemory is not None:
+                            total += int(proc.usedGpuMemory)
+                            found = True
+            else:
+                out = subprocess.run(
+                    [
+                        "nvidia-smi",
+                        "--query-compute-apps=pid,used_memory",
+                        "--format=csv,noheader,nounits",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=True,
+                ).stdout
+                for line in out.splitlines():
+                    fields = [f.strip() for f in line.split(",")]
+                    if len(fields) == 2 and fields[0] == str(pid) and fields[1].isdigit():
+                        total += int(fields[1]) * 1024 * 1024  # nvidia-smi reports MiB
+                        found = True
+        except Exception as exc:
+            self.note = f"not measurable: reading device memory failed ({exc})"
+            self.metric = None
+            return None
+        self._seen = self._seen or found
+        return total
+
+    def finish(self) -> None:
+        if self.metric is not None and not self._seen:
+            # The driver never listed this process: in a container with its own PID namespace
+            # the driver reports host PIDs. Zeros would be invented figures.
+            self.note = (
+                f"not measurable: {self.metric} does not list this process (a container with its "
+                "own PID namespace?)"
+            )
+            self.metric = None
+
+
+def warmup_model_bytes() -> bytes:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "a"], ["b"])],
+        "warmup",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("b", TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    data: bytes = model.SerializeToString()
+    return data
+
+
+def _run_concurrently(
+    runners: Sequence[Runner], feeds: Mapping[str, Any], concurrent: bool
+) -> tuple[float, list[Any]]:
+    """Run every runner once, all together on a barrier or one by one.
+
+    Returns:
+        Wall seconds, and each runner's outputs in order.
+    """
+    outputs: list[Any] = [None] * len(runners)
+    if not concurrent:
+        start = time.perf_counter()
+        for i, run in enumerate(runners):
+            outputs[i] = run(feeds)
+        return time.perf_counter() - start, outputs
+    barrier = threading.Barrier(len(runners) + 1)
+    errors: list[BaseException] = []
+
+    def work(i: int, run: Runner) -> None:
+        try:
+            barrier.wait()
+            outputs[i] = run(feeds)
+        except BaseException as exc:  # re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i, r)) for i, r in enumerate(runners)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return elapsed, outputs
+
+
+def _same_outputs(a: Any, b: Any) -> bool:
+    """Whether two runs' outputs are bitwise equal (lists of arrays, or anything comparable)."""
+    import numpy as np
+
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_outputs(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    return bool(a == b)
+
+
+def _growth(now: Mapping[str, int | None], base: Mapping[str, int | None], key: str) -> int | None:
+    a, b = now.get(key), base.get(key)
+    return None if a is None or b is None else a - b
+
+
+def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    if spec.get("version") != SPEC_VERSION:
+        raise ValueError(f"spec version {spec.get('version')} is not {SPEC_VERSION}")
+    module_name, _, func_name = spec["factory"].partition(":")
+    factory = getattr(importlib.import_module(module_name), func_name)
+    providers = tuple(spec["providers"])
+    provider_options = tuple(dict(o) for o in spec["provider_options"])
+    ctx = StrategyContext(
+        model_path=Path(spec["model"]),
+        sessions=int(spec["sessions"]),
+        providers=providers,
+        provider_options=provider_options,
+    )
+    feeds = {i["name"]: generate(i) for i in spec["inputs"]}
+    reserve = int(spec["memory_reserve_bytes"])
+    # DirectML can run neither one session from two threads nor several sessions at once.
+    concurrent = providers[0] != "DmlExecutionProvider"
+    device = _DeviceMemory(providers)
+
+    # One-time costs of any process that uses these providers: their libraries, ORT's
+    # environment and thread pools. Paid (and released) here, so that they are not counted.
+    warmup = ort.InferenceSession(
+        warmup_model_bytes(), providers=list(providers), provider_options=list(provider_options)
+    )
+    warmup.run(None, {"a": generate({"shape": [1], "dtype": "float32"})})
+    del warmup
+    gc.collect()
+    base_untrimmed = _memory()
+    trimmed = heap_trim_available()
+    release_freed_heap()
+    base = _memory()
+    base_device = device.read()
+    metric = "pss" if base["pss"] is not None else "uss" if base["uss"] is not None else "rss"
+    start = time.perf_counter()
+    sessions = factory(ctx)
+    setup_seconds = time.perf_counter() - start
+    runners: list[Runner] = []
+    points: list[dict[str, Any]] = []
+    stopped: str | None = None
+    largest_step = 0
+    previous = 0
+    reference: Any = None  # the first session's first outputs: every later run must equal them
+    try:
+        for k in range(1, ctx.sessions + 1):
+            if k > 1:
+                room = available_bytes() - reserve
+                if room < 1.5 * largest_step:
+                    stopped = (
+                        f"stopped after {k - 1} of {ctx.sessions} sessions to leave "
+                        f"{reserve / 2**20:.0f} MiB free: each session needs up to "
+                        f"{largest_step / 2**20:.0f} MiB, {max(room, 0) / 2**20:.0f} MiB was "
+                        "left; larger counts are projected"
+                    )
+                    break
+            start = time.perf_counter()
+            runners.append(sessions.add())
+            create_seconds = time.perf_counter() - start
+            run_seconds, outputs = _run_concurrently(runners, feeds, concurrent)
+            if reference is None:
+                reference = outputs[0]
+            agree = all(_same_outputs(out, reference) for out in outputs)
+            gc.collect()
+            untrimmed = _memory()
+            release_freed_heap()
+            now = _memory()
+            dev = device.read()
+            growth = _growth(now, base, metric) or 0
+            largest_step = max(largest_step, growth - previous)
+            previous = growth
+            points.append(
+                {
+                    "sessions": k,
+                    "pss_bytes": _growth(now, base, "pss"),
+                    "uss_bytes": _growth(now, base, "uss"),
+                    "rss_bytes": _growth(now, base, "rss"),
+                    "untrimmed_bytes": _growth(untrimmed, base_untrimmed, metric),
+                    "device_bytes": (
+                        dev - base_device if dev is not None and base_device is not None else None
+                    ),
+                    "create_seconds": create_seconds,
+                    "run_seconds": run_seconds,
+                    "outputs_agree": agree,
+                }
+            )
+            print(f"{PROGRESS_PREFIX}{k} {ctx.sessions}", flush=True)
+        describe = getattr(sessions, "details", None)
+        details = dict(describe()) if callable(describe) else {}
+    finally:
+        runners.clear()
+        sessions.close()
+    device.finish()
+    if device.metric is None:
+        for point in points:
+            point["device_bytes"] = None
+    return {
+        "metric": metric,
+        "baseline_bytes": base[metric],
+        "trimmed": trimmed,
+        "setup_seconds": setup_seconds,
+        "concurrent": concurrent,
+        "points": points,
+        "device_metric": device.metric,
+        "device_note": device.note,
+        "stopped_reason": stopped,
+        "onnxruntime": ort.__version__,
+        "details": details,
+    }
+
+
+def child_main(argv: Sequence[str]) -> int:
+    if len(argv) != 1:
+        print(
+            "usage: child_main SPEC_JSON (run by sharedml.measure)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        spec = json.loads(argv[0])
+        result = _child_measure(spec)
+    except BaseException as exc:  # one line, last on stderr: the parent quotes it
+        text = " ".join((str(exc).strip() or type(exc).__name__).split())
+        print(f"{type(exc).__name__}: {text}", file=sys.stderr, flush=True)
+        return 1
+    if not all(math.isfinite(p["run_seconds"]) for p in result["points"]):
+        print("ValueError: a run time is not finite", file=sys.stderr)
+        return 1
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
