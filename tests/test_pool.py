@@ -7,6 +7,7 @@ import contextlib
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -464,3 +465,18 @@ def test_parallel_creation_is_refused_with_directml(
     for providers in (dml, [dml], [(dml, {"device_id": 0})]):
         with pytest.raises(ValueError, match="DirectML sessions concurrently"):
             sharedml.SessionPool(model, sessions=2, providers=providers, serialize_creation=False)
+
+
+def test_a_pool_dropped_without_close_warns_like_an_unclosed_file(model: Path) -> None:
+    import gc
+
+    pool = sharedml.SessionPool(model, sessions=1)
+    with pytest.warns(ResourceWarning, match="unclosed <SessionPool 'm.onnx'"):
+        del pool
+        gc.collect()
+    closed = sharedml.SessionPool(model, sessions=1)
+    closed.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del closed
+        gc.collect()

@@ -7,6 +7,7 @@ runs the suite with onnxruntime-directml on Windows.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnxruntime as ort
@@ -159,7 +160,7 @@ def test_serialization_reads_the_installed_version_by_default() -> None:
 
 
 @pytest.fixture
-def dml_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> sharedml.SessionPool:
+def dml_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[sharedml.SessionPool]:
     monkeypatch.setattr(_providers, "available_providers", lambda: [DML, CPU])
     # No device store for DML on this machine: the probe finds DML missing from the real build.
     monkeypatch.setattr(_device_probe, "_PROBES", {})
@@ -169,7 +170,8 @@ def dml_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> sharedml.Sessio
         pool = sharedml.SessionPool(
             src, sessions=2, min_sessions=0, providers=[DML], cache_dir=tmp_path / "cache"
         )
-    return pool
+    with pool:
+        yield pool
 
 
 def test_pool_applies_directml_session_settings(dml_pool: sharedml.SessionPool) -> None:
@@ -201,6 +203,7 @@ def test_pool_keeps_a_callers_graph_fusion_setting(
             serialize_runs=False,
             cache_dir=tmp_path / "cache",
         )
-    so = pool.recipe.options()
-    assert so.get_session_config_entry("ep.dml.disable_graph_fusion") == "0"
-    assert pool._run_lock is None  # the caller's explicit choice wins
+    with pool:
+        so = pool.recipe.options()
+        assert so.get_session_config_entry("ep.dml.disable_graph_fusion") == "0"
+        assert pool._run_lock is None  # the caller's explicit choice wins

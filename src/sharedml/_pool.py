@@ -26,6 +26,7 @@ import functools
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -536,6 +537,17 @@ class SessionPool:
         if executor is not None:
             executor.shutdown(wait=True)
 
+    def __del__(self) -> None:
+        # Like an unclosed file: the sessions go with the object, but silently dropping a pool
+        # that may hold runs or waiters is worth a word (shown with -W default or in tests).
+        if getattr(self, "_state", None) is _State.OPEN:
+            warnings.warn(
+                f"unclosed {self!r}; use 'with SessionPool(...)' or call close()",
+                ResourceWarning,
+                stacklevel=2,
+                source=self,
+            )
+
     def __enter__(self) -> SessionPool:
         return self
 
@@ -545,6 +557,6 @@ class SessionPool:
     def __repr__(self) -> str:
         return (
             f"<SessionPool {self.source_path.name!r} sessions={len(self._idle) + self._busy}/"
-            f"{self._max} providers={list(self.plan.providers)} mechanism={self.mechanism!r} "
+            f"{self._max} providers={list(self.plan.providers)} mechanism={self.mechanism.value!r} "
             f"{self._state.value}>"
         )
