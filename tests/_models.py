@@ -233,3 +233,42 @@ def run_ort(path: Path | str, feed: dict[str, np.ndarray]) -> np.ndarray:
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return sess.run(None, feed)[0]
+
+
+def batchable_model(
+    path: Path, *, dim: int = 32, layers: int = 2, seed: int = 0, extra_input: bool = False
+) -> Path:
+    """An MLP on ``x: float32[batch, dim]`` -> ``y: float32[batch, dim]`` (rows independent).
+
+    With ``extra_input``, a second input ``scale: float32[batch, 1]`` multiplies the output, so
+    that requests carry two inputs whose rows must stay together.
+    """
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    x = "x"
+    for i in range(layers):
+        w = (rng.standard_normal((dim, dim)) / np.sqrt(dim)).astype(np.float32)
+        b = rng.standard_normal(dim).astype(np.float32) * np.float32(0.1)
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]
+        nodes += [
+            helper.make_node("MatMul", [x, f"w{i}"], [f"mm{i}"]),
+            helper.make_node("Add", [f"mm{i}", f"b{i}"], [f"add{i}"]),
+            helper.make_node("Relu", [f"add{i}"], [f"h{i}"]),
+        ]
+        x = f"h{i}"
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", dim])]
+    if extra_input:
+        inputs.append(helper.make_tensor_value_info("scale", TensorProto.FLOAT, ["batch", 1]))
+        nodes.append(helper.make_node("Mul", [x, "scale"], ["y"]))
+    else:
+        nodes.append(helper.make_node("Identity", [x], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "batchable",
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["out_rows", dim])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    return save_model(model, path)

@@ -24,7 +24,7 @@ import onnxruntime as ort
 import psutil
 import pytest
 from _models import PLACEMENTS, build_model, feeds, save_model
-from _waiting import wait_until
+from _waiting import DEADLINE_S, wait_until
 
 import sharedml
 from sharedml._cache import clear_stale
@@ -301,14 +301,14 @@ def test_crash_between_the_two_renames_is_caught_by_the_recorded_hash(
 # Session creation failing part-way through a pool
 
 
-def _fail_on_third(kind: str) -> Callable[[Any], None]:
+def _fail_on(kind: str, calls_that_fail: Callable[[int], bool]) -> Callable[[Any], None]:
     calls = [0]
 
     def configure(so: Any) -> None:
         calls[0] += 1
-        if calls[0] == 3:
+        if calls_that_fail(calls[0]):
             if kind == "callback":
-                raise RuntimeError("configure failed on the third session")
+                raise RuntimeError(f"configure failed on session {calls[0]}")
             # A setting ORT itself rejects at session creation.
             so.add_session_config_entry("session.intra_op_thread_affinities", "not-a-cpu")
             so.intra_op_num_threads = 2
@@ -316,37 +316,94 @@ def _fail_on_third(kind: str) -> Callable[[Any], None]:
     return configure
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
-@pytest.mark.parametrize("kind", ["callback", "bad_option"])
-def test_session_creation_failing_part_way_leaks_nothing(
-    tmp_path: Path, model: Path, kind: str
-) -> None:
+@pytest.fixture
+def prepared_model(tmp_path: Path, model: Path) -> sharedml.PrepareResult:
     prepared = sharedml.prepare(model, tmp_path / "p" / "m.onnx")
-    me = psutil.Process()
     with sharedml.SessionPool(prepared.model_path, sessions=2) as warm:  # ORT's globals exist now
+        warm.wait_ready()
         warm.run(None, feeds(DIM))
     del warm
     gc.collect()
-    threads_before = me.num_threads()
-    assert weights_mappings(prepared.weights_path) == 0
-    error: BaseException | None = None
-    try:
-        sharedml.SessionPool(prepared.model_path, sessions=4, configure=_fail_on_third(kind))
-    except BaseException as exc:
-        error = exc
-    assert error is not None
-    if kind == "callback":
-        assert isinstance(error, RuntimeError) and "third" in str(error)
-    else:
-        assert isinstance(error, sharedml.SessionCreationError)
-        assert str(prepared.model_path) in str(error) and "not-a-cpu" in str(error)
-    del error  # its traceback holds the half-built pool
+    return prepared
+
+
+def assert_nothing_left(prepared: sharedml.PrepareResult, threads_before: int) -> None:
     gc.collect()
-    assert me.num_threads() == threads_before  # the two sessions' thread pools are gone
+    me = psutil.Process()
+    wait_until(lambda: me.num_threads() == threads_before, what="the sessions' threads to end")
     assert weights_mappings(prepared.weights_path) == 0  # and the store's mapping
     assert not [
         key for key in list(sharedml.WeightStore._registry) if key[0] == str(prepared.model_path)
     ]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("kind", ["callback", "bad_option"])
+def test_a_first_session_that_fails_leaks_nothing(
+    prepared_model: sharedml.PrepareResult, kind: str
+) -> None:
+    threads_before = psutil.Process().num_threads()
+    assert weights_mappings(prepared_model.weights_path) == 0
+    with pytest.raises(Exception) as info:
+        sharedml.SessionPool(
+            prepared_model.model_path, sessions=4, configure=_fail_on(kind, lambda n: n == 1)
+        )
+    if kind == "callback":
+        assert isinstance(info.value, RuntimeError) and "session 1" in str(info.value)
+    else:
+        assert isinstance(info.value, sharedml.SessionCreationError)
+        assert str(prepared_model.model_path) in str(info.value)
+        assert "not-a-cpu" in str(info.value)
+    del info  # its traceback holds the half-built pool
+    assert_nothing_left(prepared_model, threads_before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("kind", ["callback", "bad_option"])
+def test_a_background_creation_that_fails_once_is_retried(
+    prepared_model: sharedml.PrepareResult, kind: str
+) -> None:
+    threads_before = psutil.Process().num_threads()
+    configure = _fail_on(kind, lambda n: n == 3)
+    with sharedml.SessionPool(prepared_model.model_path, sessions=4, configure=configure) as pool:
+        pool.wait_ready(timeout_s=DEADLINE_S)
+        stats = pool.stats()
+        assert stats.sessions == 4 and stats.creation_failures == 1 and stats.created == 4
+        assert pool.run(None, feeds(DIM))[0].shape == (1, DIM)
+    del pool
+    assert_nothing_left(prepared_model, threads_before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("kind", ["callback", "bad_option"])
+def test_a_background_creation_that_keeps_failing_is_reported_never_lost(
+    prepared_model: sharedml.PrepareResult, kind: str
+) -> None:
+    threads_before = psutil.Process().num_threads()
+    configure = _fail_on(kind, lambda n: n >= 3)
+    pool = sharedml.SessionPool(prepared_model.model_path, sessions=4, configure=configure)
+    with pool:
+        reported: list[BaseException] = []
+        with pool.session(), pool.session():  # both sessions busy: the next caller must wait
+            waiter = threading.Thread(target=_run_and_catch, args=(pool, reported))
+            waiter.start()
+            waiter.join(DEADLINE_S)
+        # The waiter needed a session that failed to come: it was told, not left waiting.
+        assert len(reported) == 1 and isinstance(reported[0], sharedml.SessionCreationError)
+        with pytest.raises(sharedml.SessionCreationError):
+            pool.wait_ready(timeout_s=DEADLINE_S)  # the retries are spent
+        stats = pool.stats()
+        assert stats.sessions == 2 and stats.creation_failures >= 5
+        assert pool.run(None, feeds(DIM))[0].shape == (1, DIM)  # still serving with two
+    del pool, reported
+    assert_nothing_left(prepared_model, threads_before)
+
+
+def _run_and_catch(pool: sharedml.SessionPool, errors: list[BaseException]) -> None:
+    try:
+        pool.run(None, feeds(DIM))
+    except BaseException as exc:
+        errors.append(exc)
 
 
 def test_lazy_creation_failing_keeps_the_pool_consistent(model: Path) -> None:

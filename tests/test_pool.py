@@ -163,6 +163,7 @@ def test_a_session_left_unusable_is_replaced(model: Path) -> None:
         pass
 
     with sharedml.SessionPool(model, sessions=2) as pool:
+        pool.wait_ready()
         with pytest.raises(EPFail), pool.session() as broken:
             raise EPFail("device lost")
         stats = pool.stats()
@@ -292,16 +293,37 @@ def test_lazy_growth(model: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"sessions": 0}, "max_sessions"),
-        ({"min_sessions": 3, "max_sessions": 2}, "min_sessions"),
-        ({"mechanism": "magic"}, "mechanism"),
+        ({"sessions": 0}, ValueError, r"^sessions must be an integer >= 1, not 0\."),
+        ({"sessions": 2.0}, TypeError, r"^sessions must be an integer, not 2\.0\."),
+        ({"sessions": True}, ValueError, r"^sessions must be"),
+        ({"max_sessions": 0}, ValueError, r"^max_sessions must be"),
+        ({"min_sessions": -1}, ValueError, r"^min_sessions must be"),
+        ({"min_sessions": 3, "max_sessions": 2}, ValueError, "min_sessions"),
+        ({"mechanism": "magic"}, ValueError, "mechanism"),
+        ({"batching": "yes"}, ValueError, "batching must be"),
     ],
 )
-def test_bad_pool_arguments(model: Path, kwargs: dict[str, object], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        sharedml.SessionPool(model, **kwargs)  # type: ignore[arg-type]
+def test_bad_pool_arguments_are_refused_before_any_work(
+    model: Path, kwargs: dict[str, object], error: type[Exception], match: str, tmp_path: Path
+) -> None:
+    cache = tmp_path / "fresh-cache"
+    with pytest.raises(error, match=match):
+        sharedml.SessionPool(model, cache_dir=cache, **kwargs)  # type: ignore[arg-type]
+    assert not (cache / "models").exists() or not any((cache / "models").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("timeout_s", "error"), [(float("nan"), ValueError), (-1, ValueError), ("1", TypeError)]
+)
+def test_bad_timeouts_are_refused(model: Path, timeout_s: object, error: type[Exception]) -> None:
+    with sharedml.SessionPool(model, sessions=1) as pool:
+        with pytest.raises(error, match="timeout_s"), pool.session(timeout_s=timeout_s):  # type: ignore[arg-type]
+            pass
+        with pool.session(timeout_s=float("inf")):  # inf: wait as long as it takes
+            pass
+        assert pool.stats().busy == 0
 
 
 def test_unavailable_provider_is_a_clear_error(model: Path) -> None:
@@ -349,7 +371,10 @@ def test_session_options_template_is_applied_not_modified(model: Path) -> None:
         assert so.get_session_config_entry("session.disable_prepacking") == "1"
         configured.append(so)
 
-    with sharedml.SessionPool(model, sessions=3, sess_options=template, configure=configure):
+    with sharedml.SessionPool(
+        model, sessions=3, sess_options=template, configure=configure
+    ) as pool:
+        pool.wait_ready()
         assert len(configured) == 3
     with pytest.raises(RuntimeError):  # the pool added nothing to the caller's object
         template.get_session_config_entry("session.disable_prepacking")
@@ -379,6 +404,7 @@ def test_failed_session_creation_is_a_clear_error(model: Path) -> None:
 
 def test_stats_and_repr(model: Path) -> None:
     with sharedml.SessionPool(model, sessions=2) as pool:
+        pool.wait_ready()
         pool.run(None, feeds(DIM))
         stats = pool.stats()
         assert (stats.sessions, stats.idle, stats.busy, stats.runs) == (2, 2, 0, 1)
@@ -439,6 +465,7 @@ def test_creation_is_serialized_by_default(model: Path, monkeypatch: pytest.Monk
     counting = _CountingSessions(model, monkeypatch)
     counting.both_in = threading.Barrier(1)  # nothing to meet: serialized creation never waits
     with sharedml.SessionPool(model, sessions=3) as pool:
+        pool.wait_ready()
         assert counting.peak == 1 and pool.stats().sessions == 3
 
 

@@ -7,12 +7,13 @@ runs the suite with onnxruntime-directml on Windows.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import warnings
 from pathlib import Path
 
 import onnxruntime as ort
 import pytest
-from _models import build_model, save_model
+from _models import batchable_model, build_model, save_model
 
 import sharedml
 from sharedml import _device_probe, _providers
@@ -88,8 +89,8 @@ def test_directml_plan_has_the_settings_dml_needs() -> None:
     # ORT forces both for DML (with a warning); the pool sets them so that it does not have to.
     assert plan.disable_mem_pattern
     assert plan.sequential_execution
-    # Graph fusion would upload fused partitions' weights per session.
-    assert ("ep.dml.disable_graph_fusion", "1") in plan.config_entries
+    # Graph fusion stays on: it costs sharing only where device weights are shared.
+    assert plan.config_entries == ()
 
 
 def test_directml_device_id_is_kept() -> None:
@@ -160,50 +161,83 @@ def test_serialization_reads_the_installed_version_by_default() -> None:
 
 
 @pytest.fixture
-def dml_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[sharedml.SessionPool]:
+def dml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This build "has" DirectML; no device route works for it (as on Windows today)."""
     monkeypatch.setattr(_providers, "available_providers", lambda: [DML, CPU])
-    # No device store for DML on this machine: the probe finds DML missing from the real build.
     monkeypatch.setattr(_device_probe, "_PROBES", {})
     monkeypatch.delenv(_device_probe.ROUTE_ENV, raising=False)
-    src = save_model(build_model(["initializer"], dim=32), tmp_path / "m.onnx")
+    monkeypatch.setattr(sharedml._pool, "_WARNED_SESSIONS", set())
+
+
+def dml_pool(model: Path, **kwargs: object) -> sharedml.SessionPool:
+    # min_sessions=0: no DML session is created on this machine (it has no DirectML).
     with pytest.warns(RuntimeWarning, match="upload its own copy"):
-        pool = sharedml.SessionPool(
-            src, sessions=2, min_sessions=0, providers=[DML], cache_dir=tmp_path / "cache"
-        )
-    with pool:
-        yield pool
+        return sharedml.SessionPool(model, providers=[DML], min_sessions=0, **kwargs)  # type: ignore[arg-type]
 
 
-def test_pool_applies_directml_session_settings(dml_pool: sharedml.SessionPool) -> None:
-    assert dml_pool.mechanism != "device"  # fell back to host-shared weights, with a warning
-    so = dml_pool.recipe.options()
-    assert so.enable_mem_pattern is False
-    assert so.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
-    assert so.get_session_config_entry("ep.dml.disable_graph_fusion") == "1"
-    expected = _providers._version_tuple(ort.__version__) >= (1, 18)
-    assert (dml_pool._run_lock is not None) is expected
+SERIALIZED = _providers._version_tuple(ort.__version__) >= (1, 18)
 
 
-def test_pool_keeps_a_callers_graph_fusion_setting(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.skipif(not SERIALIZED, reason="DirectML serializes runs on onnxruntime >= 1.18")
+def test_directml_defaults_to_one_fused_session_with_batching(dml: None, tmp_path: Path) -> None:
+    with dml_pool(batchable_model(tmp_path / "b.onnx")) as pool:
+        assert pool.max_sessions == 1 and pool.batching is not None
+        assert pool.mechanism != "device"  # fell back to host-shared weights, with a warning
+        so = pool.recipe.options()
+        assert so.enable_mem_pattern is False
+        assert so.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
+        # No device weights are shared on DML, so fusion stays on (one VRAM copy either way).
+        with pytest.raises(RuntimeError):
+            so.get_session_config_entry("ep.dml.disable_graph_fusion")
+
+
+@pytest.mark.skipif(not SERIALIZED, reason="DirectML serializes runs on onnxruntime >= 1.18")
+def test_directml_runs_unbatched_where_the_model_cannot_batch(dml: None, tmp_path: Path) -> None:
+    # build_model's input is float32[1, D]: axis 0 is fixed, so nothing can merge.
+    model = save_model(build_model(["initializer"], dim=32), tmp_path / "m.onnx")
+    with dml_pool(model) as pool:
+        assert pool.max_sessions == 1 and pool.batching is None
+
+
+@pytest.mark.skipif(not SERIALIZED, reason="DirectML serializes runs on onnxruntime >= 1.18")
+def test_extra_directml_sessions_warn_once_unless_the_caller_says_why(
+    dml: None, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(_providers, "available_providers", lambda: [DML, CPU])
-    monkeypatch.setattr(_device_probe, "_PROBES", {})
-    monkeypatch.delenv(_device_probe.ROUTE_ENV, raising=False)
-    src = save_model(build_model(["initializer"], dim=32), tmp_path / "m.onnx")
+    model = batchable_model(tmp_path / "b.onnx")
+    with pytest.warns(
+        RuntimeWarning, match="4 sessions on DmlExecutionProvider.*per_session_state"
+    ):
+        dml_pool(model, sessions=4).close()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*sessions on DmlExecutionProvider")
+        warnings.filterwarnings("ignore", message=".*upload its own copy")
+        sharedml.SessionPool(model, providers=[DML], min_sessions=0, sessions=4).close()  # once
+        sharedml._pool._WARNED_SESSIONS.clear()
+        sharedml.SessionPool(
+            model, providers=[DML], min_sessions=0, sessions=4, per_session_state=True
+        ).close()
+
+
+def test_fusion_is_turned_off_only_where_device_weights_are_shared(
+    dml: None, tmp_path: Path
+) -> None:
+    class LentDeviceWeights:  # what the route planner would keep where a DML route worked
+        def register(self, so: ort.SessionOptions) -> None:
+            pass
+
+    with dml_pool(batchable_model(tmp_path / "b.onnx")) as pool:
+        sharing = dataclasses.replace(
+            pool.recipe, device_store=LentDeviceWeights(), mechanism=sharedml.Mechanism.DEVICE
+        )
+        assert sharing.options().get_session_config_entry("ep.dml.disable_graph_fusion") == "1"
+
+
+def test_pool_keeps_a_callers_graph_fusion_setting(dml: None, tmp_path: Path) -> None:
     template = ort.SessionOptions()
     template.add_session_config_entry("ep.dml.disable_graph_fusion", "0")
-    with pytest.warns(RuntimeWarning):
-        pool = sharedml.SessionPool(
-            src,
-            sessions=1,
-            min_sessions=0,
-            providers=[DML],
-            sess_options=template,
-            serialize_runs=False,
-            cache_dir=tmp_path / "cache",
-        )
-    with pool:
+    with dml_pool(
+        batchable_model(tmp_path / "b.onnx"), sess_options=template, serialize_runs=False
+    ) as pool:
         so = pool.recipe.options()
         assert so.get_session_config_entry("ep.dml.disable_graph_fusion") == "0"
-        assert pool._run_lock is None  # the caller's explicit choice wins
+        assert pool.max_sessions == 4  # runs may overlap: the usual default

@@ -18,21 +18,25 @@ from __future__ import annotations
 import contextlib as _contextlib
 import importlib.metadata as _metadata
 
+from sharedml._batching import Batching
 from sharedml._cache import cache_dir
 from sharedml._device import DeviceWeightStore, HostWeights
 from sharedml._device_probe import device_mechanism_available
 from sharedml._errors import (
     CacheError,
     ExternalDataError,
+    InvalidInputError,
     InvalidModelError,
     MeasurementError,
     ModelError,
     ModelNotFoundError,
+    NotBatchableError,
     PoolClosedError,
     PoolError,
     PoolTimeout,
     PrepareError,
     ProviderError,
+    RunError,
     SessionCreationError,
     SharedMLError,
     UnsafePathError,
@@ -79,6 +83,7 @@ __all__ = [
     # Sharing weights
     "SessionPool",
     "PoolStats",
+    "Batching",
     "SessionRecipe",
     "Mechanism",
     "Prepacking",
@@ -118,6 +123,9 @@ __all__ = [
     "CacheError",
     "ProviderError",
     "SessionCreationError",
+    "RunError",
+    "InvalidInputError",
+    "NotBatchableError",
     "PoolError",
     "PoolClosedError",
     "PoolTimeout",

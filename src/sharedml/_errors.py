@@ -14,6 +14,9 @@ subclass inherits it too, so callers can catch either::
     ├── CacheError                           a cache folder or entry that cannot be trusted or used
     ├── ProviderError                        an execution provider that cannot be used here
     ├── SessionCreationError                 ONNX Runtime refused to create a session
+    ├── RunError (RuntimeError)              ONNX Runtime failed a pool's run (its type name kept)
+    │   └── InvalidInputError (ValueError)   a feed that does not fit the model's inputs
+    ├── NotBatchableError (ValueError)       batching asked for a model whose rows cannot merge
     ├── PoolError
     │   ├── PoolClosedError (RuntimeError)   work given to a closed pool
     │   └── PoolTimeout (TimeoutError)       no session became free in time
@@ -25,8 +28,10 @@ from __future__ import annotations
 __all__ = [
     "CacheError",
     "ExternalDataError",
+    "InvalidInputError",
     "InvalidModelError",
     "MeasurementError",
+    "NotBatchableError",
     "ModelError",
     "ModelNotFoundError",
     "PoolClosedError",
@@ -34,6 +39,7 @@ __all__ = [
     "PoolTimeout",
     "PrepareError",
     "ProviderError",
+    "RunError",
     "SessionCreationError",
     "SharedMLError",
     "UnsafePathError",
@@ -83,6 +89,26 @@ class ProviderError(SharedMLError, ValueError):
 
 class SessionCreationError(SharedMLError):
     """ONNX Runtime failed to create a session for the model."""
+
+
+class RunError(SharedMLError, RuntimeError):
+    """ONNX Runtime raised while a pool ran a request.
+
+    The message is ORT's, after the name of ORT's exception type; the original exception is the
+    ``__cause__``, and its type name is :attr:`ort_type` (``"InvalidArgument"``, ``"Fail"``...).
+    """
+
+    def __init__(self, message: str, *, ort_type: str = "") -> None:
+        super().__init__(message)
+        self.ort_type = ort_type
+
+
+class InvalidInputError(RunError, ValueError):
+    """A feed does not fit the model's inputs (a missing or unknown name, dtype, rank, shape)."""
+
+
+class NotBatchableError(SharedMLError, ValueError):
+    """Batching was asked for a model whose requests cannot be merged along axis 0."""
 
 
 class PoolError(SharedMLError):

@@ -2,18 +2,29 @@
 
 The pool is the client side of the split: it owns the queue of callers and the lifecycle of its
 sessions; how a session gets its weights is the route planner's (:mod:`sharedml._route`), which
-hands the pool a :class:`~sharedml.SessionRecipe`.
+hands the pool a :class:`~sharedml.SessionRecipe`, and whether requests may merge is the
+batching module's (:mod:`sharedml._batching`).
 
-Invariants the pool keeps, whatever its callers do:
+One queue of tickets serves every caller (``run``, ``run_async``, ``session()``), oldest first.
+The oldest ticket gets the next free session and becomes its *leader*: with batching on it takes
+the compatible requests queued behind it, oldest first, up to ``max_batch_size`` rows, runs them
+as one ``Run`` and hands each follower its rows. So:
 
+- A request that finds a free session and nobody waiting runs at once, alone: batching adds no
+  latency to an idle pool, and no thread hop to any request.
+- First come, first served across batches: a request that cannot merge with the head of the
+  queue is served when it becomes the head; nothing starves.
 - A session is used by one caller at a time: never two ``Run()``s on one session at once
   (DirectML crashes otherwise; CUDA graphs and stateful kernels need it too).
-- Waiting callers are served first come, first served.
 - Every checked-out session comes back: a run that raises returns its session; a session whose
   provider failed (``EPFail``/``EngineError``) is dropped and a fresh one takes its place.
-- Session creation happens outside the pool's lock, so that runs go on meanwhile. It is
-  serialized process-wide by default (concurrent creation crashes DirectML on some versions,
-  and on the CPU it costs memory: see ``serialize_creation``).
+- Where the provider runs one ``Run`` at a time across the process (DirectML on
+  onnxruntime-directml >= 1.18), each ``Run`` takes a process-wide first-come-first-served lock
+  for its device; checkouts do not hold it.
+- The constructor returns once the first session exists; the others are created in the
+  background, one at a time process-wide (concurrent creation crashes DirectML on some
+  versions, and costs memory on the CPU). A failed background creation is retried with
+  back-off and reported to the caller that was waiting for that session, never dropped.
 """
 
 from __future__ import annotations
@@ -22,20 +33,32 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
-import functools
+import math
+import operator
 import os
 import threading
 import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sharedml._batching import Batching, Request, Signature, merge, signature_of, split
 from sharedml._cache import CacheDir
-from sharedml._errors import PoolClosedError, PoolTimeout
+from sharedml._errors import (
+    InvalidInputError,
+    NotBatchableError,
+    PoolClosedError,
+    PoolError,
+    PoolTimeout,
+    RunError,
+    SessionCreationError,
+    SharedMLError,
+)
 from sharedml._host import release_freed_heap, usable_cores
+from sharedml._onnx import load_graph
 from sharedml._providers import (
     DML,
     ProviderPlan,
@@ -48,6 +71,61 @@ from sharedml._route import Mechanism, SessionRecipe, plan_route
 __all__ = ["PoolStats", "SessionPool"]
 
 _CREATION_LOCK = threading.Lock()  # process-wide: DirectML crashes on concurrent creation
+_CREATION_RETRIES = 5  # background attempts per session before the pool stops growing
+_RETRY_BASE_S = 0.1  # seconds before the first retry; doubles each time
+_DEFAULT_SESSIONS = 4
+_SERIALIZED_SESSIONS = 1  # where Runs cannot overlap, more sessions buy no concurrency
+
+
+class _FairLock:
+    """A lock handed over in arrival order (``threading.Lock`` lets one thread take it again)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: deque[threading.Event] = deque()
+        self._held = False
+
+    def acquire(self) -> None:
+        with self._lock:
+            if not self._held:
+                self._held = True
+                return
+            turn = threading.Event()
+            self._waiters.append(turn)
+        try:
+            turn.wait()  # release() hands the lock over by setting it: it stays held
+        except BaseException:
+            with self._lock:
+                if turn in self._waiters:
+                    self._waiters.remove(turn)
+                    raise
+            self.release()  # handed over as we were interrupted: pass it on
+            raise
+
+    def release(self) -> None:
+        with self._lock:
+            if self._waiters:
+                self._waiters.popleft().set()
+            else:
+                self._held = False
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+_RUN_LOCKS: dict[tuple[str, int], _FairLock] = {}
+_RUN_LOCKS_GUARD = threading.Lock()
+_WARNED_SESSIONS: set[str] = set()  # providers warned about extra serialized sessions
+
+
+def _run_lock_for(plan: ProviderPlan) -> _FairLock:
+    """The process-wide run lock of ``plan``'s device: every pool on it shares it."""
+    key = (plan.primary, plan.device_id)
+    with _RUN_LOCKS_GUARD:
+        return _RUN_LOCKS.setdefault(key, _FairLock())
 
 
 class _State(enum.Enum):
@@ -65,16 +143,20 @@ class PoolStats:
 
     Attributes:
         sessions: Sessions that exist now.
-        busy: Sessions checked out now.
-        waiting: Callers waiting for a session now.
+        busy: Sessions in use now (checked out, or running a request or batch).
+        waiting: Requests and checkouts queued for a session now.
         max_sessions: The most sessions the pool will create.
-        runs: ``run()`` calls and checkouts completed.
+        runs: Requests and checkouts completed.
         failed_runs: Those that raised.
-        waits: Acquisitions that had to wait for a free session.
-        wait_seconds: Total time callers spent waiting.
+        waits: Requests and checkouts that had to queue.
+        wait_seconds: Total time they spent queued.
         created: Sessions created over the pool's life (replacements included).
         replaced: Sessions dropped after a provider failure.
         create_seconds: Total time spent creating sessions.
+        creation_failures: Background creations that failed (each was retried or reported).
+        batches: ``Run`` calls made for requests while batching (merged or alone).
+        batched_rows: Rows those runs processed.
+        max_batch_rows: The most rows in one of them.
     """
 
     sessions: int
@@ -88,27 +170,107 @@ class PoolStats:
     created: int
     replaced: int
     create_seconds: float
+    creation_failures: int = 0
+    batches: int = 0
+    batched_rows: int = 0
+    max_batch_rows: int = 0
 
     @property
     def idle(self) -> int:
         """Sessions free now."""
         return self.sessions - self.busy
 
+    @property
+    def mean_batch_rows(self) -> float:
+        """Rows per batch, on average (0 without batching)."""
+        return self.batched_rows / self.batches if self.batches else 0.0
+
 
 def _is_session_fatal(exc: BaseException) -> bool:
     """Errors after which ORT does not promise a usable session (device and engine faults)."""
-    name = type(exc).__name__
-    return name in ("EPFail", "EngineError")
+    return type(exc).__name__ in ("EPFail", "EngineError")
+
+
+def _run_error(exc: BaseException) -> SharedMLError:
+    """ORT's run failure as a sharedml error that keeps ORT's message and type name."""
+    kind = type(exc).__name__
+    message = " ".join(str(exc).split()) or kind
+    # InvalidArgument: shapes or dtypes; ValueError: ORT's Python layer (missing inputs).
+    cls = InvalidInputError if kind in ("InvalidArgument", "ValueError") else RunError
+    error = cls(f"onnxruntime raised {kind}: {message}", ort_type=kind)
+    error.__cause__ = exc
+    return error
 
 
 class _Ticket:
-    """A caller waiting for a session: granted a session, or a slot to create one."""
+    """A caller in the queue: a checkout, or a request to run (with batching: to merge)."""
 
-    __slots__ = ("granted", "session")
+    __slots__ = (
+        "done",
+        "error",
+        "event",
+        "future",
+        "granted",
+        "queued_at",
+        "request",
+        "result",
+        "session",
+    )
 
-    def __init__(self) -> None:
-        self.granted = False
+    def __init__(self, request: Request | None = None, future: Future[Any] | None = None) -> None:
+        self.request = request  # None: a checkout, which never merges
+        self.future = future  # run_async: the result goes here, no thread waits
+        self.event = threading.Event()  # set when granted, done, or told to give up
+        self.granted = False  # a session (or a slot to create one) is this ticket's
         self.session: Any = None
+        self.done = False  # a leader ran this request in its batch
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.queued_at = 0.0
+
+
+class _SerializedSession:
+    """A checked-out session whose runs take the device's process-wide run lock."""
+
+    def __init__(self, session: Any, lock: _FairLock) -> None:
+        self._session = session
+        self._lock = lock
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._session.run(*args, **kwargs)
+
+    def run_with_iobinding(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._session.run_with_iobinding(*args, **kwargs)
+
+    def run_with_ort_values(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._session.run_with_ort_values(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+
+def _count_argument(name: str, value: object, *, minimum: int) -> int:
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, not {value!r}.") from None
+    if isinstance(value, bool) or count < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, not {value!r}.")
+    return count
+
+
+def _timeout_argument(timeout_s: object) -> float | None:
+    """``None`` or ``inf``: wait forever; a finite number >= 0: seconds."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be a number of seconds or None, not {timeout_s!r}.")
+    if math.isnan(timeout_s) or timeout_s < 0:
+        raise ValueError(f"timeout_s must be >= 0 seconds (or None), not {timeout_s!r}.")
+    return None if math.isinf(timeout_s) else float(timeout_s)
 
 
 class SessionPool:
@@ -122,10 +284,13 @@ class SessionPool:
                 sess.run(None, {"input": batch})
 
     Args:
-        model: Path of any ONNX model. A model not written by :func:`sharedml.prepare` is
-            prepared into the cache first (keyed by content, reused across processes).
-        sessions: How many sessions the pool holds (created up front unless ``min_sessions``).
-        min_sessions: Create only this many up front and grow on demand up to ``max_sessions``.
+        model: Path of any ONNX model, or its bytes. A model not written by
+            :func:`sharedml.prepare` is prepared into the cache first (keyed by content,
+            reused across processes).
+        sessions: How many sessions the pool holds. Default: 4; 1 where the provider runs one
+            ``Run`` at a time across the process (DirectML), where more sessions only multiply
+            the weights on the device (asking for more warns, unless ``per_session_state``).
+        min_sessions: Create only this many and grow on demand up to ``max_sessions``.
         max_sessions: The most sessions the pool grows to (default ``sessions``).
         providers: As for ``onnxruntime.InferenceSession``. Default: CPU.
         provider_options: As for ``onnxruntime.InferenceSession``.
@@ -146,29 +311,39 @@ class SessionPool:
             ``"off"`` (also ``False``): share raw weights, prepacking off (unpacked kernels).
             ``"per-session"`` (also ``True``): ORT's own behaviour: each session packs a private
             copy of every packed weight.
+        batching: Merge the requests that queue while every session is busy into one ``Run``
+            (see :class:`~sharedml.Batching` and ``docs/batching.md``): ``True`` (defaults), a
+            ``Batching``, or ``False``. ``None`` (default): on where the provider runs one
+            ``Run`` at a time and the model can be batched, else off.
+        per_session_state: Say that each caller needs a session of its own (state kept in the
+            session, CUDA or DML graph capture): no warning for extra sessions where runs are
+            serialized.
         cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
         verify_weights: Check the weights' SHA-256 when they are first mapped in the process.
         serialize_creation: Create one session at a time, process-wide (default). ``False``:
             the first ``min_sessions`` sessions are created on up to one thread per core (ORT
-            releases the GIL while it loads), and sessions grown later are not serialized
-            either: faster start-up, but glibc keeps a few MiB of freed load-time heap per
-            process in the helper threads' arenas (figures: README, Benchmarks). Refused
-            (``ValueError``) with DirectML.
-        serialize_runs: Allow only one ``Run`` at a time across the pool. ``None``: on for
-            DirectML on ORT versions where concurrent DML sessions crash.
+            releases the GIL while it loads), before the constructor returns: faster start-up
+            of a full pool, but glibc keeps a few MiB of freed load-time heap per process in
+            the helper threads' arenas (figures: README, Benchmarks). Refused (``ValueError``)
+            with DirectML.
+        serialize_runs: Allow only one ``Run`` at a time on the provider's device, across the
+            process, first come first served. ``None``: on for DirectML on ORT versions where
+            concurrent DML sessions crash.
         size_threshold_bytes: Passed to :func:`sharedml.prepare` for models it prepares.
 
     Raises:
         SharedMLError: see :mod:`sharedml._errors`; the model, provider or first session failed.
+        NotBatchableError: ``batching`` was asked for a model whose requests cannot merge.
 
     Thread safety: every method may be called from any thread; ``run_async`` from event loops.
+    A pool cannot be used in a child process made by ``fork()``: create it in the child.
     """
 
     def __init__(
         self,
-        model: str | os.PathLike[str],
+        model: str | os.PathLike[str] | bytes,
         *,
-        sessions: int = 4,
+        sessions: int | None = None,
         min_sessions: int | None = None,
         max_sessions: int | None = None,
         providers: Sequence[ProviderSpec] | None = None,
@@ -177,6 +352,8 @@ class SessionPool:
         configure: Callable[[Any], None] | None = None,
         mechanism: str = "auto",
         prepacking: str | bool | None = "auto",
+        batching: bool | Batching | None = None,
+        per_session_state: bool = False,
         cache_dir: CacheDir = None,
         verify_weights: bool = True,
         serialize_creation: bool = True,
@@ -184,29 +361,53 @@ class SessionPool:
         size_threshold_bytes: int | None = None,
     ) -> None:
         self._state = _State.OPENING
-        self._max = max_sessions if max_sessions is not None else sessions
-        self._min = min_sessions if min_sessions is not None else self._max
-        if self._max < 1 or not 0 <= self._min <= self._max:
-            raise ValueError(
-                f"Need 0 <= min_sessions <= max_sessions and max_sessions >= 1; got "
-                f"min_sessions={self._min}, max_sessions={self._max}."
+        self._pid = os.getpid()
+        # Arguments first: nothing is prepared, mapped or created for a call that cannot work.
+        counts = {
+            name: _count_argument(name, value, minimum=minimum)
+            for name, value, minimum in (
+                ("sessions", sessions, 1),
+                ("max_sessions", max_sessions, 1),
+                ("min_sessions", min_sessions, 0),
             )
+            if value is not None
+        }
         self.plan: ProviderPlan = plan_providers(providers, provider_options)
+        serialized = (
+            serialize_runs if serialize_runs is not None else serialize_runs_by_default(self.plan)
+        )
         if not serialize_creation and DML in self.plan.providers:
             raise ValueError(
                 "serialize_creation=False with DmlExecutionProvider: creating DirectML sessions "
                 "concurrently crashes some onnxruntime-directml versions; leave it True."
             )
+        default = _SERIALIZED_SESSIONS if serialized else _DEFAULT_SESSIONS
+        self._max = counts.get("max_sessions", counts.get("sessions", default))
+        self._min = counts.get("min_sessions", self._max)
+        if self._min > self._max:
+            raise ValueError(f"min_sessions ({self._min}) is more than max_sessions ({self._max}).")
+        if serialized and self._max > 1 and not per_session_state:
+            self._warn_serialized_sessions()
+        wanted = Batching.parse(batching)
+
         self._cond = threading.Condition()
         self._idle: deque[Any] = deque()
-        self._queue: deque[_Ticket] = deque()  # callers waiting for a session, oldest first
+        self._queue: deque[_Ticket] = deque()  # waiting tickets, oldest first
         self._count = 0  # sessions that exist or are being created
         self._busy = 0
         self._runs = self._failed = self._waits = self._created = self._replaced = 0
+        self._creation_failures = self._batches = self._batched_rows = self._max_rows = 0
         self._wait_s = self._create_s = 0.0
+        self._filling = 0  # leaders waiting up to max_delay_ms for more rows
         self._executor: ThreadPoolExecutor | None = None
-        self._io_meta: tuple[list[Any], list[Any]] | None = None
+        self._meta: dict[str, Any] | None = None  # inputs, outputs, providers, modelmeta
         self._serialize_creation = serialize_creation
+        self._run_lock: _FairLock | None = _run_lock_for(self.plan) if serialized else None
+        self._creator: threading.Thread | None = None
+        self._creation_error: BaseException | None = None  # undelivered background failure
+        self._gave_up: BaseException | None = None  # background creation stopped for good
+        self._ready = threading.Event()  # every up-front session exists (or never will)
+        self._stopping = threading.Event()  # close(): background creation stops
 
         self.recipe: SessionRecipe = plan_route(
             model,
@@ -220,29 +421,59 @@ class SessionPool:
             verify_weights=verify_weights,
             size_threshold_bytes=size_threshold_bytes,
         )
-        self._run_lock: threading.Lock | None = (
-            threading.Lock()
-            if (
-                serialize_runs
-                if serialize_runs is not None
-                else serialize_runs_by_default(self.plan)
-            )
-            else None
-        )
+        self.batching: Batching | None = None
+        self._signature: Signature | None = None
+        if wanted is not None or (batching is None and serialized):
+            try:
+                self._signature = signature_of(
+                    load_graph(self.recipe.model_path), name=f"model '{self.source_path}'"
+                )
+                self.batching = wanted or Batching()
+            except NotBatchableError:
+                if wanted is not None:
+                    raise  # asked for: say why not; by default: run unbatched
+
+        initial = self._min if not serialize_creation else min(self._min, 1)
         try:
-            self._idle.extend(self._create_initial_sessions(self._min))
+            self._idle.extend(self._create_initial_sessions(initial))
         except BaseException:
             self._idle.clear()
             raise
         self._count = len(self._idle)
         self._state = _State.OPEN
+        background = self._min - initial
+        if background:
+            self._count += background  # reserved: on-demand growth must not overshoot
+            self._creator = threading.Thread(
+                target=self._create_in_background,
+                args=(background,),
+                name="sharedml-create",
+                daemon=True,
+            )
+            self._creator.start()
+        else:
+            self._ready.set()
+
+    def _warn_serialized_sessions(self) -> None:
+        provider = self.plan.primary
+        if provider in _WARNED_SESSIONS:
+            return
+        _WARNED_SESSIONS.add(provider)
+        warnings.warn(
+            f"{self._max} sessions on {provider}: its Runs are serialized across the process, "
+            "so extra sessions run no more at once and each holds its own device copy of the "
+            "weights. One session with batching serves the same requests; pass "
+            "per_session_state=True if each caller needs a session of its own.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     # ----------------------------------------------------------------------------------------
     # What the route planner decided
 
     @property
     def source_path(self) -> Path:
-        """The model as given."""
+        """The model as given (``<bytes>`` for a model given as bytes)."""
         return self.recipe.source_path
 
     @property
@@ -267,6 +498,16 @@ class SessionPool:
 
     # ----------------------------------------------------------------------------------------
     # Sessions
+
+    def _check_usable(self) -> None:
+        if os.getpid() != self._pid:
+            raise PoolError(
+                f"This SessionPool was created in process {self._pid}; this is process "
+                f"{os.getpid()}, a child made by fork(). ONNX Runtime's sessions and threads do "
+                "not survive fork(): create the pool in the child (after the fork)."
+            )
+        if self._state is not _State.OPEN:
+            raise PoolClosedError("This SessionPool is closed; create a new pool to run more work.")
 
     def _create_initial_sessions(self, n: int) -> list[Any]:
         """Create ``n`` sessions, on up to one thread per core unless creation is serialized.
@@ -302,10 +543,89 @@ class SessionPool:
         with self._cond:
             self._created += 1
             self._create_s += elapsed
+            if self._meta is None:
+                self._meta = {
+                    "inputs": list(sess.get_inputs()),
+                    "outputs": list(sess.get_outputs()),
+                    "providers": list(sess.get_providers()),
+                    "modelmeta": sess.get_modelmeta(),
+                }
         return sess
 
+    def _create_in_background(self, n: int) -> None:
+        """Create ``n`` more sessions (reserved in ``_count``), one at a time.
+
+        A failure is retried with back-off; each one is reported (:meth:`_creation_failed`).
+        Runs until the sessions exist, the retries are spent, or the pool closes.
+        """
+        pending = n
+        try:
+            while pending:
+                sess = None
+                for attempt in range(1, _CREATION_RETRIES + 1):
+                    if self._stopping.is_set():
+                        return
+                    try:
+                        sess = self._create_session()
+                        break
+                    except Exception as exc:
+                        final = attempt == _CREATION_RETRIES
+                        self._creation_failed(exc, final=final)
+                        if final or self._stopping.wait(_RETRY_BASE_S * 2 ** (attempt - 1)):
+                            return
+                with self._cond:
+                    pending -= 1
+                    if self._state is _State.OPEN:
+                        self._idle.append(sess)
+                        self._dispatch()
+                    else:
+                        self._count -= 1  # closing: the session goes with this reference
+        finally:
+            with self._cond:
+                self._count -= pending  # reservations that will not become sessions
+            self._ready.set()
+
+    def _creation_failed(self, exc: Exception, *, final: bool) -> None:
+        """Report a background failure to the caller that waits for capacity, or keep it."""
+        error: SharedMLError = (
+            exc
+            if isinstance(exc, SharedMLError)
+            else SessionCreationError(f"Creating a session in the background failed: {exc}")
+        )
+        if error is not exc:
+            error.__cause__ = exc
+        # Kept for another thread: its traceback's frames (this thread's, still running) would
+        # hold the sessions they created for as long as the error is kept.
+        exc.__traceback__ = error.__traceback__ = None
+        with self._cond:
+            self._creation_failures += 1
+            if final:
+                self._gave_up = error
+            if self._queue and not self._idle:
+                # The caller at the head of the queue would have had this session.
+                self._finish(self._queue.popleft(), error=error)
+            else:
+                self._creation_error = error  # for the next caller that has to wait
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every session the pool creates up front exists.
+
+        Raises:
+            PoolTimeout: not all of them within ``timeout_s``.
+            SessionCreationError: background creation failed for good (after its retries);
+                the pool keeps serving with the sessions it has.
+        """
+        timeout = _timeout_argument(timeout_s)
+        if not self._ready.wait(timeout):
+            raise PoolTimeout(
+                f"The pool's sessions were not all created within {timeout_s} s "
+                f"({self.stats().sessions} of {self._min} so far)."
+            )
+        if self._gave_up is not None:
+            raise self._gave_up
+
     def _dispatch(self) -> None:
-        """Hand free sessions (or creation slots) to waiting callers, oldest first.
+        """Hand free sessions (or creation slots) to waiting tickets, oldest first.
 
         Called with ``self._cond`` held. A handed-over session counts as busy from here on, so
         ``stats()`` never misses it while its new owner wakes up.
@@ -317,84 +637,110 @@ class SessionPool:
             if self._idle:
                 ticket.session = self._idle.popleft()
             else:
-                self._count += 1  # the waiter creates it
+                self._count += 1  # the ticket's owner creates it
             ticket.granted = True
             self._busy += 1
-        self._cond.notify_all()  # granted waiters, and close() waiting for busy to reach 0
+            self._wait_s += time.monotonic() - ticket.queued_at
+            if ticket.future is not None:
+                self._lead_async(ticket)
+            else:
+                ticket.event.set()
+        self._cond.notify_all()  # close() waits for busy to reach 0, leaders for more rows
 
-    def _acquire(self, timeout_s: float | None) -> Any:
+    def _take(self, ticket: _Ticket) -> bool:
+        """Give ``ticket`` a session (or a slot) at once if that is fair; else queue it.
+
+        Called with ``self._cond`` held. Returns whether it was granted now.
+        """
+        if not self._queue:
+            # First come, first served: nobody may take a session while others wait, or a
+            # caller that loops on the pool starves the ones already waiting.
+            if self._idle:
+                ticket.session = self._idle.popleft()
+                ticket.granted = True
+                self._busy += 1
+                return True
+            if self._count < self._max:
+                self._count += 1
+                ticket.granted = True
+                self._busy += 1
+                return True
+        if self._creation_error is not None:
+            error, self._creation_error = self._creation_error, None
+            raise error  # this caller would have had the session that failed
+        ticket.queued_at = time.monotonic()
+        self._queue.append(ticket)
+        self._waits += 1
+        if self._filling:
+            self._cond.notify_all()  # a leader filling its batch may want this one
+        return False
+
+    def _wait(self, ticket: _Ticket, timeout_s: float | None) -> None:
+        """Wait for ``ticket`` to be granted or done; leave the queue on timeout or close."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        waited_since: float | None = None
-        ticket: _Ticket | None = None
-        with self._cond:
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
             try:
-                while True:
-                    if self._state in (_State.CLOSING, _State.CLOSED):
+                if remaining is not None and remaining <= 0:
+                    raise PoolTimeout(
+                        f"No session of the pool became free within {timeout_s} s "
+                        f"({self._busy} of {self._max} busy). Raise max_sessions or the timeout."
+                    )
+                ticket.event.wait(remaining)
+                with self._cond:
+                    if ticket.granted:
+                        return
+                    if ticket.error is not None:
+                        raise ticket.error  # closed, a failed creation, or a failed batch
+                    if ticket.done:
+                        return  # a leader ran this request in its batch
+                    if self._state is not _State.OPEN:
                         raise PoolClosedError(
                             "This SessionPool is closed; create a new pool to run more work."
                         )
-                    if ticket is not None and ticket.granted:
-                        sess = ticket.session
-                        break
-                    # First come, first served: nobody may take a session while others wait,
-                    # or a caller that loops on the pool starves the ones already waiting.
-                    if ticket is None and not self._queue:
-                        if self._idle:
-                            sess = self._idle.popleft()
-                            self._busy += 1
-                            break
-                        if self._count < self._max:
-                            self._count += 1
-                            self._busy += 1
-                            sess = None
-                            break
-                    if ticket is None:
-                        ticket = _Ticket()
-                        self._queue.append(ticket)
-                        waited_since = time.monotonic()
-                        self._waits += 1
-                        self._dispatch()
-                        continue
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise PoolTimeout(
-                            f"No session of the pool became free within {timeout_s} s "
-                            f"({self._busy} of {self._max} busy). Raise max_sessions or the "
-                            "timeout."
-                        )
-                    self._cond.wait(remaining)
+                    ticket.event.clear()
             except BaseException:
                 # Timeout, close, or KeyboardInterrupt while waiting: leave the queue, and pass
                 # on a session (or creation slot) handed over in the meantime.
-                if ticket is not None:
+                with self._cond:
                     if ticket.granted:
-                        self._busy -= 1
-                        if ticket.session is not None:
-                            self._idle.append(ticket.session)
-                        else:
-                            self._count -= 1
-                        self._dispatch()
-                    else:
+                        self._give_back(ticket.session)
+                    elif ticket in self._queue:
                         self._queue.remove(ticket)
+                        self._wait_s += time.monotonic() - ticket.queued_at
                 raise
-            finally:
-                if waited_since is not None:
-                    self._wait_s += time.monotonic() - waited_since
-        if sess is None:
+
+    def _give_back(self, sess: Any) -> None:
+        """Return an unused grant (``None``: a creation slot). Called with ``self._cond`` held."""
+        self._busy -= 1
+        if sess is not None:
+            self._idle.append(sess)
+        else:
+            self._count -= 1
+        self._dispatch()
+
+    def _acquire(self, ticket: _Ticket, timeout_s: float | None) -> Any:
+        """A session for ``ticket``; ``None`` if a leader ran its request meanwhile."""
+        with self._cond:
+            self._check_usable()
+            granted = self._take(ticket)
+        if not granted:
+            self._wait(ticket, timeout_s)
+            if ticket.done:
+                return None
+        if ticket.session is None:
             try:
-                sess = self._create_session()
+                ticket.session = self._create_session()
             except BaseException:
                 with self._cond:
-                    self._count -= 1
-                    self._busy -= 1
-                    self._dispatch()
+                    self._give_back(None)
                 raise
-        return sess
+        return ticket.session
 
-    def _release(self, sess: Any, *, failed: bool, broken: bool) -> None:
+    def _release(self, sess: Any, *, requests: int, failed: int, broken: bool) -> None:
         with self._cond:
             self._busy -= 1
-            self._runs += 1
+            self._runs += requests
             self._failed += failed
             if broken:
                 self._count -= 1  # the next acquire creates a fresh session in its place
@@ -408,28 +754,47 @@ class SessionPool:
         """Check out one session for exclusive use.
 
         Args:
-            timeout_s: Wait at most this long for a free session (``None``: wait forever).
+            timeout_s: Wait at most this long for a free session (``None`` or ``inf``: wait
+                forever).
 
         Yields:
-            An ``onnxruntime.InferenceSession`` no other caller uses until the block ends.
+            An ``onnxruntime.InferenceSession`` no other caller uses until the block ends
+            (where runs are serialized, a thin wrapper whose ``run`` takes the device's lock).
+            Its errors are onnxruntime's own.
 
         Raises:
             PoolTimeout: no session became free in time (also a ``TimeoutError``).
             PoolClosedError: the pool is closing or closed.
         """
-        sess = self._acquire(timeout_s)
-        failed = broken = False
+        timeout = _timeout_argument(timeout_s)
+        sess = self._acquire(_Ticket(), timeout)
+        broken = False
+        failed = 0
         try:
-            if self._run_lock is not None:
-                with self._run_lock:
-                    yield sess
-            else:
-                yield sess
+            yield sess if self._run_lock is None else _SerializedSession(sess, self._run_lock)
         except BaseException as exc:
-            failed, broken = True, _is_session_fatal(exc)
+            failed, broken = 1, _is_session_fatal(exc)
             raise
         finally:
-            self._release(sess, failed=failed, broken=broken)
+            self._release(sess, requests=1, failed=failed, broken=broken)
+
+    # ----------------------------------------------------------------------------------------
+    # Runs
+
+    def _request(
+        self, output_names: Sequence[str] | None, feed: Mapping[str, Any], run_options: Any
+    ) -> Request:
+        if self._signature is not None:
+            return self._signature.request(output_names, feed, run_options)
+        outputs = tuple(output_names) if output_names is not None else None
+        return Request(outputs, dict(feed), run_options, 0, None)
+
+    def _ort_run(self, sess: Any, request: Request, feed: Mapping[str, Any] | None = None) -> Any:
+        """One ``sess.run``, under the device's run lock where runs are serialized."""
+        names = list(request.output_names) if request.output_names is not None else None
+        lock = self._run_lock if self._run_lock is not None else contextlib.nullcontext()
+        with lock:
+            return list(sess.run(names, dict(feed or request.feed), request.run_options))
 
     def run(
         self,
@@ -437,12 +802,25 @@ class SessionPool:
         input_feed: Mapping[str, Any],
         run_options: Any | None = None,
     ) -> list[Any]:
-        """Run the model on a free session; same arguments and result as ``InferenceSession.run``.
+        """Run the model; same arguments and result as ``InferenceSession.run``.
 
-        Blocks until a session is free. Thread-safe.
+        Blocks until a session is free (with batching: or until a batch that took this request
+        has run). Thread-safe.
+
+        Raises:
+            InvalidInputError: the feed does not fit the model's inputs.
+            RunError: onnxruntime failed the run (its message and type name are kept).
+            PoolClosedError: the pool is closing or closed.
         """
-        with self.session() as sess:
-            return list(sess.run(output_names, dict(input_feed), run_options))
+        self._check_usable()
+        ticket = _Ticket(self._request(output_names, input_feed, run_options))
+        sess = self._acquire(ticket, None)
+        if sess is not None:
+            self._lead(sess, ticket)
+        if ticket.error is not None:
+            raise ticket.error
+        result: list[Any] = ticket.result
+        return result
 
     async def run_async(
         self,
@@ -450,35 +828,193 @@ class SessionPool:
         input_feed: Mapping[str, Any],
         run_options: Any | None = None,
     ) -> list[Any]:
-        """``run`` for asyncio code: the run happens on a worker thread, the loop stays free."""
-        loop = asyncio.get_running_loop()
+        """``run`` for asyncio code: the request queues without holding a thread.
+
+        Raises:
+            The same as :meth:`run`.
+        """
+        self._check_usable()
+        request = self._request(output_names, input_feed, run_options)
+        future: Future[Any] = Future()
+        ticket = _Ticket(request, future)
         with self._cond:
-            if self._state is not _State.OPEN:
-                raise PoolClosedError("This SessionPool is closed; create a new pool.")
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=self._max, thread_name_prefix="sharedml"
-                )
-            executor = self._executor
-        call = functools.partial(self.run, output_names, input_feed, run_options)
-        return await loop.run_in_executor(executor, call)
+            self._check_usable()
+            if self._take(ticket):
+                self._lead_async(ticket)
+        return await asyncio.wrap_future(future)
+
+    def _lead_async(self, ticket: _Ticket) -> None:
+        """Run a granted async ticket on the pool's executor. Called with ``self._cond`` held."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self._max, thread_name_prefix="sharedml-run"
+            )
+        self._executor.submit(self._lead_and_settle, ticket)
+
+    def _lead_and_settle(self, ticket: _Ticket) -> None:
+        future = ticket.future
+        assert future is not None
+        try:
+            if ticket.session is None:
+                try:
+                    ticket.session = self._create_session()
+                except BaseException:
+                    with self._cond:
+                        self._give_back(None)
+                    raise
+            self._lead(ticket.session, ticket)
+        except BaseException as exc:
+            ticket.error = exc
+        if ticket.error is not None:
+            future.set_exception(ticket.error)
+        else:
+            future.set_result(ticket.result)
+
+    def _lead(self, sess: Any, ticket: _Ticket) -> None:
+        """Run ``ticket``'s request (and, batching, compatible queued ones) on ``sess``."""
+        batch = [ticket]
+        if self.batching is not None and ticket.request is not None:
+            batch += self._followers(ticket)
+        broken = False
+        try:
+            broken = self._run_batch(sess, batch)
+        except BaseException as exc:  # KeyboardInterrupt in the leader: nobody is left hanging
+            for t in batch:
+                if t.result is None and t.error is None:
+                    t.error = exc
+            raise
+        finally:
+            failed = sum(t.error is not None for t in batch)
+            self._release(sess, requests=len(batch), failed=failed, broken=broken)
+            for follower in batch[1:]:
+                self._finish(follower)
+
+    def _followers(self, leader: _Ticket) -> list[_Ticket]:
+        """Take the queued requests that merge with ``leader``'s, oldest first."""
+        assert self.batching is not None and leader.request is not None
+        key = leader.request.key
+        if key is None:
+            return []
+        limit = self.batching.max_batch_size
+        rows = leader.request.rows
+        taken: list[_Ticket] = []
+        deadline = time.monotonic() + self.batching.max_delay_ms / 1000
+        with self._cond:
+            while True:
+                for other in list(self._queue):
+                    request = other.request
+                    if request is None or request.key != key:
+                        continue
+                    if rows + request.rows > limit:
+                        break  # the oldest that does not fit goes first in the next batch
+                    self._queue.remove(other)
+                    self._wait_s += time.monotonic() - other.queued_at
+                    taken.append(other)
+                    rows += request.rows
+                remaining = deadline - time.monotonic()
+                if rows >= limit or remaining <= 0 or self._state is not _State.OPEN:
+                    return taken
+                self._filling += 1
+                try:
+                    self._cond.wait(remaining)
+                finally:
+                    self._filling -= 1
+
+    def _run_batch(self, sess: Any, batch: list[_Ticket]) -> bool:
+        """Run ``batch`` on ``sess`` and fill in every ticket's result or error.
+
+        Returns:
+            Whether the session is broken (a provider failure): it is then replaced.
+        """
+        requests = [t.request for t in batch]
+        assert all(r is not None for r in requests)
+        if len(batch) > 1:
+            merged_rows = sum(r.rows for r in requests if r is not None)
+            try:
+                outputs = self._ort_run(sess, batch[0].request, merge(requests))  # type: ignore[arg-type]
+            except Exception as exc:
+                if _is_session_fatal(exc):
+                    for t in batch:
+                        t.error = _run_error(exc)
+                    return True
+                outputs = None  # rerun each member alone: only the culprit fails
+            self._count_batch(merged_rows)
+            parts = split(outputs, requests) if outputs is not None else None  # type: ignore[arg-type]
+            if parts is not None:
+                for t, part in zip(batch, parts, strict=True):
+                    t.result = part
+                return False
+            if outputs is not None:
+                self._stop_merging()  # an output's axis 0 did not add up: not batch-consistent
+        for t in batch:
+            try:
+                t.result = self._ort_run(sess, t.request)  # type: ignore[arg-type]
+            except Exception as exc:
+                t.error = _run_error(exc)
+                if _is_session_fatal(exc):
+                    for rest in batch:
+                        if rest.result is None and rest.error is None:
+                            rest.error = t.error
+                    return True
+            finally:
+                if self.batching is not None:
+                    self._count_batch(t.request.rows if t.request is not None else 0)
+        return False
+
+    def _count_batch(self, rows: int) -> None:
+        with self._cond:
+            self._batches += 1
+            self._batched_rows += rows
+            self._max_rows = max(self._max_rows, rows)
+
+    def _stop_merging(self) -> None:
+        warnings.warn(
+            f"sharedml: a merged run of '{self.source_path}' returned outputs whose axis 0 is "
+            "not the merged row count, so its rows cannot be told apart: the pool stops "
+            "merging requests (each runs alone).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        self.batching = None
+
+    def _finish(self, ticket: _Ticket, *, error: BaseException | None = None) -> None:
+        """Settle a follower (or a waiter given up on): its result or error is final."""
+        if error is not None:
+            ticket.error = error
+        ticket.done = True
+        if ticket.future is not None:
+            if ticket.error is not None:
+                ticket.future.set_exception(ticket.error)
+            else:
+                ticket.future.set_result(ticket.result)
+        else:
+            ticket.event.set()
 
     # ----------------------------------------------------------------------------------------
     # Metadata and lifecycle
 
-    def _meta(self) -> tuple[list[Any], list[Any]]:
-        if self._io_meta is None:
-            with self.session() as sess:
-                self._io_meta = (list(sess.get_inputs()), list(sess.get_outputs()))
-        return self._io_meta
+    def _metadata(self, key: str) -> Any:
+        if self._meta is None:
+            with self.session():  # a pool created with min_sessions=0 has none yet
+                pass
+        assert self._meta is not None
+        return self._meta[key]
 
     def get_inputs(self) -> list[Any]:
         """The model's inputs, as ``InferenceSession.get_inputs`` gives them."""
-        return self._meta()[0]
+        return list(self._metadata("inputs"))
 
     def get_outputs(self) -> list[Any]:
         """The model's outputs, as ``InferenceSession.get_outputs`` gives them."""
-        return self._meta()[1]
+        return list(self._metadata("outputs"))
+
+    def get_providers(self) -> list[str]:
+        """The providers ORT registered for the sessions, as ``get_providers`` gives them."""
+        return list(self._metadata("providers"))
+
+    def get_modelmeta(self) -> Any:
+        """The model's metadata, as ``InferenceSession.get_modelmeta`` gives it."""
+        return self._metadata("modelmeta")
 
     @property
     def max_sessions(self) -> int:
@@ -505,22 +1041,37 @@ class SessionPool:
                 created=self._created,
                 replaced=self._replaced,
                 create_seconds=self._create_s,
+                creation_failures=self._creation_failures,
+                batches=self._batches,
+                batched_rows=self._batched_rows,
+                max_batch_rows=self._max_rows,
             )
 
     def close(self, timeout_s: float | None = None) -> None:
         """Refuse new work, wait for runs in flight, then release every session.
 
-        Callers waiting for a session get ``PoolClosedError``. Idempotent.
+        Callers waiting for a session get ``PoolClosedError``; a background creation under way
+        finishes and its session is dropped. Idempotent.
 
         Raises:
             PoolTimeout: runs in flight did not finish within ``timeout_s`` (the pool stays
                 closing; call ``close`` again to wait more).
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        timeout = _timeout_argument(timeout_s)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if self._state is _State.CLOSED:
                 return
             self._state = _State.CLOSING
+            self._stopping.set()
+            waiting, self._queue = list(self._queue), deque()
+            for ticket in waiting:
+                self._finish(
+                    ticket,
+                    error=PoolClosedError(
+                        "This SessionPool is closed; create a new pool to run more work."
+                    ),
+                )
             self._cond.notify_all()
             while self._busy:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -530,8 +1081,19 @@ class SessionPool:
                         "closing and accepts no new work."
                     )
                 self._cond.wait(remaining)
+        creator = self._creator
+        if creator is not None:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            creator.join(remaining)
+            if creator.is_alive():
+                raise PoolTimeout(
+                    f"A session still being created after {timeout_s} s; the pool is closing "
+                    "and accepts no new work."
+                )
+        with self._cond:
             self._idle.clear()
             self._count = 0
+            self._creation_error = None
             self._state = _State.CLOSED
             executor, self._executor = self._executor, None
         if executor is not None:
@@ -540,7 +1102,7 @@ class SessionPool:
     def __del__(self) -> None:
         # Like an unclosed file: the sessions go with the object, but silently dropping a pool
         # that may hold runs or waiters is worth a word (shown with -W default or in tests).
-        if getattr(self, "_state", None) is _State.OPEN:
+        if getattr(self, "_state", None) is _State.OPEN and os.getpid() == self._pid:
             warnings.warn(
                 f"unclosed {self!r}; use 'with SessionPool(...)' or call close()",
                 ResourceWarning,
@@ -557,6 +1119,6 @@ class SessionPool:
     def __repr__(self) -> str:
         return (
             f"<SessionPool {self.source_path.name!r} sessions={len(self._idle) + self._busy}/"
-            f"{self._max} providers={list(self.plan.providers)} mechanism={self.mechanism.value!r} "
-            f"{self._state.value}>"
+            f"{self._max} providers={list(self.plan.providers)} mechanism={self.mechanism.value!r}"
+            f"{' batching' if self.batching is not None else ''} {self._state.value}>"
         )

@@ -57,6 +57,7 @@ __all__ = [
     "plan_weights",
     "prepare",
     "prepared_model_for",
+    "prepared_model_from_bytes",
     "read_manifest",
     "weights_path_for",
 ]
@@ -614,3 +615,55 @@ def _prepare_into(src: Path, folder: Path, size_threshold_bytes: int) -> Built:
         meta={"source": str(src), "tensors": result.tensors_moved, "bytes": result.bytes_moved},
         sha256={result.weights_path.name: result.manifest.sha256},
     )
+
+
+def prepared_model_from_bytes(
+    data: bytes,
+    *,
+    cache_dir: CacheDir = None,
+    size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
+    verify: bool = True,
+) -> Path:
+    """A prepared model for a model given as bytes (as ``InferenceSession`` accepts it).
+
+    The bytes are keyed by their SHA-256 like any other cache entry; a model in bytes has no
+    folder, so it cannot refer to external data files.
+
+    Raises:
+        InvalidModelError: the bytes are not an ONNX model.
+        ExternalDataError: the model refers to external data files.
+        CacheError: the cache folder fails sharedml's permission policy.
+    """
+    try:
+        model = onnx.load_model_from_string(data)
+    except Exception as exc:
+        raise InvalidModelError(f"The model bytes are not a valid ONNX model: {exc}") from None
+    if not model.HasField("graph"):
+        raise InvalidModelError("The model bytes are not a valid ONNX model: it has no graph.")
+    if read_manifest(model) is not None:
+        raise InvalidModelError(
+            "The model bytes are a prepared model's graph, whose weights live in a file beside "
+            "it: pass the prepared model's path instead."
+        )
+    locations = external_locations(model.graph)
+    if locations:
+        names = ", ".join(sorted(locations))
+        raise ExternalDataError(
+            f"The model given as bytes refers to external data files ({names}), which bytes "
+            "cannot carry: pass the model's path instead."
+        )
+    del model
+    sha = hashlib.sha256(f"sharedml-bytes:{_KEY_VERSION}:{size_threshold_bytes}\n".encode())
+    sha.update(data)
+
+    def build(folder: Path) -> Built:
+        source = folder / "source.onnx"
+        source.write_bytes(data)
+        try:
+            return _prepare_into(source, folder, size_threshold_bytes)
+        finally:
+            source.unlink()
+
+    checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
+    entry = ensure_entry("models", sha.hexdigest(), build, cache_dir=cache_dir, verify=checked)
+    return entry.file(_PREPARED_NAME)

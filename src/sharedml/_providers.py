@@ -2,11 +2,13 @@
 
 - DirectML (Windows): ORT documents that a DML session must not run ``Run`` from two threads at
   once, needs memory patterns off and sequential execution (ORT forces both, with a warning),
-  and takes a ``device_id``. Its graph fusion uploads the weights of fused partitions itself,
-  bypassing shared initializers, so the pool turns fusion off
-  (``ep.dml.disable_graph_fusion=1``) unless the caller set it. Several DML sessions running on
-  several threads at once hang or crash on onnxruntime-directml 1.18+ (ORT issue #20713), so
-  :func:`serialize_runs_by_default` says to run one ``Run`` at a time across the pool there.
+  and takes a ``device_id``. Several DML sessions running on several threads at once hang or
+  crash on onnxruntime-directml 1.18+ (ORT issue #20713; all sessions a Python process creates
+  share one DML queue per device), so :func:`serialize_runs_by_default` says to run one ``Run``
+  at a time across the process there, and the pool defaults to one session with batching.
+  Graph fusion stays on: it uploads the weights of fused partitions itself, which matters only
+  where sessions really borrow device weights (never on DML today); the route planner turns
+  it off then (``ep.dml.disable_graph_fusion=1``).
 - CUDA: a ``device_id`` (default 0) and ``use_ep_level_unified_stream=1`` (one stream per
   session: the pool never runs a session from two threads at once, and per-run streams each
   bring their own cuBLAS/cuDNN handles and workspaces, which cost device memory and bought no
@@ -156,9 +158,6 @@ def plan_providers(
             opts = {**CUDA_SESSION_DEFAULTS, **opts}
         if name == DML:
             disable_mem_pattern = sequential = True
-            # Fused DML partitions upload their own weights (DmlGraphFusionTransformer), which
-            # would give every session its own VRAM copy.
-            config.append(("ep.dml.disable_graph_fusion", "1"))
         planned.append((name, opts))
     if CPU not in names:
         planned.append((CPU, {}))

@@ -36,11 +36,13 @@ from sharedml._cache import CacheDir
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
 from sharedml._host import release_freed_heap, usable_cores
 from sharedml._options import clone_session_options, config_entry
-from sharedml._prepare import prepared_model_for
+from sharedml._prepare import prepared_model_for, prepared_model_from_bytes
 from sharedml._providers import CPU, CUDA, DML, ProviderPlan
 from sharedml._weights import WeightStore, zero_copy_mechanisms
 
 __all__ = ["Mechanism", "Prepacking", "SessionRecipe", "plan_route"]
+
+_DML_FUSION_OFF = "ep.dml.disable_graph_fusion"
 
 
 class Mechanism(str, enum.Enum):
@@ -163,7 +165,12 @@ class SessionRecipe:
             # pool exists to save.
             off = "0" if self.prepacking is Prepacking.PER_SESSION else "1"
             so.add_session_config_entry("session.disable_prepacking", off)
-        for key, value in self.plan.config_entries:
+        entries = list(self.plan.config_entries)
+        if self.device_store is not None and self.plan.primary == DML:
+            # Fused DML partitions upload their own copy of their weights (read from
+            # DmlGraphFusionTransformer), which would undo the sharing of the device buffers.
+            entries.append((_DML_FUSION_OFF, "1"))
+        for key, value in entries:
             if config_entry(so, key) is None:
                 so.add_session_config_entry(key, value)
         if self.plan.disable_mem_pattern:
@@ -211,7 +218,7 @@ class SessionRecipe:
 
 
 def plan_route(
-    model: str | os.PathLike[str],
+    model: str | os.PathLike[str] | bytes,
     *,
     plan: ProviderPlan,
     max_sessions: int,
@@ -226,7 +233,7 @@ def plan_route(
     """Decide how ``max_sessions`` sessions of ``model`` get their weights (see the module).
 
     Args:
-        model: Any ONNX model path.
+        model: Any ONNX model path, or a model's bytes (without external data).
         plan: From :func:`sharedml._providers.plan_providers`.
         max_sessions: The most sessions that will exist at once (threads and map budget).
         sess_options: The caller's template ``SessionOptions`` (not modified).
@@ -251,9 +258,22 @@ def plan_route(
         raise ValueError(
             "prepacking='shared' chooses the weight mechanism itself; leave mechanism='auto'."
         )
-    source = Path(model)
     kwargs = {} if size_threshold_bytes is None else {"size_threshold_bytes": size_threshold_bytes}
-    model_path = prepared_model_for(source, cache_dir=cache_dir, verify=verify_weights, **kwargs)
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        source = Path("<model bytes>")
+        model_path = prepared_model_from_bytes(
+            bytes(model), cache_dir=cache_dir, verify=verify_weights, **kwargs
+        )
+    elif isinstance(model, (str, os.PathLike)):
+        source = Path(model)
+        model_path = prepared_model_for(
+            source, cache_dir=cache_dir, verify=verify_weights, **kwargs
+        )
+    else:
+        raise TypeError(
+            f"model must be a path (str or os.PathLike) or the model's bytes, not "
+            f"{type(model).__name__}."
+        )
     weights = WeightStore.open(model_path, verify=verify_weights, cache_dir=cache_dir)
     common: dict[str, Any] = {
         "source_path": source,

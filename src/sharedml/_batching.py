@@ -1,0 +1,296 @@
+"""Dynamic batching: requests that wait for a session are merged along axis 0 into one Run.
+
+The pool (:mod:`sharedml._pool`) decides *when* requests merge (the ones queued while every
+session was busy, oldest first); this module decides *whether* they may and *how*:
+
+- A model is batchable when axis 0 of every input and every output is dynamic (symbolic or
+  unknown) and no node mixes rows: ORT's dynamic quantization picks one scale for the whole
+  tensor (``DynamicQuantizeLinear`` and the fused ops ORT makes from it), so merging would
+  change every member's numbers. :func:`signature_of` refuses other models with
+  :class:`~sharedml.NotBatchableError`, naming the input, output or node and why.
+- Every request is validated against the signature before it is merged (names, dtype, rank,
+  fixed dimensions), so a bad request fails alone, with :class:`~sharedml.InvalidInputError`.
+- Requests merge when they have the same input names, dtypes and non-batch dimensions, the same
+  ``output_names``, and no ``run_options`` (or the very same ``RunOptions`` object).
+- Outputs are split back by rows into arrays each caller owns. An output whose axis 0 does not
+  have the merged row count at run time means the model is not batch-consistent after all: the
+  members are run one by one instead, and the pool stops merging.
+
+What merging costs in accuracy: kernels may pick another blocking for another batch size, so
+outputs can differ from a solo run in the last bits of float precision (``docs/batching.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sharedml._errors import InvalidInputError, NotBatchableError
+
+__all__ = [
+    "ROW_MIXING_OPS",
+    "Batching",
+    "Request",
+    "Signature",
+    "merge",
+    "signature_of",
+    "split",
+]
+
+# Ops whose output for one row depends on the other rows of the same tensor.
+ROW_MIXING_OPS = frozenset(
+    ("DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM")
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batching:
+    """How a pool merges waiting requests (``SessionPool(batching=...)``).
+
+    Attributes:
+        max_batch_size: The most rows (summed over axis 0 of the merged requests) in one Run.
+        max_delay_ms: How long a session that found fewer than ``max_batch_size`` rows waiting
+            waits for more before it runs. 0 (default): never wait; a request that finds a free
+            session runs at once, and batches form only from requests that queued meanwhile.
+    """
+
+    max_batch_size: int = 32
+    max_delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        try:
+            rows = operator.index(self.max_batch_size)
+        except TypeError:
+            rows = 0
+        if rows < 1 or isinstance(self.max_batch_size, bool):
+            raise ValueError(
+                f"max_batch_size must be an integer >= 1, not {self.max_batch_size!r}."
+            )
+        delay: object = self.max_delay_ms
+        if not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
+            raise ValueError(f"max_delay_ms must be a finite number >= 0, not {delay!r}.")
+
+    @classmethod
+    def parse(cls, value: object) -> Batching | None:
+        """``True`` -> the defaults, ``False``/``None`` -> no batching, a Batching -> itself."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        raise ValueError(f"batching must be True, False or a sharedml.Batching, not {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    name: str
+    type: str
+    dtype: Any  # numpy dtype, or None for types batching cannot check
+    shape: tuple[int | None, ...] | None  # None entries: dynamic; None: no shape known
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """A model's inputs and outputs as a batching pool checks requests against them.
+
+    Attributes:
+        inputs: By name, in the model's order.
+        outputs: Output names, in order.
+    """
+
+    inputs: Mapping[str, _Input]
+    outputs: tuple[str, ...]
+
+    def request(
+        self,
+        output_names: Sequence[str] | None,
+        feed: Mapping[str, Any],
+        run_options: Any | None,
+    ) -> Request:
+        """Validate one request and put it in the form the pool merges.
+
+        Only what an unbatched run would refuse is refused; anything else that cannot merge
+        (inputs of different batch sizes, lists, scalars, device tensors) runs alone.
+
+        Raises:
+            InvalidInputError: a missing or unknown input, or an array whose dtype, rank or
+                fixed dimensions differ from the model's.
+        """
+        missing = [n for n in self.inputs if n not in feed]
+        unknown = [n for n in feed if n not in self.inputs]
+        if missing or unknown:
+            parts = []
+            if missing:
+                parts.append(f"missing input(s) {', '.join(map(repr, missing))}")
+            if unknown:
+                parts.append(f"unknown input(s) {', '.join(map(repr, unknown))}")
+            raise InvalidInputError(
+                f"The feed has {' and '.join(parts)}; the model's inputs are "
+                f"{', '.join(map(repr, self.inputs))}."
+            )
+        arrays: dict[str, Any] = {}
+        rows: int | None = None
+        mergeable = True
+        key_parts: list[Any] = []
+        for name, spec in self.inputs.items():
+            value = feed[name]
+            arrays[name] = value
+            if not isinstance(value, np.ndarray):
+                # A list, a scalar, an OrtValue: ORT converts and checks it; it runs alone.
+                mergeable = False
+                continue
+            self._check(spec, value)
+            if value.ndim == 0:
+                mergeable = False
+                continue
+            if rows is None:
+                rows = int(value.shape[0])
+            elif rows != int(value.shape[0]):
+                mergeable = False  # ORT may broadcast such inputs; batching must not merge them
+            key_parts.append((name, value.dtype.str, value.shape[1:]))
+        outputs = tuple(output_names) if output_names is not None else None
+        key: Any = None
+        if mergeable and rows is not None:
+            key = (tuple(key_parts), outputs, id(run_options) if run_options is not None else None)
+        return Request(outputs, arrays, run_options, rows or 0, key)
+
+    @staticmethod
+    def _check(spec: _Input, value: np.ndarray) -> None:
+        strings = spec.dtype is np.object_ and value.dtype.kind in "OUS"
+        if spec.dtype is not None and value.dtype != spec.dtype and not strings:
+            raise InvalidInputError(
+                f"Input '{spec.name}' must be {spec.type} ({np.dtype(spec.dtype).name}), "
+                f"not {value.dtype.name}."
+            )
+        if spec.shape is None:
+            return
+        if value.ndim != len(spec.shape):
+            raise InvalidInputError(
+                f"Input '{spec.name}' must have rank {len(spec.shape)} "
+                f"(shape {_shape_text(spec.shape)}), not {value.ndim} (shape {value.shape})."
+            )
+        for axis, (want, got) in enumerate(zip(spec.shape, value.shape, strict=True)):
+            if want is not None and want != got:
+                raise InvalidInputError(
+                    f"Input '{spec.name}' must have {want} on axis {axis} (shape "
+                    f"{_shape_text(spec.shape)}), not {got} (shape {value.shape})."
+                )
+
+
+def _shape_text(shape: Sequence[int | None]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def _value_info(value: Any) -> tuple[str, Any, tuple[int | None, ...] | None]:
+    """(type text, numpy dtype or None, dims with None for dynamic) of a graph input/output."""
+    import onnx
+
+    tensor = value.type.tensor_type if value.type.HasField("tensor_type") else None
+    if tensor is None:
+        return value.type.WhichOneof("value") or "unknown", None, None
+    try:
+        dtype: Any = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).type
+    except Exception:
+        dtype = None
+    type_text = f"tensor({onnx.TensorProto.DataType.Name(tensor.elem_type).lower()})"
+    if dtype is not None and np.dtype(dtype).kind in "OSU":
+        dtype = np.object_
+    if not tensor.HasField("shape"):
+        return type_text, dtype, None
+    dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+    return type_text, dtype, dims
+
+
+@dataclasses.dataclass
+class Request:
+    """One caller's run, validated.
+
+    Attributes:
+        output_names: As given to ``run`` (None: every output).
+        feed: The inputs, as numpy arrays where they can be merged.
+        run_options: As given.
+        rows: Its batch size (axis 0).
+        key: Requests with equal keys merge; None runs alone.
+    """
+
+    output_names: tuple[str, ...] | None
+    feed: dict[str, Any]
+    run_options: Any
+    rows: int
+    key: Any
+
+
+def signature_of(model: Any, *, name: str) -> Signature:
+    """The batching signature of a model, or why it cannot be batched.
+
+    Args:
+        model: The model's ``onnx.ModelProto`` (external data not loaded).
+        name: How messages name the model.
+
+    Raises:
+        NotBatchableError: an input or output whose axis 0 is fixed (or that is a scalar),
+            or a node that mixes rows.
+    """
+    from sharedml._onnx import iter_graphs
+
+    op_types = {node.op_type for g, _ in iter_graphs(model.graph) for node in g.node}
+    mixing = sorted(op_types & ROW_MIXING_OPS)
+    if mixing:
+        raise NotBatchableError(
+            f"{name} uses {', '.join(mixing)}, which quantizes with one scale for the whole "
+            "tensor: merged requests would change each other's results. Run it without "
+            "batching (batching=False)."
+        )
+    initializers = {t.name for t in model.graph.initializer}
+    inputs: dict[str, _Input] = {}
+    for kind, values in (("Input", model.graph.input), ("Output", model.graph.output)):
+        for value in values:
+            if kind == "Input" and value.name in initializers:
+                continue  # IR < 4: an initializer listed as an input with a default
+            type_text, dtype, dims = _value_info(value)
+            if dims is not None and (len(dims) == 0 or dims[0] is not None):
+                what = "a scalar" if len(dims) == 0 else f"fixed at {dims[0]} on axis 0"
+                why = (
+                    "batching merges requests along a dynamic axis 0 of every input"
+                    if kind == "Input"
+                    else "its rows could not be told apart after a merged run"
+                )
+                raise NotBatchableError(
+                    f"{kind} '{value.name}' of {name} is {what} (shape {_shape_text(dims)}): "
+                    f"{why}. Run it without batching (batching=False)."
+                )
+            if kind == "Input":
+                inputs[value.name] = _Input(value.name, type_text, dtype, dims)
+    return Signature(inputs, tuple(o.name for o in model.graph.output))
+
+
+def merge(requests: Sequence[Request]) -> dict[str, Any]:
+    """One feed holding every request's rows, in order (same key assumed)."""
+    first = requests[0].feed
+    return {name: np.concatenate([r.feed[name] for r in requests], axis=0) for name in first}
+
+
+def split(outputs: Sequence[Any], requests: Sequence[Request]) -> list[list[Any]] | None:
+    """Each request's rows of ``outputs``, as arrays it owns; None if the rows do not add up."""
+    total = sum(r.rows for r in requests)
+    for out in outputs:
+        if len(out) != total:  # arrays (axis 0) and sequence outputs (lists) alike
+            return None
+    per_request: list[list[Any]] = []
+    start = 0
+    for request in requests:
+        stop = start + request.rows
+        per_request.append(
+            [
+                out[start:stop].copy() if isinstance(out, np.ndarray) else out[start:stop]
+                for out in outputs
+            ]
+        )
+        start = stop
+    return per_request

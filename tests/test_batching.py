@@ -1,0 +1,417 @@
+"""Dynamic batching: requests that queue merge into one Run, and every caller gets its own rows.
+
+The batches formed here are deterministic: the tests hold the pool's only session with a
+checkout, let callers queue (polling the pool's ``waiting`` count), and then release it, so
+what merges is decided by the queue, never by how fast this machine happens to be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from _models import OPSET, batchable_model, save_model
+from _waiting import DEADLINE_S, wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+import sharedml
+
+DIM = 32
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return batchable_model(tmp_path_factory.mktemp("b") / "b.onnx", dim=DIM, extra_input=True)
+
+
+@pytest.fixture(scope="module")
+def solo(model: Path) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
+    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    return lambda feed: sess.run(None, feed)[0]
+
+
+def feed(rows: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.standard_normal((rows, DIM)).astype(np.float32),
+        "scale": rng.uniform(0.5, 2, (rows, 1)).astype(np.float32),
+    }
+
+
+def queue_behind_a_checkout(
+    pool: sharedml.SessionPool, calls: Sequence[Callable[[], Any]]
+) -> list[Any]:
+    """Hold the pool's one session, let ``calls`` queue in order, release; their results.
+
+    A call refused before it queues (a feed that fails validation) finishes at once instead.
+    """
+    results: list[Any] = [None] * len(calls)
+    finished: list[int] = []
+
+    def call(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:
+            results[i] = exc
+        finished.append(i)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
+    with pool.session():
+        for i, t in enumerate(threads):
+            t.start()
+            wait_until(
+                lambda i=i: pool.stats().waiting + len(finished) == i + 1,
+                what=f"request {i} to queue",
+            )
+    for t in threads:
+        t.join(DEADLINE_S)
+        assert not t.is_alive()
+    return results
+
+
+def test_requests_that_queue_merge_into_one_run_and_get_their_own_rows(
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+) -> None:
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        feeds = [feed(rows, seed) for seed, rows in enumerate([1, 3, 2, 1])]
+        outs = queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, f) for f in feeds])
+        stats = pool.stats()
+    assert stats.batches == 1 and stats.batched_rows == 7 and stats.max_batch_rows == 7
+    for f, out in zip(feeds, outs, strict=True):
+        (y,) = out
+        assert y.shape == (f["x"].shape[0], DIM)
+        assert y.flags.owndata or y.base is None or y.base.shape == y.shape  # the caller's own
+        np.testing.assert_allclose(y, solo(f), rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_holds_at_most_max_batch_size_rows_oldest_first(model: Path) -> None:
+    with sharedml.SessionPool(
+        model, sessions=1, batching=sharedml.Batching(max_batch_size=4)
+    ) as pool:
+        feeds = [feed(2, seed) for seed in range(5)]  # 10 rows: batches of 4, 4 and 2
+        queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, f) for f in feeds])
+        stats = pool.stats()
+    assert (stats.batches, stats.batched_rows, stats.max_batch_rows) == (3, 10, 4)
+
+
+def test_an_idle_pool_runs_a_request_at_once_alone(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        pool.run(None, feed(2, 0))
+        stats = pool.stats()
+    assert (stats.batches, stats.waits, stats.max_batch_rows) == (1, 0, 2)
+
+
+def test_incompatible_requests_run_alone_in_their_turn(
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+) -> None:
+    options = ort.RunOptions()
+    broadcast = feed(1, 5) | {"scale": np.full((2, 1), 2.0, np.float32)}  # ORT broadcasts it
+    as_lists = {k: v.tolist() for k, v in feed(1, 6).items()}  # ORT converts lists itself
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        calls: list[Callable[[], Any]] = [
+            lambda: pool.run(None, feed(1, 0)),
+            lambda: pool.run(["y"], feed(1, 1)),  # other output_names
+            lambda: pool.run(None, feed(1, 2), options),  # run_options
+            lambda: pool.run(None, broadcast),  # inputs of different batch sizes
+            lambda: pool.run(None, as_lists),
+            lambda: pool.run(None, feed(1, 3)),  # merges with the first
+        ]
+        outs = queue_behind_a_checkout(pool, calls)
+        stats = pool.stats()
+    assert stats.batches == 5
+    for seed, out in zip((0, 1, 2, 3), (outs[0], outs[1], outs[2], outs[5]), strict=True):
+        np.testing.assert_allclose(out[0], solo(feed(1, seed)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[3][0], solo(broadcast), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[4][0], solo(feed(1, 6)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_request_fails_alone_with_the_error_an_unbatched_run_gives(
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+) -> None:
+    bad = [
+        {"x": np.zeros((1, DIM + 1), np.float32), "scale": np.ones((1, 1), np.float32)},
+        {"x": np.zeros((1, DIM), np.float64), "scale": np.ones((1, 1), np.float32)},
+        {"x": np.zeros((1, DIM), np.float32)},
+        {"x": np.zeros((1, DIM), np.float32), "nope": np.ones((1, 1), np.float32)},
+    ]
+    for batching in (False, True):
+        with sharedml.SessionPool(model, sessions=1, batching=batching) as pool:
+            calls = [lambda b=b: pool.run(None, b) for b in bad]
+            calls += [lambda s=s: pool.run(None, feed(1, s)) for s in range(3)]
+            outs = queue_behind_a_checkout(pool, calls)
+        for out in outs[: len(bad)]:
+            assert isinstance(out, sharedml.InvalidInputError), (batching, out)
+            assert isinstance(out, ValueError)
+        for seed, out in enumerate(outs[len(bad) :]):
+            np.testing.assert_allclose(out[0], solo(feed(1, seed)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def lookup(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``ids: int64[batch, 4]`` -> rows of a 10-row table: an id out of range fails the Run."""
+    table = numpy_helper.from_array(np.arange(80, dtype=np.float32).reshape(10, 8), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])],
+        "lookup",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8])],
+        initializer=[table],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    return save_model(model, tmp_path_factory.mktemp("lookup") / "lookup.onnx")
+
+
+def test_a_merged_run_that_fails_is_rerun_one_by_one_so_only_the_culprit_fails(
+    lookup: Path,
+) -> None:
+    good = [np.full((1, 4), i, np.int64) for i in range(3)]
+    culprit = np.array([[1, 2, 99, 3]], np.int64)  # valid shape and dtype, bad value
+    with sharedml.SessionPool(lookup, sessions=1, batching=True) as pool:
+        calls = [lambda g=g: pool.run(None, {"ids": g}) for g in good[:2]]
+        calls += [
+            lambda: pool.run(None, {"ids": culprit}),
+            lambda: pool.run(None, {"ids": good[2]}),
+        ]
+        outs = queue_behind_a_checkout(pool, calls)
+        stats = pool.stats()
+    assert isinstance(outs[2], sharedml.RunError) and "99" in str(outs[2])
+    assert outs[2].ort_type  # ORT's own exception type name is kept
+    for i, out in zip((0, 1, 3), (outs[0], outs[1], outs[3]), strict=True):
+        expected = np.arange(80, dtype=np.float32).reshape(10, 8)[good[min(i, 2)]]
+        np.testing.assert_array_equal(out[0], expected)
+    assert stats.failed_runs == 1 and stats.runs == 5  # 4 requests and the checkout
+
+
+@pytest.mark.parametrize(
+    ("inputs", "outputs", "nodes", "match"),
+    [
+        ([("x", [1, 4])], [("y", ["n", 4])], [("Relu", ["x"], ["y"])], "Input 'x'.*fixed at 1"),
+        ([("x", ["n", 4])], [("y", [2, 4])], [("Relu", ["x"], ["y"])], "Output 'y'.*fixed at 2"),
+        (
+            [("x", ["n", 4]), ("sr", [])],
+            [("y", ["n", 4])],
+            [("Relu", ["x"], ["y"])],
+            "Input 'sr'.*a scalar",
+        ),
+        (
+            [("x", ["n", 4]), ("state", [2, "n", 8])],
+            [("y", ["n", 4])],
+            [("Relu", ["x"], ["y"])],
+            "Input 'state'.*fixed at 2",
+        ),
+    ],
+)
+def test_a_model_that_cannot_batch_is_refused_naming_why(
+    tmp_path: Path,
+    inputs: list[tuple[str, list[Any]]],
+    outputs: list[tuple[str, list[Any]]],
+    nodes: list[tuple[str, list[str], list[str]]],
+    match: str,
+) -> None:
+    graph = helper.make_graph(
+        [helper.make_node(op, i, o) for op, i, o in nodes],
+        "unbatchable",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    path = save_model(model, tmp_path / "m.onnx")
+    with pytest.raises(sharedml.NotBatchableError, match=match):
+        sharedml.SessionPool(path, sessions=1, batching=True)
+    with sharedml.SessionPool(path, sessions=1) as pool:  # unbatched, it runs
+        assert pool.batching is None
+
+
+def test_dynamic_quantization_is_refused_because_it_mixes_rows(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"])],
+        "dq",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("q", TensorProto.UINT8, ["n", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    path = save_model(model, tmp_path / "dq.onnx")
+    with pytest.raises(sharedml.NotBatchableError, match=r"DynamicQuantizeLinear.*one scale"):
+        sharedml.SessionPool(path, sessions=1, batching=True)
+
+
+def test_outputs_whose_rows_do_not_add_up_stop_merging_and_stay_right(tmp_path: Path) -> None:
+    # Declared [n, 4], but ReduceSum over axis 0 gives one row whatever the batch.
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1)],
+        "sum",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", 4])],
+        initializer=[numpy_helper.from_array(np.array([0], np.int64), "axes")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    path = save_model(model, tmp_path / "sum.onnx")
+    feeds = [np.full((2, 4), i, np.float32) for i in range(3)]
+    with sharedml.SessionPool(path, sessions=1, batching=True) as pool:
+        with pytest.warns(RuntimeWarning, match="stops merging"):
+            outs = queue_behind_a_checkout(
+                pool, [lambda f=f: pool.run(None, {"x": f}) for f in feeds]
+            )
+        assert pool.batching is None
+    for f, out in zip(feeds, outs, strict=True):
+        np.testing.assert_array_equal(out[0], f.sum(axis=0, keepdims=True))
+
+
+def test_max_delay_waits_for_a_second_request_to_fill_the_batch(model: Path) -> None:
+    batching = sharedml.Batching(max_batch_size=2, max_delay_ms=DEADLINE_S * 1000)
+    with sharedml.SessionPool(model, sessions=1, batching=batching) as pool:
+        results: list[Any] = []
+        first = threading.Thread(target=lambda: results.append(pool.run(None, feed(1, 0))))
+        first.start()
+        wait_until(lambda: pool.stats().busy == 1, what="the first request to hold the session")
+        assert pool.stats().batches == 0  # waiting to fill, not run
+        second = pool.run(None, feed(1, 1))  # fills the batch: both run now, not after the delay
+        first.join(DEADLINE_S)
+        stats = pool.stats()
+    assert len(results) == 1 and second[0].shape == (1, DIM)
+    assert (stats.batches, stats.max_batch_rows) == (1, 2)
+
+
+def test_run_async_requests_queue_without_threads_and_merge(
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+) -> None:
+    async def main(pool: sharedml.SessionPool) -> list[Any]:
+        pending = [asyncio.ensure_future(pool.run_async(None, feed(1, s))) for s in range(12)]
+        return await asyncio.wait_for(asyncio.gather(*pending), DEADLINE_S)
+
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        held, release = threading.Event(), threading.Event()
+
+        def holder() -> None:
+            with pool.session():
+                held.set()
+                wait_until(lambda: pool.stats().waiting == 12, what="12 async requests to queue")
+                release.set()
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        assert held.wait(DEADLINE_S)
+        threads_before = threading.active_count()
+        outs = asyncio.run(main(pool))
+        thread.join(DEADLINE_S)
+        stats = pool.stats()
+    assert threading.active_count() <= threads_before + 1  # queued as futures, not threads
+    assert stats.batches == 1 and stats.batched_rows == 12
+    for seed, out in enumerate(outs):
+        np.testing.assert_allclose(out[0], solo(feed(1, seed)), rtol=1e-5, atol=1e-6)
+
+
+def test_close_fails_queued_requests_and_finishes_the_batch_in_flight(model: Path) -> None:
+    with (
+        sharedml.SessionPool(model, sessions=1, batching=True) as pool,
+        contextlib.ExitStack() as stack,
+    ):
+        held = pool.session()
+        held.__enter__()
+        stack.callback(lambda: pool.stats().busy and held.__exit__(None, None, None))
+        outcomes: list[Any] = []
+        threads = [
+            threading.Thread(target=lambda s=s: outcomes.append(_call(pool, feed(1, s))))
+            for s in range(3)
+        ]
+        for t in threads:
+            t.start()
+        wait_until(lambda: pool.stats().waiting == 3, what="three requests to queue")
+        closer = threading.Thread(target=pool.close)
+        closer.start()
+        for t in threads:
+            t.join(DEADLINE_S)
+        assert all(isinstance(o, sharedml.PoolClosedError) for o in outcomes), outcomes
+        assert closer.is_alive()  # the checkout is still held
+        held.__exit__(None, None, None)
+        closer.join(DEADLINE_S)
+        assert not closer.is_alive() and pool.closed
+
+
+def _call(pool: sharedml.SessionPool, f: dict[str, np.ndarray]) -> Any:
+    try:
+        return pool.run(None, f)
+    except BaseException as exc:
+        return exc
+
+
+# --------------------------------------------------------------------------------------------
+# Any arrival pattern: every good request gets exactly a solo run's rows, every bad one fails
+
+
+@st.composite
+def arrivals(draw: st.DrawFn) -> list[tuple[str, int, int]]:
+    """(kind, rows, seed) per caller, in arrival order; kind is good, bad-shape or bad-dtype."""
+    n = draw(st.integers(2, 10))
+    return [
+        (
+            draw(st.sampled_from(["good", "good", "good", "bad-shape", "bad-dtype"])),
+            draw(st.integers(1, 5)),
+            seed,
+        )
+        for seed in range(n)
+    ]
+
+
+def _request(kind: str, rows: int, seed: int) -> dict[str, np.ndarray]:
+    f = feed(rows, seed)
+    if kind == "bad-shape":
+        f["x"] = np.ones((rows, DIM + 1), np.float32)
+    elif kind == "bad-dtype":
+        f["x"] = f["x"].astype(np.float64)
+    return f
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(pattern=arrivals(), max_rows=st.integers(1, 8), queued=st.integers(0, 10))
+def test_any_arrival_pattern_gives_every_caller_its_own_rows(
+    model: Path,
+    solo: Callable[[dict[str, np.ndarray]], np.ndarray],
+    pattern: list[tuple[str, int, int]],
+    max_rows: int,
+    queued: int,
+) -> None:
+    """The first ``queued`` callers queue behind a checkout; the rest arrive as they come."""
+    batching = sharedml.Batching(max_batch_size=max_rows)
+    with sharedml.SessionPool(model, sessions=2, batching=batching) as pool:
+        results: list[Any] = [None] * len(pattern)
+        finished: list[int] = []
+
+        def call(i: int) -> None:
+            results[i] = _call(pool, _request(*pattern[i]))
+            finished.append(i)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(pattern))]
+        with contextlib.ExitStack() as held:  # released even if a wait below fails
+            held.enter_context(pool.session())
+            held.enter_context(pool.session())
+            for i, t in enumerate(threads[:queued]):
+                t.start()
+                wait_until(lambda i=i: pool.stats().waiting + len(finished) == i + 1)
+        for t in threads[queued:]:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE_S)
+            assert not t.is_alive()
+        assert pool.stats().busy == 0 and pool.stats().waiting == 0
+    for (kind, rows, seed), out in zip(pattern, results, strict=True):
+        if kind == "good":
+            assert isinstance(out, list), out
+            np.testing.assert_allclose(out[0], solo(feed(rows, seed)), rtol=1e-5, atol=1e-6)
+        else:
+            assert isinstance(out, sharedml.InvalidInputError), (kind, out)
