@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -507,3 +510,153 @@ def test_a_pool_dropped_without_close_warns_like_an_unclosed_file(model: Path) -
         warnings.simplefilter("error")
         del closed
         gc.collect()
+
+
+# --------------------------------------------------------------------------------------------
+# Serving before the pool is full
+
+
+class _GatedCreation:
+    """``configure=``: sessions after the first wait for ``open`` before they are created."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.open = threading.Event()
+
+    def __call__(self, so: ort.SessionOptions) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            assert self.open.wait(DEADLINE_S), "the test never opened the gate"
+
+
+def test_the_pool_serves_once_its_first_session_exists(model: Path) -> None:
+    gate = _GatedCreation()
+    with sharedml.SessionPool(model, sessions=4, configure=gate) as pool:
+        stats = pool.stats()
+        assert stats.sessions == 1 and stats.created == 1  # the rest are still coming
+        assert pool.run(None, feeds(DIM))[0].shape == (1, DIM)
+        with pytest.raises(sharedml.PoolTimeout):
+            pool.wait_ready(timeout_s=0.01)
+        gate.open.set()
+        pool.wait_ready(timeout_s=DEADLINE_S)
+        assert pool.stats().sessions == 4 and pool.stats().created == 4
+
+
+def test_callers_wait_for_the_sessions_still_being_created(model: Path) -> None:
+    gate = _GatedCreation()
+    with sharedml.SessionPool(model, sessions=2, configure=gate) as pool:
+        results: list[np.ndarray] = []
+        with pool.session():  # the only session that exists so far
+            waiter = threading.Thread(target=lambda: results.append(pool.run(None, feeds(DIM))[0]))
+            waiter.start()
+            wait_until(lambda: pool.stats().waiting == 1, what="the caller to queue")
+            gate.open.set()  # the second session appears and goes to the waiting caller
+            waiter.join(DEADLINE_S)
+            # Served while the first session is still checked out: by the new one.
+            assert len(results) == 1 and pool.stats().busy == 1
+        assert pool.stats().sessions == 2
+
+
+def test_close_during_background_creation_is_clean(model: Path) -> None:
+    gate = _GatedCreation()
+    pool = sharedml.SessionPool(model, sessions=3, configure=gate)
+    creating = [t for t in threading.enumerate() if t.name == "sharedml-create"]
+    assert creating and creating[0].is_alive()
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    wait_until(lambda: pool.closed, what="close() to start")
+    assert closer.is_alive()  # it waits for the creation under way
+    gate.open.set()
+    closer.join(DEADLINE_S)
+    assert not closer.is_alive() and not creating[0].is_alive()
+    assert pool.stats().sessions == 0 and gate.calls == 2  # no creation after close
+    with pytest.raises(sharedml.PoolClosedError):
+        pool.run(None, feeds(DIM))
+
+
+# --------------------------------------------------------------------------------------------
+# What InferenceSession users expect of the pool too
+
+
+def test_a_model_given_as_bytes_works_like_its_path(model: Path) -> None:
+    with sharedml.SessionPool(model.read_bytes(), sessions=1) as pool:
+        assert pool.source_path.name == "<model bytes>"
+        np.testing.assert_allclose(
+            pool.run(None, feeds(DIM))[0], plain_reference(model, feeds(DIM)), rtol=1e-5
+        )
+    with pytest.raises(sharedml.InvalidModelError, match="not a valid ONNX model"):
+        sharedml.SessionPool(b"not a model", sessions=1)
+    with pytest.raises(TypeError, match=r"path .* or the model's bytes"):
+        sharedml.SessionPool(12345, sessions=1)  # type: ignore[arg-type]
+
+
+def test_a_model_in_bytes_cannot_point_at_external_data(tmp_path: Path) -> None:
+    external = save_model(
+        build_model(["initializer"], dim=DIM), tmp_path / "e.onnx", external="one"
+    )
+    with pytest.raises(sharedml.ExternalDataError, match="bytes cannot carry"):
+        sharedml.SessionPool(external.read_bytes(), sessions=1)
+
+
+def test_the_pool_answers_what_an_inference_session_answers(model: Path) -> None:
+    plain = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    with sharedml.SessionPool(model, sessions=1) as pool:
+        assert [i.name for i in pool.get_inputs()] == [i.name for i in plain.get_inputs()]
+        assert [o.name for o in pool.get_outputs()] == [o.name for o in plain.get_outputs()]
+        assert pool.get_providers() == plain.get_providers()
+        assert pool.get_modelmeta().graph_name == plain.get_modelmeta().graph_name
+
+
+def test_ort_run_errors_are_sharedml_errors_that_keep_orts_message(model: Path) -> None:
+    bad = {"x": np.zeros((1, DIM + 1), np.float32), "flag": np.array(True)}
+    with (
+        sharedml.SessionPool(model, sessions=1) as pool,
+        pytest.raises(sharedml.InvalidInputError) as info,
+    ):
+        pool.run(None, bad)
+    error = info.value
+    assert isinstance(error, sharedml.RunError) and isinstance(error, ValueError)
+    assert error.ort_type == "InvalidArgument" and "INVALID_ARGUMENT" in str(error)
+    assert type(error.__cause__).__name__ == "InvalidArgument"
+
+
+FORKED_CHILD = textwrap.dedent(
+    r"""
+    import os, sys, threading
+    import numpy as np
+    import sharedml
+    from _models import feeds
+    pool = sharedml.SessionPool(sys.argv[1], sessions=1)
+    busy = threading.Event()
+    def hold():
+        with pool.session():
+            busy.set()
+            threading.Event().wait(2)  # a checkout in flight across the fork
+    threading.Thread(target=hold, daemon=True).start()
+    busy.wait()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            pool.run(None, feeds(32))
+        except sharedml.PoolError as exc:
+            print("child:", type(exc).__name__, str(exc)[:80], flush=True)
+            os._exit(0)
+        os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    print("child status", os.waitstatus_to_exitcode(status), flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
+def test_a_pool_used_after_fork_raises_instead_of_hanging(tmp_path: Path) -> None:
+    model = save_model(build_model(["initializer"], dim=32), tmp_path / "m.onnx")
+    out = subprocess.run(
+        [sys.executable, "-c", FORKED_CHILD, str(model)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S * 2,
+        cwd=Path(__file__).parent,
+    )
+    assert "child: PoolError This SessionPool was created in process" in out.stdout, out
+    assert "child status 0" in out.stdout, out
