@@ -1,0 +1,521 @@
+"""Serving benchmark: C callers sending batch-1 requests to one server, one process per config.
+
+What a server here is, for C concurrent callers in a closed loop (each sends its next request
+as soon as the last one returned):
+
+``plain:N``            N plain ``InferenceSession``s behind a queue: what users write without
+                       sharedml (ORT's default threading in every session).
+``plain:N:threads``    the same, each session given ``cores // N`` intra-op threads.
+``single``             one plain session that every caller runs concurrently.
+``pool:N``             ``sharedml.SessionPool(sessions=N)``.
+``pool:N:batch``       ``SessionPool(sessions=N, batching=True)``: waiting requests merge.
+``...:serialized``     one ``Run`` at a time across the process, as onnxruntime-directml >= 1.18
+                       forces: ``plain:N:serialized`` puts one lock around every Run of the N
+                       sessions; ``pool:...:serialized`` is ``serialize_runs=True``.
+``...:graph``          CUDA graphs (``enable_cuda_graph=1``), where the pool supports them.
+
+Every configuration runs in a fresh process: the server is created (timed), every caller runs
+once (outputs checked against a solo run of the same input), then the callers meet on a barrier
+and run for ``--duration-s``. Reported: requests/s over the window, p50/p99 latency, PSS growth
+(and device memory on CUDA), outputs equal, and for pools the batches' mean rows.
+
+Usage::
+
+    python benchmarks/serving.py --models mlp resnet bert --callers 1 4 16 64 \\
+        --json benchmarks/results/serving-cpu.json
+    python benchmarks/serving.py --first-result --model-path model.onnx --sessions 8
+
+``--first-result`` measures the pool that serves before it is full instead: time to the first
+result of a pool of N against one plain session's create + run, and time to all N sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+MIB = 1 << 20
+RTOL, ATOL = 1e-3, 1e-4  # batched kernels may sum in another order: see docs/batching.md
+INPUTS = 64  # distinct batch-1 requests per model, cycled through by the callers
+
+DEFAULT_CONFIGS = [
+    "plain:4",
+    "plain:4:threads",
+    "single",
+    "pool:4",
+    "pool:1:batch",
+    "pool:2:batch",
+    "pool:4:batch",
+]
+SERIALIZED_CONFIGS = ["plain:8:serialized", "pool:8:serialized", "pool:1:batch:serialized"]
+
+
+# --------------------------------------------------------------------------------------------
+# The child: one configuration
+
+
+def _parse_config(name: str) -> dict[str, Any]:
+    parts = name.split(":")
+    kind = parts[0]
+    sessions = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
+    flags = set(parts[2:] if len(parts) > 1 and parts[1].isdigit() else parts[1:])
+    unknown = flags - {"batch", "serialized", "threads", "graph"}
+    if kind not in ("plain", "pool", "single") or unknown:
+        raise SystemExit(f"unknown configuration {name!r}")
+    return {"kind": kind, "sessions": sessions, "flags": flags}
+
+
+class _PlainQueue:
+    """N plain sessions behind a queue, as a user without sharedml writes it."""
+
+    def __init__(self, sessions: list[Any], lock: threading.Lock | None) -> None:
+        import queue
+
+        self._free: queue.Queue[Any] = queue.Queue()
+        for s in sessions:
+            self._free.put(s)
+        self._lock = lock
+        self.sessions = sessions
+
+    def run(self, feed: dict[str, Any]) -> Any:
+        sess = self._free.get()
+        try:
+            if self._lock is not None:
+                with self._lock:
+                    return sess.run(None, feed)
+            return sess.run(None, feed)
+        finally:
+            self._free.put(sess)
+
+    def close(self) -> None:
+        self.sessions.clear()
+
+
+def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    import onnxruntime as ort
+
+    import sharedml
+
+    cfg = _parse_config(spec["config"])
+    providers = spec["providers"]
+    n, flags = cfg["sessions"], cfg["flags"]
+    graph = "graph" in flags
+    if graph:
+        providers = [(providers[0], {"enable_cuda_graph": "1"}), *providers[1:]]
+    if cfg["kind"] == "pool":
+        pool = sharedml.SessionPool(
+            spec["model"],
+            sessions=n,
+            providers=providers,
+            batching="batch" in flags,
+            serialize_runs=True if "serialized" in flags else None,
+            per_session_state="serialized" in flags and n > 1,
+            cache_dir=spec["cache_dir"],
+        )
+        pool.wait_ready()
+
+        class _Pool:
+            def run(self, feed: dict[str, Any]) -> Any:
+                return pool.run(None, feed)
+
+            def stats(self) -> Any:
+                return pool.stats()
+
+            def close(self) -> None:
+                pool.close()
+
+        return _Pool(), {"mechanism": str(pool.mechanism)}
+    so = ort.SessionOptions()
+    if "threads" in flags:
+        so.intra_op_num_threads = max(1, len(os.sched_getaffinity(0)) // n)
+    count = 1 if cfg["kind"] == "single" else n
+    sessions = [ort.InferenceSession(spec["model"], so, providers=providers) for _ in range(count)]
+    if cfg["kind"] == "single":
+        one = sessions[0]
+
+        class _Single:
+            def run(self, feed: dict[str, Any]) -> Any:
+                return one.run(None, feed)
+
+            def close(self) -> None:
+                sessions.clear()
+
+        return _Single(), {}
+    lock = threading.Lock() if "serialized" in flags else None
+    return _PlainQueue(sessions, lock), {}
+
+
+def _device_bytes(providers: list[Any]) -> int | None:
+    name = providers[0] if isinstance(providers[0], str) else providers[0][0]
+    if name != "CUDAExecutionProvider":
+        return None
+    try:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return int(total - free)
+    except Exception:
+        return None
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    import psutil
+
+    sys.path.insert(0, str(REPO))
+    refs = np.load(spec["references"], allow_pickle=False)
+    feeds = [
+        {k[len(f"in{i}_") :]: refs[k] for k in refs.files if k.startswith(f"in{i}_")}
+        for i in range(INPUTS)
+    ]
+    expected = [refs[f"out{i}"] for i in range(INPUTS)]
+    me = psutil.Process()
+    import onnxruntime  # noqa: F401  (its import is not the server's memory)
+
+    base_pss = me.memory_full_info().pss
+    base_device = _device_bytes(spec["providers"])
+    start = time.perf_counter()
+    server, extras = _server(spec)
+    create_s = time.perf_counter() - start
+    callers = spec["callers"]
+    mismatches = [0] * callers
+    max_diff = [0.0] * callers
+    latencies: list[list[float]] = [[] for _ in range(callers)]
+    barrier = threading.Barrier(callers + 1, timeout=600)  # a caller that fails breaks it
+    stop = threading.Event()
+    window: dict[str, float] = {}
+
+    def check(c: int, i: int, out: Any) -> None:
+        diff = float(np.max(np.abs(out[0] - expected[i]))) if out[0].size else 0.0
+        max_diff[c] = max(max_diff[c], diff)
+        if not np.allclose(out[0], expected[i], rtol=RTOL, atol=ATOL):
+            mismatches[c] += 1
+
+    def caller(c: int) -> None:
+        i = c % INPUTS
+        check(c, i, server.run(feeds[i]))  # every caller once, checked, before the window
+        barrier.wait()
+        k = 0
+        while not stop.is_set():
+            i = (c * 7 + k) % INPUTS
+            k += 1
+            t0 = time.perf_counter()
+            out = server.run(feeds[i])
+            t1 = time.perf_counter()
+            if window["start"] <= t0 and t1 <= window.get("end", float("inf")):
+                latencies[c].append(t1 - t0)
+            if k % 16 == 0:
+                check(c, i, out)
+
+    threads = [threading.Thread(target=caller, args=(c,)) for c in range(callers)]
+    for t in threads:
+        t.start()
+    window["start"] = float("inf")
+    barrier.wait()
+    time.sleep(spec["warmup_s"])
+    window["start"] = time.perf_counter()
+    time.sleep(spec["duration_s"])
+    window["end"] = time.perf_counter()
+    stop.set()
+    for t in threads:
+        t.join()
+    done = [x for per in latencies for x in per]
+    pss = me.memory_full_info().pss - base_pss
+    device = _device_bytes(spec["providers"])
+    stats: dict[str, Any] = {}
+    if hasattr(server, "stats"):
+        s = server.stats()
+        stats = {"batches": s.batches, "mean_batch_rows": s.mean_batch_rows, "waits": s.waits}
+    server.close()
+    done.sort()
+    elapsed = window["end"] - window["start"]
+    return {
+        "config": spec["config"],
+        "callers": callers,
+        "create_s": create_s,
+        "requests": len(done),
+        "requests_per_s": len(done) / elapsed,
+        "p50_ms": 1000 * statistics.median(done) if done else None,
+        "p99_ms": 1000 * done[min(len(done) - 1, int(0.99 * len(done)))] if done else None,
+        "pss_bytes": pss,
+        "device_bytes": (
+            device - base_device if device is not None and base_device is not None else None
+        ),
+        "outputs_equal": not any(mismatches),
+        "max_abs_diff": max(max_diff),
+        **extras,
+        **stats,
+    }
+
+
+def references(spec: dict[str, Any]) -> dict[str, Any]:
+    """Solo runs of every input on one plain session (ORT defaults), saved for the workers."""
+    import numpy as np
+    import onnxruntime as ort
+
+    sys.path.insert(0, str(REPO))
+    from tools import realistic_models as rm
+
+    info = rm.ModelInfo(
+        path=spec["model"],
+        name=spec["name"],
+        weights_bytes=0,
+        inputs={k: (np.dtype(v[0]), tuple(v[1])) for k, v in spec["inputs"].items()},
+        description=spec["name"],
+        vocab_size=spec.get("vocab_size"),
+        max_seq=spec.get("max_seq"),
+    )
+    sess = ort.InferenceSession(spec["model"], providers=spec["providers"])
+    arrays: dict[str, Any] = {}
+    for i in range(INPUTS):
+        feed = rm.sample_inputs(info, batch=1, seq=spec["seq"], seed=i)
+        for k, v in feed.items():
+            arrays[f"in{i}_{k}"] = v
+        arrays[f"out{i}"] = sess.run(None, feed)[0]
+    np.savez(spec["references"], **arrays)
+    return {"inputs": INPUTS}
+
+
+def first_result(spec: dict[str, Any]) -> dict[str, Any]:
+    """Time to a first result: one plain session, or a pool of N that serves before it is full."""
+    import numpy as np
+    import onnxruntime as ort
+
+    import sharedml
+
+    refs = np.load(spec["references"], allow_pickle=False)
+    feed = {k[len("in0_") :]: refs[k] for k in refs.files if k.startswith("in0_")}
+    start = time.perf_counter()
+    if spec["config"] == "plain":
+        sess = ort.InferenceSession(spec["model"], providers=spec["providers"])
+        sess.run(None, feed)
+        return {"first_result_s": time.perf_counter() - start}
+    pool = sharedml.SessionPool(
+        spec["model"], sessions=spec["sessions"], cache_dir=spec["cache_dir"]
+    )
+    pool.run(None, feed)
+    first = time.perf_counter() - start
+    pool.wait_ready()
+    ready = time.perf_counter() - start
+    pool.close()
+    return {"first_result_s": first, "all_sessions_s": ready, "mechanism": str(pool.mechanism)}
+
+
+# --------------------------------------------------------------------------------------------
+# The parent
+
+
+def _child(mode: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child", mode, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {proc.returncode}: {' | '.join(tail)}"}
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
+def _model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Generate (or reuse) a benchmark model with tools/realistic_models.py."""
+    sys.path.insert(0, str(REPO))
+    from tools import realistic_models as rm
+
+    folder = args.out_dir / "models"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{args.size}-seed0.onnx"
+    meta_path = path.with_suffix(".serving.json")
+    if path.is_file() and meta_path.is_file():
+        return dict(json.loads(meta_path.read_text()))
+    info = rm.REGISTRY[name](path, size=args.size, seed=0)
+    meta = {
+        "model": str(path),
+        "name": info.name,
+        "weights_bytes": info.weights_bytes,
+        "inputs": {k: [str(v[0]), list(v[1])] for k, v in info.inputs.items()},
+        "vocab_size": info.vocab_size,
+        "max_seq": info.max_seq,
+    }
+    meta_path.write_text(json.dumps(meta))
+    return meta
+
+
+def _external_model(path: Path) -> dict[str, Any]:
+    import onnx
+
+    graph = onnx.load_model(str(path), load_external_data=False).graph
+    names = {t.name for t in graph.initializer}
+    inputs = {}
+    for value in graph.input:
+        if value.name in names:
+            continue
+        tensor = value.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        dims = [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or "batch")
+            for d in tensor.shape.dim
+        ]
+        inputs[value.name] = [str(dtype), dims]
+    return {
+        "model": str(path),
+        "name": path.stem,
+        "weights_bytes": sum(len(t.raw_data) for t in graph.initializer if t.HasField("raw_data")),
+        "inputs": inputs,
+        "vocab_size": 1000,
+        "max_seq": None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        mode, spec = argv[1], json.loads(argv[2])
+        run = {"worker": worker, "references": references, "first-result": first_result}[mode]
+        print("RESULT " + json.dumps(run(spec)), flush=True)
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--models", nargs="+", default=["mlp", "resnet", "bert"])
+    p.add_argument("--model-path", type=Path, help="an ONNX file instead of generated models")
+    p.add_argument("--configs", nargs="+", help=f"default: {' '.join(DEFAULT_CONFIGS)}")
+    p.add_argument("--serialized", action="store_true", help="also the DirectML-like configs")
+    p.add_argument("--callers", nargs="+", type=int, default=[1, 4, 16, 64])
+    p.add_argument("--providers", nargs="+", default=["CPUExecutionProvider"])
+    p.add_argument("--duration-s", type=float, default=3.0)
+    p.add_argument("--warmup-s", type=float, default=0.5)
+    p.add_argument("--seq", type=int, default=128, help="sequence length of transformers")
+    p.add_argument("--size", choices=("full", "tiny"), default="full")
+    p.add_argument("--out-dir", type=Path, default=HERE / "out")
+    p.add_argument("--json", type=Path, help="write results here")
+    p.add_argument("--first-result", action="store_true", help="time to first result instead")
+    p.add_argument("--sessions", type=int, default=8, help="pool size for --first-result")
+    p.add_argument("--repeats", type=int, default=3, help="repeats for --first-result")
+    p.add_argument("--timeout-s", type=float, default=900)
+    args = p.parse_args(argv)
+    providers = list(args.providers)
+    if "CPUExecutionProvider" not in providers:
+        providers.append("CPUExecutionProvider")
+    configs = args.configs or DEFAULT_CONFIGS + (SERIALIZED_CONFIGS if args.serialized else [])
+    models = (
+        [_external_model(args.model_path)]
+        if args.model_path
+        else [_model(m, args) for m in args.models]
+    )
+    cache_dir = str(args.out_dir / "serving-cache")
+    report: dict[str, Any] = {
+        "device": _describe_device(providers),
+        "platform": platform.platform(),
+        "cores": len(os.sched_getaffinity(0)),
+        "models": [],
+    }
+    for meta in models:
+        with tempfile.TemporaryDirectory() as tmp:
+            base = {
+                **meta,
+                "providers": providers,
+                "seq": args.seq,
+                "cache_dir": cache_dir,
+                "references": str(Path(tmp) / "refs.npz"),
+            }
+            ref = _child("references", base, args.timeout_s)
+            if "error" in ref:
+                print(f"{meta['name']}: references failed: {ref['error']}", flush=True)
+                continue
+            entry: dict[str, Any] = {
+                "model": meta["name"],
+                "weights_bytes": meta["weights_bytes"],
+                "onnxruntime": _ort_version(),
+                "configs": [],
+            }
+            if args.first_result:
+                for repeat in range(args.repeats):
+                    for config in ("plain", "pool"):
+                        spec = {**base, "config": config, "sessions": args.sessions}
+                        result = _child("first-result", spec, args.timeout_s)
+                        result |= {"name": config, "repeat": repeat}
+                        entry["configs"].append(result)
+                        print(json.dumps(result), flush=True)
+            else:
+                for callers in args.callers:
+                    for config in configs:
+                        spec = {
+                            **base,
+                            "config": config,
+                            "callers": callers,
+                            "duration_s": args.duration_s,
+                            "warmup_s": args.warmup_s,
+                        }
+                        result = _child("worker", spec, args.timeout_s)
+                        cfg = _parse_config(config)
+                        result |= {
+                            "name": config,
+                            "sessions": cfg["sessions"],
+                            "batching": "batch" in cfg["flags"],
+                            "cuda_graph": "graph" in cfg["flags"],
+                            "callers": callers,
+                        }
+                        entry["configs"].append(result)
+                        print(_line(meta["name"], result), flush=True)
+            report["models"].append(entry)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def _line(model: str, r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{model} {r['name']} x{r['callers']}: FAILED {r['error']}"
+    batch = f", {r['mean_batch_rows']:.1f} rows/batch" if r.get("batches") else ""
+    device = f", device {r['device_bytes'] / MIB:.0f} MiB" if r.get("device_bytes") else ""
+    return (
+        f"{model} {r['name']:<24} x{r['callers']:<3} {r['requests_per_s']:8.1f} req/s  "
+        f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  PSS {r['pss_bytes'] / MIB:6.0f} "
+        f"MiB{device}{batch}, outputs {'equal' if r['outputs_equal'] else 'DIFFER'}"
+    )
+
+
+def _ort_version() -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", "import onnxruntime as o; print(o.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return out.stdout.strip()
+
+
+def _describe_device(providers: list[str]) -> str:
+    if providers[0] == "CUDAExecutionProvider":
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "CUDA device"
+    return (
+        f"CPU: {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
