@@ -1,4 +1,4 @@
-"""Serving benchmark: C callers sending batch-1 requests to one server, one process per config.
+r"""Serving benchmark: C callers sending batch-1 requests to one server, one process per config.
 
 What a server here is, for C concurrent callers in a closed loop (each sends its next request
 as soon as the last one returned):
