@@ -40,9 +40,10 @@ def check_layout(
     alignment: int,
     threshold: int = 1024,
 ) -> None:
-    """Every external tensor is aligned, holds the expected bytes, and ranges don't overlap;
-    nothing at or above the threshold stayed in the graph."""
+    """Every external tensor is aligned by the layout rule, holds the expected bytes, and ranges
+    don't overlap; nothing at or above the threshold stayed in the graph."""
     limit = max(threshold, 128)  # prepare keeps tensors under 128 bytes inline regardless
+    assert result.manifest.alignment_bytes == alignment
     model = onnx.load_model(str(result.model_path), load_external_data=False)
     data = result.weights_path.read_bytes()
     assert len(data) == result.manifest.size_bytes
@@ -58,7 +59,15 @@ def check_layout(
             info = {e.key: e.value for e in t.external_data}
             assert info["location"] == result.weights_path.name
             offset, length = int(info["offset"]), int(info["length"])
-            assert offset % alignment == 0
+            # Large tensors at the alignment, small ones at 64 bytes (or their size's largest
+            # power of two): never padded by more than their own size.
+            rule = (
+                alignment
+                if length >= alignment
+                else min(64, 1 << (max(length, 1).bit_length() - 1))
+            )
+            assert result.manifest.alignment_for(length) == rule
+            assert offset % rule == 0
             assert data[offset : offset + length] == expected[t.name]
             ranges.append((offset, offset + length))
     ranges.sort()
@@ -119,12 +128,13 @@ def test_small_tensors_stay_inline_and_threshold_is_honoured(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("alignment", [4096, 65536])
 def test_alignment_is_configurable(tmp_path: Path, alignment: int) -> None:
-    model = build_model(["initializer", "constant", "scan_initializer"], dim=DIM)
+    # 64 KiB weights: large at either alignment; the Scan's state (512 bytes) is small.
+    model = build_model(["initializer", "constant", "scan_initializer"], dim=128)
     result = sharedml.prepare(
         save_model(model, tmp_path / "m.onnx"), tmp_path / "p.onnx", alignment_bytes=alignment
     )
     check_layout(result, original_tensors(model), alignment)
-    assert result.manifest.size_bytes % alignment == 0
+    assert result.manifest.size_bytes % 4096 == 0  # the file ends on a page
 
 
 @pytest.mark.parametrize("alignment", [0, 1000, 2048])
@@ -388,3 +398,149 @@ def test_outputs_get_the_permissions_the_umask_gives(tmp_path: Path) -> None:
         os.umask(old)
     for path in (result.model_path, result.weights_path):
         assert path.stat().st_mode & 0o777 == 0o644  # readable by workers running as others
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: small tensors are packed, so the output stays a small multiple of the input (issue 17)
+
+TINY_TENSORS = 100_000
+
+
+def tiny_external_model(folder: Path, count: int) -> Path:
+    """``count`` one-byte external tensors in one data file: a model of ~6 MB of entries."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "w.bin").write_bytes(bytes(range(256)) * (count // 256 + 1))
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    for i in range(count):
+        t = graph.initializer.add(name=f"t{i}", data_type=TensorProto.UINT8, dims=[1])
+        t.data_location = TensorProto.EXTERNAL
+        t.external_data.add(key="location", value="w.bin")
+        t.external_data.add(key="offset", value=str(i))
+        t.external_data.add(key="length", value="1")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = folder / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_many_tiny_tensors_do_not_each_cost_a_page(tmp_path: Path) -> None:
+    src = tiny_external_model(tmp_path / "src", TINY_TENSORS)
+    input_bytes = sum(p.stat().st_size for p in src.parent.iterdir())
+    result = sharedml.prepare(src, tmp_path / "out" / "m.onnx")
+    output_bytes = result.model_path.stat().st_size + result.weights_path.stat().st_size
+    # Was 62x (a page per tensor: 410 MB for 6.6 MB). Every padding is now smaller than its
+    # tensor, so the weights stay under twice their data plus the final page.
+    assert result.tensors_moved == TINY_TENSORS
+    assert result.manifest.size_bytes <= 2 * result.bytes_moved + 4096
+    assert output_bytes <= 2 * input_bytes + 4096, (output_bytes, input_bytes)
+    store = sharedml.WeightStore.open(result.model_path)  # the store accepts the packed offsets
+    assert len(store.slots) == TINY_TENSORS
+    data = (src.parent / "w.bin").read_bytes()
+    for slot in store.slots[:: TINY_TENSORS // 100]:
+        i = int(slot.name[1:])
+        assert bytes(store.buffer[slot.offset : slot.offset + 1]) == data[i : i + 1]
+
+
+SMALL_TYPES = [np.uint8, np.float16, np.float32, np.int64, np.float64]
+
+
+def mixed_size_model(folder: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """Constants of many sizes and element types, external and inline, each summed to an output.
+
+    Sizes straddle every class boundary of the layout (1 element, under 64 bytes, just under and
+    over a page), for element sizes from 1 to 8 bytes.
+    """
+    rng = np.random.default_rng(3)
+    arrays: dict[str, np.ndarray] = {}
+    for dtype in SMALL_TYPES:
+        itemsize = np.dtype(dtype).itemsize
+        for count in sorted({1, 3, 8, 40 // itemsize or 1, 4095 // itemsize, 5000 // itemsize}):
+            values = rng.standard_normal(count) * 10
+            arrays[f"{np.dtype(dtype).name}_{count}"] = values.astype(dtype)
+    model_inits = [numpy_helper.from_array(a, name) for name, a in arrays.items()]
+    nodes, outputs = [], []
+    for name, a in arrays.items():
+        nodes.append(helper.make_node("Identity", [name], [f"out_{name}"]))
+        outputs.append(
+            helper.make_tensor_value_info(
+                f"out_{name}", helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape)
+            )
+        )
+    graph = helper.make_graph(nodes, "mixed", [], outputs, initializer=model_inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = save_model(model, folder / "m.onnx", external="one", threshold=0)
+    return path, arrays
+
+
+@pytest.mark.parametrize("mechanism", ["in-memory-file", "add-initializer", "ort-mmap"])
+def test_packed_small_tensors_load_through_every_mechanism(tmp_path: Path, mechanism: str) -> None:
+    src, arrays = mixed_size_model(tmp_path / "src")
+    result = sharedml.prepare(src, tmp_path / "out" / "m.onnx", size_threshold_bytes=0)
+    store = sharedml.WeightStore.open(result.model_path)
+    for slot in store.slots:
+        assert slot.offset % result.manifest.alignment_for(slot.length) == 0
+        itemsize = np.dtype(arrays[slot.name].dtype).itemsize
+        assert slot.offset % itemsize == 0, slot  # natural alignment for the element type
+        assert slot.length < 4096 or slot.offset % 4096 == 0, slot
+    assert any(s.offset % 4096 for s in store.slots)  # small ones really are packed
+    del store
+    with sharedml.SessionPool(result.model_path, sessions=1, mechanism=mechanism) as pool:
+        outputs = pool.run(None, {})
+    for got, want in zip(outputs, arrays.values(), strict=True):  # outputs in graph order
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_format_1_prepared_model_still_loads(tmp_path: Path) -> None:
+    # Format 1 aligned every tensor to alignment_bytes; those offsets satisfy today's rule.
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    result = sharedml.prepare(src, tmp_path / "out" / "m.onnx")
+    model = onnx.load_model(str(result.model_path), load_external_data=False)
+    for prop in model.metadata_props:
+        if prop.key == "sharedml.weights":
+            raw = json.loads(prop.value)
+            del raw["small_alignment_bytes"]
+            prop.value = json.dumps({**raw, "format": 1})
+    old = tmp_path / "old" / "m.onnx"
+    old.parent.mkdir()
+    old.write_bytes(model.SerializeToString())
+    (old.parent / "m.weights").write_bytes(result.weights_path.read_bytes())
+    store = sharedml.WeightStore.open(old)
+    assert store.manifest.small_alignment_bytes == store.manifest.alignment_bytes == 4096
+    del store
+    np.testing.assert_array_equal(run_ort(old, feeds(DIM)), run_ort(src, feeds(DIM)))
+    for prop in model.metadata_props:
+        if prop.key == "sharedml.weights":
+            prop.value = json.dumps({**json.loads(prop.value), "format": 99})
+    old.chmod(0o644)
+    old.write_bytes(model.SerializeToString())
+    with pytest.raises(sharedml.InvalidModelError, match=r"format 99.*prepare the model again"):
+        sharedml.WeightStore.open(old)
+
+
+@pytest.mark.parametrize("alignment", [2**40, 2**31, 3 * 4096])
+def test_alignment_is_bounded(
+    tmp_path: Path, alignment: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sharedml.cli import main
+
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    with pytest.raises(ValueError, match=r"alignment_bytes must be a power of two from 4096 to"):
+        sharedml.prepare(src, tmp_path / "p.onnx", alignment_bytes=alignment)
+    argv = ["prepare", str(src), "-o", str(tmp_path / "p.onnx"), "--alignment", str(alignment)]
+    assert main(argv) == 1  # one line, no MemoryError traceback
+    err = capsys.readouterr().err
+    assert err.startswith("sharedml: error: alignment_bytes") and err.count("\n") == 1
+    assert not (tmp_path / "p.onnx").exists()
+
+
+def test_the_largest_alignment_costs_nothing_for_small_tensors(tmp_path: Path) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    result = sharedml.prepare(src, tmp_path / "p.onnx", alignment_bytes=2**30)
+    assert result.manifest.size_bytes == 4 * DIM * DIM  # 16 KiB < 1 GiB: packed, no padding
+    np.testing.assert_array_equal(run_ort(result.model_path, feeds(DIM)), run_ort(src, feeds(DIM)))

@@ -282,7 +282,8 @@ def test_identical_ranges_are_tied_weights_stored_once(tmp_path: Path) -> None:
         for t in prepared.graph.initializer
     }
     assert offsets["tied_a"] == offsets["tied_b"] != offsets["other"]
-    assert result.manifest.size_bytes == 2 * 4096  # two distinct tensors, one page each
+    # Two distinct 1 KiB tensors, packed at 64 bytes: one page in all, not a page each.
+    assert result.manifest.size_bytes == 4096
     with sharedml.SessionPool(result.model_path, sessions=1) as pool:
         out = pool.run(None, {"x": np.zeros(N, np.float32)})[0]
     np.testing.assert_array_equal(out, 2 * values[N : 2 * N] + values[2 * N : 3 * N])
@@ -535,6 +536,31 @@ def test_tampered_slots_are_refused_by_the_weight_store(
     with pytest.raises(sharedml.ExternalDataError) as info:
         sharedml.SessionPool(model, sessions=1, mechanism="add-initializer")
     assert_names(info.value, model, prepared.manifest.file)
+
+
+@pytest.mark.parametrize(
+    ("shift", "why"), [(4, "misaligned"), (8, "misaligned"), (1 << 20, "past_end")]
+)
+def test_a_tampered_small_tensor_offset_is_refused_by_the_weight_store(
+    tmp_path: Path, shift: int, why: str
+) -> None:
+    # 1 KiB tensors are packed at 64 bytes: an offset off that grid (or past the end) is a
+    # graph changed after prepare, and would hand ORT a buffer misaligned for its type.
+    folder = tmp_path / "model"
+    data_file(folder / "w.bin")
+    tensors = [external(name, "w.bin", offset=i * NBYTES) for i, name in enumerate("abc")]
+    result = sharedml.prepare(
+        write(add_chain(tensors), folder / "m.onnx"), tmp_path / "p" / "m.onnx"
+    )
+    model = _copy_prepared(result, tmp_path / "t")
+    graph = onnx.load_model(str(model), load_external_data=False)
+    entry = next(e for e in graph.graph.initializer[1].external_data if e.key == "offset")
+    assert int(entry.value) % 64 == 0 and int(entry.value) % 4096  # packed, not on a page
+    entry.value = str(int(entry.value) + shift)
+    model.write_bytes(graph.SerializeToString())
+    with pytest.raises(sharedml.ExternalDataError, match="changed after prepare") as info:
+        sharedml.SessionPool(model, sessions=1, mechanism="add-initializer")
+    assert_names(info.value, model, "b")
 
 
 def _symlinked_weights(prepared: sharedml.PrepareResult, tmp_path: Path) -> tuple[Path, bytes]:

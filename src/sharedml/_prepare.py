@@ -4,8 +4,14 @@
 Every tensor of at least ``size_threshold_bytes`` moves into the weights file, wherever it was
 in the source: an initializer stored inline or in external data files, a ``Constant`` node
 (turned into an initializer of the same graph, as ORT itself does at load), or either of those
-inside ``If``/``Loop``/``Scan`` bodies at any depth. Each tensor starts at a multiple of
-``alignment_bytes`` so that a mapping of the file hands ORT aligned buffers.
+inside ``If``/``Loop``/``Scan`` bodies at any depth.
+
+Layout (:meth:`WeightsManifest.alignment_for`): a tensor of at least ``alignment_bytes`` (a
+page by default) starts at a multiple of it, so that a mapping hands ORT page-aligned buffers;
+a smaller one starts at a multiple of 64 bytes, or of the largest power of two not above its
+size when it is smaller still, which is still a multiple of its element size. Every tensor's
+padding is thus smaller than the tensor, so the weights file stays under twice the tensor data
+plus one page, whatever the model (100,000 one-byte tensors no longer cost a page each).
 
 The data is streamed: external tensors are copied in chunks, so peak memory is about one chunk
 plus the graph, not the model's size. Models over 2 GB arrive with external data and prepare
@@ -48,6 +54,8 @@ from sharedml._onnx import (
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
     "DEFAULT_SIZE_THRESHOLD_BYTES",
+    "MAX_ALIGNMENT_BYTES",
+    "SMALL_ALIGNMENT_BYTES",
     "MANIFEST_KEY",
     "PrepareResult",
     "WeightsManifest",
@@ -61,11 +69,22 @@ __all__ = [
     "weights_path_for",
 ]
 
-DEFAULT_ALIGNMENT_BYTES = 4096  # bytes: one page, so every tensor can be mapped on its own
+DEFAULT_ALIGNMENT_BYTES = 4096  # bytes: one page, so every large tensor is mapped page-aligned
+# bytes: the largest alignment prepare accepts. 1 GiB is the largest huge page (x86-64); beyond
+# it no mapping gains anything, and a typo (a TiB) must be a clear error, not a huge file.
+MAX_ALIGNMENT_BYTES = 1 << 30
+# bytes: where tensors smaller than the alignment start. A cache line, and a multiple of every
+# element size (complex128 is 16 bytes), which is what ORT's kernels and DLPack views need.
+SMALL_ALIGNMENT_BYTES = 64
 DEFAULT_SIZE_THRESHOLD_BYTES = 1024  # bytes: what onnx's own external-data helpers use
 MANIFEST_KEY = "sharedml.weights"  # metadata_props key of the prepared model
-_FORMAT_VERSION = 1
+# 2: tensors smaller than alignment_bytes start at SMALL_ALIGNMENT_BYTES (1: every tensor at
+# alignment_bytes). Format 1 files still load: their offsets satisfy the format 2 rule.
+_FORMAT_VERSION = 2
+_READABLE_FORMATS = (1, 2)
+_END_ALIGNMENT_BYTES = 4096  # bytes: the file ends on a page, as a mapping does
 _CHUNK_BYTES = 16 * 1024 * 1024  # bytes copied at a time: bounds prepare's peak memory
+_ZEROS = bytes(64 * 1024)  # padding is written from this, so no padding is ever allocated
 # Tensors under this many bytes always stay inline, whatever the threshold: shape inference at
 # load must read small constant inputs (Reshape's shape, Slice's starts) from the graph, and ORT
 # copies external tensors this small into the graph at load anyway.
@@ -73,6 +92,14 @@ _ALWAYS_INLINE_BYTES = 128
 
 ProgressCallback = Callable[[int, int], None]
 """Called as ``progress(bytes_done, bytes_total)`` while the weights file is written."""
+
+
+def _floor_power_of_two(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _is_power_of_two(n: object) -> bool:
+    return isinstance(n, int) and n > 0 and not n & (n - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +110,11 @@ class WeightsManifest:
         file: The weights file's name, relative to the model's folder.
         size_bytes: Its exact size.
         sha256: Hex SHA-256 of its whole content.
-        alignment_bytes: The alignment every tensor offset honours.
+        alignment_bytes: Where tensors of at least this size start: at multiples of it.
         tensors: How many tensors the file holds.
+        small_alignment_bytes: Where smaller tensors start (see :meth:`alignment_for`).
+            Files of format 1, which aligned every tensor to ``alignment_bytes``, read as
+            ``alignment_bytes`` here.
     """
 
     file: str
@@ -92,6 +122,21 @@ class WeightsManifest:
     sha256: str
     alignment_bytes: int
     tensors: int
+    small_alignment_bytes: int = SMALL_ALIGNMENT_BYTES
+
+    def alignment_for(self, nbytes: int) -> int:
+        """The alignment of a tensor of ``nbytes`` in this file: prepare's layout rule.
+
+        ``alignment_bytes`` for a tensor at least that large (mapped page-aligned); else
+        ``small_alignment_bytes``, or the largest power of two not above ``nbytes`` where that
+        is smaller. The last keeps every padding below its tensor's size (the file stays under
+        twice its data) and is still a multiple of the element size, which divides ``nbytes``.
+        The weight store refuses an offset that breaks this rule (a graph changed after
+        prepare).
+        """
+        if nbytes >= self.alignment_bytes:
+            return self.alignment_bytes
+        return min(self.small_alignment_bytes, _floor_power_of_two(nbytes))
 
     def to_json(self) -> str:
         """Serialize as stored in the model's ``metadata_props``."""
@@ -102,11 +147,28 @@ class WeightsManifest:
         """Parse the stored form; raises ``InvalidModelError`` when malformed."""
         try:
             raw = json.loads(text)
-            if raw.pop("format") != _FORMAT_VERSION:
-                raise ValueError("unknown format version")
+            version = raw.pop("format")
+            if version not in _READABLE_FORMATS:
+                raise InvalidModelError(
+                    f"The {MANIFEST_KEY} metadata has format {version!r}, which this sharedml "
+                    f"does not read (it reads {', '.join(map(str, _READABLE_FORMATS))}): prepare "
+                    "the model again with this version of sharedml."
+                )
+            if version == 1:  # every tensor at alignment_bytes
+                raw.setdefault("small_alignment_bytes", raw.get("alignment_bytes"))
             manifest = cls(**raw)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            if isinstance(exc, InvalidModelError):
+                raise
             raise InvalidModelError(f"Malformed {MANIFEST_KEY} metadata: {exc}") from None
+        if not (
+            _is_power_of_two(manifest.alignment_bytes)
+            and _is_power_of_two(manifest.small_alignment_bytes)
+        ):
+            raise InvalidModelError(
+                f"Malformed {MANIFEST_KEY} metadata: alignments {manifest.alignment_bytes} and "
+                f"{manifest.small_alignment_bytes} are not powers of two. Prepare the model again."
+            )
         if Path(manifest.file).name != manifest.file:
             raise UnsafePathError(
                 f"The prepared model names weights file {manifest.file!r}, which is not a plain "
@@ -318,8 +380,10 @@ class _HashingWriter:
 
     def pad_to(self, alignment: int) -> None:
         pad = -self.position % alignment
-        if pad:
-            self.write(b"\0" * pad)
+        while pad:  # from a small buffer of zeros: padding costs no memory, whatever its size
+            step = min(pad, len(_ZEROS))
+            self.write(memoryview(_ZEROS)[:step])
+            pad -= step
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -332,10 +396,10 @@ def _same_file(a: Path, b: Path) -> bool:
 def _write_weights(
     moving: list[_Source],
     writer: _HashingWriter,
-    location: str,
-    alignment: int,
+    layout: WeightsManifest,
     progress: ProgressCallback | None,
 ) -> None:
+    location = layout.file
     total = sum(src.nbytes for src in moving)
     done = 0
     placed: dict[tuple[Path, int, int], int] = {}  # tied weights are written once
@@ -347,7 +411,7 @@ def _write_weights(
                 set_external(src.tensor, location, placed[key], src.nbytes)
                 done += src.nbytes
                 continue
-            writer.pad_to(alignment)
+            writer.pad_to(layout.alignment_for(src.nbytes))
             start = writer.position
             if src.file is None:
                 data = inline_bytes(src.tensor)
@@ -375,8 +439,7 @@ def _write_weights(
             done += src.nbytes
             if progress is not None:
                 progress(done, total)
-        # A file ending on the alignment keeps `size` a multiple of a page for mmap users.
-        writer.pad_to(alignment)
+        writer.pad_to(_END_ALIGNMENT_BYTES)
     finally:
         for fh in handles.values():
             fh.close()
@@ -424,14 +487,17 @@ def prepare(
         size_threshold_bytes: Tensors at least this large move to the weights file; smaller
             ones stay in the graph (and those under 128 bytes always do: shape inference must
             read them). Tensors that were in external files always move.
-        alignment_bytes: Every tensor's offset is a multiple of this (a power of two, at least
-            4096 so that each tensor can be mapped on its own).
+        alignment_bytes: Tensors at least this large start at a multiple of it (a power of two
+            from 4096, one page, to :data:`MAX_ALIGNMENT_BYTES`); smaller ones at a multiple of
+            64 bytes or of their size's largest power of two (:meth:`WeightsManifest.
+            alignment_for`), so that no padding is larger than its tensor.
         progress: Called as ``progress(bytes_done, bytes_total)`` while weights are copied.
 
     Returns:
         A :class:`PrepareResult` describing what was written.
 
     Raises:
+        ValueError: ``alignment_bytes`` or ``size_threshold_bytes`` is out of range.
         ModelNotFoundError: ``src`` does not exist.
         InvalidModelError: ``src`` is not a valid ONNX model.
         ExternalDataError: external data is missing, truncated, overlapping or malformed.
@@ -443,8 +509,13 @@ def prepare(
     """
     src_path = Path(src)
     dst_path = Path(dst)
-    if alignment_bytes < 4096 or alignment_bytes & (alignment_bytes - 1):
-        raise ValueError(f"alignment_bytes must be a power of two >= 4096, not {alignment_bytes}.")
+    if not _is_power_of_two(alignment_bytes) or not (
+        DEFAULT_ALIGNMENT_BYTES <= alignment_bytes <= MAX_ALIGNMENT_BYTES
+    ):
+        raise ValueError(
+            f"alignment_bytes must be a power of two from {DEFAULT_ALIGNMENT_BYTES} to "
+            f"{MAX_ALIGNMENT_BYTES} (1 GiB), not {alignment_bytes}."
+        )
     if size_threshold_bytes < 0:
         raise ValueError("size_threshold_bytes must not be negative.")
     model = load_graph(src_path)
@@ -464,21 +535,18 @@ def prepare(
                 f"external data. Write the prepared model elsewhere."
             )
 
+    layout = WeightsManifest(weights_path.name, 0, "", alignment_bytes, len(moving))
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_weights = tmp_model = None
     try:
         fd, tmp_weights = _create_temp(weights_path)
         with os.fdopen(fd, "wb") as fh:
             writer = _HashingWriter(fh)
-            _write_weights(moving, writer, weights_path.name, alignment_bytes, progress)
+            _write_weights(moving, writer, layout, progress)
             fh.flush()
             os.fsync(fh.fileno())
-        manifest = WeightsManifest(
-            file=weights_path.name,
-            size_bytes=writer.position,
-            sha256=writer.sha.hexdigest(),
-            alignment_bytes=alignment_bytes,
-            tensors=len(moving),
+        manifest = dataclasses.replace(
+            layout, size_bytes=writer.position, sha256=writer.sha.hexdigest()
         )
         _replace_metadata(model, manifest)
         fd, tmp_model = _create_temp(dst_path)
@@ -514,7 +582,7 @@ def prepare(
 # --------------------------------------------------------------------------------------------
 # Prepared once per content: the cache's ``models`` entries
 
-_KEY_VERSION = "1"  # bump when prepare's output format changes
+_KEY_VERSION = "2"  # bump when prepare's output format changes (2: small tensors packed)
 _PREPARED_NAME = "model.onnx"
 
 

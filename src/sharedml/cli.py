@@ -110,7 +110,10 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_ALIGNMENT_BYTES,
         metavar="BYTES",
-        help="alignment of every tensor in the weights file (default: %(default)s)",
+        help=(
+            "alignment of every tensor at least this large in the weights file; smaller ones "
+            "are packed at 64 bytes (a power of two from 4096 to 1 GiB; default: %(default)s)"
+        ),
     )
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=_cmd_prepare)
