@@ -544,3 +544,83 @@ def test_the_largest_alignment_costs_nothing_for_small_tensors(tmp_path: Path) -
     result = sharedml.prepare(src, tmp_path / "p.onnx", alignment_bytes=2**30)
     assert result.manifest.size_bytes == 4 * DIM * DIM  # 16 KiB < 1 GiB: packed, no padding
     np.testing.assert_array_equal(run_ort(result.model_path, feeds(DIM)), run_ort(src, feeds(DIM)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache key and the prepared bytes come from the same read (issue 17)
+
+
+def versioned_source(folder: Path) -> tuple[Path, bytes, bytes]:
+    """A model with its weights in ``m.data``, and the data of two same-shaped versions."""
+    v1 = save_model(
+        build_model(["initializer"], dim=DIM, seed=1), folder / "v1" / "m.onnx", external="one"
+    )
+    v2 = save_model(
+        build_model(["initializer"], dim=DIM, seed=2), folder / "v2" / "m.onnx", external="one"
+    )
+    assert v1.read_bytes() == v2.read_bytes()  # the graphs are equal; only the data differs
+    live = folder / "live" / "m.onnx"
+    live.parent.mkdir()
+    live.write_bytes(v1.read_bytes())
+    data1, data2 = ((v / "m.data").read_bytes() for v in (v1.parent, v2.parent))
+    (live.parent / "m.data").write_bytes(data1)
+    return live, data1, data2
+
+
+def deploy(folder: Path, data: bytes) -> None:
+    """Replace the live data file by a rename, as a deploy does."""
+    (folder / "m.data.new").write_bytes(data)
+    os.replace(folder / "m.data.new", folder / "m.data")
+
+
+def test_a_source_changed_between_key_and_copy_is_cached_under_its_own_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sharedml import _cache, _prepare
+
+    monkeypatch.setattr(_cache, "_RACY_WINDOW_NS", 0)  # stamps too, so that none can mislead
+    src, data1, data2 = versioned_source(tmp_path)
+    v1, v2 = tmp_path / "v1" / "m.onnx", tmp_path / "v2" / "m.onnx"
+    real_prepare = _prepare.prepare
+    calls: list[int] = []
+
+    def deploy_then_prepare(*args: object, **kwargs: object) -> sharedml.PrepareResult:
+        if not calls:  # v2 lands after the key of v1 was computed, before the copy
+            deploy(src.parent, data2)
+        calls.append(1)
+        return real_prepare(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_prepare, "prepare", deploy_then_prepare)
+    entry = sharedml.prepared_model_for(src)
+    monkeypatch.setattr(_prepare, "prepare", real_prepare)
+    # The entry holds v2's weights, and its key is v2's: never v2's bytes under v1's key.
+    np.testing.assert_array_equal(run_ort(entry, feeds(DIM)), run_ort(v2, feeds(DIM)))
+    assert entry.parent.name == _prepare.content_key(src, size_threshold_bytes=1024)
+    # Roll back to v1: its own key, its own weights (was: v2's weights, for good).
+    deploy(src.parent, data1)
+    rolled_back = sharedml.prepared_model_for(src)
+    assert rolled_back != entry
+    np.testing.assert_array_equal(run_ort(rolled_back, feeds(DIM)), run_ort(v1, feeds(DIM)))
+    assert rolled_back.parent.name == _prepare.content_key(src, size_threshold_bytes=1024)
+
+
+def test_source_sha256_covers_what_was_copied(tmp_path: Path) -> None:
+    src, _data1, data2 = versioned_source(tmp_path)
+    first = sharedml.prepare(src, tmp_path / "a" / "m.onnx")
+    again = sharedml.prepare(src, tmp_path / "b" / "m.onnx")
+    assert first.source_sha256 == again.source_sha256
+    changed: list[int] = []
+
+    def change_mid_copy(done: int, total: int) -> None:
+        if not changed:  # during the copy: whatever was read is what is hashed
+            deploy(src.parent, data2)
+            changed.append(done)
+
+    mid = sharedml.prepare(src, tmp_path / "c" / "m.onnx", progress=change_mid_copy)
+    assert changed
+    # The data file was opened before the change, so the copy is v1's, and so is the digest.
+    assert mid.source_sha256 == first.source_sha256
+    assert mid.manifest.sha256 == first.manifest.sha256
+    after = sharedml.prepare(src, tmp_path / "d" / "m.onnx")
+    assert after.source_sha256 != first.source_sha256
+    assert after.manifest.sha256 != first.manifest.sha256

@@ -15,8 +15,10 @@ plus one page, whatever the model (100,000 one-byte tensors no longer cost a pag
 
 The data is streamed: external tensors are copied in chunks, so peak memory is about one chunk
 plus the graph, not the model's size. Models over 2 GB arrive with external data and prepare
-the same way. The outputs appear atomically (temporary files, then ``os.replace``), and the
-source model and its data files are only ever read.
+the same way. Every byte is read once, from a file opened without following symlinks below the
+model's folder, and hashed as it is copied (``PrepareResult.source_sha256``), so the cache keys
+an entry by exactly what it holds. The outputs appear atomically (temporary files, then
+``os.replace``), and the source model and its data files are only ever read.
 """
 
 from __future__ import annotations
@@ -28,24 +30,34 @@ import itertools
 import json
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 import onnx
 from onnx import ModelProto, TensorProto
 
-from sharedml import _host
-from sharedml._cache import Built, CacheDir, ensure_entry, recall_stamp, record_stamp
+from sharedml._cache import (
+    Built,
+    CacheDir,
+    Snapshot,
+    ensure_entry,
+    recall_stamp,
+    record_stamp,
+    snapshot,
+)
 from sharedml._errors import ExternalDataError, InvalidModelError, PrepareError, UnsafePathError
 from sharedml._host import fsync_dir
 from sharedml._onnx import (
+    ExternalSlice,
     Placement,
+    ResolvedFiles,
     external_locations,
     inline_bytes,
     is_external,
     iter_tensors,
     load_graph,
+    read_model,
     resolve_external,
     set_external,
     tensor_nbytes,
@@ -190,6 +202,10 @@ class PrepareResult:
         bytes_inline: Their data size.
         constants_converted: ``Constant`` nodes turned into initializers.
         manifest: The record stored in the model to verify the weights file.
+        source_sha256: Hex SHA-256 of exactly the source bytes prepare read to write these
+            files, in the one read that copied them: the model file, then each external slice
+            it copied (with its location, offset and length). Equal digests (with equal
+            settings) mean equal outputs; the cache keys its entries by it.
     """
 
     model_path: Path
@@ -200,6 +216,7 @@ class PrepareResult:
     bytes_inline: int
     constants_converted: int
     manifest: WeightsManifest
+    source_sha256: str
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (what ``sharedml prepare --json`` prints)."""
@@ -213,6 +230,7 @@ class PrepareResult:
             "constants_converted": self.constants_converted,
             "weights_file_bytes": self.manifest.size_bytes,
             "weights_sha256": self.manifest.sha256,
+            "source_sha256": self.source_sha256,
         }
 
 
@@ -236,12 +254,19 @@ def read_manifest(model: ModelProto) -> WeightsManifest | None:
 
 @dataclasses.dataclass
 class _Source:
-    """Where a tensor's bytes come from: a slice of a file, or bytes in the graph."""
+    """Where a tensor's bytes come from: a checked slice of a file, or bytes in the graph."""
 
     tensor: TensorProto
     nbytes: int
-    file: Path | None = None
-    offset: int = 0
+    piece: ExternalSlice | None = None
+
+    @property
+    def file(self) -> Path | None:
+        return self.piece.file if self.piece is not None else None
+
+    @property
+    def offset(self) -> int:
+        return self.piece.offset if self.piece is not None else 0
 
 
 @dataclasses.dataclass
@@ -267,10 +292,10 @@ class WeightsPlan:
         return sum(s.nbytes for s in self.moving)
 
 
-def _source_of(tensor: TensorProto, model_path: Path) -> _Source | None:
+def _source_of(tensor: TensorProto, model_path: Path, files: ResolvedFiles) -> _Source | None:
     if is_external(tensor):
-        piece = resolve_external(tensor, model_path)
-        return _Source(tensor=tensor, nbytes=piece.length, file=piece.file, offset=piece.offset)
+        piece = resolve_external(tensor, model_path, resolved_files=files)
+        return _Source(tensor=tensor, nbytes=piece.length, piece=piece)
     expected = tensor_nbytes(tensor)
     if expected is None:
         return None
@@ -329,6 +354,7 @@ def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> Weights
     moving: list[_Source] = []
     inline_count = inline_bytes = converted = 0
     floor = max(threshold, _ALWAYS_INLINE_BYTES)
+    files: ResolvedFiles = {}
     # Initializers that are not graph inputs need IR version 4; older models keep their Constants.
     may_convert = model.ir_version >= 4
     for ref in list(iter_tensors(model.graph)):
@@ -338,7 +364,7 @@ def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> Weights
             if not may_convert or len(ref.node.output) != 1:
                 continue
             size = (
-                resolve_external(tensor, model_path).length
+                resolve_external(tensor, model_path, resolved_files=files).length
                 if is_external(tensor)
                 else tensor_nbytes(tensor)
             )
@@ -351,7 +377,7 @@ def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> Weights
             converted += 1
         elif ref.placement is not Placement.INITIALIZER:
             continue
-        src = _source_of(tensor, model_path)
+        src = _source_of(tensor, model_path, files)
         # External tensors always move, small or not: the prepared model must not point at
         # the source's files, which need not travel with it.
         if src is None or (src.file is None and src.nbytes < floor):
@@ -361,6 +387,95 @@ def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> Weights
         moving.append(src)
     _check_overlaps(moving, model_path)
     return WeightsPlan(moving, inline_count, inline_bytes, converted)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: every source byte once, hashed as it is handed out
+
+
+class _SourceReader:
+    """Hands out the source bytes prepare copies, each read once, and hashes exactly those.
+
+    The digest covers the model file's bytes, then, in plan order, each external slice read
+    (framed by its index in the plan, its location, offset and length) and each tied tensor's
+    reuse of an earlier slice. prepare's output is a function of exactly this sequence, so an
+    entry keyed by the digest holds what its key says even when a source file changes between
+    a key lookup and the copy, or during the copy: the changed bytes get their own key.
+
+    One external file is open at a time: models with a file per tensor have thousands.
+    """
+
+    def __init__(self, model_bytes: bytes) -> None:
+        self._sha = hashlib.sha256(f"sharedml-source:1:{len(model_bytes)}\n".encode())
+        self._sha.update(model_bytes)
+        self._open: tuple[Path, BinaryIO] | None = None
+
+    def hexdigest(self) -> str:
+        """The digest of everything handed out so far."""
+        return self._sha.hexdigest()
+
+    def tied(self, index: int, earlier: int) -> None:
+        """Record that tensor ``index`` of the plan reuses the bytes of tensor ``earlier``."""
+        self._sha.update(f"\n{index} = {earlier}\n".encode())
+
+    def read(self, index: int, piece: ExternalSlice, name: str) -> Iterator[bytes]:
+        """The bytes of tensor ``index`` (``name``), in chunks, from a checked open file."""
+        fh = self._file(piece, name)
+        self._sha.update(f"\n{index} {piece.location!r} {piece.offset} {piece.length}\n".encode())
+        fh.seek(piece.offset)
+        remaining = piece.length
+        while remaining:
+            try:
+                chunk = fh.read(min(_CHUNK_BYTES, remaining))
+            except OSError as exc:
+                raise ExternalDataError(
+                    f"Reading tensor '{name}' from external data file '{piece.file}' failed "
+                    f"({exc.strerror or exc})."
+                ) from None
+            if not chunk:
+                raise ExternalDataError(
+                    f"External data file '{piece.file}' ended early while reading tensor '{name}'."
+                )
+            self._sha.update(chunk)
+            remaining -= len(chunk)
+            yield chunk
+
+    def _file(self, piece: ExternalSlice, name: str) -> BinaryIO:
+        if self._open is not None:
+            if self._open[0] == piece.file:
+                piece.check_open(self._open[1], name)
+                return self._open[1]
+            self.close()
+        fh = piece.open(name)
+        self._open = (piece.file, fh)
+        return fh
+
+    def close(self) -> None:
+        """Close the open external file, if any."""
+        if self._open is not None:
+            self._open[1].close()
+            self._open = None
+
+
+def _reads(moving: list[_Source]) -> Iterator[tuple[int, _Source, int | None]]:
+    """Each tensor that moves, with the index of an earlier one whose bytes it shares (tied)."""
+    first: dict[tuple[Path, int, int], int] = {}
+    for index, src in enumerate(moving):
+        if src.piece is None:
+            yield index, src, None
+            continue
+        earlier = first.setdefault((src.piece.file, src.piece.offset, src.nbytes), index)
+        yield index, src, earlier if earlier != index else None
+
+
+def _hash_sources(moving: list[_Source], reader: _SourceReader) -> None:
+    """Feed ``reader`` what :func:`_write_weights` would read, without writing anything."""
+    for index, src, earlier in _reads(moving):
+        if earlier is not None:
+            reader.tied(index, earlier)
+        elif src.piece is not None:
+            for _chunk in reader.read(index, src.piece, src.tensor.name):
+                pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,60 +504,42 @@ class _HashingWriter:
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
 def _write_weights(
     moving: list[_Source],
     writer: _HashingWriter,
+    reader: _SourceReader,
     layout: WeightsManifest,
     progress: ProgressCallback | None,
 ) -> None:
-    location = layout.file
     total = sum(src.nbytes for src in moving)
     done = 0
-    placed: dict[tuple[Path, int, int], int] = {}  # tied weights are written once
-    handles: dict[Path, IO[bytes]] = {}
-    try:
-        for src in moving:
-            key = (src.file, src.offset, src.nbytes) if src.file is not None else None
-            if key is not None and key in placed:
-                set_external(src.tensor, location, placed[key], src.nbytes)
-                done += src.nbytes
-                continue
+    placed: dict[int, int] = {}  # plan index -> offset; tied weights are written once
+    for index, src, earlier in _reads(moving):
+        if earlier is not None:
+            reader.tied(index, earlier)
+            start = placed[earlier]
+        else:
             writer.pad_to(layout.alignment_for(src.nbytes))
             start = writer.position
-            if src.file is None:
+            if src.piece is None:
                 data = inline_bytes(src.tensor)
                 writer.write(data)
                 del data
             else:
-                fh = handles.get(src.file)
-                if fh is None:
-                    fh = handles[src.file] = open(src.file, "rb")  # noqa: SIM115 - closed below
-                fh.seek(src.offset)
-                remaining = src.nbytes
-                while remaining:
-                    chunk = fh.read(min(_CHUNK_BYTES, remaining))
-                    if not chunk:
-                        raise ExternalDataError(
-                            f"External data file '{src.file}' ended early while reading tensor "
-                            f"'{src.tensor.name}'."
-                        )
+                for chunk in reader.read(index, src.piece, src.tensor.name):
                     writer.write(chunk)
-                    remaining -= len(chunk)
                     if progress is not None:
-                        progress(done + src.nbytes - remaining, total)
-                placed[key] = start  # type: ignore[index]
-            set_external(src.tensor, location, start, src.nbytes)
-            done += src.nbytes
-            if progress is not None:
-                progress(done, total)
-        writer.pad_to(_END_ALIGNMENT_BYTES)
-    finally:
-        for fh in handles.values():
-            fh.close()
+                        progress(done + writer.position - start, total)
+        placed[index] = start
+        set_external(src.tensor, layout.file, start, src.nbytes)
+        done += src.nbytes
+        if progress is not None:
+            progress(done, total)
+    writer.pad_to(_END_ALIGNMENT_BYTES)
 
 
 def _replace_metadata(model: ModelProto, manifest: WeightsManifest) -> None:
@@ -500,15 +597,15 @@ def prepare(
         ValueError: ``alignment_bytes`` or ``size_threshold_bytes`` is out of range.
         ModelNotFoundError: ``src`` does not exist.
         InvalidModelError: ``src`` is not a valid ONNX model.
-        ExternalDataError: external data is missing, truncated, overlapping or malformed.
-        UnsafePathError: an external data location points outside ``src``'s folder.
+        ExternalDataError: external data is missing, truncated, overlapping, malformed, or not
+            a regular file.
+        UnsafePathError: an external data location points outside ``src``'s folder, or a
+            symlink was swapped in below it while prepare opened the file.
         PrepareError: ``dst`` or its weights file would overwrite the source or its data.
 
     Thread safety: safe to call concurrently, also on the same ``dst`` (the last one wins,
     each result complete).
     """
-    src_path = Path(src)
-    dst_path = Path(dst)
     if not _is_power_of_two(alignment_bytes) or not (
         DEFAULT_ALIGNMENT_BYTES <= alignment_bytes <= MAX_ALIGNMENT_BYTES
     ):
@@ -518,8 +615,12 @@ def prepare(
         )
     if size_threshold_bytes < 0:
         raise ValueError("size_threshold_bytes must not be negative.")
-    model = load_graph(src_path)
+    src_path = Path(src)
+    dst_path = Path(dst)
     weights_path = weights_path_for(dst_path)
+    model, model_bytes = read_model(src_path)
+    reader = _SourceReader(model_bytes)
+    del model_bytes
     if _same_file(src_path, dst_path):
         raise PrepareError(
             f"prepare would overwrite its source model '{src_path}'. Write the prepared model to "
@@ -527,22 +628,21 @@ def prepare(
         )
 
     plan = plan_weights(model, src_path, size_threshold_bytes)
-    moving = plan.moving
-    for source_file in {s.file for s in moving if s.file is not None}:
+    for source_file in {s.file for s in plan.moving if s.file is not None}:
         if _same_file(source_file, weights_path):
             raise PrepareError(
                 f"prepare would overwrite '{weights_path}', which holds the source model's "
                 f"external data. Write the prepared model elsewhere."
             )
+    layout = WeightsManifest(weights_path.name, 0, "", alignment_bytes, len(plan.moving))
 
-    layout = WeightsManifest(weights_path.name, 0, "", alignment_bytes, len(moving))
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_weights = tmp_model = None
     try:
         fd, tmp_weights = _create_temp(weights_path)
         with os.fdopen(fd, "wb") as fh:
             writer = _HashingWriter(fh)
-            _write_weights(moving, writer, layout, progress)
+            _write_weights(plan.moving, writer, reader, layout, progress)
             fh.flush()
             os.fsync(fh.fileno())
         manifest = dataclasses.replace(
@@ -562,6 +662,7 @@ def prepare(
         tmp_model = None
         fsync_dir(dst_path.parent)
     finally:
+        reader.close()
         for leftover in (tmp_weights, tmp_model):
             if leftover is not None:
                 with contextlib.suppress(OSError):
@@ -570,49 +671,68 @@ def prepare(
     return PrepareResult(
         model_path=dst_path,
         weights_path=weights_path,
-        tensors_moved=len(moving),
+        tensors_moved=len(plan.moving),
         bytes_moved=plan.moving_bytes,
         tensors_inline=plan.inline_tensors,
         bytes_inline=plan.inline_bytes,
         constants_converted=plan.constants_converted,
         manifest=manifest,
+        source_sha256=reader.hexdigest(),
     )
 
 
 # --------------------------------------------------------------------------------------------
 # Prepared once per content: the cache's ``models`` entries
 
-_KEY_VERSION = "2"  # bump when prepare's output format changes (2: small tensors packed)
+_KEY_VERSION = "2"  # bump when prepare's output format, or what the key covers, changes
 _PREPARED_NAME = "model.onnx"
 
 
-def _content_key(
-    path: Path, model: ModelProto, size_threshold_bytes: int
-) -> tuple[str, list[Path]]:
-    """The entry key, and the external data files it covers (existing or not)."""
-    sha = hashlib.sha256(f"sharedml-cache:{_KEY_VERSION}:{size_threshold_bytes}\n".encode())
-    _host.sha256_file(path, sha)
-    base = Path(os.path.realpath(path.parent))
-    covered: list[Path] = []
-    for location in sorted(external_locations(model.graph)):
-        sha.update(f"\n{location}\n".encode())
-        try:
-            target = Path(os.path.realpath(base / location))
-            inside = os.path.commonpath([base, target]) == str(base)
-        except ValueError:  # NUL bytes, other drives: prepare reports these with its errors
-            continue
-        # Unsafe or missing locations are prepare's to report, with its clear errors.
-        if inside:
-            covered.append(target)
-            if target.is_file():
-                _host.sha256_file(target, sha)
-    return sha.hexdigest(), covered
+def _key_of(source_sha256: str, size_threshold_bytes: int) -> str:
+    """The ``models`` entry key of a source whose bytes hash to ``source_sha256``."""
+    text = f"sharedml-cache:{_KEY_VERSION}:{size_threshold_bytes}:{source_sha256}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _source_key(
+    path: Path, model: ModelProto, model_bytes: bytes, before: Snapshot, size_threshold_bytes: int
+) -> tuple[str, Snapshot]:
+    """The entry key of a source, from the reads prepare would make, and what they covered.
+
+    ``model`` and ``model_bytes`` are one read of ``path``, made after ``before`` was taken.
+    The external data files are snapshotted before their bytes are read, so that a stamp of
+    the result vouches only for files that did not change while they were hashed.
+
+    Returns:
+        The key (:func:`_key_of` of the same digest prepare computes while copying) and the
+        snapshot of the model and of every external data file it names, as named (a symlink
+        retargeted later resolves elsewhere, and the stamp no longer matches).
+    """
+    reader = _SourceReader(model_bytes)
+    plan = plan_weights(model, path, size_threshold_bytes)
+    named = [
+        path.parent / location
+        for location in sorted(external_locations(model.graph))
+        if "\0" not in location
+    ]
+    before = before.extended(named)
+    try:
+        _hash_sources(plan.moving, reader)
+    finally:
+        reader.close()
+    return _key_of(reader.hexdigest(), size_threshold_bytes), before
 
 
 def content_key(model_path: str | os.PathLike[str], *, size_threshold_bytes: int) -> str:
-    """SHA-256 over the model file, its external data files and the prepare settings."""
+    """The cache key of a source model: a SHA-256 over what prepare would read, and settings.
+
+    What prepare would read is the model file and the slice of every external data file that
+    its tensors use, exactly as :attr:`PrepareResult.source_sha256` hashes them.
+    """
     path = Path(model_path)
-    return _content_key(path, load_graph(path), size_threshold_bytes)[0]
+    before = snapshot(path)
+    model, model_bytes = read_model(path)
+    return _source_key(path, model, model_bytes, before, size_threshold_bytes)[0]
 
 
 def prepared_model_for(
@@ -624,9 +744,12 @@ def prepared_model_for(
 ) -> Path:
     """A prepared model equivalent to ``model_path``: itself if prepared, else a cache entry.
 
-    Entries are keyed by the SHA-256 of the model file and of every external data file it
-    refers to, so a changed source gets a new entry and an unchanged one is reused by every
-    later pool and process. A stamp of the source files spares parsing and hashing them again
+    Entries are keyed by the SHA-256 of the bytes prepare reads (the model file and the slices
+    of its external data files: :func:`content_key`), so a changed source gets a new entry and
+    an unchanged one is reused by every later pool and process. The entry a build publishes is
+    keyed by the digest prepare computed over the very bytes it copied, not by the lookup's:
+    a source changed between the two (a deploy in progress) lands under its own key, never
+    under the old content's. A stamp of the source files spares parsing and hashing them again
     while they are unchanged (see :mod:`sharedml._cache`).
 
     Args:
@@ -666,13 +789,15 @@ def prepared_model_for(
     known = recall_stamp("prepared", path, params, cache_dir=cache_dir)
     if known is not None:  # the source is unchanged since it was hashed: skip parse and hash
         return entry_for(known)
-    model = load_graph(path)
+    before = snapshot(path)  # before the read: a stamp must not vouch for a later write
+    model, model_bytes = read_model(path)
     if read_manifest(model) is not None:
         return path
-    key, covered = _content_key(path, model, size_threshold_bytes)
-    del model  # the graph can be large; prepare loads its own copy
+    key, before = _source_key(path, model, model_bytes, before, size_threshold_bytes)
+    del model, model_bytes  # the graph can be large; prepare loads its own copy
     prepared = entry_for(key)
-    record_stamp("prepared", path, key, params, companions=covered, cache_dir=cache_dir)
+    # Recorded only if no file changed since `before`: else the build may hold other bytes.
+    record_stamp("prepared", before, key, params, cache_dir=cache_dir)
     return prepared
 
 
@@ -681,4 +806,5 @@ def _prepare_into(src: Path, folder: Path, size_threshold_bytes: int) -> Built:
     return Built(
         meta={"source": str(src), "tensors": result.tensors_moved, "bytes": result.bytes_moved},
         sha256={result.weights_path.name: result.manifest.sha256},
+        key=_key_of(result.source_sha256, size_threshold_bytes),
     )
