@@ -6,6 +6,13 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -373,6 +380,8 @@ def test_cli_prepare_text_summary(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["prepare", str(src), "-o", str(tmp_path / "p.onnx")]) == 0
     out = capsys.readouterr()
     assert "1 tensors" in out.out and out.err == ""  # no progress bar when not a terminal
+    # The outputs are read-only, and why: a copy over a live pool's weights crashes it.
+    assert "read-only" in out.out and "SIGBUS" in out.out and "mv" in out.out
 
 
 def test_cli_errors_are_one_line_without_traceback(
@@ -389,15 +398,49 @@ def test_cli_errors_are_one_line_without_traceback(
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
-def test_outputs_get_the_permissions_the_umask_gives(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("umask", "expected"), [(0o022, 0o444), (0o027, 0o440), (0o077, 0o400)])
+def test_outputs_are_read_only_with_the_permissions_the_umask_gives(
+    tmp_path: Path, umask: int, expected: int
+) -> None:
+    # Readable by whom the umask allows (workers often run as another user), writable by
+    # nobody: a `cp` over the weights of a live pool would crash it with SIGBUS.
     src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
-    old = os.umask(0o022)
+    old = os.umask(umask)
     try:
         result = sharedml.prepare(src, tmp_path / "out" / "m.onnx")
+        again = sharedml.prepare(src, tmp_path / "out" / "m.onnx")  # replaces read-only files
     finally:
         os.umask(old)
+    assert again.manifest == result.manifest
     for path in (result.model_path, result.weights_path):
-        assert path.stat().st_mode & 0o777 == 0o644  # readable by workers running as others
+        assert path.stat().st_mode & 0o777 == expected
+
+
+def _copy_over_prepared_weights_fails(folder: Path) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), folder / "m.onnx")
+    result = sharedml.prepare(src, folder / "out" / "m.onnx")
+    try:
+        open(result.weights_path, "r+b").close()  # what `cp new.weights m.weights` does
+    except PermissionError:
+        pass
+    else:
+        raise AssertionError(f"the owner could open '{result.weights_path}' for writing")
+    again = sharedml.prepare(src, folder / "out" / "m.onnx")  # renames still replace them
+    assert again.manifest == result.manifest
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_the_owner_cannot_copy_over_prepared_weights(
+    other_user: Callable[[Callable[[], None]], None],
+) -> None:
+    # Root writes any file, so the owner is a second, unprivileged user, made for the test, in
+    # a folder of theirs (pytest's tmp folders are private to root).
+    folder = Path(tempfile.mkdtemp(prefix="sharedml-other-user-"))
+    try:
+        os.chown(folder, other_user.uid, other_user.gid)  # type: ignore[attr-defined]
+        other_user(lambda: _copy_over_prepared_weights_fails(folder))
+    finally:
+        shutil.rmtree(folder)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,6 +587,195 @@ def test_the_largest_alignment_costs_nothing_for_small_tensors(tmp_path: Path) -
     result = sharedml.prepare(src, tmp_path / "p.onnx", alignment_bytes=2**30)
     assert result.manifest.size_bytes == 4 * DIM * DIM  # 16 KiB < 1 GiB: packed, no padding
     np.testing.assert_array_equal(run_ort(result.model_path, feeds(DIM)), run_ort(src, feeds(DIM)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs: never an input, never anything but a regular file, any legal name (issue 17)
+
+
+def data_model(folder: Path, *, name: str = "model.onnx", data: str = "model.onnx.data") -> Path:
+    """A model whose weights are external in ``data``, with ``name`` as its file name."""
+    model = build_model(["initializer"], dim=DIM)
+    path = folder / name
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(
+        onnx.ModelProto.FromString(model.SerializeToString()),
+        str(path),
+        save_as_external_data=True,
+        location=data,
+        size_threshold=0,
+    )
+    return path
+
+
+def snapshot_folder(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize(
+    ("src_name", "data_name", "dst_name", "match"),
+    [
+        ("model.onnx", "model.onnx.data", "model.onnx.data", "external data"),
+        ("net.weights", "net.data", "net.onnx", "the source model"),
+        ("m.onnx", "m.data", "m.weights", "weights file"),
+        ("m.onnx", "shared.weights", "shared.onnx", "external data"),
+    ],
+    ids=["graph_over_data", "weights_over_model", "graph_is_weights", "weights_over_data"],
+)
+def test_an_output_that_is_an_input_is_refused(
+    tmp_path: Path, src_name: str, data_name: str, dst_name: str, match: str
+) -> None:
+    src = data_model(tmp_path, name=src_name, data=data_name)
+    before = snapshot_folder(tmp_path)
+    with pytest.raises(sharedml.PrepareError, match=match) as info:
+        sharedml.prepare(src, tmp_path / dst_name)
+    refused = tmp_path / dst_name
+    assert str(refused) in str(info.value) or str(refused.with_suffix(".weights")) in str(
+        info.value
+    )
+    assert snapshot_folder(tmp_path) == before  # nothing written, nothing destroyed
+    np.testing.assert_array_equal(run_ort(src, feeds(DIM)).shape, (1, DIM))
+
+
+def test_an_output_hard_linked_to_an_input_is_refused(tmp_path: Path) -> None:
+    src = data_model(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    os.link(src.parent / "model.onnx.data", tmp_path / "out" / "p.weights")
+    before = (src.parent / "model.onnx.data").read_bytes()
+    with pytest.raises(sharedml.PrepareError, match="overwrite its source"):
+        sharedml.prepare(src, tmp_path / "out" / "p.onnx")
+    assert (src.parent / "model.onnx.data").read_bytes() == before
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symlinks and FIFOs")
+@pytest.mark.parametrize("which", ["graph", "weights"])
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "folder", "device"])
+def test_an_output_that_is_not_a_regular_file_is_refused(
+    tmp_path: Path, which: str, kind: str
+) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "src" / "m.onnx")
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / ("p.onnx" if which == "graph" else "p.weights")
+    if kind == "symlink":
+        (tmp_path / "victim").write_bytes(b"keep me")
+        target.symlink_to(tmp_path / "victim")
+    elif kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "folder":
+        target.mkdir()
+    else:  # as root, `-o /dev/null` used to replace /dev/null itself
+        try:
+            os.mknod(target, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except (PermissionError, AttributeError):
+            pytest.skip("creating a device node needs root (and a system that allows it)")
+    mode = os.lstat(target).st_mode
+    with pytest.raises(sharedml.PrepareError, match="replaces only regular files") as info:
+        sharedml.prepare(src, out / "p.onnx")
+    assert str(target) in str(info.value)
+    assert os.lstat(target).st_mode == mode  # still what it was
+    assert leftovers(out) == []
+    if kind == "symlink":
+        assert (tmp_path / "victim").read_bytes() == b"keep me"
+
+
+def test_a_240_character_output_name_works(tmp_path: Path) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    dst = tmp_path / "out" / ("n" * 235 + ".onnx")  # its weights file's name has 243
+    result = sharedml.prepare(src, dst)
+    assert result.weights_path.name == "n" * 235 + ".weights"
+    assert leftovers(dst.parent) == []
+    np.testing.assert_array_equal(run_ort(dst, feeds(DIM)), run_ort(src, feeds(DIM)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Write failures: a SharedMLError (and an OSError) naming the path and the fix (issue 17)
+
+
+def assert_output_error(exc: BaseException, path: Path, fix: str) -> None:
+    assert isinstance(exc, sharedml.SharedMLError), f"{type(exc).__name__}: {exc}"
+    assert isinstance(exc, OSError) and isinstance(exc, sharedml.PrepareError)
+    assert type(exc).__name__ == "OutputError"
+    assert str(path) in str(exc) and fix in str(exc), str(exc)
+
+
+def test_an_output_folder_under_a_file_is_a_clear_error(tmp_path: Path) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(OSError) as info:
+        sharedml.prepare(src, tmp_path / "file" / "sub" / "p.onnx")
+    assert_output_error(info.value, tmp_path / "file" / "sub", "is a file, not a folder")
+
+
+def _prepare_into_unwritable_folder(src: Path, out: Path) -> None:
+    try:
+        sharedml.prepare(src, out / "p.onnx")
+    except OSError as exc:
+        assert_output_error(exc, out / "p.weights", "may not write")
+    else:
+        raise AssertionError(f"prepare wrote into '{out}'")
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_an_unwritable_output_folder_is_a_clear_error(request: pytest.FixtureRequest) -> None:
+    # Root may write any folder: as root, the writer is a second user, made for the test.
+    folder = Path(tempfile.mkdtemp(prefix="sharedml-unwritable-"))
+    try:
+        os.chmod(folder, 0o755)
+        src = save_model(build_model(["initializer"], dim=DIM), folder / "m.onnx")
+        out = folder / "ro"
+        out.mkdir(mode=0o555)
+        if os.geteuid() == 0:
+            other_user = request.getfixturevalue("other_user")
+            other_user(lambda: _prepare_into_unwritable_folder(src, out))
+        else:
+            _prepare_into_unwritable_folder(src, out)
+    finally:
+        shutil.rmtree(folder)
+
+
+FULL_DISK = textwrap.dedent(
+    r"""
+    import resource, signal, sys
+    import sharedml
+    # A file size limit: writes past it fail with EFBIG, as they fail with ENOSPC on a full disk.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), resource.RLIM_INFINITY))
+    try:
+        if sys.argv[1] == "direct":
+            sharedml.prepare(sys.argv[2], sys.argv[4])
+        else:
+            sharedml.prepared_model_for(sys.argv[2], cache_dir=sys.argv[4])
+    except BaseException as exc:
+        kinds = [c.__name__ for c in type(exc).__mro__]
+        print(" ".join(kinds))
+        print(" ".join(str(exc).split()))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE and SIGXFSZ")
+@pytest.mark.parametrize("where", ["direct", "cache"])
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path, where: str) -> None:
+    src = save_model(build_model(["initializer"] * 4, dim=128), tmp_path / "src" / "m.onnx")
+    dst = tmp_path / "out" / "p.onnx" if where == "direct" else tmp_path / "cache"
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, where, str(src), str(100_000), str(dst)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    kinds, message = out.stdout.strip().splitlines()[-2:]
+    if where == "direct":
+        assert "OutputError" in kinds.split() and "OSError" in kinds.split(), kinds
+        assert str(dst.with_suffix(".weights")) in message and "ulimit -f" in message, message
+        assert leftovers(dst.parent) == []
+    else:
+        assert "CacheError" in kinds.split(), kinds
+        assert str(src) in message and "SHAREDML_CACHE_DIR" in message, message
+        assert [p.name for p in (dst / "models").iterdir()] == []
 
 
 # ---------------------------------------------------------------------------------------------

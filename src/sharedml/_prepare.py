@@ -18,18 +18,20 @@ plus the graph, not the model's size. Models over 2 GB arrive with external data
 the same way. Every byte is read once, from a file opened without following symlinks below the
 model's folder, and hashed as it is copied (``PrepareResult.source_sha256``), so the cache keys
 an entry by exactly what it holds. The outputs appear atomically (temporary files, then
-``os.replace``), and the source model and its data files are only ever read.
+``os.replace``), read-only, and never over the source model or its data files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import itertools
 import json
 import os
 import secrets
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, BinaryIO
@@ -37,6 +39,7 @@ from typing import IO, Any, BinaryIO
 import onnx
 from onnx import ModelProto, TensorProto
 
+from sharedml import _host
 from sharedml._cache import (
     Built,
     CacheDir,
@@ -46,7 +49,15 @@ from sharedml._cache import (
     record_stamp,
     snapshot,
 )
-from sharedml._errors import ExternalDataError, InvalidModelError, PrepareError, UnsafePathError
+from sharedml._errors import (
+    CacheError,
+    ExternalDataError,
+    InvalidModelError,
+    OutputError,
+    PrepareError,
+    SharedMLError,
+    UnsafePathError,
+)
 from sharedml._host import fsync_dir
 from sharedml._onnx import (
     ExternalSlice,
@@ -97,6 +108,7 @@ _READABLE_FORMATS = (1, 2)
 _END_ALIGNMENT_BYTES = 4096  # bytes: the file ends on a page, as a mapping does
 _CHUNK_BYTES = 16 * 1024 * 1024  # bytes copied at a time: bounds prepare's peak memory
 _ZEROS = bytes(64 * 1024)  # padding is written from this, so no padding is ever allocated
+_NAME_MAX_BYTES = 255  # bytes in one file name (NAME_MAX on Linux, macOS and NTFS)
 # Tensors under this many bytes always stay inline, whatever the threshold: shape inference at
 # load must read small constant inputs (Reshape's shape, Slice's starts) from the graph, and ORT
 # copies external tensors this small into the graph at load anyway.
@@ -551,19 +563,106 @@ def _replace_metadata(model: ModelProto, manifest: WeightsManifest) -> None:
 
 
 def _create_temp(final: Path) -> tuple[int, Path]:
-    """A new temporary file beside ``final``, with the permissions the umask gives new files.
+    """A new temporary file beside ``final``: read-only for everyone the umask lets read it.
 
-    (``tempfile.mkstemp`` would make it 0600, so a prepared model would be unreadable by the
-    other users a deployment often runs its workers as.)
+    The mode is 0444 less the umask (``tempfile.mkstemp`` would make it 0600, so a prepared
+    model would be unreadable by the other users a deployment often runs its workers as).
+    Read-only because the weights file is mapped by running pools: a ``cp`` over it (an
+    in-place rewrite) would crash them with SIGBUS, and read-only makes ``cp`` fail for
+    everyone but root, while the renames that prepare itself replaces files with still work.
+    Windows: 0666, since there a read-only file cannot be replaced by a rename.
+
+    The name keeps at most what fits NAME_MAX with its random part, so that an output name of
+    up to 255 bytes works.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    mode = 0o444 if os.name == "posix" else 0o666
     for _ in range(100):
-        path = final.with_name(f".{final.name}.{secrets.token_hex(6)}.tmp")
+        suffix = f".{secrets.token_hex(6)}.tmp"
+        keep = final.name
+        while len(os.fsencode(f".{keep}{suffix}")) > _NAME_MAX_BYTES:
+            keep = keep[:-1]
+        path = final.with_name(f".{keep}{suffix}")
         try:
-            return os.open(path, flags, 0o666), path
+            return os.open(path, flags, mode), path
         except FileExistsError:
             continue
     raise PrepareError(f"Could not create a temporary file beside '{final}'.")  # pragma: no cover
+
+
+def _check_outputs(src_path: Path, model: ModelProto, dst_path: Path, weights_path: Path) -> None:
+    """Refuse outputs that are not regular files, or that are any of prepare's inputs.
+
+    Inputs are the source model and every external data file it names (moved or not): writing
+    over one destroys the source (``prepare("model.onnx", "model.onnx.data")``). An existing
+    output must be a regular file: ``os.replace`` would replace a symlink itself, and, as root,
+    a device (``-o /dev/null``) or a FIFO.
+
+    Raises:
+        PrepareError: naming the output, what it is, and the fix.
+    """
+    if weights_path == dst_path:
+        raise PrepareError(
+            f"'{dst_path}' is also the name prepare gives the weights file (the graph file's stem "
+            "+ '.weights'); name the graph file differently, e.g. "
+            f"'{dst_path.with_suffix('.onnx')}'. Nothing was written."
+        )
+    inputs = [(src_path, "the source model")]
+    inputs += [
+        (src_path.parent / location, f"external data of the source model '{src_path}'")
+        for location in sorted(external_locations(model.graph))
+        if location and "\0" not in location
+    ]
+    for out in (dst_path, weights_path):
+        try:
+            st = os.lstat(out)
+        except OSError:  # absent (or its folder is): nothing to protect, and a clear error later
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise PrepareError(
+                f"prepare would replace '{out}', which is {_host.file_kind(st.st_mode)}; it "
+                "replaces only regular files. Remove it or choose another output path. Nothing "
+                "was written."
+            )
+        for path, what in inputs:
+            if _same_file(out, path):
+                raise PrepareError(
+                    f"prepare would overwrite its source: '{out}' is {what}. Nothing was "
+                    "written; write the prepared model to another path (e.g. -o "
+                    "model.prepared.onnx)."
+                )
+
+
+_EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)
+
+
+def _output_error(path: Path, exc: OSError) -> OutputError:
+    """An :class:`OutputError` that names ``path``, the OS's reason and the fix."""
+    code = exc.errno
+    folder = path.parent
+    if code in (errno.ENOSPC, _EDQUOT):
+        fix = f"free space on the filesystem of '{folder}', or write the prepared model elsewhere"
+    elif code == errno.EFBIG:
+        fix = (
+            "the file outgrew the filesystem's or this process's file size limit ('ulimit -f'); "
+            "raise the limit or write the prepared model elsewhere"
+        )
+    elif code in (errno.EACCES, errno.EPERM):
+        fix = f"this user may not write in '{folder}'; fix its permissions or write elsewhere"
+    elif code == errno.EROFS:
+        fix = f"'{folder}' is on a read-only filesystem; write the prepared model elsewhere"
+    elif code == errno.ENAMETOOLONG:
+        fix = "the name is longer than the filesystem allows; choose a shorter output name"
+    elif code in (errno.ENOTDIR, errno.EEXIST):
+        fix = f"a part of '{folder}' is a file, not a folder; choose another output path"
+    else:
+        fix = f"check '{folder}', or write the prepared model elsewhere"
+    error = OutputError(
+        f"prepare could not write '{path}' ({exc.strerror or exc}): {fix}. The source is "
+        "unchanged and no temporary file was left."
+    )
+    error.errno = code
+    return error
 
 
 def prepare(
@@ -580,7 +679,11 @@ def prepare(
         src: Any ONNX model: weights inline, in external data files, in ``Constant`` nodes or
             in subgraphs. A model prepared before prepares again into an equivalent one.
         dst: The graph file to write. The weights go to ``<dst stem>.weights`` in its folder,
-            which is created if missing. Existing files at both paths are replaced atomically.
+            which is created if missing. Existing regular files at both paths are replaced
+            atomically; neither may be the source model or one of its data files, a symlink,
+            a device or a FIFO. Both are written read-only (0444 less the umask): running pools
+            map the weights, and copying a file over them would crash those pools, so replace
+            them only by renames (prepare again, or ``mv``).
         size_threshold_bytes: Tensors at least this large move to the weights file; smaller
             ones stay in the graph (and those under 128 bytes always do: shape inference must
             read them). Tensors that were in external files always move.
@@ -601,7 +704,10 @@ def prepare(
             a regular file.
         UnsafePathError: an external data location points outside ``src``'s folder, or a
             symlink was swapped in below it while prepare opened the file.
-        PrepareError: ``dst`` or its weights file would overwrite the source or its data.
+        PrepareError: ``dst`` or its weights file would overwrite the source or its data, or
+            is not a regular file.
+        OutputError: the outputs could not be written (a full disk, a folder this user may
+            not write, a name too long); it is also an ``OSError`` with the ``errno``.
 
     Thread safety: safe to call concurrently, also on the same ``dst`` (the last one wins,
     each result complete).
@@ -621,24 +727,15 @@ def prepare(
     model, model_bytes = read_model(src_path)
     reader = _SourceReader(model_bytes)
     del model_bytes
-    if _same_file(src_path, dst_path):
-        raise PrepareError(
-            f"prepare would overwrite its source model '{src_path}'. Write the prepared model to "
-            "another path (e.g. -o model.prepared.onnx)."
-        )
-
+    _check_outputs(src_path, model, dst_path, weights_path)
     plan = plan_weights(model, src_path, size_threshold_bytes)
-    for source_file in {s.file for s in plan.moving if s.file is not None}:
-        if _same_file(source_file, weights_path):
-            raise PrepareError(
-                f"prepare would overwrite '{weights_path}', which holds the source model's "
-                f"external data. Write the prepared model elsewhere."
-            )
     layout = WeightsManifest(weights_path.name, 0, "", alignment_bytes, len(plan.moving))
 
-    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    writing = dst_path.parent  # what an OSError below failed to write, for its message
     tmp_weights = tmp_model = None
     try:
+        dst_path.parent.mkdir(parents=True, exist_ok=True)
+        writing = weights_path
         fd, tmp_weights = _create_temp(weights_path)
         with os.fdopen(fd, "wb") as fh:
             writer = _HashingWriter(fh)
@@ -649,6 +746,7 @@ def prepare(
             layout, size_bytes=writer.position, sha256=writer.sha.hexdigest()
         )
         _replace_metadata(model, manifest)
+        writing = dst_path
         fd, tmp_model = _create_temp(dst_path)
         with os.fdopen(fd, "wb") as fh:
             fh.write(model.SerializeToString())
@@ -656,11 +754,17 @@ def prepare(
             os.fsync(fh.fileno())
         # Weights first: until the graph lands, no prepared model refers to the new weights; an
         # older graph left at dst by a crash in between is caught by its recorded hash.
+        writing = weights_path
         os.replace(tmp_weights, weights_path)
         tmp_weights = None
+        writing = dst_path
         os.replace(tmp_model, dst_path)
         tmp_model = None
         fsync_dir(dst_path.parent)
+    except OSError as exc:
+        if isinstance(exc, SharedMLError):  # UnsafePathError is a PermissionError too
+            raise
+        raise _output_error(writing, exc) from exc
     finally:
         reader.close()
         for leftover in (tmp_weights, tmp_model):
@@ -767,7 +871,7 @@ def prepared_model_for(
     Raises:
         ModelError: from :func:`sharedml.prepare`: the model or its external data is unusable.
         CacheError: the cache folder fails sharedml's permission policy, or an entry cannot be
-            published.
+            published (a full disk: the message names the folder).
 
     Thread and process safety: safe to call from many threads and processes at once; every
     caller gets a complete entry, and no entry is ever modified after it is published.
@@ -802,7 +906,13 @@ def prepared_model_for(
 
 
 def _prepare_into(src: Path, folder: Path, size_threshold_bytes: int) -> Built:
-    result = prepare(src, folder / _PREPARED_NAME, size_threshold_bytes=size_threshold_bytes)
+    try:
+        result = prepare(src, folder / _PREPARED_NAME, size_threshold_bytes=size_threshold_bytes)
+    except OutputError as exc:
+        raise CacheError(
+            f"Could not build the cache entry for '{src}': {exc} Or set SHAREDML_CACHE_DIR to a "
+            "folder with room."
+        ) from exc
     return Built(
         meta={"source": str(src), "tensors": result.tensors_moved, "bytes": result.bytes_moved},
         sha256={result.weights_path.name: result.manifest.sha256},

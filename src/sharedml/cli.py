@@ -72,6 +72,11 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
             f"file, {result.tensors_inline} small tensors ({human_bytes(result.bytes_inline)}) "
             f"inline, {result.constants_converted} Constant nodes turned into initializers"
         )
+        print(
+            "both files are read-only: running pools map the weights, and copying a file over "
+            "them (cp) would crash those pools with SIGBUS. To redeploy, prepare again over "
+            "them or rename (mv) new files into place."
+        )
     return 0
 
 
