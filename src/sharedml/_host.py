@@ -290,7 +290,15 @@ def _open_and_compare(target: Path) -> int:
     fd = os.open(target, os.O_RDONLY | _O_BINARY | _O_NONBLOCK)
     try:
         opened = _descriptor_path(fd)
-        if opened is None or os.path.normcase(opened) != os.path.normcase(str(target)):
+        if opened is None:  # no way to ask: the best the path can tell (racy, see above)
+            same = os.path.samestat(os.fstat(fd), os.lstat(target))
+            same = same and os.path.realpath(target) == str(target)
+        else:
+            # realpath brings the descriptor's path (which holds no link) to the form `target`
+            # already has; `target` itself must not be resolved again, or a link swapped in
+            # now would resolve to the file opened through it (measured: it leaked).
+            same = _canonical(opened) == os.path.normcase(str(target))
+        if not same:
             raise LinkSwappedError(
                 errno.ELOOP, f"the file opened is '{opened}', not the one checked", str(target)
             )
@@ -298,6 +306,10 @@ def _open_and_compare(target: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _canonical(path: str) -> str:
+    return os.path.normcase(os.path.realpath(path))
 
 
 def _descriptor_path(fd: int) -> str | None:
