@@ -5,7 +5,11 @@ from __future__ import annotations
 import builtins
 import io
 import os
+import secrets
+import shutil
+import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -61,3 +65,56 @@ def forbid_reading(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
         monkeypatch.setattr(os, "open", guarded_os_open)
 
     return forbid
+
+
+@pytest.fixture
+def other_user() -> Iterator[Callable[[Callable[[], None]], None]]:
+    """``other_user(fn)``: run ``fn`` as a second local user, created for the test (root only).
+
+    Attacks by another user need two users; the test creates one with ``useradd`` when it runs
+    as root and is skipped otherwise. ``fn`` runs in a forked child that has dropped to that
+    user (a new interpreter could not start: the Python install may sit in root's home); an
+    exception in it fails the test with its message. The user is deleted afterwards.
+    """
+    if os.name != "posix" or os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root and useradd to create a second user")
+    import pwd
+
+    name = f"shml{secrets.token_hex(4)}"
+    subprocess.run(
+        ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+        check=True,
+        capture_output=True,
+    )
+    user = pwd.getpwnam(name)
+
+    def run(fn: Callable[[], None]) -> None:
+        read_end, write_end = os.pipe()
+        with warnings.catch_warnings():  # fork of a threaded process: the child only does I/O
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            os.close(read_end)
+            status = 1
+            try:
+                os.setgroups([])
+                os.setgid(user.pw_gid)
+                os.setuid(user.pw_uid)
+                fn()
+                status = 0
+            except BaseException as exc:
+                os.write(write_end, f"{type(exc).__name__}: {exc}".encode()[:8000])
+            finally:
+                os._exit(status)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as fh:
+            message = fh.read().decode(errors="replace")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, f"as user {name}: {message}"
+
+    run.uid = user.pw_uid  # type: ignore[attr-defined]
+    run.gid = user.pw_gid  # type: ignore[attr-defined]
+    try:
+        yield run
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -193,3 +199,64 @@ def test_verify_off_still_checks_the_graph(
     assert again == entry
     with sharedml.SessionPool(source, sessions=1, cache_dir=tmp_path / "c") as pool:
         assert pool.run(None, feeds(64))[0].shape == (1, 64)
+
+
+KILLED_PREPACK = textwrap.dedent(
+    r"""
+    import os, signal, sys
+    import sharedml
+    from sharedml import _prepack
+
+    def killed(*args, **kwargs):  # ORT has written the entry's files: die before publishing
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _prepack._drop_sharedml_metadata = killed
+    sharedml.SessionPool(sys.argv[1], sessions=1, cache_dir=sys.argv[2])
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
+def test_a_killed_prepacked_build_leaves_a_folder_that_clear_stale_removes(
+    mlp_model: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "c"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_PREPACK, str(mlp_model), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    (leftover,) = (root / "prepacked").iterdir()  # nothing published, one dead build
+    assert leftover.name.startswith(".") and leftover.name.endswith(".tmp")
+    assert {p.name for p in leftover.iterdir()} >= {"model.onnx", "model.data"}
+    assert _cache.clear_stale(root) == 0  # young: it could be a build still running
+    os.utime(leftover, (1, 1))
+    assert _cache.clear_stale(root) == 1
+    assert list((root / "prepacked").iterdir()) == []
+    use_every_kind(mlp_model, root).close()  # and the next pool builds the entry
+
+
+@pytest.mark.skipif(not POSIX, reason="POSIX permissions")
+@pytest.mark.parametrize("kind", ("models", "prepacked"))
+def test_another_user_who_creates_a_kind_folder_first_is_not_trusted(
+    kind: str, mlp_model: Path, tmp_path: Path, other_user: Callable[[Callable[[], None]], None]
+) -> None:
+    # A sticky, world-writable cache root is accepted (like /tmp); another user gets there first.
+    root = Path(tempfile.mkdtemp(prefix="sharedml-shared-cache-"))
+    try:
+        os.chmod(root, 0o1777)
+
+        def plant() -> None:
+            folder = root / kind
+            folder.mkdir(mode=0o777)
+            os.chmod(folder, 0o777)
+            (folder / "planted").mkdir()
+            (folder / "planted" / "entry.json").write_text("{}")
+
+        other_user(plant)
+        with pytest.raises(sharedml.CacheError, match=f"belongs to user id {other_user.uid}"):  # type: ignore[attr-defined]
+            use_every_kind(mlp_model, root)
+    finally:
+        shutil.rmtree(root)

@@ -19,7 +19,7 @@ from _models import build_model, feeds, run_ort, save_model
 import sharedml
 import sharedml._cache
 import sharedml._host
-from sharedml._cache import recall_stamp, record_stamp
+from sharedml._cache import recall_stamp, record_stamp, snapshot
 
 POSIX = os.name == "posix"
 
@@ -99,7 +99,7 @@ def test_an_external_data_file_rewritten_in_place_gets_its_own_entry(
 
 def test_a_file_written_just_now_gets_no_stamp(source: Path) -> None:
     # Within the timestamp granularity a second write could leave every stamp field unchanged.
-    assert not record_stamp("test", source, "value")
+    assert not record_stamp("test", snapshot(source), "value")
     sharedml.prepared_model_for(source)
     assert not (sharedml.cache_dir() / "stamps").exists() or not any(
         (sharedml.cache_dir() / "stamps").iterdir()
@@ -109,7 +109,7 @@ def test_a_file_written_just_now_gets_no_stamp(source: Path) -> None:
 def test_a_recorded_stamp_is_recalled_until_the_file_changes(
     source: Path, tmp_path: Path, no_racy_window: None
 ) -> None:
-    assert record_stamp("test", source, "v1", "params")
+    assert record_stamp("test", snapshot(source), "v1", "params")
     assert recall_stamp("test", source, "params") == "v1"
     assert recall_stamp("test", source, "other params") is None
     assert recall_stamp("other kind", source, "params") is None
@@ -118,7 +118,7 @@ def test_a_recorded_stamp_is_recalled_until_the_file_changes(
 
 
 def test_a_replaced_file_is_not_recalled(source: Path, no_racy_window: None) -> None:
-    assert record_stamp("test", source, "v1")
+    assert record_stamp("test", snapshot(source), "v1")
     data = source.read_bytes()
     source.unlink()
     source.write_bytes(data)  # same bytes, new inode: the stamp cannot prove that
@@ -129,11 +129,11 @@ def test_a_replaced_file_is_not_recalled(source: Path, no_racy_window: None) -> 
 def test_stamps_in_a_folder_others_can_write_are_ignored(
     source: Path, no_racy_window: None
 ) -> None:
-    assert record_stamp("test", source, "v1")
+    assert record_stamp("test", snapshot(source), "v1")
     stamps = sharedml.cache_dir() / "stamps"
     os.chmod(stamps, 0o777)  # another user could have planted this stamp
     assert recall_stamp("test", source) is None
-    assert record_stamp("test", source, "v2")  # recording makes the folder private again
+    assert record_stamp("test", snapshot(source), "v2")  # recording makes the folder private again
     assert oct(os.stat(stamps).st_mode & 0o777) == oct(0o700)
     assert recall_stamp("test", source) == "v2"
 
@@ -141,13 +141,13 @@ def test_stamps_in_a_folder_others_can_write_are_ignored(
 def test_stamps_can_be_turned_off(
     source: Path, no_racy_window: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert record_stamp("test", source, "v1")
+    assert record_stamp("test", snapshot(source), "v1")
     monkeypatch.setenv("SHAREDML_STAMPS", "0")
     assert recall_stamp("test", source) is None
 
 
 def test_a_damaged_stamp_is_a_miss(source: Path, no_racy_window: None) -> None:
-    assert record_stamp("test", source, "v1")
+    assert record_stamp("test", snapshot(source), "v1")
     (stamp,) = (sharedml.cache_dir() / "stamps").iterdir()
     stamp.write_text("{not json")
     assert recall_stamp("test", source) is None
@@ -181,3 +181,107 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     with pytest.raises(sharedml.WeightsMismatchError, match="modified"):
         sharedml.WeightStore.open(prepared)
     assert hashed == [weights]
+
+
+# ---------------------------------------------------------------------------------------------
+# Stamps must not go stale (issue 17): links are resolved again, and a stamp vouches only for
+# bytes that did not change while they were hashed.
+
+
+def two_weight_versions(folder: Path) -> tuple[Path, Path, Path]:
+    """A model whose data file ``m.data`` is a symlink to ``v1.bin``; ``v2.bin`` is beside it.
+
+    The two versions have the same size and different weights (a deploy layout:
+    ``current -> v1``, then retargeted to v2). Returns (model, a v1 reference, a v2 reference).
+    """
+    v1 = save_model(
+        build_model(["initializer"], dim=64, seed=1), folder / "v1" / "m.onnx", external="one"
+    )
+    v2 = save_model(
+        build_model(["initializer"], dim=64, seed=2), folder / "v2" / "m.onnx", external="one"
+    )
+    live = folder / "live"
+    live.mkdir()
+    (live / "m.onnx").write_bytes(v1.read_bytes())
+    assert v1.read_bytes() == v2.read_bytes()  # the graphs are equal; only the data differs
+    (live / "v1.bin").write_bytes((v1.parent / "m.data").read_bytes())
+    (live / "v2.bin").write_bytes((v2.parent / "m.data").read_bytes())
+    (live / "m.data").symlink_to("v1.bin")
+    return live / "m.onnx", v1, v2
+
+
+def retarget(link: Path, target: str) -> None:
+    tmp = link.with_name(link.name + ".new")
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+@pytest.mark.skipif(not POSIX, reason="symlinks")
+def test_a_retargeted_data_symlink_does_not_serve_the_old_entry(
+    tmp_path: Path, no_racy_window: None
+) -> None:
+    src, v1, v2 = two_weight_versions(tmp_path)
+    first = sharedml.prepared_model_for(src)
+    np.testing.assert_array_equal(run_ort(first, feeds(64)), run_ort(v1, feeds(64)))
+    assert sharedml.prepared_model_for(src) == first  # stamped, and found by the stamp
+    retarget(src.parent / "m.data", "v2.bin")  # the data file itself did not change
+    second = sharedml.prepared_model_for(src)
+    assert second != first
+    np.testing.assert_array_equal(run_ort(second, feeds(64)), run_ort(v2, feeds(64)))
+
+
+@pytest.mark.skipif(not POSIX, reason="symlinks")
+def test_one_model_file_under_two_names_gets_each_folders_data(
+    tmp_path: Path, no_racy_window: None
+) -> None:
+    # a/m.onnx and b/m.onnx link to one graph; each folder has its own m.data beside it, which
+    # is the one ORT reads. A stamp named by the graph's real path served a's entry for b.
+    src, v1, v2 = two_weight_versions(tmp_path)
+    for name, version in (("a", "v1.bin"), ("b", "v2.bin")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "m.onnx").symlink_to(src)
+        os.link(src.parent / version, tmp_path / name / "m.data")
+    a = sharedml.prepared_model_for(tmp_path / "a" / "m.onnx")
+    b = sharedml.prepared_model_for(tmp_path / "b" / "m.onnx")
+    assert a != b
+    np.testing.assert_array_equal(run_ort(a, feeds(64)), run_ort(v1, feeds(64)))
+    np.testing.assert_array_equal(run_ort(b, feeds(64)), run_ort(v2, feeds(64)))
+
+
+def test_a_write_during_the_hash_is_not_stamped_as_good(
+    source: Path, no_racy_window: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good = sharedml._host.sha256_file(source)
+    real = sharedml._host.sha256_file
+
+    def hash_then_write(path: Path, sha: object = None) -> str:
+        digest = real(path, sha)  # the bytes read were good...
+        with open(path, "ab") as fh:  # ...and a write lands before the stamp is taken
+            fh.write(b"tampered")
+        return digest
+
+    monkeypatch.setattr(sharedml._host, "sha256_file", hash_then_write)
+    assert sharedml._cache.verified_sha256(source, good)
+    monkeypatch.setattr(sharedml._host, "sha256_file", real)
+    sharedml._cache._DIGESTS.clear()  # as in a new process
+    assert not sharedml._cache.verified_sha256(source, good)  # hashed again: changed
+
+
+def test_a_source_changed_after_its_key_was_read_is_not_stamped(
+    tmp_path: Path, no_racy_window: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, v1, v2 = two_weight_versions(tmp_path)
+    real_prepare = sharedml._prepare.prepare
+
+    def prepare_then_deploy(*args: object, **kwargs: object) -> sharedml.PrepareResult:
+        result = real_prepare(*args, **kwargs)  # type: ignore[arg-type]
+        retarget(src.parent / "m.data", "v2.bin")  # a deploy lands before the stamp is taken
+        return result
+
+    monkeypatch.setattr(sharedml._prepare, "prepare", prepare_then_deploy)
+    first = sharedml.prepared_model_for(src)
+    monkeypatch.setattr(sharedml._prepare, "prepare", real_prepare)
+    np.testing.assert_array_equal(run_ort(first, feeds(64)), run_ort(v1, feeds(64)))
+    # No stamp vouches for v2 with v1's key: the source is hashed again and gets v2's entry.
+    second = sharedml.prepared_model_for(src)
+    np.testing.assert_array_equal(run_ort(second, feeds(64)), run_ort(v2, feeds(64)))

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from _models import build_model, feeds, save_model
@@ -92,7 +93,7 @@ def test_sessions_borrow_the_uploaded_buffers_in_subgraphs_too(prepared: Path, r
 def test_slab_views_point_into_one_buffer_at_the_file_offsets(prepared: Path) -> None:
     weights = sharedml.WeightStore.open(prepared)
     store = DeviceWeightStore.for_store(weights, CPU, 0, route="ort-slab")
-    lo = min(s.offset for s in weights.slots)
+    lo = min(s.offset for s in weights.slots) // 256 * 256
     hi = max(s.offset + s.length for s in weights.slots)
     assert store.device_bytes == hi - lo
     values = store._upload.values  # type: ignore[union-attr]
@@ -100,6 +101,45 @@ def test_slab_views_point_into_one_buffer_at_the_file_offsets(prepared: Path) ->
     for slot in weights.slots:
         assert values[slot.name].data_ptr() == base + slot.offset - lo
         assert tuple(values[slot.name].shape()) == slot.dims
+        expected = weights.buffer[slot.offset : slot.offset + slot.length].view(np.float32)
+        np.testing.assert_array_equal(values[slot.name].numpy().ravel(), expected)
+
+
+def _packed_model(tmp_path: Path) -> Path:
+    """A prepared model whose first device tensor sits at a 16-byte offset, before a page one.
+
+    A bool (which DLPack does not carry) takes offset 0, a 16-byte float tensor packs at 16,
+    and a 4 KiB one starts on the next page.
+    """
+    inits = [
+        onnx.numpy_helper.from_array(np.array([True, False, True]), "flags"),
+        onnx.numpy_helper.from_array(np.arange(4, dtype=np.float32), "small"),
+        onnx.numpy_helper.from_array(np.arange(1024, dtype=np.float32), "large"),
+    ]
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])],
+        "packed",
+        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        initializer=inits,
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    src = save_model(model, tmp_path / "src" / "m.onnx", external="one", threshold=0)
+    return sharedml.prepare(src, tmp_path / "p" / "m.onnx", size_threshold_bytes=0).model_path
+
+
+@pytest.mark.parametrize("route", ["ort-slab", "ort-per-tensor"])
+def test_device_views_keep_the_file_alignment_of_packed_tensors(tmp_path: Path, route: str) -> None:
+    weights = sharedml.WeightStore.open(_packed_model(tmp_path))
+    offsets = {s.name: s.offset for s in weights.slots}
+    assert offsets == {"flags": 0, "small": 16, "large": 4096}
+    store = DeviceWeightStore.for_store(weights, CPU, 0, route=route)
+    assert store.host_tensors == ("flags",)
+    values = store._upload.values  # type: ignore[union-attr]
+    for slot in weights.slots[1:]:
+        # ORT's CPU allocations are 64-byte aligned: a view keeps its file alignment up to that.
+        wanted = min(64, weights.manifest.alignment_for(slot.length))
+        assert values[slot.name].data_ptr() % wanted == 0, (slot, values[slot.name].data_ptr())
         expected = weights.buffer[slot.offset : slot.offset + slot.length].view(np.float32)
         np.testing.assert_array_equal(values[slot.name].numpy().ravel(), expected)
 

@@ -581,6 +581,8 @@ def test_close_during_background_creation_is_clean(model: Path) -> None:
 def test_a_model_given_as_bytes_works_like_its_path(model: Path) -> None:
     with sharedml.SessionPool(model.read_bytes(), sessions=1) as pool:
         assert pool.source_path.name == "<model bytes>"
+        # Keyed as prepare keys what it reads: the path and the bytes find one entry.
+        assert pool.model_path == sharedml.prepared_model_for(model)
         np.testing.assert_allclose(
             pool.run(None, feeds(DIM))[0], plain_reference(model, feeds(DIM)), rtol=1e-5
         )

@@ -6,6 +6,13 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +47,10 @@ def check_layout(
     alignment: int,
     threshold: int = 1024,
 ) -> None:
-    """Every external tensor is aligned, holds the expected bytes, and ranges don't overlap;
-    nothing at or above the threshold stayed in the graph."""
+    """Every external tensor is aligned by the layout rule, holds the expected bytes, and ranges
+    don't overlap; nothing at or above the threshold stayed in the graph."""
     limit = max(threshold, 128)  # prepare keeps tensors under 128 bytes inline regardless
+    assert result.manifest.alignment_bytes == alignment
     model = onnx.load_model(str(result.model_path), load_external_data=False)
     data = result.weights_path.read_bytes()
     assert len(data) == result.manifest.size_bytes
@@ -58,7 +66,15 @@ def check_layout(
             info = {e.key: e.value for e in t.external_data}
             assert info["location"] == result.weights_path.name
             offset, length = int(info["offset"]), int(info["length"])
-            assert offset % alignment == 0
+            # Large tensors at the alignment, small ones at 64 bytes (or their size's largest
+            # power of two): never padded by more than their own size.
+            rule = (
+                alignment
+                if length >= alignment
+                else min(64, 1 << (max(length, 1).bit_length() - 1))
+            )
+            assert result.manifest.alignment_for(length) == rule
+            assert offset % rule == 0
             assert data[offset : offset + length] == expected[t.name]
             ranges.append((offset, offset + length))
     ranges.sort()
@@ -119,12 +135,13 @@ def test_small_tensors_stay_inline_and_threshold_is_honoured(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("alignment", [4096, 65536])
 def test_alignment_is_configurable(tmp_path: Path, alignment: int) -> None:
-    model = build_model(["initializer", "constant", "scan_initializer"], dim=DIM)
+    # 64 KiB weights: large at either alignment; the Scan's state (512 bytes) is small.
+    model = build_model(["initializer", "constant", "scan_initializer"], dim=128)
     result = sharedml.prepare(
         save_model(model, tmp_path / "m.onnx"), tmp_path / "p.onnx", alignment_bytes=alignment
     )
     check_layout(result, original_tensors(model), alignment)
-    assert result.manifest.size_bytes % alignment == 0
+    assert result.manifest.size_bytes % 4096 == 0  # the file ends on a page
 
 
 @pytest.mark.parametrize("alignment", [0, 1000, 2048])
@@ -363,6 +380,8 @@ def test_cli_prepare_text_summary(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["prepare", str(src), "-o", str(tmp_path / "p.onnx")]) == 0
     out = capsys.readouterr()
     assert "1 tensors" in out.out and out.err == ""  # no progress bar when not a terminal
+    # The outputs are read-only, and why: a copy over a live pool's weights crashes it.
+    assert "read-only" in out.out and "SIGBUS" in out.out and "mv" in out.out
 
 
 def test_cli_errors_are_one_line_without_traceback(
@@ -379,12 +398,461 @@ def test_cli_errors_are_one_line_without_traceback(
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
-def test_outputs_get_the_permissions_the_umask_gives(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("umask", "expected"), [(0o022, 0o444), (0o027, 0o440), (0o077, 0o400)])
+def test_outputs_are_read_only_with_the_permissions_the_umask_gives(
+    tmp_path: Path, umask: int, expected: int
+) -> None:
+    # Readable by whom the umask allows (workers often run as another user), writable by
+    # nobody: a `cp` over the weights of a live pool would crash it with SIGBUS.
     src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
-    old = os.umask(0o022)
+    old = os.umask(umask)
     try:
         result = sharedml.prepare(src, tmp_path / "out" / "m.onnx")
+        again = sharedml.prepare(src, tmp_path / "out" / "m.onnx")  # replaces read-only files
     finally:
         os.umask(old)
+    assert again.manifest == result.manifest
     for path in (result.model_path, result.weights_path):
-        assert path.stat().st_mode & 0o777 == 0o644  # readable by workers running as others
+        assert path.stat().st_mode & 0o777 == expected
+
+
+def _copy_over_prepared_weights_fails(folder: Path) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), folder / "m.onnx")
+    result = sharedml.prepare(src, folder / "out" / "m.onnx")
+    try:
+        open(result.weights_path, "r+b").close()  # what `cp new.weights m.weights` does
+    except PermissionError:
+        pass
+    else:
+        raise AssertionError(f"the owner could open '{result.weights_path}' for writing")
+    again = sharedml.prepare(src, folder / "out" / "m.onnx")  # renames still replace them
+    assert again.manifest == result.manifest
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_the_owner_cannot_copy_over_prepared_weights(
+    other_user: Callable[[Callable[[], None]], None],
+) -> None:
+    # Root writes any file, so the owner is a second, unprivileged user, made for the test, in
+    # a folder of theirs (pytest's tmp folders are private to root).
+    folder = Path(tempfile.mkdtemp(prefix="sharedml-other-user-"))
+    try:
+        os.chown(folder, other_user.uid, other_user.gid)  # type: ignore[attr-defined]
+        other_user(lambda: _copy_over_prepared_weights_fails(folder))
+    finally:
+        shutil.rmtree(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: small tensors are packed, so the output stays a small multiple of the input (issue 17)
+
+TINY_TENSORS = 100_000
+
+
+def tiny_external_model(folder: Path, count: int) -> Path:
+    """``count`` one-byte external tensors in one data file: a model of ~6 MB of entries."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "w.bin").write_bytes(bytes(range(256)) * (count // 256 + 1))
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    for i in range(count):
+        t = graph.initializer.add(name=f"t{i}", data_type=TensorProto.UINT8, dims=[1])
+        t.data_location = TensorProto.EXTERNAL
+        t.external_data.add(key="location", value="w.bin")
+        t.external_data.add(key="offset", value=str(i))
+        t.external_data.add(key="length", value="1")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = folder / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_many_tiny_tensors_do_not_each_cost_a_page(tmp_path: Path) -> None:
+    src = tiny_external_model(tmp_path / "src", TINY_TENSORS)
+    input_bytes = sum(p.stat().st_size for p in src.parent.iterdir())
+    result = sharedml.prepare(src, tmp_path / "out" / "m.onnx")
+    output_bytes = result.model_path.stat().st_size + result.weights_path.stat().st_size
+    # Was 62x (a page per tensor: 410 MB for 6.6 MB). Every padding is now smaller than its
+    # tensor, so the weights stay under twice their data plus the final page.
+    assert result.tensors_moved == TINY_TENSORS
+    assert result.manifest.size_bytes <= 2 * result.bytes_moved + 4096
+    assert output_bytes <= 2 * input_bytes + 4096, (output_bytes, input_bytes)
+    store = sharedml.WeightStore.open(result.model_path)  # the store accepts the packed offsets
+    assert len(store.slots) == TINY_TENSORS
+    data = (src.parent / "w.bin").read_bytes()
+    for slot in store.slots[:: TINY_TENSORS // 100]:
+        i = int(slot.name[1:])
+        assert bytes(store.buffer[slot.offset : slot.offset + 1]) == data[i : i + 1]
+
+
+SMALL_TYPES = [np.uint8, np.float16, np.float32, np.int64, np.float64]
+
+
+def mixed_size_model(folder: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """Constants of many sizes and element types, external and inline, each summed to an output.
+
+    Sizes straddle every class boundary of the layout (1 element, under 64 bytes, just under and
+    over a page), for element sizes from 1 to 8 bytes.
+    """
+    rng = np.random.default_rng(3)
+    arrays: dict[str, np.ndarray] = {}
+    for dtype in SMALL_TYPES:
+        itemsize = np.dtype(dtype).itemsize
+        for count in sorted({1, 3, 8, 40 // itemsize or 1, 4095 // itemsize, 5000 // itemsize}):
+            values = rng.standard_normal(count) * 10
+            arrays[f"{np.dtype(dtype).name}_{count}"] = values.astype(dtype)
+    model_inits = [numpy_helper.from_array(a, name) for name, a in arrays.items()]
+    nodes, outputs = [], []
+    for name, a in arrays.items():
+        nodes.append(helper.make_node("Identity", [name], [f"out_{name}"]))
+        outputs.append(
+            helper.make_tensor_value_info(
+                f"out_{name}", helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape)
+            )
+        )
+    graph = helper.make_graph(nodes, "mixed", [], outputs, initializer=model_inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = save_model(model, folder / "m.onnx", external="one", threshold=0)
+    return path, arrays
+
+
+@pytest.mark.parametrize("mechanism", ["in-memory-file", "add-initializer", "ort-mmap"])
+def test_packed_small_tensors_load_through_every_mechanism(tmp_path: Path, mechanism: str) -> None:
+    src, arrays = mixed_size_model(tmp_path / "src")
+    result = sharedml.prepare(src, tmp_path / "out" / "m.onnx", size_threshold_bytes=0)
+    store = sharedml.WeightStore.open(result.model_path)
+    for slot in store.slots:
+        assert slot.offset % result.manifest.alignment_for(slot.length) == 0
+        itemsize = np.dtype(arrays[slot.name].dtype).itemsize
+        assert slot.offset % itemsize == 0, slot  # natural alignment for the element type
+        assert slot.length < 4096 or slot.offset % 4096 == 0, slot
+    assert any(s.offset % 4096 for s in store.slots)  # small ones really are packed
+    del store
+    with sharedml.SessionPool(result.model_path, sessions=1, mechanism=mechanism) as pool:
+        outputs = pool.run(None, {})
+    for got, want in zip(outputs, arrays.values(), strict=True):  # outputs in graph order
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_format_1_prepared_model_still_loads(tmp_path: Path) -> None:
+    # Format 1 aligned every tensor to alignment_bytes; those offsets satisfy today's rule.
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    result = sharedml.prepare(src, tmp_path / "out" / "m.onnx")
+    model = onnx.load_model(str(result.model_path), load_external_data=False)
+    for prop in model.metadata_props:
+        if prop.key == "sharedml.weights":
+            raw = json.loads(prop.value)
+            del raw["small_alignment_bytes"]
+            prop.value = json.dumps({**raw, "format": 1})
+    old = tmp_path / "old" / "m.onnx"
+    old.parent.mkdir()
+    old.write_bytes(model.SerializeToString())
+    (old.parent / "m.weights").write_bytes(result.weights_path.read_bytes())
+    store = sharedml.WeightStore.open(old)
+    assert store.manifest.small_alignment_bytes == store.manifest.alignment_bytes == 4096
+    del store
+    np.testing.assert_array_equal(run_ort(old, feeds(DIM)), run_ort(src, feeds(DIM)))
+    for prop in model.metadata_props:
+        if prop.key == "sharedml.weights":
+            prop.value = json.dumps({**json.loads(prop.value), "format": 99})
+    old.chmod(0o644)
+    old.write_bytes(model.SerializeToString())
+    with pytest.raises(sharedml.InvalidModelError, match=r"format 99.*prepare the model again"):
+        sharedml.WeightStore.open(old)
+
+
+@pytest.mark.parametrize("alignment", [2**40, 2**31, 3 * 4096])
+def test_alignment_is_bounded(
+    tmp_path: Path, alignment: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sharedml.cli import main
+
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    with pytest.raises(ValueError, match=r"alignment_bytes must be a power of two from 4096 to"):
+        sharedml.prepare(src, tmp_path / "p.onnx", alignment_bytes=alignment)
+    argv = ["prepare", str(src), "-o", str(tmp_path / "p.onnx"), "--alignment", str(alignment)]
+    assert main(argv) == 1  # one line, no MemoryError traceback
+    err = capsys.readouterr().err
+    assert err.startswith("sharedml: error: alignment_bytes") and err.count("\n") == 1
+    assert not (tmp_path / "p.onnx").exists()
+
+
+def test_the_largest_alignment_costs_nothing_for_small_tensors(tmp_path: Path) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    result = sharedml.prepare(src, tmp_path / "p.onnx", alignment_bytes=2**30)
+    assert result.manifest.size_bytes == 4 * DIM * DIM  # 16 KiB < 1 GiB: packed, no padding
+    np.testing.assert_array_equal(run_ort(result.model_path, feeds(DIM)), run_ort(src, feeds(DIM)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs: never an input, never anything but a regular file, any legal name (issue 17)
+
+
+def data_model(folder: Path, *, name: str = "model.onnx", data: str = "model.onnx.data") -> Path:
+    """A model whose weights are external in ``data``, with ``name`` as its file name."""
+    model = build_model(["initializer"], dim=DIM)
+    path = folder / name
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(
+        onnx.ModelProto.FromString(model.SerializeToString()),
+        str(path),
+        save_as_external_data=True,
+        location=data,
+        size_threshold=0,
+    )
+    return path
+
+
+def snapshot_folder(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize(
+    ("src_name", "data_name", "dst_name", "match"),
+    [
+        ("model.onnx", "model.onnx.data", "model.onnx.data", "external data"),
+        ("net.weights", "net.data", "net.onnx", "the source model"),
+        ("m.onnx", "m.data", "m.weights", "weights file"),
+        ("m.onnx", "shared.weights", "shared.onnx", "external data"),
+    ],
+    ids=["graph_over_data", "weights_over_model", "graph_is_weights", "weights_over_data"],
+)
+def test_an_output_that_is_an_input_is_refused(
+    tmp_path: Path, src_name: str, data_name: str, dst_name: str, match: str
+) -> None:
+    src = data_model(tmp_path, name=src_name, data=data_name)
+    before = snapshot_folder(tmp_path)
+    with pytest.raises(sharedml.PrepareError, match=match) as info:
+        sharedml.prepare(src, tmp_path / dst_name)
+    refused = tmp_path / dst_name
+    assert str(refused) in str(info.value) or str(refused.with_suffix(".weights")) in str(
+        info.value
+    )
+    assert snapshot_folder(tmp_path) == before  # nothing written, nothing destroyed
+    np.testing.assert_array_equal(run_ort(src, feeds(DIM)).shape, (1, DIM))
+
+
+def test_an_output_hard_linked_to_an_input_is_refused(tmp_path: Path) -> None:
+    src = data_model(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    os.link(src.parent / "model.onnx.data", tmp_path / "out" / "p.weights")
+    before = (src.parent / "model.onnx.data").read_bytes()
+    with pytest.raises(sharedml.PrepareError, match="overwrite its source"):
+        sharedml.prepare(src, tmp_path / "out" / "p.onnx")
+    assert (src.parent / "model.onnx.data").read_bytes() == before
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symlinks and FIFOs")
+@pytest.mark.parametrize("which", ["graph", "weights"])
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "folder", "device"])
+def test_an_output_that_is_not_a_regular_file_is_refused(
+    tmp_path: Path, which: str, kind: str
+) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "src" / "m.onnx")
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / ("p.onnx" if which == "graph" else "p.weights")
+    if kind == "symlink":
+        (tmp_path / "victim").write_bytes(b"keep me")
+        target.symlink_to(tmp_path / "victim")
+    elif kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "folder":
+        target.mkdir()
+    else:  # as root, `-o /dev/null` used to replace /dev/null itself
+        try:
+            os.mknod(target, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except (PermissionError, AttributeError):
+            pytest.skip("creating a device node needs root (and a system that allows it)")
+    mode = os.lstat(target).st_mode
+    with pytest.raises(sharedml.PrepareError, match="replaces only regular files") as info:
+        sharedml.prepare(src, out / "p.onnx")
+    assert str(target) in str(info.value)
+    assert os.lstat(target).st_mode == mode  # still what it was
+    assert leftovers(out) == []
+    if kind == "symlink":
+        assert (tmp_path / "victim").read_bytes() == b"keep me"
+
+
+def test_a_240_character_output_name_works(tmp_path: Path) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    dst = tmp_path / "out" / ("n" * 235 + ".onnx")  # its weights file's name has 243
+    result = sharedml.prepare(src, dst)
+    assert result.weights_path.name == "n" * 235 + ".weights"
+    assert leftovers(dst.parent) == []
+    np.testing.assert_array_equal(run_ort(dst, feeds(DIM)), run_ort(src, feeds(DIM)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Write failures: a SharedMLError (and an OSError) naming the path and the fix (issue 17)
+
+
+def assert_output_error(exc: BaseException, path: Path, fix: str) -> None:
+    assert isinstance(exc, sharedml.SharedMLError), f"{type(exc).__name__}: {exc}"
+    assert isinstance(exc, OSError) and isinstance(exc, sharedml.PrepareError)
+    assert type(exc).__name__ == "OutputError"
+    assert str(path) in str(exc) and fix in str(exc), str(exc)
+
+
+def test_an_output_folder_under_a_file_is_a_clear_error(tmp_path: Path) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(OSError) as info:
+        sharedml.prepare(src, tmp_path / "file" / "sub" / "p.onnx")
+    assert_output_error(info.value, tmp_path / "file" / "sub", "is a file, not a folder")
+
+
+def _prepare_into_unwritable_folder(src: Path, out: Path) -> None:
+    try:
+        sharedml.prepare(src, out / "p.onnx")
+    except OSError as exc:
+        assert_output_error(exc, out / "p.weights", "may not write")
+    else:
+        raise AssertionError(f"prepare wrote into '{out}'")
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_an_unwritable_output_folder_is_a_clear_error(request: pytest.FixtureRequest) -> None:
+    # Root may write any folder: as root, the writer is a second user, made for the test.
+    folder = Path(tempfile.mkdtemp(prefix="sharedml-unwritable-"))
+    try:
+        os.chmod(folder, 0o755)
+        src = save_model(build_model(["initializer"], dim=DIM), folder / "m.onnx")
+        out = folder / "ro"
+        out.mkdir(mode=0o555)
+        if os.geteuid() == 0:
+            other_user = request.getfixturevalue("other_user")
+            other_user(lambda: _prepare_into_unwritable_folder(src, out))
+        else:
+            _prepare_into_unwritable_folder(src, out)
+    finally:
+        shutil.rmtree(folder)
+
+
+FULL_DISK = textwrap.dedent(
+    r"""
+    import resource, signal, sys
+    import sharedml
+    # A file size limit: writes past it fail with EFBIG, as they fail with ENOSPC on a full disk.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), resource.RLIM_INFINITY))
+    try:
+        if sys.argv[1] == "direct":
+            sharedml.prepare(sys.argv[2], sys.argv[4])
+        else:
+            sharedml.prepared_model_for(sys.argv[2], cache_dir=sys.argv[4])
+    except BaseException as exc:
+        kinds = [c.__name__ for c in type(exc).__mro__]
+        print(" ".join(kinds))
+        print(" ".join(str(exc).split()))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE and SIGXFSZ")
+@pytest.mark.parametrize("where", ["direct", "cache"])
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path, where: str) -> None:
+    src = save_model(build_model(["initializer"] * 4, dim=128), tmp_path / "src" / "m.onnx")
+    dst = tmp_path / "out" / "p.onnx" if where == "direct" else tmp_path / "cache"
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, where, str(src), str(100_000), str(dst)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    kinds, message = out.stdout.strip().splitlines()[-2:]
+    if where == "direct":
+        assert "OutputError" in kinds.split() and "OSError" in kinds.split(), kinds
+        assert str(dst.with_suffix(".weights")) in message and "ulimit -f" in message, message
+        assert leftovers(dst.parent) == []
+    else:
+        assert "CacheError" in kinds.split(), kinds
+        assert str(src) in message and "SHAREDML_CACHE_DIR" in message, message
+        assert [p.name for p in (dst / "models").iterdir()] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache key and the prepared bytes come from the same read (issue 17)
+
+
+def versioned_source(folder: Path) -> tuple[Path, bytes, bytes]:
+    """A model with its weights in ``m.data``, and the data of two same-shaped versions."""
+    v1 = save_model(
+        build_model(["initializer"], dim=DIM, seed=1), folder / "v1" / "m.onnx", external="one"
+    )
+    v2 = save_model(
+        build_model(["initializer"], dim=DIM, seed=2), folder / "v2" / "m.onnx", external="one"
+    )
+    assert v1.read_bytes() == v2.read_bytes()  # the graphs are equal; only the data differs
+    live = folder / "live" / "m.onnx"
+    live.parent.mkdir()
+    live.write_bytes(v1.read_bytes())
+    data1, data2 = ((v / "m.data").read_bytes() for v in (v1.parent, v2.parent))
+    (live.parent / "m.data").write_bytes(data1)
+    return live, data1, data2
+
+
+def deploy(folder: Path, data: bytes) -> None:
+    """Replace the live data file by a rename, as a deploy does."""
+    (folder / "m.data.new").write_bytes(data)
+    os.replace(folder / "m.data.new", folder / "m.data")
+
+
+def test_a_source_changed_between_key_and_copy_is_cached_under_its_own_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sharedml import _cache, _prepare
+
+    monkeypatch.setattr(_cache, "_RACY_WINDOW_NS", 0)  # stamps too, so that none can mislead
+    src, data1, data2 = versioned_source(tmp_path)
+    v1, v2 = tmp_path / "v1" / "m.onnx", tmp_path / "v2" / "m.onnx"
+    real_prepare = _prepare.prepare
+    calls: list[int] = []
+
+    def deploy_then_prepare(*args: object, **kwargs: object) -> sharedml.PrepareResult:
+        if not calls:  # v2 lands after the key of v1 was computed, before the copy
+            deploy(src.parent, data2)
+        calls.append(1)
+        return real_prepare(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_prepare, "prepare", deploy_then_prepare)
+    entry = sharedml.prepared_model_for(src)
+    monkeypatch.setattr(_prepare, "prepare", real_prepare)
+    # The entry holds v2's weights, and its key is v2's: never v2's bytes under v1's key.
+    np.testing.assert_array_equal(run_ort(entry, feeds(DIM)), run_ort(v2, feeds(DIM)))
+    assert entry.parent.name == _prepare.content_key(src, size_threshold_bytes=1024)
+    # Roll back to v1: its own key, its own weights (was: v2's weights, for good).
+    deploy(src.parent, data1)
+    rolled_back = sharedml.prepared_model_for(src)
+    assert rolled_back != entry
+    np.testing.assert_array_equal(run_ort(rolled_back, feeds(DIM)), run_ort(v1, feeds(DIM)))
+    assert rolled_back.parent.name == _prepare.content_key(src, size_threshold_bytes=1024)
+
+
+def test_source_sha256_covers_what_was_copied(tmp_path: Path) -> None:
+    src, _data1, data2 = versioned_source(tmp_path)
+    first = sharedml.prepare(src, tmp_path / "a" / "m.onnx")
+    again = sharedml.prepare(src, tmp_path / "b" / "m.onnx")
+    assert first.source_sha256 == again.source_sha256
+    changed: list[int] = []
+
+    def change_mid_copy(done: int, total: int) -> None:
+        if not changed:  # during the copy: whatever was read is what is hashed
+            deploy(src.parent, data2)
+            changed.append(done)
+
+    mid = sharedml.prepare(src, tmp_path / "c" / "m.onnx", progress=change_mid_copy)
+    assert changed
+    # The data file was opened before the change, so the copy is v1's, and so is the digest.
+    assert mid.source_sha256 == first.source_sha256
+    assert mid.manifest.sha256 == first.manifest.sha256
+    after = sharedml.prepare(src, tmp_path / "d" / "m.onnx")
+    assert after.source_sha256 != first.source_sha256
+    assert after.manifest.sha256 != first.manifest.sha256

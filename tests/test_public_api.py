@@ -38,6 +38,8 @@ def test_every_error_is_a_sharedml_error() -> None:
     assert issubclass(sharedml.PoolClosedError, RuntimeError)
     assert issubclass(sharedml.ModelNotFoundError, FileNotFoundError)
     assert issubclass(sharedml.UnsafePathError, PermissionError)
+    assert issubclass(sharedml.OutputError, OSError)
+    assert issubclass(sharedml.OutputError, sharedml.PrepareError)
 
 
 def test_public_objects_name_sharedml_as_their_module() -> None:

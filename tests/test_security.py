@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -127,6 +128,8 @@ def _case(tmp: Path, case: str) -> tuple[Path, type[sharedml.SharedMLError], str
         os.symlink(tmp / "secret.bin", folder / "link.bin")
     if case == "symlink_folder":
         os.symlink(tmp, folder / "up", target_is_directory=True)
+    if case == "fifo_as_file":
+        os.mkfifo(folder / "pipe.bin")  # opening it to read would wait for a writer forever
     size = 4 * NBYTES
     table: dict[str, tuple[TensorProto, type[sharedml.SharedMLError]]] = {
         "parent": (external("w", "../secret.bin"), unsafe),
@@ -138,6 +141,7 @@ def _case(tmp: Path, case: str) -> tuple[Path, type[sharedml.SharedMLError], str
         "missing_file": (external("w", "nope.bin"), bad),
         "no_location": (external("w", None), bad),
         "folder_as_file": (external("w", "."), bad),
+        "fifo_as_file": (external("w", "pipe.bin"), bad),
         "offset_at_eof": (external("w", "w.bin", offset=size), bad),
         "offset_past_eof": (external("w", "w.bin", offset=size + 4096), bad),
         "length_past_eof": (
@@ -171,6 +175,7 @@ HOSTILE_CASES = [
     "missing_file",
     "no_location",
     "folder_as_file",
+    *(["fifo_as_file"] if hasattr(os, "mkfifo") else []),
     "offset_at_eof",
     "offset_past_eof",
     "length_past_eof",
@@ -241,6 +246,93 @@ def test_symlink_inside_the_folder_and_adjacent_ranges_are_accepted(tmp_path: Pa
     np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
+@pytest.mark.parametrize(
+    ("case", "kind"), [("fifo_as_file", "a FIFO"), ("folder_as_file", "a folder")]
+)
+def test_external_data_that_is_not_a_regular_file_says_so(
+    tmp_path: Path, case: str, kind: str
+) -> None:
+    model, _, _ = _case(tmp_path, case)
+    with pytest.raises(sharedml.ExternalDataError, match=f"is not a regular file: it is {kind}"):
+        sharedml.prepare(model, tmp_path / "out" / "m.onnx")
+
+
+# --------------------------------------------------------------------------------------------
+# A symlink swapped in between prepare's check and its read (check-then-open)
+
+FLIP_TRIES = 200  # the issue's flipper leaked on try 64
+
+
+def _flipper(folder: Path, location: str, secret_folder: Path, stop: threading.Event) -> None:
+    """Swap ``folder/location`` (a file, or the folder holding it) for a symlink outside, and back.
+
+    Each swap is atomic where the OS allows it (a file: ``rename`` over it); a folder cannot be
+    renamed over, so it is moved aside and a link put in its place (missing in between).
+    """
+    first, *rest = Path(location).parts
+    path, parked = folder / first, folder / f".parked-{first}"
+    outside = secret_folder / first
+    link = folder / f".link-{first}"
+    while not stop.is_set():
+        if rest:  # the folder component
+            os.rename(path, parked)
+            os.symlink(outside, path)
+            os.unlink(path)
+            os.rename(parked, path)
+        else:
+            os.symlink(outside, link)
+            os.replace(link, path)  # now a symlink to the secret
+            os.link(folder / "good.bin", link)
+            os.replace(link, path)  # a regular file again
+
+
+@pytest.mark.skipif(not POSIX, reason="symlinks")
+@pytest.mark.parametrize("how", ["no-follow", "compare"])
+@pytest.mark.parametrize("location", ["w.bin", "sub/w.bin"], ids=["file", "folder"])
+def test_a_symlink_swapped_in_while_prepare_reads_never_leaks_an_outside_file(
+    tmp_path: Path,
+    location: str,
+    how: str,
+    fast_switching: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if how == "compare":  # the fallback where there is no O_NOFOLLOW (Windows), run here
+        monkeypatch.setattr(sharedml._host, "_O_NOFOLLOW", 0)
+    folder, secret_folder = tmp_path / "model", tmp_path / "secret"
+    good = data_file(folder / "good.bin", N)  # 1 KiB of 0, 1, 2, ...
+    data_file(folder / location, N)
+    (folder / location).unlink()
+    os.link(folder / "good.bin", folder / location)
+    secret = np.full(N, 1337, np.float32)
+    (secret_folder / Path(location).parent).mkdir(parents=True, exist_ok=True)
+    (secret_folder / location).write_bytes(secret.tobytes())
+    model = write(add_chain([external("w", location)]), folder / "m.onnx")
+    stop = threading.Event()
+    flipper = threading.Thread(
+        target=_flipper, args=(folder, location, secret_folder, stop), daemon=True
+    )
+    flipper.start()
+    outcomes: dict[str, int] = {}
+    try:
+        for i in range(FLIP_TRIES):
+            out = tmp_path / "out" / f"{i}.onnx"
+            try:
+                result = sharedml.prepare(model, out)
+            except sharedml.SharedMLError as exc:
+                outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+                continue
+            weights = np.frombuffer(result.weights_path.read_bytes()[:NBYTES], np.float32)
+            assert not np.array_equal(weights, secret), f"try {i} read the outside file"
+            np.testing.assert_array_equal(weights, good)
+            outcomes["read the good file"] = outcomes.get("read the good file", 0) + 1
+    finally:
+        stop.set()
+        flipper.join(30)
+    assert not flipper.is_alive()
+    assert sum(outcomes.values()) == FLIP_TRIES, outcomes
+
+
 # --------------------------------------------------------------------------------------------
 # Overlapping byte ranges
 
@@ -282,7 +374,8 @@ def test_identical_ranges_are_tied_weights_stored_once(tmp_path: Path) -> None:
         for t in prepared.graph.initializer
     }
     assert offsets["tied_a"] == offsets["tied_b"] != offsets["other"]
-    assert result.manifest.size_bytes == 2 * 4096  # two distinct tensors, one page each
+    # Two distinct 1 KiB tensors, packed at 64 bytes: one page in all, not a page each.
+    assert result.manifest.size_bytes == 4096
     with sharedml.SessionPool(result.model_path, sessions=1) as pool:
         out = pool.run(None, {"x": np.zeros(N, np.float32)})[0]
     np.testing.assert_array_equal(out, 2 * values[N : 2 * N] + values[2 * N : 3 * N])
@@ -535,6 +628,31 @@ def test_tampered_slots_are_refused_by_the_weight_store(
     with pytest.raises(sharedml.ExternalDataError) as info:
         sharedml.SessionPool(model, sessions=1, mechanism="add-initializer")
     assert_names(info.value, model, prepared.manifest.file)
+
+
+@pytest.mark.parametrize(
+    ("shift", "why"), [(4, "misaligned"), (8, "misaligned"), (1 << 20, "past_end")]
+)
+def test_a_tampered_small_tensor_offset_is_refused_by_the_weight_store(
+    tmp_path: Path, shift: int, why: str
+) -> None:
+    # 1 KiB tensors are packed at 64 bytes: an offset off that grid (or past the end) is a
+    # graph changed after prepare, and would hand ORT a buffer misaligned for its type.
+    folder = tmp_path / "model"
+    data_file(folder / "w.bin")
+    tensors = [external(name, "w.bin", offset=i * NBYTES) for i, name in enumerate("abc")]
+    result = sharedml.prepare(
+        write(add_chain(tensors), folder / "m.onnx"), tmp_path / "p" / "m.onnx"
+    )
+    model = _copy_prepared(result, tmp_path / "t")
+    graph = onnx.load_model(str(model), load_external_data=False)
+    entry = next(e for e in graph.graph.initializer[1].external_data if e.key == "offset")
+    assert int(entry.value) % 64 == 0 and int(entry.value) % 4096  # packed, not on a page
+    entry.value = str(int(entry.value) + shift)
+    model.write_bytes(graph.SerializeToString())
+    with pytest.raises(sharedml.ExternalDataError, match="changed after prepare") as info:
+        sharedml.SessionPool(model, sessions=1, mechanism="add-initializer")
+    assert_names(info.value, model, "b")
 
 
 def _symlinked_weights(prepared: sharedml.PrepareResult, tmp_path: Path) -> tuple[Path, bytes]:

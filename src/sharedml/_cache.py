@@ -34,9 +34,13 @@ make every pool run their graph, hence the policy; ``docs/security.md`` has the 
 
 Stamps spare the work that start-up would otherwise repeat in every process: hashing a source
 model to find its entry and hashing a weights file to verify it. A stamp records each file's
-device, inode, size, mtime and ctime; any write to a file changes its ctime, which no
-unprivileged process can set back, so a stamp that still matches names the same bytes. No stamp
-is written for a file changed in the last :data:`_RACY_WINDOW_NS` (a write within the timestamp
+path as named, the path it resolves to, and its device, inode, size, mtime and ctime; any write
+to a file changes its ctime, which no unprivileged process can set back, so a stamp that still
+matches names the same bytes. Every path is resolved again when a stamp is recalled, so a
+symlink retargeted since (``current.bin -> v2.bin``) misses. The files are snapshotted *before*
+their bytes are read (:func:`snapshot`) and a stamp is recorded only if they are unchanged
+after, so a write that lands while a file is hashed is never stamped as good. No stamp is
+written for a file changed in the last :data:`_RACY_WINDOW_NS` (a write within the timestamp
 granularity could leave mtime and ctime as they were; git's index has the same rule).
 ``SHAREDML_STAMPS=0`` turns stamps off.
 """
@@ -53,7 +57,7 @@ import stat
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +70,7 @@ __all__ = [
     "ENTRY_KINDS",
     "Built",
     "CacheEntry",
+    "Snapshot",
     "cache_dir",
     "clear_stale",
     "ensure_entry",
@@ -75,6 +80,7 @@ __all__ = [
     "publish",
     "recall_stamp",
     "record_stamp",
+    "snapshot",
     "verified_sha256",
 ]
 
@@ -86,7 +92,7 @@ _PRIVATE_DIR_MODE = stat.S_IRWXU  # 0700: other users can neither read nor plant
 _READ_ONLY_FILE_MODE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # 0444: never rewritten
 _TMP_SUFFIX = ".tmp"
 _RACY_WINDOW_NS = 3_000_000_000  # a file changed this recently gets no stamp (FAT: 2 s mtimes)
-_STAMP_VERSION = 1
+_STAMP_VERSION = 2  # 2: paths as named, resolved again at recall
 
 CacheDir = str | os.PathLike[str] | None
 """A cache folder argument: a path, or None for :func:`cache_dir`'s default."""
@@ -241,10 +247,15 @@ class Built:
         meta: JSON-ready metadata recorded in ``entry.json``.
         sha256: Hex SHA-256 of files the builder computed while writing them, by file name;
             the cache hashes the others.
+        key: The key the built files belong to, where the builder derived it from the very
+            bytes it read; None: the key the entry was asked for. A builder whose source
+            changed after its caller computed the key thus publishes under the new content's
+            key, and no key ever names other bytes than its own.
     """
 
     meta: Mapping[str, Any]
     sha256: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    key: str | None = None
 
 
 Builder = Callable[[Path], "Built | Mapping[str, Any] | None"]
@@ -328,14 +339,14 @@ def publish(
 
     Args:
         kind: One of :data:`ENTRY_KINDS`.
-        key: The entry's key.
+        key: The entry's key, unless the builder names another (:attr:`Built.key`).
         build: Writes the entry's files into the folder it is given; returns metadata to record
             (JSON-ready, or a :class:`Built`) or None. Anything it raises is raised here, with
             nothing published.
         cache_dir: The cache folder (default: :func:`cache_dir`).
 
     Returns:
-        The published entry: ours, or the one another process published first.
+        The published entry: ours, or the one another process published first under its key.
 
     Raises:
         CacheError: the cache fails the policy, or the entry cannot be published.
@@ -353,6 +364,10 @@ def publish(
         built = build(tmp)
         if not isinstance(built, Built):
             built = Built(meta=built or {})
+        if built.key is not None:
+            if Path(built.key).name != built.key or built.key.startswith("."):
+                raise CacheError(f"A cache builder named the entry key {built.key!r}.")
+            key, final = built.key, folder / built.key
         files: dict[str, dict[str, Any]] = {}
         for produced in sorted(tmp.iterdir()):
             if not produced.is_file() or produced.is_symlink():
@@ -425,7 +440,8 @@ def ensure_entry(
 ) -> CacheEntry:
     """The entry ``key`` of ``kind``: opened and checked if published, else built and published.
 
-    A damaged entry is moved aside (with a warning) and built again.
+    A damaged entry is moved aside (with a warning) and built again. A builder that names
+    another key (:attr:`Built.key`) publishes there, and that entry is returned.
 
     Raises:
         CacheError: the cache fails the policy, or the entry cannot be published.
@@ -484,7 +500,11 @@ def clear_stale(cache_dir: CacheDir = None, *, older_than_s: float = _STALE_TMP_
 # Stamps
 
 
-def _file_stamp(path: Path) -> list[int] | None:
+_Stamp = tuple[int, ...]
+_FileState = tuple[str, str, _Stamp | None]  # path as named, resolved path, its stamp
+
+
+def _file_stamp(path: Path) -> _Stamp | None:
     """Device, inode, size, mtime and ctime of ``path`` (following links); None if absent."""
     try:
         st = os.stat(path)
@@ -492,11 +512,50 @@ def _file_stamp(path: Path) -> list[int] | None:
         return None
     if not stat.S_ISREG(st.st_mode):
         return None
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _stamp_path(folder: Path, kind: str, path: Path, params: str) -> Path:
-    name = hashlib.sha256(f"{kind}\0{os.path.realpath(path)}\0{params}".encode()).hexdigest()
+def _file_state(path: str | os.PathLike[str]) -> _FileState:
+    named = str(Path(path).absolute())  # not normalized: "a/link/../b" resolves as the OS does
+    try:
+        real = os.path.realpath(named)
+    except OSError:  # a link changed while it was resolved: record_stamp refuses this state
+        return named, "", None
+    return named, real, _file_stamp(Path(real))
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """Files as they were before their bytes were read: what a stamp may vouch for.
+
+    Take it with :func:`snapshot` *before* reading the files, compute the value, then pass it
+    to :func:`record_stamp`, which records the value only if every file is still as it was.
+
+    Attributes:
+        files: ``(path as named, the path it resolved to, its stamp or None if absent)`` for
+            the file the value describes, then for each companion file.
+    """
+
+    files: tuple[_FileState, ...]
+
+    def extended(self, companions: Iterable[str | os.PathLike[str]]) -> Snapshot:
+        """This snapshot plus ``companions``, taken now (before they are read)."""
+        return Snapshot(self.files + tuple(_file_state(c) for c in companions))
+
+    def taken_again(self) -> Snapshot:
+        """The same files now, every path resolved again."""
+        return Snapshot(tuple(_file_state(named) for named, _real, _stamp in self.files))
+
+
+def snapshot(
+    path: str | os.PathLike[str], companions: Iterable[str | os.PathLike[str]] = ()
+) -> Snapshot:
+    """Snapshot ``path`` and ``companions`` (present or absent) before reading them."""
+    return Snapshot((_file_state(path),)).extended(companions)
+
+
+def _stamp_path(folder: Path, kind: str, named: str, params: str) -> Path:
+    name = hashlib.sha256(f"{kind}\0{named}\0{params}".encode()).hexdigest()
     return folder / f"{kind}-{name[:40]}.json"
 
 
@@ -509,9 +568,12 @@ def recall_stamp(
 ) -> str | None:
     """The value recorded for ``path`` (and its companion files) if none of them changed since.
 
+    Every path is resolved again: one that resolves elsewhere now (a retargeted symlink, in
+    any component) is a change.
+
     Args:
         kind: What the value is (``"sha256"``, ``"prepared"``).
-        path: The file the value describes.
+        path: The file the value describes, as the caller names it.
         params: Anything else the value depends on (settings), part of the stamp's name.
         cache_dir: The cache folder (default: :func:`cache_dir`).
 
@@ -523,18 +585,22 @@ def recall_stamp(
     if os.environ.get("SHAREDML_STAMPS") == "0":
         return None
     root = _root_of(cache_dir)
+    named = _file_state(path)[0]
     try:
         _check_root(root)
         if not _is_private_dir(root / "stamps"):
             return None
-        record = json.loads(_stamp_path(root / "stamps", kind, Path(path), params).read_text())
+        record = json.loads(_stamp_path(root / "stamps", kind, named, params).read_text())
         if record.get("version") != _STAMP_VERSION or not record.get("files"):
             return None
-        if record["files"][0][0] != os.path.realpath(path):
+        recorded = Snapshot(
+            tuple(
+                (str(n), str(r), tuple(int(v) for v in st) if st is not None else None)
+                for n, r, st in record["files"]
+            )
+        )
+        if recorded.files[0][0] != named or recorded.taken_again() != recorded:
             return None
-        for name, stamp in record["files"]:
-            if _file_stamp(Path(name)) != stamp:
-                return None
         value = record["value"]
     except (OSError, ValueError, KeyError, TypeError, IndexError, CacheError):
         return None
@@ -543,38 +609,38 @@ def recall_stamp(
 
 def record_stamp(
     kind: str,
-    path: str | os.PathLike[str],
+    before: Snapshot,
     value: str,
     params: str = "",
     *,
-    companions: Collection[Path] = (),
     cache_dir: CacheDir = None,
 ) -> bool:
-    """Remember ``value`` for ``path`` as it is now (and ``companions``, present or absent).
+    """Remember ``value`` for the files of ``before``, if they are still as ``before`` saw them.
 
-    Call it right after computing ``value`` from the files' bytes. Nothing is recorded for a
-    file changed within the last :data:`_RACY_WINDOW_NS` (its next use computes the value again
-    and records it then), nor when the cache folder cannot be written. Never raises.
+    ``before`` must have been taken before the bytes ``value`` was computed from were read: a
+    file written, replaced or re-linked since then gets no stamp (its next use computes the
+    value again). Nothing is recorded either for a file changed within the last
+    :data:`_RACY_WINDOW_NS`, nor when the cache folder cannot be written. Never raises.
 
     Returns:
         True if the stamp was written.
     """
-    files = [Path(os.path.realpath(path)), *(Path(os.path.realpath(c)) for c in companions)]
-    stamps = [_file_stamp(f) for f in files]
-    if stamps[0] is None:
+    if not before.files or before.files[0][2] is None or before.taken_again() != before:
+        return False
+    if any(not real for _named, real, _stamp in before.files):  # a path that did not resolve
         return False
     now = time.time_ns()
-    for st in stamps:
+    for _named, _real, st in before.files:
         if st is not None and now - max(st[3], st[4]) < _RACY_WINDOW_NS:
             return False
     record = {
         "version": _STAMP_VERSION,
-        "files": [[str(f), st] for f, st in zip(files, stamps, strict=True)],
+        "files": [[named, real, st] for named, real, st in before.files],
         "value": value,
     }
     try:
         folder = kind_folder("stamps", cache_dir)
-        target = _stamp_path(folder, kind, Path(path), params)
+        target = _stamp_path(folder, kind, before.files[0][0], params)
         fd, tmp = tempfile.mkstemp(prefix=".", suffix=_TMP_SUFFIX, dir=folder)
         try:
             with os.fdopen(fd, "w") as fh:
@@ -592,19 +658,20 @@ def record_stamp(
 # Digests this process computed, by (path, file stamp): a file verified a moment ago (by the
 # cache, then by the weight store) is not read again while its stamp is unchanged, also within
 # the racy window in which no stamp is persisted.
-_DIGESTS: dict[tuple[str, tuple[int, ...]], str] = {}
+_DIGESTS: dict[tuple[str, _Stamp], str] = {}
 
 
 def verified_sha256(path: Path, expected: str, *, cache_dir: CacheDir = None) -> bool:
     """Whether ``path`` has the SHA-256 ``expected``; a stamp spares reading an unchanged file."""
-    st = _file_stamp(path)
-    memo = (os.path.realpath(path), tuple(st)) if st is not None else None
+    before = snapshot(path)  # before the read: a write during the hash must not be stamped
+    _named, real, st = before.files[0]
+    memo = (real, st) if st is not None else None
     if memo is not None and _DIGESTS.get(memo) == expected:
         return True
     if recall_stamp("sha256", path, cache_dir=cache_dir) == expected:
         return True
     digest = _host.sha256_file(path)
-    record_stamp("sha256", path, digest, cache_dir=cache_dir)
-    if memo is not None and _file_stamp(path) == st:  # unchanged while it was read
+    record_stamp("sha256", before, digest, cache_dir=cache_dir)
+    if memo is not None and before.taken_again() == before:  # unchanged while it was read
         _DIGESTS[memo] = digest
     return digest == expected

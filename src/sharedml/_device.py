@@ -94,8 +94,19 @@ class _Upload:
     keepalive: list[Any] = dataclasses.field(default_factory=list)
 
 
+# bytes: a slab starts at a file offset that is a multiple of this, so that every view keeps its
+# file alignment as far as the allocation's own goes (cudaMalloc: 256 bytes; ORT's CPU: 64).
+_SLAB_ALIGNMENT_BYTES = 256
+
+
 def _span(slots: Sequence[TensorSlot]) -> tuple[int, int]:
-    return min(s.offset for s in slots), max(s.offset + s.length for s in slots)
+    """The file range a slab must hold, its start rounded down to :data:`_SLAB_ALIGNMENT_BYTES`.
+
+    Small tensors sit at 64-byte (or smaller, natural) alignment in the file; a slab starting
+    at the first of them would shift every page-aligned view after it off its alignment.
+    """
+    lo = min(s.offset for s in slots)
+    return lo - lo % _SLAB_ALIGNMENT_BYTES, max(s.offset + s.length for s in slots)
 
 
 def _upload_ort_slab(host: HostWeights, device: str, device_id: int) -> _Upload:
@@ -105,7 +116,7 @@ def _upload_ort_slab(host: HostWeights, device: str, device_id: int) -> _Upload:
     if not slots:
         return _Upload({}, 0, lambda _buffer: None)
     lo, hi = _span(slots)
-    # One allocation, one transfer; the file's alignment (4096 bytes) carries over.
+    # One allocation, one transfer; the file's alignment carries over (see _span).
     slab = ort.OrtValue.ortvalue_from_shape_and_type([hi - lo], np.uint8, device, device_id)
 
     def reload(buffer: np.ndarray) -> None:

@@ -11,6 +11,7 @@ subclass inherits it too, so callers can catch either::
     │       └── UnsafePathError (PermissionError)   a location escaping the model's folder
     ├── WeightsMismatchError                 a prepared weights file changed after prepare
     ├── PrepareError                         prepare refused (e.g. it would overwrite its source)
+    │   └── OutputError (OSError)            its outputs cannot be written (full disk, no access)
     ├── CacheError                           a cache folder or entry that cannot be trusted or used
     ├── ProviderError                        an execution provider that cannot be used here
     ├── SessionCreationError                 ONNX Runtime refused to create a session
@@ -34,6 +35,7 @@ __all__ = [
     "NotBatchableError",
     "ModelError",
     "ModelNotFoundError",
+    "OutputError",
     "PoolClosedError",
     "PoolError",
     "PoolTimeout",
@@ -77,6 +79,14 @@ class WeightsMismatchError(SharedMLError):
 
 class PrepareError(SharedMLError):
     """``prepare`` refused to run (for example, it would overwrite its own source)."""
+
+
+class OutputError(PrepareError, OSError):
+    """``prepare`` could not write its outputs: a full disk, a folder it may not write, ...
+
+    The message names the path and the fix; ``errno`` is the operating system's error number
+    (``errno.ENOSPC`` for a full disk), so code that handles ``OSError`` keeps working.
+    """
 
 
 class CacheError(SharedMLError):

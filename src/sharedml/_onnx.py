@@ -14,12 +14,15 @@ import dataclasses
 import enum
 import math
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 
+from sharedml import _host
 from sharedml._errors import (
     ExternalDataError,
     InvalidModelError,
@@ -31,6 +34,7 @@ __all__ = [
     "ExternalData",
     "ExternalSlice",
     "Placement",
+    "ResolvedFiles",
     "TensorRef",
     "constant_value",
     "external_locations",
@@ -39,6 +43,7 @@ __all__ = [
     "iter_graphs",
     "iter_tensors",
     "load_graph",
+    "read_model",
     "resolve_external",
     "set_external",
     "tensor_nbytes",
@@ -54,18 +59,42 @@ def load_graph(path: str | os.PathLike[str]) -> ModelProto:
         ModelNotFoundError: ``path`` does not exist.
         InvalidModelError: ``path`` is not a readable ONNX model.
     """
+    return read_model(path)[0]
+
+
+def read_model(path: str | os.PathLike[str]) -> tuple[ModelProto, bytes]:
+    """A model's protobuf (external data not loaded) and the very bytes it was parsed from.
+
+    One read serves both, so that whoever hashes the bytes hashes what was parsed (prepare keys
+    the cache by what it read: :class:`sharedml._prepare.PrepareResult`'s ``source_sha256``).
+
+    Raises:
+        ModelNotFoundError: ``path`` does not exist.
+        InvalidModelError: ``path`` is not a regular file, cannot be read, or is not ONNX.
+    """
     path = Path(path)
-    if not path.exists():
-        raise ModelNotFoundError(f"Model file '{path}' does not exist.")
-    if not path.is_file():
-        raise InvalidModelError(f"'{path}' is not a file.")
     try:
-        model = onnx.load_model(str(path), load_external_data=False)
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"Model file '{path}' does not exist.") from None
+    except OSError as exc:
+        raise InvalidModelError(f"'{path}' cannot be read ({exc.strerror or exc}).") from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever
+        raise InvalidModelError(
+            f"'{path}' is not a file: it is {_host.file_kind(st.st_mode)}. Pass an .onnx file."
+        )
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise InvalidModelError(f"'{path}' cannot be read ({exc.strerror or exc}).") from None
+    try:
+        model = onnx.load_model_from_string(data)
     except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning, ...: all "not ONNX"
         raise InvalidModelError(f"'{path}' is not a valid ONNX model: {exc}") from None
     if not model.HasField("graph"):
         raise InvalidModelError(f"'{path}' is not a valid ONNX model: it has no graph.")
-    return model
+    return model, data
 
 
 class Placement(enum.Enum):
@@ -247,21 +276,85 @@ class ExternalSlice:
         file: The resolved file.
         offset: Where the tensor's bytes start.
         length: How many bytes it has.
+        folder: The model's resolved folder, which ``file`` lies in.
+        location: The location as the tensor names it.
     """
 
     file: Path
     offset: int
     length: int
+    folder: Path
+    location: str
+
+    def open(self, tensor_name: str) -> BinaryIO:
+        """Open ``file`` for reading without following a symlink below ``folder``, and check it.
+
+        Between :func:`resolve_external`'s check and this open, a symlink may have been swapped
+        into the path; the open refuses it instead of reading what the link points to (see
+        :func:`sharedml._host.open_below`). The descriptor itself is then checked: a regular
+        file that still holds the slice. Read from the returned file only.
+
+        Raises:
+            UnsafePathError: a component of the path became a symlink.
+            ExternalDataError: the file vanished, is no longer a regular file, or is too short.
+        """
+        where = f"Tensor '{tensor_name}': external data file '{self.file}'"
+        try:
+            fd = _host.open_below(self.folder, self.file)
+        except _host.LinkSwappedError:
+            raise UnsafePathError(
+                f"{where} changed into a symlink while prepare opened it (someone is swapping "
+                f"files in '{self.folder}'); nothing outside the model's folder was read."
+            ) from None
+        except OSError as exc:
+            raise ExternalDataError(f"{where} cannot be opened ({exc.strerror or exc}).") from None
+        fh = os.fdopen(fd, "rb")
+        try:
+            self.check_open(fh, tensor_name)
+        except BaseException:
+            fh.close()
+            raise
+        return fh
+
+    def check_open(self, fh: BinaryIO, tensor_name: str) -> None:
+        """Check that the open file ``fh`` is a regular file that holds this slice.
+
+        Raises:
+            ExternalDataError: it is not a regular file, or it is shorter than the slice needs.
+        """
+        st = os.fstat(fh.fileno())
+        where = f"Tensor '{tensor_name}': external data file '{self.file}'"
+        if not stat.S_ISREG(st.st_mode):
+            raise ExternalDataError(
+                f"{where} is not a regular file: it is {_host.file_kind(st.st_mode)}."
+            )
+        if self.offset + self.length > st.st_size:
+            end = self.offset + self.length
+            raise ExternalDataError(
+                f"{where} has {st.st_size} bytes, but bytes {self.offset}..{end} are needed: it "
+                "was truncated while prepare read it."
+            )
 
 
-def resolve_external(tensor: TensorProto, model_path: Path) -> ExternalSlice:
+ResolvedFiles = dict[tuple[Path, str], tuple[Path, Path, os.stat_result]]
+"""Locations already resolved in one pass over a model: (folder, location) -> (the folder
+resolved, the file resolved, its stat). A model of 100,000 tensors in one file resolves it once."""
+
+
+def resolve_external(
+    tensor: TensorProto, model_path: Path, *, resolved_files: ResolvedFiles | None = None
+) -> ExternalSlice:
     """Check an external tensor's location, offset and length against the file system.
+
+    ``resolved_files`` spares resolving a location again that an earlier tensor of the same
+    pass used; the open that reads it checks the path again (:meth:`ExternalSlice.open`).
 
     Raises:
         UnsafePathError: the location is absolute, holds a NUL byte, or resolves outside the
             model's folder (``..``, a symlink that escapes).
-        ExternalDataError: no location, a missing file, malformed or out-of-range offsets, or a
-            length that does not match the tensor's shape.
+        ExternalDataError: no location, a missing file or one that is not a regular file (a
+            FIFO, a device, a folder), malformed or out-of-range offsets, or a length that does
+            not match the tensor's shape.
     """
     info = ExternalData.of(tensor)
     assert info is not None, "resolve_external takes external tensors only"
@@ -281,15 +374,12 @@ def resolve_external(tensor: TensorProto, model_path: Path) -> ExternalSlice:
             "be relative to the model's folder."
         )
     base = model_path.parent
-    real_base = Path(os.path.realpath(base))
-    resolved = Path(os.path.realpath(base / location))
-    if os.path.commonpath([real_base, resolved]) != str(real_base):
-        raise UnsafePathError(
-            f"{where}: external data location '{location}' resolves to '{resolved}', which is "
-            f"outside the model's folder '{real_base}'."
-        )
-    if not resolved.is_file():
-        raise ExternalDataError(f"{where}: external data file '{resolved}' does not exist.")
+    known = resolved_files.get((base, location)) if resolved_files is not None else None
+    if known is None:
+        known = _resolve_file(base, location, where)
+        if resolved_files is not None:
+            resolved_files[(base, location)] = known
+    real_base, resolved, st = known
     if info.malformed:
         raise ExternalDataError(
             f"{where}: external data offset/length are not non-negative integers."
@@ -303,7 +393,7 @@ def resolve_external(tensor: TensorProto, model_path: Path) -> ExternalSlice:
                 "type."
             )
         length = expected
-    file_size = resolved.stat().st_size
+    file_size = st.st_size
     if info.offset + length > file_size:
         raise ExternalDataError(
             f"{where}: bytes {info.offset}..{info.offset + length} lie outside external data "
@@ -315,7 +405,40 @@ def resolve_external(tensor: TensorProto, model_path: Path) -> ExternalSlice:
             f"{where}: external data length {length} does not match its shape "
             f"{list(tensor.dims)} ({expected} bytes)."
         )
-    return ExternalSlice(resolved, info.offset, length)
+    return ExternalSlice(resolved, info.offset, length, real_base, location)
+
+
+def _resolve_file(base: Path, location: str, where: str) -> tuple[Path, Path, os.stat_result]:
+    """The resolved folder, the resolved file and its stat, for a location checked to be safe."""
+    try:
+        real_base = Path(os.path.realpath(base))
+        resolved = Path(os.path.realpath(base / location))
+    except OSError as exc:  # a link that changed while it was being resolved
+        raise ExternalDataError(
+            f"{where}: external data location '{location}' changed while it was resolved "
+            f"({exc.strerror or exc}); is something swapping files in '{base}'?"
+        ) from None
+    if os.path.commonpath([real_base, resolved]) != str(real_base):
+        raise UnsafePathError(
+            f"{where}: external data location '{location}' resolves to '{resolved}', which is "
+            f"outside the model's folder '{real_base}'."
+        )
+    try:
+        st = os.stat(resolved)
+    except FileNotFoundError:
+        raise ExternalDataError(
+            f"{where}: external data file '{resolved}' does not exist."
+        ) from None
+    except OSError as exc:
+        raise ExternalDataError(
+            f"{where}: external data file '{resolved}' cannot be read ({exc.strerror or exc})."
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ExternalDataError(
+            f"{where}: external data file '{resolved}' is not a regular file: it is "
+            f"{_host.file_kind(st.st_mode)}. External data must be a regular file."
+        )
+    return real_base, resolved, st
 
 
 _DATA_FIELDS = (

@@ -4,42 +4,71 @@
 Every tensor of at least ``size_threshold_bytes`` moves into the weights file, wherever it was
 in the source: an initializer stored inline or in external data files, a ``Constant`` node
 (turned into an initializer of the same graph, as ORT itself does at load), or either of those
-inside ``If``/``Loop``/``Scan`` bodies at any depth. Each tensor starts at a multiple of
-``alignment_bytes`` so that a mapping of the file hands ORT aligned buffers.
+inside ``If``/``Loop``/``Scan`` bodies at any depth.
+
+Layout (:meth:`WeightsManifest.alignment_for`): a tensor of at least ``alignment_bytes`` (a
+page by default) starts at a multiple of it, so that a mapping hands ORT page-aligned buffers;
+a smaller one starts at a multiple of 64 bytes, or of the largest power of two not above its
+size when it is smaller still, which is still a multiple of its element size. Every tensor's
+padding is thus smaller than the tensor, so the weights file stays under twice the tensor data
+plus one page, whatever the model (100,000 one-byte tensors no longer cost a page each).
 
 The data is streamed: external tensors are copied in chunks, so peak memory is about one chunk
 plus the graph, not the model's size. Models over 2 GB arrive with external data and prepare
-the same way. The outputs appear atomically (temporary files, then ``os.replace``), and the
-source model and its data files are only ever read.
+the same way. Every byte is read once, from a file opened without following symlinks below the
+model's folder, and hashed as it is copied (``PrepareResult.source_sha256``), so the cache keys
+an entry by exactly what it holds. The outputs appear atomically (temporary files, then
+``os.replace``), read-only, and never over the source model or its data files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import itertools
 import json
 import os
 import secrets
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 import onnx
 from onnx import ModelProto, TensorProto
 
 from sharedml import _host
-from sharedml._cache import Built, CacheDir, ensure_entry, recall_stamp, record_stamp
-from sharedml._errors import ExternalDataError, InvalidModelError, PrepareError, UnsafePathError
+from sharedml._cache import (
+    Built,
+    CacheDir,
+    Snapshot,
+    ensure_entry,
+    recall_stamp,
+    record_stamp,
+    snapshot,
+)
+from sharedml._errors import (
+    CacheError,
+    ExternalDataError,
+    InvalidModelError,
+    OutputError,
+    PrepareError,
+    SharedMLError,
+    UnsafePathError,
+)
 from sharedml._host import fsync_dir
 from sharedml._onnx import (
+    ExternalSlice,
     Placement,
+    ResolvedFiles,
     external_locations,
     inline_bytes,
     is_external,
     iter_tensors,
     load_graph,
+    read_model,
     resolve_external,
     set_external,
     tensor_nbytes,
@@ -48,6 +77,8 @@ from sharedml._onnx import (
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
     "DEFAULT_SIZE_THRESHOLD_BYTES",
+    "MAX_ALIGNMENT_BYTES",
+    "SMALL_ALIGNMENT_BYTES",
     "MANIFEST_KEY",
     "PrepareResult",
     "WeightsManifest",
@@ -62,11 +93,23 @@ __all__ = [
     "weights_path_for",
 ]
 
-DEFAULT_ALIGNMENT_BYTES = 4096  # bytes: one page, so every tensor can be mapped on its own
+DEFAULT_ALIGNMENT_BYTES = 4096  # bytes: one page, so every large tensor is mapped page-aligned
+# bytes: the largest alignment prepare accepts. 1 GiB is the largest huge page (x86-64); beyond
+# it no mapping gains anything, and a typo (a TiB) must be a clear error, not a huge file.
+MAX_ALIGNMENT_BYTES = 1 << 30
+# bytes: where tensors smaller than the alignment start. A cache line, and a multiple of every
+# element size (complex128 is 16 bytes), which is what ORT's kernels and DLPack views need.
+SMALL_ALIGNMENT_BYTES = 64
 DEFAULT_SIZE_THRESHOLD_BYTES = 1024  # bytes: what onnx's own external-data helpers use
 MANIFEST_KEY = "sharedml.weights"  # metadata_props key of the prepared model
-_FORMAT_VERSION = 1
+# 2: tensors smaller than alignment_bytes start at SMALL_ALIGNMENT_BYTES (1: every tensor at
+# alignment_bytes). Format 1 files still load: their offsets satisfy the format 2 rule.
+_FORMAT_VERSION = 2
+_READABLE_FORMATS = (1, 2)
+_END_ALIGNMENT_BYTES = 4096  # bytes: the file ends on a page, as a mapping does
 _CHUNK_BYTES = 16 * 1024 * 1024  # bytes copied at a time: bounds prepare's peak memory
+_ZEROS = bytes(64 * 1024)  # padding is written from this, so no padding is ever allocated
+_NAME_MAX_BYTES = 255  # bytes in one file name (NAME_MAX on Linux, macOS and NTFS)
 # Tensors under this many bytes always stay inline, whatever the threshold: shape inference at
 # load must read small constant inputs (Reshape's shape, Slice's starts) from the graph, and ORT
 # copies external tensors this small into the graph at load anyway.
@@ -74,6 +117,14 @@ _ALWAYS_INLINE_BYTES = 128
 
 ProgressCallback = Callable[[int, int], None]
 """Called as ``progress(bytes_done, bytes_total)`` while the weights file is written."""
+
+
+def _floor_power_of_two(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _is_power_of_two(n: object) -> bool:
+    return isinstance(n, int) and n > 0 and not n & (n - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +135,11 @@ class WeightsManifest:
         file: The weights file's name, relative to the model's folder.
         size_bytes: Its exact size.
         sha256: Hex SHA-256 of its whole content.
-        alignment_bytes: The alignment every tensor offset honours.
+        alignment_bytes: Where tensors of at least this size start: at multiples of it.
         tensors: How many tensors the file holds.
+        small_alignment_bytes: Where smaller tensors start (see :meth:`alignment_for`).
+            Files of format 1, which aligned every tensor to ``alignment_bytes``, read as
+            ``alignment_bytes`` here.
     """
 
     file: str
@@ -93,6 +147,21 @@ class WeightsManifest:
     sha256: str
     alignment_bytes: int
     tensors: int
+    small_alignment_bytes: int = SMALL_ALIGNMENT_BYTES
+
+    def alignment_for(self, nbytes: int) -> int:
+        """The alignment of a tensor of ``nbytes`` in this file: prepare's layout rule.
+
+        ``alignment_bytes`` for a tensor at least that large (mapped page-aligned); else
+        ``small_alignment_bytes``, or the largest power of two not above ``nbytes`` where that
+        is smaller. The last keeps every padding below its tensor's size (the file stays under
+        twice its data) and is still a multiple of the element size, which divides ``nbytes``.
+        The weight store refuses an offset that breaks this rule (a graph changed after
+        prepare).
+        """
+        if nbytes >= self.alignment_bytes:
+            return self.alignment_bytes
+        return min(self.small_alignment_bytes, _floor_power_of_two(nbytes))
 
     def to_json(self) -> str:
         """Serialize as stored in the model's ``metadata_props``."""
@@ -103,11 +172,28 @@ class WeightsManifest:
         """Parse the stored form; raises ``InvalidModelError`` when malformed."""
         try:
             raw = json.loads(text)
-            if raw.pop("format") != _FORMAT_VERSION:
-                raise ValueError("unknown format version")
+            version = raw.pop("format")
+            if version not in _READABLE_FORMATS:
+                raise InvalidModelError(
+                    f"The {MANIFEST_KEY} metadata has format {version!r}, which this sharedml "
+                    f"does not read (it reads {', '.join(map(str, _READABLE_FORMATS))}): prepare "
+                    "the model again with this version of sharedml."
+                )
+            if version == 1:  # every tensor at alignment_bytes
+                raw.setdefault("small_alignment_bytes", raw.get("alignment_bytes"))
             manifest = cls(**raw)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            if isinstance(exc, InvalidModelError):
+                raise
             raise InvalidModelError(f"Malformed {MANIFEST_KEY} metadata: {exc}") from None
+        if not (
+            _is_power_of_two(manifest.alignment_bytes)
+            and _is_power_of_two(manifest.small_alignment_bytes)
+        ):
+            raise InvalidModelError(
+                f"Malformed {MANIFEST_KEY} metadata: alignments {manifest.alignment_bytes} and "
+                f"{manifest.small_alignment_bytes} are not powers of two. Prepare the model again."
+            )
         if Path(manifest.file).name != manifest.file:
             raise UnsafePathError(
                 f"The prepared model names weights file {manifest.file!r}, which is not a plain "
@@ -129,6 +215,10 @@ class PrepareResult:
         bytes_inline: Their data size.
         constants_converted: ``Constant`` nodes turned into initializers.
         manifest: The record stored in the model to verify the weights file.
+        source_sha256: Hex SHA-256 of exactly the source bytes prepare read to write these
+            files, in the one read that copied them: the model file, then each external slice
+            it copied (with its location, offset and length). Equal digests (with equal
+            settings) mean equal outputs; the cache keys its entries by it.
     """
 
     model_path: Path
@@ -139,6 +229,7 @@ class PrepareResult:
     bytes_inline: int
     constants_converted: int
     manifest: WeightsManifest
+    source_sha256: str
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (what ``sharedml prepare --json`` prints)."""
@@ -152,6 +243,7 @@ class PrepareResult:
             "constants_converted": self.constants_converted,
             "weights_file_bytes": self.manifest.size_bytes,
             "weights_sha256": self.manifest.sha256,
+            "source_sha256": self.source_sha256,
         }
 
 
@@ -175,12 +267,19 @@ def read_manifest(model: ModelProto) -> WeightsManifest | None:
 
 @dataclasses.dataclass
 class _Source:
-    """Where a tensor's bytes come from: a slice of a file, or bytes in the graph."""
+    """Where a tensor's bytes come from: a checked slice of a file, or bytes in the graph."""
 
     tensor: TensorProto
     nbytes: int
-    file: Path | None = None
-    offset: int = 0
+    piece: ExternalSlice | None = None
+
+    @property
+    def file(self) -> Path | None:
+        return self.piece.file if self.piece is not None else None
+
+    @property
+    def offset(self) -> int:
+        return self.piece.offset if self.piece is not None else 0
 
 
 @dataclasses.dataclass
@@ -206,10 +305,10 @@ class WeightsPlan:
         return sum(s.nbytes for s in self.moving)
 
 
-def _source_of(tensor: TensorProto, model_path: Path) -> _Source | None:
+def _source_of(tensor: TensorProto, model_path: Path, files: ResolvedFiles) -> _Source | None:
     if is_external(tensor):
-        piece = resolve_external(tensor, model_path)
-        return _Source(tensor=tensor, nbytes=piece.length, file=piece.file, offset=piece.offset)
+        piece = resolve_external(tensor, model_path, resolved_files=files)
+        return _Source(tensor=tensor, nbytes=piece.length, piece=piece)
     expected = tensor_nbytes(tensor)
     if expected is None:
         return None
@@ -268,6 +367,7 @@ def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> Weights
     moving: list[_Source] = []
     inline_count = inline_bytes = converted = 0
     floor = max(threshold, _ALWAYS_INLINE_BYTES)
+    files: ResolvedFiles = {}
     # Initializers that are not graph inputs need IR version 4; older models keep their Constants.
     may_convert = model.ir_version >= 4
     for ref in list(iter_tensors(model.graph)):
@@ -277,7 +377,7 @@ def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> Weights
             if not may_convert or len(ref.node.output) != 1:
                 continue
             size = (
-                resolve_external(tensor, model_path).length
+                resolve_external(tensor, model_path, resolved_files=files).length
                 if is_external(tensor)
                 else tensor_nbytes(tensor)
             )
@@ -290,7 +390,7 @@ def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> Weights
             converted += 1
         elif ref.placement is not Placement.INITIALIZER:
             continue
-        src = _source_of(tensor, model_path)
+        src = _source_of(tensor, model_path, files)
         # External tensors always move, small or not: the prepared model must not point at
         # the source's files, which need not travel with it.
         if src is None or (src.file is None and src.nbytes < floor):
@@ -300,6 +400,95 @@ def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> Weights
         moving.append(src)
     _check_overlaps(moving, model_path)
     return WeightsPlan(moving, inline_count, inline_bytes, converted)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: every source byte once, hashed as it is handed out
+
+
+class _SourceReader:
+    """Hands out the source bytes prepare copies, each read once, and hashes exactly those.
+
+    The digest covers the model file's bytes, then, in plan order, each external slice read
+    (framed by its index in the plan, its location, offset and length) and each tied tensor's
+    reuse of an earlier slice. prepare's output is a function of exactly this sequence, so an
+    entry keyed by the digest holds what its key says even when a source file changes between
+    a key lookup and the copy, or during the copy: the changed bytes get their own key.
+
+    One external file is open at a time: models with a file per tensor have thousands.
+    """
+
+    def __init__(self, model_bytes: bytes) -> None:
+        self._sha = hashlib.sha256(f"sharedml-source:1:{len(model_bytes)}\n".encode())
+        self._sha.update(model_bytes)
+        self._open: tuple[Path, BinaryIO] | None = None
+
+    def hexdigest(self) -> str:
+        """The digest of everything handed out so far."""
+        return self._sha.hexdigest()
+
+    def tied(self, index: int, earlier: int) -> None:
+        """Record that tensor ``index`` of the plan reuses the bytes of tensor ``earlier``."""
+        self._sha.update(f"\n{index} = {earlier}\n".encode())
+
+    def read(self, index: int, piece: ExternalSlice, name: str) -> Iterator[bytes]:
+        """The bytes of tensor ``index`` (``name``), in chunks, from a checked open file."""
+        fh = self._file(piece, name)
+        self._sha.update(f"\n{index} {piece.location!r} {piece.offset} {piece.length}\n".encode())
+        fh.seek(piece.offset)
+        remaining = piece.length
+        while remaining:
+            try:
+                chunk = fh.read(min(_CHUNK_BYTES, remaining))
+            except OSError as exc:
+                raise ExternalDataError(
+                    f"Reading tensor '{name}' from external data file '{piece.file}' failed "
+                    f"({exc.strerror or exc})."
+                ) from None
+            if not chunk:
+                raise ExternalDataError(
+                    f"External data file '{piece.file}' ended early while reading tensor '{name}'."
+                )
+            self._sha.update(chunk)
+            remaining -= len(chunk)
+            yield chunk
+
+    def _file(self, piece: ExternalSlice, name: str) -> BinaryIO:
+        if self._open is not None:
+            if self._open[0] == piece.file:
+                piece.check_open(self._open[1], name)
+                return self._open[1]
+            self.close()
+        fh = piece.open(name)
+        self._open = (piece.file, fh)
+        return fh
+
+    def close(self) -> None:
+        """Close the open external file, if any."""
+        if self._open is not None:
+            self._open[1].close()
+            self._open = None
+
+
+def _reads(moving: list[_Source]) -> Iterator[tuple[int, _Source, int | None]]:
+    """Each tensor that moves, with the index of an earlier one whose bytes it shares (tied)."""
+    first: dict[tuple[Path, int, int], int] = {}
+    for index, src in enumerate(moving):
+        if src.piece is None:
+            yield index, src, None
+            continue
+        earlier = first.setdefault((src.piece.file, src.piece.offset, src.nbytes), index)
+        yield index, src, earlier if earlier != index else None
+
+
+def _hash_sources(moving: list[_Source], reader: _SourceReader) -> None:
+    """Feed ``reader`` what :func:`_write_weights` would read, without writing anything."""
+    for index, src, earlier in _reads(moving):
+        if earlier is not None:
+            reader.tied(index, earlier)
+        elif src.piece is not None:
+            for _chunk in reader.read(index, src.piece, src.tensor.name):
+                pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,68 +508,51 @@ class _HashingWriter:
 
     def pad_to(self, alignment: int) -> None:
         pad = -self.position % alignment
-        if pad:
-            self.write(b"\0" * pad)
+        while pad:  # from a small buffer of zeros: padding costs no memory, whatever its size
+            step = min(pad, len(_ZEROS))
+            self.write(memoryview(_ZEROS)[:step])
+            pad -= step
 
 
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
 def _write_weights(
     moving: list[_Source],
     writer: _HashingWriter,
-    location: str,
-    alignment: int,
+    reader: _SourceReader,
+    layout: WeightsManifest,
     progress: ProgressCallback | None,
 ) -> None:
     total = sum(src.nbytes for src in moving)
     done = 0
-    placed: dict[tuple[Path, int, int], int] = {}  # tied weights are written once
-    handles: dict[Path, IO[bytes]] = {}
-    try:
-        for src in moving:
-            key = (src.file, src.offset, src.nbytes) if src.file is not None else None
-            if key is not None and key in placed:
-                set_external(src.tensor, location, placed[key], src.nbytes)
-                done += src.nbytes
-                continue
-            writer.pad_to(alignment)
+    placed: dict[int, int] = {}  # plan index -> offset; tied weights are written once
+    for index, src, earlier in _reads(moving):
+        if earlier is not None:
+            reader.tied(index, earlier)
+            start = placed[earlier]
+        else:
+            writer.pad_to(layout.alignment_for(src.nbytes))
             start = writer.position
-            if src.file is None:
+            if src.piece is None:
                 data = inline_bytes(src.tensor)
                 writer.write(data)
                 del data
             else:
-                fh = handles.get(src.file)
-                if fh is None:
-                    fh = handles[src.file] = open(src.file, "rb")  # noqa: SIM115 - closed below
-                fh.seek(src.offset)
-                remaining = src.nbytes
-                while remaining:
-                    chunk = fh.read(min(_CHUNK_BYTES, remaining))
-                    if not chunk:
-                        raise ExternalDataError(
-                            f"External data file '{src.file}' ended early while reading tensor "
-                            f"'{src.tensor.name}'."
-                        )
+                for chunk in reader.read(index, src.piece, src.tensor.name):
                     writer.write(chunk)
-                    remaining -= len(chunk)
                     if progress is not None:
-                        progress(done + src.nbytes - remaining, total)
-                placed[key] = start  # type: ignore[index]
-            set_external(src.tensor, location, start, src.nbytes)
-            done += src.nbytes
-            if progress is not None:
-                progress(done, total)
-        # A file ending on the alignment keeps `size` a multiple of a page for mmap users.
-        writer.pad_to(alignment)
-    finally:
-        for fh in handles.values():
-            fh.close()
+                        progress(done + writer.position - start, total)
+        placed[index] = start
+        set_external(src.tensor, layout.file, start, src.nbytes)
+        done += src.nbytes
+        if progress is not None:
+            progress(done, total)
+    writer.pad_to(_END_ALIGNMENT_BYTES)
 
 
 def _replace_metadata(model: ModelProto, manifest: WeightsManifest) -> None:
@@ -392,19 +564,106 @@ def _replace_metadata(model: ModelProto, manifest: WeightsManifest) -> None:
 
 
 def _create_temp(final: Path) -> tuple[int, Path]:
-    """A new temporary file beside ``final``, with the permissions the umask gives new files.
+    """A new temporary file beside ``final``: read-only for everyone the umask lets read it.
 
-    (``tempfile.mkstemp`` would make it 0600, so a prepared model would be unreadable by the
-    other users a deployment often runs its workers as.)
+    The mode is 0444 less the umask (``tempfile.mkstemp`` would make it 0600, so a prepared
+    model would be unreadable by the other users a deployment often runs its workers as).
+    Read-only because the weights file is mapped by running pools: a ``cp`` over it (an
+    in-place rewrite) would crash them with SIGBUS, and read-only makes ``cp`` fail for
+    everyone but root, while the renames that prepare itself replaces files with still work.
+    Windows: 0666, since there a read-only file cannot be replaced by a rename.
+
+    The name keeps at most what fits NAME_MAX with its random part, so that an output name of
+    up to 255 bytes works.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    mode = 0o444 if os.name == "posix" else 0o666
     for _ in range(100):
-        path = final.with_name(f".{final.name}.{secrets.token_hex(6)}.tmp")
+        suffix = f".{secrets.token_hex(6)}.tmp"
+        keep = final.name
+        while len(os.fsencode(f".{keep}{suffix}")) > _NAME_MAX_BYTES:
+            keep = keep[:-1]
+        path = final.with_name(f".{keep}{suffix}")
         try:
-            return os.open(path, flags, 0o666), path
+            return os.open(path, flags, mode), path
         except FileExistsError:
             continue
     raise PrepareError(f"Could not create a temporary file beside '{final}'.")  # pragma: no cover
+
+
+def _check_outputs(src_path: Path, model: ModelProto, dst_path: Path, weights_path: Path) -> None:
+    """Refuse outputs that are not regular files, or that are any of prepare's inputs.
+
+    Inputs are the source model and every external data file it names (moved or not): writing
+    over one destroys the source (``prepare("model.onnx", "model.onnx.data")``). An existing
+    output must be a regular file: ``os.replace`` would replace a symlink itself, and, as root,
+    a device (``-o /dev/null``) or a FIFO.
+
+    Raises:
+        PrepareError: naming the output, what it is, and the fix.
+    """
+    if weights_path == dst_path:
+        raise PrepareError(
+            f"'{dst_path}' is also the name prepare gives the weights file (the graph file's stem "
+            "+ '.weights'); name the graph file differently, e.g. "
+            f"'{dst_path.with_suffix('.onnx')}'. Nothing was written."
+        )
+    inputs = [(src_path, "the source model")]
+    inputs += [
+        (src_path.parent / location, f"external data of the source model '{src_path}'")
+        for location in sorted(external_locations(model.graph))
+        if location and "\0" not in location
+    ]
+    for out in (dst_path, weights_path):
+        try:
+            st = os.lstat(out)
+        except OSError:  # absent (or its folder is): nothing to protect, and a clear error later
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise PrepareError(
+                f"prepare would replace '{out}', which is {_host.file_kind(st.st_mode)}; it "
+                "replaces only regular files. Remove it or choose another output path. Nothing "
+                "was written."
+            )
+        for path, what in inputs:
+            if _same_file(out, path):
+                raise PrepareError(
+                    f"prepare would overwrite its source: '{out}' is {what}. Nothing was "
+                    "written; write the prepared model to another path (e.g. -o "
+                    "model.prepared.onnx)."
+                )
+
+
+_EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)
+
+
+def _output_error(path: Path, exc: OSError) -> OutputError:
+    """An :class:`OutputError` that names ``path``, the OS's reason and the fix."""
+    code = exc.errno
+    folder = path.parent
+    if code in (errno.ENOSPC, _EDQUOT):
+        fix = f"free space on the filesystem of '{folder}', or write the prepared model elsewhere"
+    elif code == errno.EFBIG:
+        fix = (
+            "the file outgrew the filesystem's or this process's file size limit ('ulimit -f'); "
+            "raise the limit or write the prepared model elsewhere"
+        )
+    elif code in (errno.EACCES, errno.EPERM):
+        fix = f"this user may not write in '{folder}'; fix its permissions or write elsewhere"
+    elif code == errno.EROFS:
+        fix = f"'{folder}' is on a read-only filesystem; write the prepared model elsewhere"
+    elif code == errno.ENAMETOOLONG:
+        fix = "the name is longer than the filesystem allows; choose a shorter output name"
+    elif code in (errno.ENOTDIR, errno.EEXIST):
+        fix = f"a part of '{folder}' is a file, not a folder; choose another output path"
+    else:
+        fix = f"check '{folder}', or write the prepared model elsewhere"
+    error = OutputError(
+        f"prepare could not write '{path}' ({exc.strerror or exc}): {fix}. The source is "
+        "unchanged and no temporary file was left."
+    )
+    error.errno = code
+    return error
 
 
 def prepare(
@@ -421,67 +680,74 @@ def prepare(
         src: Any ONNX model: weights inline, in external data files, in ``Constant`` nodes or
             in subgraphs. A model prepared before prepares again into an equivalent one.
         dst: The graph file to write. The weights go to ``<dst stem>.weights`` in its folder,
-            which is created if missing. Existing files at both paths are replaced atomically.
+            which is created if missing. Existing regular files at both paths are replaced
+            atomically; neither may be the source model or one of its data files, a symlink,
+            a device or a FIFO. Both are written read-only (0444 less the umask): running pools
+            map the weights, and copying a file over them would crash those pools, so replace
+            them only by renames (prepare again, or ``mv``).
         size_threshold_bytes: Tensors at least this large move to the weights file; smaller
             ones stay in the graph (and those under 128 bytes always do: shape inference must
             read them). Tensors that were in external files always move.
-        alignment_bytes: Every tensor's offset is a multiple of this (a power of two, at least
-            4096 so that each tensor can be mapped on its own).
+        alignment_bytes: Tensors at least this large start at a multiple of it (a power of two
+            from 4096, one page, to :data:`MAX_ALIGNMENT_BYTES`); smaller ones at a multiple of
+            64 bytes or of their size's largest power of two (:meth:`WeightsManifest.
+            alignment_for`), so that no padding is larger than its tensor.
         progress: Called as ``progress(bytes_done, bytes_total)`` while weights are copied.
 
     Returns:
         A :class:`PrepareResult` describing what was written.
 
     Raises:
+        ValueError: ``alignment_bytes`` or ``size_threshold_bytes`` is out of range.
         ModelNotFoundError: ``src`` does not exist.
         InvalidModelError: ``src`` is not a valid ONNX model.
-        ExternalDataError: external data is missing, truncated, overlapping or malformed.
-        UnsafePathError: an external data location points outside ``src``'s folder.
-        PrepareError: ``dst`` or its weights file would overwrite the source or its data.
+        ExternalDataError: external data is missing, truncated, overlapping, malformed, or not
+            a regular file.
+        UnsafePathError: an external data location points outside ``src``'s folder, or a
+            symlink was swapped in below it while prepare opened the file.
+        PrepareError: ``dst`` or its weights file would overwrite the source or its data, or
+            is not a regular file.
+        OutputError: the outputs could not be written (a full disk, a folder this user may
+            not write, a name too long); it is also an ``OSError`` with the ``errno``.
 
     Thread safety: safe to call concurrently, also on the same ``dst`` (the last one wins,
     each result complete).
     """
-    src_path = Path(src)
-    dst_path = Path(dst)
-    if alignment_bytes < 4096 or alignment_bytes & (alignment_bytes - 1):
-        raise ValueError(f"alignment_bytes must be a power of two >= 4096, not {alignment_bytes}.")
+    if not _is_power_of_two(alignment_bytes) or not (
+        DEFAULT_ALIGNMENT_BYTES <= alignment_bytes <= MAX_ALIGNMENT_BYTES
+    ):
+        raise ValueError(
+            f"alignment_bytes must be a power of two from {DEFAULT_ALIGNMENT_BYTES} to "
+            f"{MAX_ALIGNMENT_BYTES} (1 GiB), not {alignment_bytes}."
+        )
     if size_threshold_bytes < 0:
         raise ValueError("size_threshold_bytes must not be negative.")
-    model = load_graph(src_path)
+    src_path = Path(src)
+    dst_path = Path(dst)
     weights_path = weights_path_for(dst_path)
-    if _same_file(src_path, dst_path):
-        raise PrepareError(
-            f"prepare would overwrite its source model '{src_path}'. Write the prepared model to "
-            "another path (e.g. -o model.prepared.onnx)."
-        )
-
+    model, model_bytes = read_model(src_path)
+    reader = _SourceReader(model_bytes)
+    del model_bytes
+    _check_outputs(src_path, model, dst_path, weights_path)
     plan = plan_weights(model, src_path, size_threshold_bytes)
-    moving = plan.moving
-    for source_file in {s.file for s in moving if s.file is not None}:
-        if _same_file(source_file, weights_path):
-            raise PrepareError(
-                f"prepare would overwrite '{weights_path}', which holds the source model's "
-                f"external data. Write the prepared model elsewhere."
-            )
+    layout = WeightsManifest(weights_path.name, 0, "", alignment_bytes, len(plan.moving))
 
-    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    writing = dst_path.parent  # what an OSError below failed to write, for its message
     tmp_weights = tmp_model = None
     try:
+        dst_path.parent.mkdir(parents=True, exist_ok=True)
+        writing = weights_path
         fd, tmp_weights = _create_temp(weights_path)
         with os.fdopen(fd, "wb") as fh:
             writer = _HashingWriter(fh)
-            _write_weights(moving, writer, weights_path.name, alignment_bytes, progress)
+            _write_weights(plan.moving, writer, reader, layout, progress)
             fh.flush()
             os.fsync(fh.fileno())
-        manifest = WeightsManifest(
-            file=weights_path.name,
-            size_bytes=writer.position,
-            sha256=writer.sha.hexdigest(),
-            alignment_bytes=alignment_bytes,
-            tensors=len(moving),
+        manifest = dataclasses.replace(
+            layout, size_bytes=writer.position, sha256=writer.sha.hexdigest()
         )
         _replace_metadata(model, manifest)
+        writing = dst_path
         fd, tmp_model = _create_temp(dst_path)
         with os.fdopen(fd, "wb") as fh:
             fh.write(model.SerializeToString())
@@ -489,12 +755,19 @@ def prepare(
             os.fsync(fh.fileno())
         # Weights first: until the graph lands, no prepared model refers to the new weights; an
         # older graph left at dst by a crash in between is caught by its recorded hash.
+        writing = weights_path
         os.replace(tmp_weights, weights_path)
         tmp_weights = None
+        writing = dst_path
         os.replace(tmp_model, dst_path)
         tmp_model = None
         fsync_dir(dst_path.parent)
+    except OSError as exc:
+        if isinstance(exc, SharedMLError):  # UnsafePathError is a PermissionError too
+            raise
+        raise _output_error(writing, exc) from exc
     finally:
+        reader.close()
         for leftover in (tmp_weights, tmp_model):
             if leftover is not None:
                 with contextlib.suppress(OSError):
@@ -503,49 +776,68 @@ def prepare(
     return PrepareResult(
         model_path=dst_path,
         weights_path=weights_path,
-        tensors_moved=len(moving),
+        tensors_moved=len(plan.moving),
         bytes_moved=plan.moving_bytes,
         tensors_inline=plan.inline_tensors,
         bytes_inline=plan.inline_bytes,
         constants_converted=plan.constants_converted,
         manifest=manifest,
+        source_sha256=reader.hexdigest(),
     )
 
 
 # --------------------------------------------------------------------------------------------
 # Prepared once per content: the cache's ``models`` entries
 
-_KEY_VERSION = "1"  # bump when prepare's output format changes
+_KEY_VERSION = "2"  # bump when prepare's output format, or what the key covers, changes
 _PREPARED_NAME = "model.onnx"
 
 
-def _content_key(
-    path: Path, model: ModelProto, size_threshold_bytes: int
-) -> tuple[str, list[Path]]:
-    """The entry key, and the external data files it covers (existing or not)."""
-    sha = hashlib.sha256(f"sharedml-cache:{_KEY_VERSION}:{size_threshold_bytes}\n".encode())
-    _host.sha256_file(path, sha)
-    base = Path(os.path.realpath(path.parent))
-    covered: list[Path] = []
-    for location in sorted(external_locations(model.graph)):
-        sha.update(f"\n{location}\n".encode())
-        try:
-            target = Path(os.path.realpath(base / location))
-            inside = os.path.commonpath([base, target]) == str(base)
-        except ValueError:  # NUL bytes, other drives: prepare reports these with its errors
-            continue
-        # Unsafe or missing locations are prepare's to report, with its clear errors.
-        if inside:
-            covered.append(target)
-            if target.is_file():
-                _host.sha256_file(target, sha)
-    return sha.hexdigest(), covered
+def _key_of(source_sha256: str, size_threshold_bytes: int) -> str:
+    """The ``models`` entry key of a source whose bytes hash to ``source_sha256``."""
+    text = f"sharedml-cache:{_KEY_VERSION}:{size_threshold_bytes}:{source_sha256}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _source_key(
+    path: Path, model: ModelProto, model_bytes: bytes, before: Snapshot, size_threshold_bytes: int
+) -> tuple[str, Snapshot]:
+    """The entry key of a source, from the reads prepare would make, and what they covered.
+
+    ``model`` and ``model_bytes`` are one read of ``path``, made after ``before`` was taken.
+    The external data files are snapshotted before their bytes are read, so that a stamp of
+    the result vouches only for files that did not change while they were hashed.
+
+    Returns:
+        The key (:func:`_key_of` of the same digest prepare computes while copying) and the
+        snapshot of the model and of every external data file it names, as named (a symlink
+        retargeted later resolves elsewhere, and the stamp no longer matches).
+    """
+    reader = _SourceReader(model_bytes)
+    plan = plan_weights(model, path, size_threshold_bytes)
+    named = [
+        path.parent / location
+        for location in sorted(external_locations(model.graph))
+        if "\0" not in location
+    ]
+    before = before.extended(named)
+    try:
+        _hash_sources(plan.moving, reader)
+    finally:
+        reader.close()
+    return _key_of(reader.hexdigest(), size_threshold_bytes), before
 
 
 def content_key(model_path: str | os.PathLike[str], *, size_threshold_bytes: int) -> str:
-    """SHA-256 over the model file, its external data files and the prepare settings."""
+    """The cache key of a source model: a SHA-256 over what prepare would read, and settings.
+
+    What prepare would read is the model file and the slice of every external data file that
+    its tensors use, exactly as :attr:`PrepareResult.source_sha256` hashes them.
+    """
     path = Path(model_path)
-    return _content_key(path, load_graph(path), size_threshold_bytes)[0]
+    before = snapshot(path)
+    model, model_bytes = read_model(path)
+    return _source_key(path, model, model_bytes, before, size_threshold_bytes)[0]
 
 
 def prepared_model_for(
@@ -557,9 +849,12 @@ def prepared_model_for(
 ) -> Path:
     """A prepared model equivalent to ``model_path``: itself if prepared, else a cache entry.
 
-    Entries are keyed by the SHA-256 of the model file and of every external data file it
-    refers to, so a changed source gets a new entry and an unchanged one is reused by every
-    later pool and process. A stamp of the source files spares parsing and hashing them again
+    Entries are keyed by the SHA-256 of the bytes prepare reads (the model file and the slices
+    of its external data files: :func:`content_key`), so a changed source gets a new entry and
+    an unchanged one is reused by every later pool and process. The entry a build publishes is
+    keyed by the digest prepare computed over the very bytes it copied, not by the lookup's:
+    a source changed between the two (a deploy in progress) lands under its own key, never
+    under the old content's. A stamp of the source files spares parsing and hashing them again
     while they are unchanged (see :mod:`sharedml._cache`).
 
     Args:
@@ -577,7 +872,7 @@ def prepared_model_for(
     Raises:
         ModelError: from :func:`sharedml.prepare`: the model or its external data is unusable.
         CacheError: the cache folder fails sharedml's permission policy, or an entry cannot be
-            published.
+            published (a full disk: the message names the folder).
 
     Thread and process safety: safe to call from many threads and processes at once; every
     caller gets a complete entry, and no entry is ever modified after it is published.
@@ -599,21 +894,30 @@ def prepared_model_for(
     known = recall_stamp("prepared", path, params, cache_dir=cache_dir)
     if known is not None:  # the source is unchanged since it was hashed: skip parse and hash
         return entry_for(known)
-    model = load_graph(path)
+    before = snapshot(path)  # before the read: a stamp must not vouch for a later write
+    model, model_bytes = read_model(path)
     if read_manifest(model) is not None:
         return path
-    key, covered = _content_key(path, model, size_threshold_bytes)
-    del model  # the graph can be large; prepare loads its own copy
+    key, before = _source_key(path, model, model_bytes, before, size_threshold_bytes)
+    del model, model_bytes  # the graph can be large; prepare loads its own copy
     prepared = entry_for(key)
-    record_stamp("prepared", path, key, params, companions=covered, cache_dir=cache_dir)
+    # Recorded only if no file changed since `before`: else the build may hold other bytes.
+    record_stamp("prepared", before, key, params, cache_dir=cache_dir)
     return prepared
 
 
 def _prepare_into(src: Path, folder: Path, size_threshold_bytes: int) -> Built:
-    result = prepare(src, folder / _PREPARED_NAME, size_threshold_bytes=size_threshold_bytes)
+    try:
+        result = prepare(src, folder / _PREPARED_NAME, size_threshold_bytes=size_threshold_bytes)
+    except OutputError as exc:
+        raise CacheError(
+            f"Could not build the cache entry for '{src}': {exc} Or set SHAREDML_CACHE_DIR to a "
+            "folder with room."
+        ) from exc
     return Built(
         meta={"source": str(src), "tensors": result.tensors_moved, "bytes": result.bytes_moved},
         sha256={result.weights_path.name: result.manifest.sha256},
+        key=_key_of(result.source_sha256, size_threshold_bytes),
     )
 
 
@@ -626,8 +930,9 @@ def prepared_model_from_bytes(
 ) -> Path:
     """A prepared model for a model given as bytes (as ``InferenceSession`` accepts it).
 
-    The bytes are keyed by their SHA-256 like any other cache entry; a model in bytes has no
-    folder, so it cannot refer to external data files.
+    The entry is keyed as prepare keys what it reads (:func:`content_key`): the same model
+    given by path or as bytes finds the same entry. A model in bytes has no folder, so it
+    cannot refer to external data files.
 
     Raises:
         InvalidModelError: the bytes are not an ONNX model.
@@ -653,8 +958,9 @@ def prepared_model_from_bytes(
             "cannot carry: pass the model's path instead."
         )
     del model
-    sha = hashlib.sha256(f"sharedml-bytes:{_KEY_VERSION}:{size_threshold_bytes}\n".encode())
-    sha.update(data)
+    reader = _SourceReader(data)  # no external slice to read: the digest is the bytes'
+    key = _key_of(reader.hexdigest(), size_threshold_bytes)
+    reader.close()
 
     def build(folder: Path) -> Built:
         source = folder / "source.onnx"
@@ -665,5 +971,5 @@ def prepared_model_from_bytes(
             source.unlink()
 
     checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
-    entry = ensure_entry("models", sha.hexdigest(), build, cache_dir=cache_dir, verify=checked)
+    entry = ensure_entry("models", key, build, cache_dir=cache_dir, verify=checked)
     return entry.file(_PREPARED_NAME)

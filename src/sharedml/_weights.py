@@ -90,19 +90,22 @@ def _slots(
             )
         offset, length = info.offset, info.length if info.length is not None else -1
         expected = tensor_nbytes(tensor)
+        # prepare's layout rule: an offset off it (a changed graph) could hand ORT or a DLPack
+        # view a buffer misaligned for its element type.
+        alignment = manifest.alignment_for(max(length, 0))
         if (
             info.malformed
             or length < 0
             or offset + length > size
-            or offset % manifest.alignment_bytes
+            or offset % alignment
             or (expected is not None and length != expected)
         ):
             raise ExternalDataError(
                 f"Tensor '{tensor.name}' of prepared model '{model_path}' claims bytes "
                 f"{info.get('offset')}..+{info.get('length')} of weights file "
-                f"'{weights_file}' ({size} bytes, tensors aligned to "
-                f"{manifest.alignment_bytes}, its shape needs {expected} bytes): the graph "
-                "was changed after prepare. Prepare the model again."
+                f"'{weights_file}' ({size} bytes, a tensor of that length aligned to "
+                f"{alignment}, its shape needs {expected} bytes): the graph was changed after "
+                "prepare. Prepare the model again."
             )
         slots.append(
             TensorSlot(

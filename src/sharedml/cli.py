@@ -72,6 +72,11 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
             f"file, {result.tensors_inline} small tensors ({human_bytes(result.bytes_inline)}) "
             f"inline, {result.constants_converted} Constant nodes turned into initializers"
         )
+        print(
+            "both files are read-only: running pools map the weights, and copying a file over "
+            "them (cp) would crash those pools with SIGBUS. To redeploy, prepare again over "
+            "them or rename (mv) new files into place."
+        )
     return 0
 
 
@@ -110,7 +115,10 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_ALIGNMENT_BYTES,
         metavar="BYTES",
-        help="alignment of every tensor in the weights file (default: %(default)s)",
+        help=(
+            "alignment of every tensor at least this large in the weights file; smaller ones "
+            "are packed at 64 bytes (a power of two from 4096 to 1 GiB; default: %(default)s)"
+        ),
     )
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=_cmd_prepare)
