@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -388,3 +389,61 @@ def test_outputs_get_the_permissions_the_umask_gives(tmp_path: Path) -> None:
         os.umask(old)
     for path in (result.model_path, result.weights_path):
         assert path.stat().st_mode & 0o777 == 0o644  # readable by workers running as others
+
+
+def test_an_existing_folder_as_output_means_folder_slash_model_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sharedml.cli import main
+
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "model.onnx")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["prepare", str(src), "-o", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["model_path"] == str(out / "model.onnx")
+    assert summary["weights_path"] == str(out / "model.weights")
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.weights"]
+    np.testing.assert_array_equal(run_ort(out / "model.onnx", feeds(DIM)), run_ort(src, feeds(DIM)))
+
+
+def test_an_output_path_that_is_a_folder_inside_the_folder_is_refused_before_writing(
+    tmp_path: Path,
+) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "model.onnx")
+    (tmp_path / "out" / "model.onnx").mkdir(parents=True)
+    with pytest.raises(sharedml.PrepareError, match="is a folder"):
+        sharedml.prepare(src, tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["model.onnx"]
+
+
+@pytest.mark.parametrize("earlier_output", [False, True])
+def test_a_failure_placing_the_graph_leaves_no_file_and_restores_the_old_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier_output: bool
+) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM, seed=3), tmp_path / "m.onnx")
+    out = tmp_path / "out"
+    out.mkdir()
+    if earlier_output:
+        old = save_model(build_model(["initializer"], dim=DIM, seed=4), tmp_path / "old.onnx")
+        sharedml.prepare(old, out / "p.onnx")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_replace = os.replace
+
+    def failing_replace(a: Any, b: Any) -> None:
+        if Path(b) == out / "p.onnx":
+            raise OSError(28, "No space left on device")
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="No space left"):
+        sharedml.prepare(src, out / "p.onnx")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_the_cli_help_quotes_the_defaults_prepare_uses() -> None:
+    from sharedml import _prepare, cli
+
+    assert cli._THRESHOLD == _prepare.DEFAULT_SIZE_THRESHOLD_BYTES
+    assert cli._ALIGNMENT == _prepare.DEFAULT_ALIGNMENT_BYTES

@@ -406,6 +406,26 @@ def _create_temp(final: Path) -> tuple[int, Path]:
     raise PrepareError(f"Could not create a temporary file beside '{final}'.")  # pragma: no cover
 
 
+def _keep_a_link(path: Path) -> Path | None:
+    """A hard link to an existing ``path`` under a temporary name, to restore it from; else None.
+
+    None too where the filesystem has no hard links: a failure then loses the old weights file
+    (the old graph, still in place, refuses the new one by its recorded hash).
+    """
+    if not path.is_file():
+        return None
+    for _ in range(100):
+        link = path.with_name(f".{path.name}.{secrets.token_hex(6)}.old")
+        try:
+            os.link(path, link)
+            return link
+        except FileExistsError:
+            continue
+        except OSError:
+            return None
+    return None  # pragma: no cover
+
+
 def prepare(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -419,8 +439,10 @@ def prepare(
     Args:
         src: Any ONNX model: weights inline, in external data files, in ``Constant`` nodes or
             in subgraphs. A model prepared before prepares again into an equivalent one.
-        dst: The graph file to write. The weights go to ``<dst stem>.weights`` in its folder,
-            which is created if missing. Existing files at both paths are replaced atomically.
+        dst: The graph file to write, or an existing folder to write ``<src stem>.onnx`` into
+            (as ``cp`` does). The weights go to ``<dst stem>.weights`` beside it; a missing
+            folder is created. Existing files at both paths are replaced atomically, and a
+            failure leaves both as they were: no new file, no temporary file.
         size_threshold_bytes: Tensors at least this large move to the weights file; smaller
             ones stay in the graph (and those under 128 bytes always do: shape inference must
             read them). Tensors that were in external files always move.
@@ -436,7 +458,8 @@ def prepare(
         InvalidModelError: ``src`` is not a valid ONNX model.
         ExternalDataError: external data is missing, truncated, overlapping or malformed.
         UnsafePathError: an external data location points outside ``src``'s folder.
-        PrepareError: ``dst`` or its weights file would overwrite the source or its data.
+        PrepareError: ``dst`` or its weights file would overwrite the source or its data, or
+            one of them is a folder.
 
     Thread safety: safe to call concurrently, also on the same ``dst`` (the last one wins,
     each result complete).
@@ -448,7 +471,15 @@ def prepare(
     if size_threshold_bytes < 0:
         raise ValueError("size_threshold_bytes must not be negative.")
     model = load_graph(src_path)
+    if dst_path.is_dir():
+        dst_path = dst_path / f"{src_path.stem}.onnx"
     weights_path = weights_path_for(dst_path)
+    for target in (dst_path, weights_path):
+        if target.is_dir():
+            raise PrepareError(
+                f"prepare would write '{target}', which is a folder. Remove it or choose another "
+                "output path."
+            )
     if _same_file(src_path, dst_path):
         raise PrepareError(
             f"prepare would overwrite its source model '{src_path}'. Write the prepared model to "
@@ -487,11 +518,26 @@ def prepare(
             fh.flush()
             os.fsync(fh.fileno())
         # Weights first: until the graph lands, no prepared model refers to the new weights; an
-        # older graph left at dst by a crash in between is caught by its recorded hash.
-        os.replace(tmp_weights, weights_path)
-        tmp_weights = None
-        os.replace(tmp_model, dst_path)
-        tmp_model = None
+        # older graph left at dst by a crash in between is caught by its recorded hash. If the
+        # graph cannot land, the weights file that was there is put back (a hard link kept it).
+        backup = _keep_a_link(weights_path)
+        try:
+            os.replace(tmp_weights, weights_path)
+            tmp_weights = None
+            try:
+                os.replace(tmp_model, dst_path)
+            except BaseException:
+                if backup is not None:
+                    os.replace(backup, weights_path)
+                    backup = None
+                else:
+                    weights_path.unlink()
+                raise
+            tmp_model = None
+        finally:
+            if backup is not None:
+                with contextlib.suppress(OSError):
+                    backup.unlink()
         fsync_dir(dst_path.parent)
     finally:
         for leftover in (tmp_weights, tmp_model):
