@@ -136,12 +136,14 @@ class PrepackedModel:
         data_path: Its data file (raw and derived initializers, prepacked blobs), next to it.
         key: The cache key of this entry (hex).
         stats: What the data file holds.
+        hold: Keeps the cache entry from removal while sessions may map its data file.
     """
 
     model_path: Path
     data_path: Path
     key: str
     stats: PrepackStats
+    hold: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def apply(self, so: ort.SessionOptions) -> None:
         """Set what a session needs to load this model with shared prepacked weights.
@@ -175,7 +177,7 @@ class PrepackedModel:
                 f"The cache entry '{entry.path}' has no readable prepack figures ({exc}). Remove "
                 "it; sharedml builds it again."
             ) from None
-        return cls(entry.file(_MODEL_NAME), entry.file(_DATA_NAME), entry.key, stats)
+        return cls(entry.file(_MODEL_NAME), entry.file(_DATA_NAME), entry.key, stats, entry.hold)
 
 
 def build_prepacked_model(

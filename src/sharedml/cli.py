@@ -124,9 +124,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=_cmd_prepare)
 
-    from sharedml import _cli_inspect
+    from sharedml import _cli_cache, _cli_inspect
 
     _cli_inspect.add_parser(sub)
+    _cli_cache.add_parser(sub)
     return parser
 
 
