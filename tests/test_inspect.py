@@ -499,7 +499,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, out, err = run_main(capsys, "--plot", str(tmp_path / "p.png"))
-    assert_one_line_error(code, out, err, "pip install 'sharedml[plot]'")
+    assert_one_line_error(code, out, err, "pip install matplotlib", "pip install '.[plot]'")
     assert list(tmp_path.iterdir()) == []
 
 

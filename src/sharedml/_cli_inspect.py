@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from sharedml._errors import SharedMLError
+from sharedml._errors import missing_package
 from sharedml._format import human_bytes, human_seconds
 
 __all__ = ["add_parser", "parse_dims", "render_text", "write_plot"]
@@ -114,9 +114,7 @@ def _check_plot_target(path: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SharedMLError(
-            "--plot needs matplotlib, which is not installed: pip install 'sharedml[plot]'."
-        ) from None
+        raise missing_package("--plot", "matplotlib", "plot") from None
 
 
 @contextlib.contextmanager
@@ -366,9 +364,7 @@ def write_plot(report: Any, path: Path) -> None:
         matplotlib.use("Agg")  # no display needed, and never a window
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SharedMLError(
-            "--plot needs matplotlib, which is not installed: pip install 'sharedml[plot]'."
-        ) from None
+        raise missing_package("--plot", "matplotlib", "plot") from None
 
     metric = report.metric.upper()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
