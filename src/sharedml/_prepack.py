@@ -432,12 +432,20 @@ def choose_cpu_route(
             f"{sessions} sessions would make {maps} memory maps of the data file, over half of "
             f"vm.max_map_count ({limit}); raise min_external_bytes or vm.max_map_count.",
         )
-    return CpuRouteDecision(
-        CpuRoute.PREPACKED_FILE,
-        f"{stats.prepacked_blobs} prepacked blobs ({stats.prepacked_bytes / 2**20:.0f} MiB) and "
-        f"{stats.derived_bytes / 2**20:.0f} MiB of optimizer-made weights are mapped once for "
-        "every session.",
+    derived = (
+        f"{stats.derived_bytes / 2**20:.1f} MiB of weights that ORT's optimizers derive (fused, "
+        "folded or dequantized)"
     )
+    if stats.prepacked_blobs == 0:
+        return CpuRouteDecision(
+            CpuRoute.PREPACKED_FILE,
+            f"ORT packs no weight of this model on this CPU, but its saved optimized model "
+            f"carries {derived}: mapped once for every session (mechanism 'optimized-file').",
+        )
+    what = f"{stats.prepacked_blobs} prepacked blobs ({stats.prepacked_bytes / 2**20:.1f} MiB)"
+    if stats.derived_bytes:
+        what += f" and {derived}"
+    return CpuRouteDecision(CpuRoute.PREPACKED_FILE, f"{what} are mapped once for every session.")
 
 
 def _drop_sharedml_metadata(model_path: Path, key: str) -> None:
