@@ -124,7 +124,8 @@ class PrepareResult:
         weights_path: The weights file beside it.
         tensors_moved: Tensors now in the weights file.
         bytes_moved: Their data size (without alignment padding).
-        tensors_inline: Tensors left in the graph (below the threshold, or strings).
+        tensors_inline: Tensors left in the graph (initializers and ``Constant`` nodes below the
+            threshold, strings).
         bytes_inline: Their data size.
         constants_converted: ``Constant`` nodes turned into initializers.
         manifest: The record stored in the model to verify the weights file.
@@ -188,7 +189,8 @@ class WeightsPlan:
 
     Attributes:
         moving: The tensors that go to the weights file, in the order they are written.
-        inline_tensors: Tensors left in the graph (below the threshold, or strings).
+        inline_tensors: Tensors left in the graph: initializers and ``Constant`` nodes below the
+            threshold, strings.
         inline_bytes: Their data size.
         constants_converted: ``Constant`` nodes turned into initializers (already done to the
             model the plan was made from).
@@ -273,14 +275,14 @@ def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> Weights
         tensor = ref.tensor
         if ref.placement is Placement.CONSTANT:
             assert ref.node is not None
-            if not may_convert or len(ref.node.output) != 1:
-                continue
             size = (
                 resolve_external(tensor, model_path).length
                 if is_external(tensor)
                 else tensor_nbytes(tensor)
             )
-            if size is None or size < floor:
+            if not may_convert or len(ref.node.output) != 1 or size is None or size < floor:
+                inline_count += 1  # stays a Constant node in the graph
+                inline_bytes += size or 0
                 continue
             tensor = ref.graph.initializer.add()
             tensor.CopyFrom(ref.tensor)
