@@ -43,6 +43,7 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
     )
     from sharedml._inputs import InputSpec
     from sharedml._inspect import (
+        Finding,
         InspectReport,
         PlacementSummary,
         TensorInfo,
@@ -102,6 +103,7 @@ __all__ = [
     # Inspecting: what N plain vs N shared sessions cost
     "inspect",
     "InspectReport",
+    "Finding",
     "WeightsSummary",
     "PlacementSummary",
     "TensorInfo",
@@ -147,7 +149,7 @@ _HOMES = {
     "_device_probe": "device_mechanism_available",
     "_errors": _ERRORS,
     "_inputs": "InputSpec",
-    "_inspect": "InspectReport PlacementSummary TensorInfo WeightsSummary inspect",
+    "_inspect": "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect",
     "_measure": "measure",
     "_pool": "PoolStats SessionPool",
     "_prepare": "PrepareResult WeightsManifest prepare prepared_model_for weights_path_for",

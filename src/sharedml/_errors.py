@@ -99,7 +99,14 @@ class PoolTimeout(PoolError, TimeoutError):
 
 
 class MeasurementError(SharedMLError):
-    """A memory or timing measurement in a subprocess failed."""
+    """A memory or timing measurement in a subprocess failed.
+
+    Attributes:
+        report: Where ``sharedml.inspect`` failed after its static part, the partial
+            ``InspectReport`` (weights, inputs, the trial run's error); else None.
+    """
+
+    report: object = None
 
 
 def missing_package(feature: str, package: str, extra: str) -> SharedMLError:
