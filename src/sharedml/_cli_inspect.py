@@ -417,7 +417,7 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
             f"{leaves}{converts}."
         )
     unshared_tensors, unshared_bytes = w.unshared
-    if unshared_bytes:
+    if unshared_bytes >= 0.01 * max(w.total_bytes, 1):  # a ConstantOfShape's 4 B is not news
         para(
             f"Not shared: {human_bytes(unshared_bytes)} in {unshared_tensors} node attributes or "
             "sparse initializers (ai.onnx.ml parameters, tensor attributes) stay in the graph, "
@@ -602,7 +602,7 @@ def plot_figure(report: Any) -> Any:
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.84, 1))  # room on the right for the labels at the line ends
     return fig
 
 

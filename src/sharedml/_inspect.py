@@ -448,6 +448,7 @@ SAME_WITHIN = 0.10
 """Two figures within this fraction of each other are "about the same": repeat measurements of
 one configuration agree within about 1 MiB on the demo, and a busy machine moves them more."""
 _NOTABLE_DERIVED = 1.5  # a plain session holding this many times the file's weights: say why
+_NOTABLE_UNSHARED = 0.01  # unshared weights this share of the file's are worth a finding
 
 
 def _pct(part: float, whole: float) -> str:
@@ -581,7 +582,12 @@ def findings(
                 )
                 packed = int(stats.get("prepacked_bytes") or 0) if stats is not None else None
                 derived = int(stats.get("derived_bytes") or 0) if stats is not None else 0
-                if packed:
+                if packed and derived:
+                    text += (
+                        f": each session packs a private copy of the {hb(packed)} of packed "
+                        f"weights and derives its own {hb(derived)}, which the default shares."
+                    )
+                elif packed:
                     text += (
                         f": each session packs a private copy of the {hb(packed)} of packed "
                         "weights, which the default shares."
@@ -603,7 +609,7 @@ def findings(
     runtime = _runtime_weights(naive, stats, weights_bytes)
     if runtime is not None:
         out.append(runtime)
-    if unshared[1]:
+    if unshared[1] and unshared[1] >= _NOTABLE_UNSHARED * max(weights_bytes, 1):
         out.append(
             Finding(
                 "unshared-weights",
@@ -767,9 +773,10 @@ def _runtime_weights(
     text = (
         f"Each plain session holds {human_bytes(per)} more than the one before, "
         f"{per / weights_bytes:.1f}x the file's {human_bytes(weights_bytes)} of weights: at load "
-        f"ORT derives {human_bytes(derived)} of weights from them (fused, folded, dequantized) "
-        f"and packs {human_bytes(packed)}, and each plain session keeps its own. The pool's "
-        "saved optimized model holds them, mapped once for all its sessions."
+        f"ORT derives {human_bytes(derived)} of weights from them (fused, folded, dequantized)"
+        + (f" and packs {human_bytes(packed)}" if packed else "")
+        + ", and each plain session keeps its own. The pool's saved optimized model holds "
+        "them, mapped once for all its sessions."
     )
     figures = {
         "plain_per_session_bytes": per,
@@ -806,13 +813,14 @@ def _numerics(measurements: Mapping[str, Measurement], sessions: int) -> Finding
         "Outputs differ from a default plain session's (largest absolute difference): "
         f"{', '.join(parts)}."
     )
-    if any(n not in (NAIVE, SINGLE) for n in differ):
+    if SHARED_RAW in differ:
+        text += " prepacking='off' runs unpacked kernels, which round differently."
+    if any(n not in (NAIVE, SINGLE, SHARED_RAW) for n in differ):
         text += (
-            " Two of the pool's settings change rounding: unpacked kernels "
-            f"(prepacking='off'), and each CPU session's intra-op thread count (cores // "
-            f"{sessions}), to which dynamically quantizing kernels (DynamicQuantizeLSTM, "
-            "MatMulInteger) are sensitive; a plain session given the same settings matches the "
-            "pool (README, SessionPool)."
+            f" The pool gives each CPU session cores // {sessions} intra-op threads, and "
+            "dynamically quantizing kernels (DynamicQuantizeLSTM, MatMulInteger) round "
+            "differently with another thread count; a plain session given the same "
+            "intra_op_num_threads matches the pool (README, SessionPool)."
         )
     return Finding("numerics", text, figures)
 
