@@ -634,6 +634,14 @@ def _finish(doc: dict[str, Any], settings: dict[str, Any], started: float) -> No
     doc["targets"] = _targets(doc["results"], settings)
 
 
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _progress(text: str) -> None:
     print(text, flush=True)
 
@@ -648,6 +656,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 when every configuration ran and every output matched, 1 otherwise.
     """
     args = _parse(argv)
+    if not args.no_png and not _have_matplotlib():
+        # pip install . has no matplotlib: the tables and JSON do not need it.
+        _progress("matplotlib is not installed: no chart (.png); pip install matplotlib adds it")
+        args.no_png = True
     if args.render is not None:
         doc = json.loads(args.render.read_text())
         doc["results"] = _aggregate(doc["raw"], doc["settings"], doc["models"])

@@ -150,3 +150,18 @@ def test_compare_flags_differences_beyond_tolerance() -> None:
     off = _harness._compare([ref[0] + 1e-2], ref)
     assert not off["equal"] and off["max_abs_diff"] == pytest.approx(1e-2, rel=1e-3)
     assert not _harness._compare([ref[0][:10]], ref)["equal"]
+
+
+def test_without_matplotlib_the_run_skips_the_chart_with_a_note(tmp_path: Path) -> None:
+    results = tmp_path / "quick.json"
+    results.write_text((BENCHMARKS / "results" / "quick.json").read_text())
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['matplotlib'] = None  # as after a plain pip install .\n"
+        f"sys.argv = ['run.py', '--render', {str(results)!r}]\n"
+        f"runpy.run_path({str(BENCHMARKS / 'run.py')!r}, run_name='__main__')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "matplotlib is not installed: no chart" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quick.json", "quick.md"]

@@ -6,6 +6,7 @@ get the same checks, so a rule cannot hold for one kind and be missing for anoth
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,7 +71,9 @@ def test_every_kind_of_entry_is_private_and_read_only(mlp_model: Path, tmp_path:
         for entry in entries:
             assert mode(entry) == 0o700, entry
             record = json.loads((entry / _cache.ENTRY_FILE).read_text())
-            assert set(record["files"]) == {p.name for p in entry.iterdir()} - {"entry.json"}
+            # (.lock: the in-use lock, not part of the entry)
+            names = {p.name for p in entry.iterdir()} - {"entry.json", ".lock"}
+            assert set(record["files"]) == names
             for file in entry.iterdir():
                 assert mode(file) == 0o444, file
     assert mode(root / "stamps") == 0o700
@@ -260,3 +264,182 @@ def test_another_user_who_creates_a_kind_folder_first_is_not_trusted(
             use_every_kind(mlp_model, root)
     finally:
         shutil.rmtree(root)
+
+
+# --------------------------------------------------------------------------------------------
+# Managing the cache: sharedml cache info / list / verify / prune / clear
+
+HOLDER = r"""
+import sys, sharedml
+pool = sharedml.SessionPool(sys.argv[1], sessions=1, cache_dir=sys.argv[2])
+print(pool.mechanism, flush=True)
+sys.stdin.readline()  # hold the pool (and its maps) until the parent says so
+pool.close()
+"""
+
+
+def cache_cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sharedml", "cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SHAREDML_CACHE_DIR": str(root)},
+    )
+
+
+def test_list_and_info_report_every_entry_with_its_source_size_and_ort_build(
+    mlp_model: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "c"
+    use_every_kind(mlp_model, root).close()
+    entries = {e.kind: e for e in _cache.list_entries(cache_dir=root)}
+    assert set(entries) == {"models", "prepacked", "demo"}
+    for e in entries.values():
+        on_disk = sum(p.stat().st_size for p in e.path.iterdir())
+        assert e.size_bytes == on_disk and e.problem is None
+        assert e.last_used is not None and e.created is not None
+    assert entries["models"].source == str(mlp_model)
+    assert entries["prepacked"].source == f"{mlp_model} (prepacked)"
+    assert entries["prepacked"].ort is not None and ort.__version__ in entries["prepacked"].ort
+    assert entries["models"].ort is None
+    listed = json.loads(cache_cli(root, "list", "--json").stdout)
+    assert {e["kind"] for e in listed} == {"models", "prepacked", "demo"}
+    info = json.loads(cache_cli(root, "info", "--json").stdout)
+    assert info["root"] == str(root)
+    assert info["kinds"]["prepacked"] == {"entries": 1, "bytes": entries["prepacked"].size_bytes}
+    assert info["size_bytes"] >= sum(e.size_bytes for e in entries.values())
+
+
+def test_disk_use_per_model_is_what_the_readme_says(mlp_model: Path, tmp_path: Path) -> None:
+    """README: the prepared copy is 1x the weights, the prepacked copy about 2x (fp32 MLP)."""
+    root = tmp_path / "c"
+    with sharedml.SessionPool(mlp_model, sessions=1, cache_dir=root) as pool:
+        weights = pool.weights.nbytes
+    sizes = {e.kind: e.size_bytes for e in _cache.list_entries(cache_dir=root)}
+    assert 0.95 < sizes["models"] / weights < 1.1
+    assert 1.8 < sizes["prepacked"] / weights < 2.2
+
+
+def test_an_entry_a_live_process_maps_is_never_pruned(mlp_model: Path, tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(mlp_model), str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "prepacked-file"  # the pool is open
+        kept = _cache.prune_cache(max_bytes=0, cache_dir=root)
+        assert {e.kind for e in kept.busy} == {"models", "prepacked"} and not kept.removed
+        assert all(e.busy for e in _cache.list_entries(cache_dir=root))
+        out = cache_cli(root, "clear")
+        assert out.returncode == 0 and "in use by a live process" in out.stdout
+        assert len(_cache.list_entries(cache_dir=root)) == 2
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert holder.returncode == 0
+    gone = _cache.prune_cache(max_bytes=0, cache_dir=root)
+    assert {e.kind for e in gone.removed} == {"models", "prepacked"} and not gone.busy
+    assert _cache.list_entries(cache_dir=root) == []
+    with sharedml.SessionPool(mlp_model, sessions=1, cache_dir=root) as pool:  # built again
+        assert pool.run(None, feeds_for(pool))[0].shape[0] == 1
+
+
+def feeds_for(pool: sharedml.SessionPool) -> dict[str, np.ndarray]:
+    (x,) = pool.get_inputs()
+    return {x.name: np.ones([d if isinstance(d, int) else 1 for d in x.shape], np.float32)}
+
+
+def test_this_process_holds_what_its_pools_map_until_they_are_gone(
+    mlp_model: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "c"
+    pool = sharedml.SessionPool(mlp_model, sessions=1, cache_dir=root)
+    assert _cache.prune_cache(max_bytes=0, cache_dir=root).removed == ()
+    pool.close()
+    del pool
+    gc.collect()
+    assert len(_cache.prune_cache(max_bytes=0, cache_dir=root).removed) == 2
+
+
+def write_file(name: str, data: bytes) -> Callable[[Path], None]:
+    def build(tmp: Path) -> None:
+        (tmp / name).write_bytes(data)
+
+    return build
+
+
+def test_prune_by_age_and_by_size_takes_the_least_recently_used_first(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    for i, age_days in enumerate((30, 10, 0)):
+        entry = _cache.publish(
+            "demo",
+            f"e{i}",
+            write_file("f", b"x" * (1000 + i)),
+            cache_dir=root,
+        )
+        assert entry.hold is not None
+        entry.hold.release()
+        then = time.time() - age_days * 86400
+        os.utime(entry.path / ".lock", (then, then))
+    assert [e.key for e in _cache.list_entries(cache_dir=root)] == ["e0", "e1", "e2"]
+    dry = _cache.prune_cache(older_than_s=20 * 86400, dry_run=True, cache_dir=root)
+    assert [e.key for e in dry.removed] == ["e0"] and len(_cache.list_entries(cache_dir=root)) == 3
+    out = cache_cli(root, "prune", "--older-than", "20")
+    assert out.returncode == 0 and "removed 1 entries" in out.stdout, out.stdout + out.stderr
+    out = cache_cli(root, "prune", "--max-size", "1.5K", "--json")
+    assert [e["key"] for e in json.loads(out.stdout)["removed"]] == ["e1"]
+    assert [e.key for e in _cache.list_entries(cache_dir=root)] == ["e2"]
+
+
+def test_verify_reads_every_byte_and_prune_removes_what_is_damaged(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    entry = _cache.publish("demo", "k", write_file("f", b"a" * 4096), cache_dir=root)
+    assert entry.hold is not None
+    entry.hold.release()  # this process is done with it
+    assert cache_cli(root, "verify").returncode == 0
+    os.chmod(entry.path / "f", 0o644)
+    (entry.path / "f").write_bytes(b"b" * 4096)  # same size: only the hash tells
+    out = cache_cli(root, "verify")
+    assert out.returncode == 1 and "DAMAGED demo/k" in out.stdout
+    assert [e.problem is not None for e in _cache.verify_entries(cache_dir=root)] == [True]
+    assert [e.key for e in _cache.prune_cache(older_than_s=1e9, cache_dir=root).removed] == []
+    (entry.path / "f").write_bytes(b"short")  # a size mismatch: damaged without hashing
+    assert [e.key for e in _cache.prune_cache(older_than_s=1e9, cache_dir=root).removed] == ["k"]
+
+
+@pytest.mark.skipif(not POSIX, reason="symlinks")
+def test_removal_never_follows_a_symlink_out_of_the_cache(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "data").write_bytes(b"keep me" * 1000)
+    entry = _cache.publish("demo", "k", write_file("f", b"a"), cache_dir=root)
+    del entry  # its hold goes with it
+    gc.collect()
+    os.symlink(outside, root / "demo" / "k" / "link")  # planted inside an entry
+    os.symlink(outside, root / "demo" / "planted")  # planted as an entry
+    listed = {e.key: e for e in _cache.list_entries(cache_dir=root)}
+    assert listed["planted"].problem is not None and "symlink" in listed["planted"].problem
+    assert listed["k"].size_bytes < 1000 and listed["planted"].size_bytes < 1000
+    assert _cache.cache_summary(cache_dir=root).size_bytes < 7000
+    out = cache_cli(root, "clear")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (outside / "data").read_bytes() == b"keep me" * 1000
+    assert _cache.list_entries(cache_dir=root) == []
+
+
+def test_a_size_is_bytes_or_a_number_with_a_binary_unit() -> None:
+    from sharedml._format import parse_bytes
+
+    assert parse_bytes("123") == 123
+    assert parse_bytes("1.5K") == 1536
+    assert parse_bytes("500M") == 500 * 2**20 == parse_bytes("500MiB") == parse_bytes("500mb")
+    assert parse_bytes("2G") == 2 * 2**30
+    for bad in ("", "M", "-1G", "lots", "nan"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_bytes(bad)
+    assert "not a size" in cache_cli(Path("unused"), "prune", "--max-size", "lots").stderr

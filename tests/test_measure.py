@@ -92,10 +92,79 @@ def test_symbolic_dims_default_to_one_and_can_be_overridden() -> None:
 def test_unknown_or_negative_dims_are_refused_with_the_known_names() -> None:
     with pytest.raises(ValueError, match=r"no symbolic dimension 'tokens'.*batch, seq"):
         input_specs(embedding_model(), {"tokens": 4})
-    with pytest.raises(ValueError, match="non-negative integer"):
-        input_specs(embedding_model(), {"batch": -1})
-    with pytest.raises(ValueError, match="non-negative integer"):
-        input_specs(embedding_model(), {"batch": "2"})  # type: ignore[dict-item]
+    for bad in (-1, 0, "2"):
+        with pytest.raises(ValueError, match="integer of at least 1"):
+            input_specs(embedding_model(), {"batch": bad})  # type: ignore[dict-item]
+
+
+def detector_model() -> onnx.ModelProto:
+    """images[batch, 3, height, width] and a second input sharing batch."""
+    inputs = [
+        helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 3, "height", "width"]),
+        helper.make_tensor_value_info("scale", TensorProto.FLOAT, ["batch", 2]),
+    ]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["images"], ["y"]),
+            helper.make_node("Identity", ["scale"], ["z"]),
+        ],
+        "g",
+        inputs,
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, None),
+        ],
+    )
+    return helper.make_model(graph)
+
+
+def test_a_whole_shape_sets_the_input_and_the_dimensions_it_shares() -> None:
+    from sharedml._inputs import defaulted_dims
+
+    specs = input_specs(detector_model(), shapes={"images": (2, 3, 320, 256)})
+    assert [(s.name, s.shape, s.source) for s in specs] == [
+        ("images", (2, 3, 320, 256), "shape"),
+        ("scale", (2, 2), "generated"),  # batch=2 follows from the images shape
+    ]
+    assert defaulted_dims(input_specs(detector_model())) == {
+        "images": ["batch", "height", "width"],
+        "scale": ["batch"],
+    }
+    assert defaulted_dims(specs, {}) == {"scale": ["batch"]}
+    assert defaulted_dims(input_specs(detector_model(), {"batch": 1}), {"batch": 1}) == {
+        "images": ["height", "width"]
+    }
+
+
+@pytest.mark.parametrize(
+    ("shapes", "dims", "message"),
+    [
+        (
+            {"images": (1, 3, 320)},
+            {},
+            r"rank 4 \(\[batch, 3, height, width\]\), but --shape gives 1x3x320",
+        ),
+        ({"images": (1, 4, 320, 320)}, {}, r"is \[batch, 3, height, width\], but --shape gives"),
+        ({"images": (2, 3, 8, 8)}, {"batch": 4}, "'batch' is 2 in input 'images' but 4 in --dim"),
+        ({"images": (1, 3, 0, 8)}, {}, "at least 1"),
+        ({"boxes": (1, 4)}, {}, "has no input 'boxes' \\(its inputs: images, scale\\)"),
+    ],
+)
+def test_a_shape_that_does_not_fit_the_model_is_refused(
+    shapes: dict[str, tuple[int, ...]], dims: dict[str, int], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        input_specs(detector_model(), dims, shapes=shapes)
+
+
+def test_given_inputs_must_have_the_models_dtype() -> None:
+    specs = input_specs(detector_model(), given={"scale": ("float32", (5, 2))})
+    assert [(s.name, s.shape, s.source) for s in specs] == [
+        ("images", (5, 3, 1, 1), "generated"),
+        ("scale", (5, 2), "file"),
+    ]
+    with pytest.raises(ValueError, match="is float32, but --inputs gives int64"):
+        input_specs(detector_model(), given={"scale": ("int64", (5, 2))})
 
 
 def test_unnamed_dynamic_axes_are_one_and_fixed_axes_kept() -> None:

@@ -560,18 +560,22 @@ def test_callers_wait_for_the_sessions_still_being_created(model: Path) -> None:
 def test_close_during_background_creation_is_clean(model: Path) -> None:
     gate = _GatedCreation()
     pool = sharedml.SessionPool(model, sessions=3, configure=gate)
-    creating = [t for t in threading.enumerate() if t.name == "sharedml-create"]
-    assert creating and creating[0].is_alive()
+    wait_until(lambda: gate.calls == 2, what="the second session's creation to start")
     closer = threading.Thread(target=pool.close)
     closer.start()
     wait_until(lambda: pool.closed, what="close() to start")
     assert closer.is_alive()  # it waits for the creation under way
     gate.open.set()
     closer.join(DEADLINE_S)
-    assert not closer.is_alive() and not creating[0].is_alive()
+    assert not closer.is_alive()
     assert pool.stats().sessions == 0 and gate.calls == 2  # no creation after close
     with pytest.raises(sharedml.PoolClosedError):
         pool.run(None, feeds(DIM))
+
+
+def test_create_in_background_false_returns_a_full_pool(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=3, create_in_background=False) as pool:
+        assert pool.stats().sessions == 3 and pool.stats().created == 3
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import tempfile
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -670,6 +671,11 @@ def test_an_output_that_is_not_a_regular_file_is_refused(
         except (PermissionError, AttributeError):
             pytest.skip("creating a device node needs root (and a system that allows it)")
     mode = os.lstat(target).st_mode
+    if kind == "folder" and which == "graph":
+        # An existing folder as the graph output means "into it", as cp does (issue 18).
+        result = sharedml.prepare(src, out / "p.onnx")
+        assert result.model_path == target / "m.onnx" and result.weights_path.is_file()
+        return
     with pytest.raises(sharedml.PrepareError, match="replaces only regular files") as info:
         sharedml.prepare(src, out / "p.onnx")
     assert str(target) in str(info.value)
@@ -856,3 +862,61 @@ def test_source_sha256_covers_what_was_copied(tmp_path: Path) -> None:
     after = sharedml.prepare(src, tmp_path / "d" / "m.onnx")
     assert after.source_sha256 != first.source_sha256
     assert after.manifest.sha256 != first.manifest.sha256
+
+
+def test_an_existing_folder_as_output_means_folder_slash_model_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sharedml.cli import main
+
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "model.onnx")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["prepare", str(src), "-o", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["model_path"] == str(out / "model.onnx")
+    assert summary["weights_path"] == str(out / "model.weights")
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.weights"]
+    np.testing.assert_array_equal(run_ort(out / "model.onnx", feeds(DIM)), run_ort(src, feeds(DIM)))
+
+
+def test_an_output_path_that_is_a_folder_inside_the_folder_is_refused_before_writing(
+    tmp_path: Path,
+) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "model.onnx")
+    (tmp_path / "out" / "model.onnx").mkdir(parents=True)
+    with pytest.raises(sharedml.PrepareError, match="is a folder"):
+        sharedml.prepare(src, tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["model.onnx"]
+
+
+@pytest.mark.parametrize("earlier_output", [False, True])
+def test_a_failure_placing_the_graph_leaves_no_file_and_restores_the_old_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier_output: bool
+) -> None:
+    src = save_model(build_model(["initializer"], dim=DIM, seed=3), tmp_path / "m.onnx")
+    out = tmp_path / "out"
+    out.mkdir()
+    if earlier_output:
+        old = save_model(build_model(["initializer"], dim=DIM, seed=4), tmp_path / "old.onnx")
+        sharedml.prepare(old, out / "p.onnx")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_replace = os.replace
+
+    def failing_replace(a: Any, b: Any) -> None:
+        if Path(b) == out / "p.onnx":
+            raise OSError(28, "No space left on device")
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="No space left"):
+        sharedml.prepare(src, out / "p.onnx")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_the_cli_help_quotes_the_defaults_prepare_uses() -> None:
+    from sharedml import _prepare, cli
+
+    assert cli._THRESHOLD == _prepare.DEFAULT_SIZE_THRESHOLD_BYTES
+    assert cli._ALIGNMENT == _prepare.DEFAULT_ALIGNMENT_BYTES

@@ -19,6 +19,8 @@ def test_all_names_exist_and_are_unique() -> None:
 
 
 def test_every_public_object_is_exported() -> None:
+    for name in sharedml.__all__:  # loaded on first use (PEP 562): load them all
+        getattr(sharedml, name)
     public = {
         name
         for name, value in vars(sharedml).items()
@@ -79,6 +81,41 @@ def test_every_sharedml_type_a_public_signature_names_is_exported() -> None:
                     if ours and ident not in sharedml.__all__:
                         missing.add(f"{name} -> {ident}")
     assert not missing, sorted(missing)
+
+
+def test_help_and_version_import_neither_onnx_nor_onnxruntime() -> None:
+    code = (
+        "import sys\n"
+        "from sharedml.cli import main\n"
+        "for argv in (['--help'], ['--version'], ['inspect', '--help'], ['cache', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = sorted(m for m in ('onnx', 'onnxruntime', 'numpy') if m in sys.modules)\n"
+        "print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "HEAVY []" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_public_names_load_lazily_and_still_name_sharedml() -> None:
+    code = (
+        "import sys, sharedml\n"
+        "assert 'onnxruntime' not in sys.modules and 'onnx' not in sys.modules\n"
+        "from sharedml import SessionPool, PoolTimeout\n"
+        "assert SessionPool.__module__ == 'sharedml' and PoolTimeout.__module__ == 'sharedml'\n"
+        "assert 'SessionPool' in dir(sharedml)\n"
+        "try:\n"
+        "    sharedml.NoSuchThing\n"
+        "except AttributeError as exc:\n"
+        "    assert 'NoSuchThing' in str(exc)\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "OK", out.stderr[-2000:]
 
 
 def test_a_clone_named_sharedml_does_not_shadow_the_installed_package(tmp_path: Path) -> None:

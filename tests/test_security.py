@@ -721,7 +721,8 @@ def test_cache_folders_are_private_and_entries_read_only(source: Path, tmp_path:
     for folder in (root, root / "models", entry.parent):
         assert mode(folder) == 0o700, (folder, oct(mode(folder)))
     files = sorted(entry.parent.iterdir())
-    assert [f.name for f in files] == ["entry.json", "model.onnx", "model.weights"]
+    # .lock: the in-use lock and use-stamp (not part of the entry's record)
+    assert [f.name for f in files] == [".lock", "entry.json", "model.onnx", "model.weights"]
     for file in files:
         assert mode(file) == 0o444, (file, oct(mode(file)))
 
@@ -770,10 +771,12 @@ def test_models_folder_that_is_a_symlink_is_refused(source: Path, tmp_path: Path
 def test_cache_entries_are_never_rewritten(source: Path, tmp_path: Path) -> None:
     root = tmp_path / "c"
     first = sharedml.prepared_model_for(source, cache_dir=root)
-    before = {p.name: os.stat(p) for p in first.parent.iterdir()}
+    # Every file but .lock, whose mtime records the entry's last use.
+    published = [p for p in first.parent.iterdir() if p.name != ".lock"]
+    before = {p.name: os.stat(p) for p in published}
     again = sharedml.prepared_model_for(source, cache_dir=root)
     assert again == first
-    for p in first.parent.iterdir():
+    for p in published:
         st = os.stat(p)
         assert (st.st_ino, st.st_mtime_ns, st.st_size) == (
             before[p.name].st_ino,
@@ -784,7 +787,7 @@ def test_cache_entries_are_never_rewritten(source: Path, tmp_path: Path) -> None
     save_model(build_model(["initializer", "constant"], dim=64, seed=7), source)
     changed = sharedml.prepared_model_for(source, cache_dir=root)
     assert changed != first and first.is_file()
-    for p in first.parent.iterdir():
+    for p in published:
         assert os.stat(p).st_ino == before[p.name].st_ino
     assert sorted(p.name for p in (root / "models").iterdir()) == sorted(
         [first.parent.name, changed.parent.name]

@@ -16,56 +16,66 @@ Platform facts live in ``_host``; errors in ``_errors``. Everything public is ex
 from __future__ import annotations
 
 import contextlib as _contextlib
+import importlib as _importlib
 import importlib.metadata as _metadata
+import typing as _typing
 
-from sharedml._batching import Batching
-from sharedml._cache import cache_dir
-from sharedml._device import DeviceWeightStore, HostWeights
-from sharedml._device_probe import device_mechanism_available
-from sharedml._errors import (
-    CacheError,
-    ExternalDataError,
-    InvalidInputError,
-    InvalidModelError,
-    MeasurementError,
-    ModelError,
-    ModelNotFoundError,
-    NotBatchableError,
-    OutputError,
-    PoolClosedError,
-    PoolError,
-    PoolTimeout,
-    PrepareError,
-    ProviderError,
-    RunError,
-    SessionCreationError,
-    SharedMLError,
-    UnsafePathError,
-    WeightsMismatchError,
-)
-from sharedml._inputs import InputSpec
-from sharedml._inspect import InspectReport, PlacementSummary, TensorInfo, WeightsSummary, inspect
-from sharedml._measure import measure
-from sharedml._pool import PoolStats, SessionPool
-from sharedml._prepare import (
-    PrepareResult,
-    WeightsManifest,
-    prepare,
-    prepared_model_for,
-    weights_path_for,
-)
-from sharedml._providers import ProviderPlan, ProviderSpec
-from sharedml._results import Measurement, MemoryPoint
-from sharedml._route import Mechanism, Prepacking, SessionRecipe
-from sharedml._strategies import (
-    Runner,
-    SessionSet,
-    Strategy,
-    StrategyContext,
-    register_strategy,
-    registered_strategies,
-)
-from sharedml._weights import TensorSlot, WeightStore, zero_copy_mechanisms
+if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type checkers and IDEs
+    from sharedml._batching import Batching
+    from sharedml._cache import cache_dir
+    from sharedml._device import DeviceWeightStore, HostWeights
+    from sharedml._device_probe import device_mechanism_available
+    from sharedml._errors import (
+        CacheError,
+        ExternalDataError,
+        InvalidInputError,
+        InvalidModelError,
+        MeasurementError,
+        ModelError,
+        ModelNotFoundError,
+        NotBatchableError,
+        OutputError,
+        PoolClosedError,
+        PoolError,
+        PoolTimeout,
+        PrepareError,
+        ProviderError,
+        RunError,
+        SessionCreationError,
+        SharedMLError,
+        UnsafePathError,
+        WeightsMismatchError,
+    )
+    from sharedml._inputs import InputSpec
+    from sharedml._inspect import (
+        Finding,
+        InspectReport,
+        PlacementSummary,
+        TensorInfo,
+        WeightsSummary,
+        inspect,
+    )
+    from sharedml._measure import measure
+    from sharedml._pool import PoolStats, SessionPool
+    from sharedml._prepare import (
+        PrepareResult,
+        WeightsManifest,
+        prepare,
+        prepared_model_for,
+        weights_path_for,
+    )
+    from sharedml._providers import ProviderPlan, ProviderSpec
+    from sharedml._results import Measurement, MemoryPoint
+    from sharedml._route import Mechanism, Prepacking, SessionRecipe
+    from sharedml._strategies import (
+        Runner,
+        SessionSet,
+        Strategy,
+        StrategyContext,
+        register_strategy,
+        registered_strategies,
+    )
+    from sharedml._weights import TensorSlot, WeightStore, zero_copy_mechanisms
 
 try:
     __version__ = _metadata.version("sharedml")
@@ -99,6 +109,7 @@ __all__ = [
     # Inspecting: what N plain vs N shared sessions cost
     "inspect",
     "InspectReport",
+    "Finding",
     "WeightsSummary",
     "PlacementSummary",
     "TensorInfo",
@@ -135,17 +146,60 @@ __all__ = [
 ]
 
 
-def _claim_public_names() -> None:
-    """Name ``sharedml`` as the home of every public object (onnx-ir does the same).
+# Where each public name lives: loaded on first use (PEP 562), so that ``import sharedml`` and
+# ``sharedml --help`` import neither onnx nor onnxruntime.
+_ERRORS = (
+    "SharedMLError ModelError ModelNotFoundError InvalidModelError ExternalDataError "
+    "UnsafePathError WeightsMismatchError PrepareError OutputError CacheError ProviderError "
+    "SessionCreationError RunError InvalidInputError NotBatchableError PoolError "
+    "PoolClosedError PoolTimeout MeasurementError"
+)
+_HOMES = {
+    "_batching": "Batching",
+    "_cache": "cache_dir",
+    "_device": "DeviceWeightStore HostWeights",
+    "_device_probe": "device_mechanism_available",
+    "_errors": _ERRORS,
+    "_inputs": "InputSpec",
+    "_inspect": "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect",
+    "_measure": "measure",
+    "_pool": "PoolStats SessionPool",
+    "_prepare": "PrepareResult WeightsManifest prepare prepared_model_for weights_path_for",
+    "_providers": "ProviderPlan ProviderSpec",
+    "_results": "Measurement MemoryPoint",
+    "_route": "Mechanism Prepacking SessionRecipe",
+    "_strategies": (
+        "Runner SessionSet Strategy StrategyContext register_strategy registered_strategies"
+    ),
+    "_weights": "TensorSlot WeightStore zero_copy_mechanisms",
+}
+_LAZY = {name: module for module, names in _HOMES.items() for name in names.split()}
 
-    help(), reprs and tracebacks then send users to ``sharedml.SessionPool``, not to the private
-    module it happens to live in; pickles refer to the public name too.
+
+def __getattr__(name: str) -> _typing.Any:
+    """Import a public name's module on first use and name ``sharedml`` as the object's home.
+
+    ``help()``, reprs and tracebacks then send users to ``sharedml.SessionPool``, not to the
+    private module it happens to live in (onnx-ir does the same); pickles refer to the public
+    name too.
     """
-    for name in __all__:
-        obj = globals()[name]
-        if getattr(obj, "__module__", "").startswith("sharedml._"):
-            with _contextlib.suppress(AttributeError, TypeError):  # typing aliases refuse
-                obj.__module__ = __name__
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sharedml' has no attribute {name!r}")
+    obj = getattr(_importlib.import_module(f"sharedml.{module}"), name)
+    if getattr(obj, "__module__", "").startswith("sharedml._"):
+        with _contextlib.suppress(AttributeError, TypeError):  # typing aliases refuse
+            obj.__module__ = __name__
+    globals()[name] = obj
+    return obj
 
 
-_claim_public_names()
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+# The errors are cheap to import and raised from deep inside: they name their public home from
+# the start, so that a traceback says ``sharedml.PoolClosedError`` before anyone looked it up.
+for _name in _ERRORS.split():
+    __getattr__(_name)
+del _name

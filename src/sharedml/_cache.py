@@ -8,6 +8,7 @@ Layout and permission policy (POSIX; the one policy every kind of entry gets)::
     │   │                           use; a lax mode is repaired, another owner is refused
     │   ├── <key>/                  one published entry (0700), never modified after publishing
     │   │   ├── entry.json          what the entry holds: each file's size and SHA-256
+    │   │   ├── .lock               not part of the entry: see "In use" below
     │   │   └── <files>             0444
     │   └── .<key prefix>-XXXX.tmp/ an entry being built (or a crashed build): never read
     └── stamps/                     0700: "this file, unchanged since, has this digest"
@@ -28,6 +29,16 @@ Opening (:func:`open_entry`): an entry is used only if its folder and files pass
 and every file has the size ``entry.json`` records, and the SHA-256 for the files the caller
 names. A damaged entry raises :class:`~sharedml.CacheError`; :func:`ensure_entry` moves it aside
 and builds it again.
+
+In use: a process that opens an entry takes a shared ``flock`` on its ``.lock`` file and holds
+it while it may map the entry's files (:func:`hold_entry`: a weight store, a prepacked model),
+touching the lock file's mtime: the entry's "last used". :func:`remove_entries` (``sharedml
+cache prune`` and ``clear``) takes an exclusive lock without waiting and skips an entry it
+cannot get, so no entry is removed under a live process; a holder that was waiting for the lock
+while the entry went sees that its lock file is gone and builds the entry again. Where there is
+no ``flock`` (Windows) entries are not locked: the OS refuses to delete a mapped file there,
+and removal skips what it refuses. Removal never follows a symlink: a symlink in the cache is
+removed itself, its target left alone; sizes are counted without following links.
 
 Trust: the cache is trusted the way a Python ``site-packages`` is. Whoever can write to it can
 make every pool run their graph, hence the policy; ``docs/security.md`` has the threat model.
@@ -55,6 +66,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -65,23 +77,43 @@ from sharedml import _host
 from sharedml._errors import CacheError, SharedMLError
 from sharedml._host import fsync_dir
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+LOCKING = fcntl is not None
+"""Whether entries in use are locked against removal here (POSIX ``flock``; not Windows)."""
+
 __all__ = [
     "ENTRY_FILE",
     "ENTRY_KINDS",
+    "LOCKING",
     "Built",
     "CacheEntry",
     "Snapshot",
+    "CacheSummary",
+    "EntryHold",
+    "EntryStatus",
+    "Removal",
     "cache_dir",
+    "cache_summary",
+    "clear_cache",
     "clear_stale",
     "ensure_entry",
+    "hold_entry",
     "iter_entries",
     "kind_folder",
+    "list_entries",
     "open_entry",
+    "prune_cache",
     "publish",
     "recall_stamp",
     "record_stamp",
     "snapshot",
+    "remove_entries",
     "verified_sha256",
+    "verify_entries",
 ]
 
 ENTRY_KINDS = ("models", "prepacked", "demo")
@@ -226,6 +258,8 @@ class CacheEntry:
     files: Mapping[str, tuple[int, str]]
     meta: Mapping[str, Any]
     created: float
+    hold: EntryHold | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The shared lock that keeps the entry from removal while this object lives."""
 
     def file(self, name: str) -> Path:
         """The path of one of its files."""
@@ -319,7 +353,10 @@ def open_entry(
     path = kind_folder(kind, cache_dir) / key
     if not os.path.lexists(path):
         return None
-    entry = _read_entry(kind, key, path)
+    hold = hold_entry(path / ENTRY_FILE)
+    if LOCKING and hold is None and not os.path.lexists(path):
+        return None  # removed while we waited for its lock
+    entry = dataclasses.replace(_read_entry(kind, key, path), hold=hold)
     names = entry.files if verify is True else () if verify is False else verify
     for name in names:
         _size, digest = entry.files[name]
@@ -494,6 +531,467 @@ def clear_stale(cache_dir: CacheDir = None, *, older_than_s: float = _STALE_TMP_
                         shutil.rmtree(child)
                         removed += 1
     return removed
+
+
+# --------------------------------------------------------------------------------------------
+# In use: entry locks
+
+
+_LOCK_NAME = ".lock"
+
+
+class EntryHold:
+    """A shared lock on one cache entry: it is not removed while this object is open.
+
+    Closed by :meth:`release`, or when the object is collected (the file descriptor closes
+    with it). Thread safety: :meth:`release` may be called from any thread, more than once.
+    """
+
+    def __init__(self, fd: int, folder: Path) -> None:
+        self.folder = folder
+        self._fd: int | None = fd
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        """Drop the lock (idempotent)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _entry_folder(path: Path) -> Path | None:
+    """The published entry folder that holds ``path`` (a file of it, or itself), or None."""
+    for folder in (path.parent, path):
+        if folder.parent.name in ENTRY_KINDS and (folder / ENTRY_FILE).is_file():
+            return folder
+    return None
+
+
+def _lock(folder: Path, *, exclusive: bool) -> int | None:
+    """A descriptor holding ``folder``'s lock file locked, or None if the entry is gone.
+
+    Shared locks wait; an exclusive lock does not (``BlockingIOError``: the entry is in use).
+    The lock file may be removed, with its entry, while we wait for it: then the lock we got
+    protects nothing, and the check of the path against the descriptor says so.
+    """
+    assert LOCKING
+    lock = folder / _LOCK_NAME
+    flags = os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        try:
+            fd = os.open(lock, flags, _READ_ONLY_FILE_MODE)
+        except OSError:
+            return None  # the folder is gone (or not ours to write)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+            try:
+                current = os.stat(lock, follow_symlinks=False).st_ino
+            except OSError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def hold_entry(path: str | os.PathLike[str]) -> EntryHold | None:
+    """Keep the cache entry that holds ``path`` from removal while the result lives.
+
+    Takes a shared lock on the entry's lock file and touches it (the entry's "last used").
+
+    Args:
+        path: A file of a published entry, or the entry's folder. Other paths are ignored.
+
+    Returns:
+        The hold, or None: ``path`` is not in a cache entry, the entry was removed meanwhile,
+        or this platform has no ``flock`` (:data:`LOCKING`).
+    """
+    folder = _entry_folder(Path(path))
+    if folder is None or not LOCKING:
+        return None
+    fd = _lock(folder, exclusive=False)
+    if fd is None:
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(fd) if os.utime in os.supports_fd else os.utime(folder / _LOCK_NAME)
+    return EntryHold(fd, folder)
+
+
+# --------------------------------------------------------------------------------------------
+# What the cache holds, and removing it (``sharedml cache ...``)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryStatus:
+    """One entry of the cache as ``sharedml cache list`` shows it.
+
+    Attributes:
+        kind: One of :data:`ENTRY_KINDS`.
+        key: Its key (the folder's name).
+        path: Its folder.
+        size_bytes: Bytes of every file in its folder (symlinks not followed).
+        created: When it was published (seconds since the epoch), None if unreadable.
+        last_used: When a process last opened it (its lock file's mtime), else ``created``.
+        source: The model it was made from, as its builder recorded it.
+        ort: The onnxruntime version and build it is valid for (prepacked entries), else None.
+        busy: A live process holds it (None: this platform cannot tell, see :data:`LOCKING`).
+        problem: Why it is unusable (damaged, not private, a symlink), else None.
+    """
+
+    kind: str
+    key: str
+    path: Path
+    size_bytes: int
+    created: float | None
+    last_used: float | None
+    source: str | None
+    ort: str | None
+    busy: bool | None
+    problem: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``sharedml cache list --json``)."""
+        return dataclasses.asdict(self) | {"path": str(self.path)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSummary:
+    """The cache at a glance (``sharedml cache info``).
+
+    Attributes:
+        root: The cache folder.
+        exists: Whether it exists yet.
+        size_bytes: Bytes of everything in it (symlinks not followed).
+        kinds: ``{kind: (entries, bytes)}`` for every kind of entry.
+        stamps: ``(files, bytes)`` of the stamps folder.
+        temporary: ``(folders, bytes)`` of builds in progress or left by killed builds.
+        locking: :data:`LOCKING`.
+    """
+
+    root: Path
+    exists: bool
+    size_bytes: int
+    kinds: Mapping[str, tuple[int, int]]
+    stamps: tuple[int, int]
+    temporary: tuple[int, int]
+    locking: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``sharedml cache info --json``)."""
+        return {
+            "root": str(self.root),
+            "exists": self.exists,
+            "size_bytes": self.size_bytes,
+            "kinds": {k: {"entries": n, "bytes": b} for k, (n, b) in self.kinds.items()},
+            "stamps": {"files": self.stamps[0], "bytes": self.stamps[1]},
+            "temporary": {"folders": self.temporary[0], "bytes": self.temporary[1]},
+            "locking": self.locking,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Removal:
+    """What :func:`remove_entries` (and prune, clear) did.
+
+    Attributes:
+        removed: The entries removed (or that would be, with ``dry_run``).
+        busy: Entries kept because a live process holds them.
+        failed: ``(entry, why)`` for entries that could not be removed.
+        freed_bytes: Bytes of the removed entries.
+    """
+
+    removed: tuple[EntryStatus, ...]
+    busy: tuple[EntryStatus, ...]
+    failed: tuple[tuple[EntryStatus, str], ...]
+
+    @property
+    def freed_bytes(self) -> int:
+        """Bytes of the removed entries."""
+        return sum(e.size_bytes for e in self.removed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "removed": [e.to_dict() for e in self.removed],
+            "busy": [e.to_dict() for e in self.busy],
+            "failed": [e.to_dict() | {"error": why} for e, why in self.failed],
+            "freed_bytes": self.freed_bytes,
+        }
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``, never following a symlink (one counts as itself)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    total = 0
+    for folder, _dirs, files in os.walk(path, followlinks=False):
+        for name in files + [d for d in _dirs if os.path.islink(os.path.join(folder, d))]:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+def _is_busy(folder: Path) -> bool | None:
+    """Whether a live process holds ``folder``'s entry (None where this cannot be known)."""
+    if not LOCKING:
+        return None
+    try:
+        fd = _lock(folder, exclusive=True)
+    except BlockingIOError:
+        return True
+    if fd is not None:
+        os.close(fd)
+    return False
+
+
+def _status(kind: str, child: Path) -> EntryStatus:
+    size = _tree_bytes(child)
+    try:
+        entry = _read_entry(kind, child.name, child)
+    except CacheError as exc:
+        problem = str(exc)
+        if os.path.islink(child):
+            problem = f"'{child}' is a symlink, not an entry"
+        return EntryStatus(kind, child.name, child, size, None, None, None, None, None, problem)
+    try:
+        last_used: float | None = os.stat(child / _LOCK_NAME).st_mtime
+    except OSError:
+        last_used = entry.created
+    key_material = entry.meta.get("key_material")
+    ort = None
+    if isinstance(key_material, Mapping) and key_material.get("ort_version"):
+        ort = f"onnxruntime {key_material['ort_version']}"
+        commit = [
+            part.strip()
+            for part in str(key_material.get("ort_build") or "").replace(":", ",").split(",")
+            if part.strip().startswith("git-commit-id=")
+        ]
+        if commit:
+            ort += f" ({commit[0]})"
+    source = entry.meta.get("source") or entry.meta.get("model")
+    return EntryStatus(
+        kind,
+        entry.key,
+        child,
+        size,
+        entry.created,
+        last_used,
+        str(source) if source is not None else None,
+        ort,
+        _is_busy(child),
+    )
+
+
+def _kind_folders(cache_dir: CacheDir) -> Iterator[tuple[str, Path]]:
+    """The kind folders that exist and pass the policy; nothing is created."""
+    root = _root_of(cache_dir)
+    for kind in ENTRY_KINDS:
+        folder = root / kind
+        if _is_private_dir(folder):
+            yield kind, folder
+
+
+def list_entries(*, cache_dir: CacheDir = None) -> list[EntryStatus]:
+    """Every entry of the cache, damaged ones included (with their ``problem``), oldest use first.
+
+    Reads only: creates no folder, hashes no file.
+    """
+    found = [
+        _status(kind, child)
+        for kind, folder in _kind_folders(cache_dir)
+        for child in sorted(folder.iterdir())
+        if not child.name.startswith(".")
+    ]
+    # A prepacked entry records the prepared model it was built from: name the user's model.
+    sources = {str(e.path): e.source for e in found if e.kind == "models"}
+    found = [
+        dataclasses.replace(e, source=f"{sources[str(Path(e.source).parent)]} (prepacked)")
+        if e.kind == "prepacked" and e.source and sources.get(str(Path(e.source).parent))
+        else e
+        for e in found
+    ]
+    return sorted(found, key=lambda e: (e.last_used or 0.0, e.kind, e.key))
+
+
+def cache_summary(*, cache_dir: CacheDir = None) -> CacheSummary:
+    """The cache's location and what it holds, by kind. Reads only."""
+    root = _root_of(cache_dir)
+    kinds: dict[str, tuple[int, int]] = {kind: (0, 0) for kind in ENTRY_KINDS}
+    temporary = [0, 0]
+    for kind, folder in _kind_folders(cache_dir):
+        count = size = 0
+        for child in folder.iterdir():
+            if child.name.endswith(_TMP_SUFFIX) and child.name.startswith("."):
+                temporary[0] += 1
+                temporary[1] += _tree_bytes(child)
+            elif not child.name.startswith("."):
+                count += 1
+                size += _tree_bytes(child)
+        kinds[kind] = (count, size)
+    stamps_folder = root / "stamps"
+    stamps = (0, 0)
+    if _is_private_dir(stamps_folder):
+        names = list(stamps_folder.iterdir())
+        stamps = (len(names), sum(_tree_bytes(p) for p in names))
+    return CacheSummary(
+        root=root,
+        exists=root.is_dir(),
+        size_bytes=_tree_bytes(root) if root.is_dir() else 0,
+        kinds=kinds,
+        stamps=stamps,
+        temporary=(temporary[0], temporary[1]),
+        locking=LOCKING,
+    )
+
+
+def verify_entries(*, cache_dir: CacheDir = None) -> list[EntryStatus]:
+    """Every entry, each file read again and checked against its recorded SHA-256.
+
+    Returns:
+        The entries as :func:`list_entries` gives them, with ``problem`` set for each one that
+        is damaged (no stamp is trusted here: every byte is read).
+    """
+    checked = []
+    for status in list_entries(cache_dir=cache_dir):
+        if status.problem is None:
+            entry = _read_entry(status.kind, status.key, status.path)
+            for name, (_size, digest) in sorted(entry.files.items()):
+                if _host.sha256_file(status.path / name) != digest:
+                    status = dataclasses.replace(
+                        status,
+                        problem=str(
+                            _damaged(
+                                status.path,
+                                f"'{name}' does not match the SHA-256 recorded when it was built",
+                            )
+                        ),
+                    )
+                    break
+        checked.append(status)
+    return checked
+
+
+def _remove(status: EntryStatus) -> str | None:
+    """Remove one entry unless it is in use: None when removed, "busy", or why it failed."""
+    path = status.path
+    try:
+        if os.path.islink(path) or not os.path.isdir(path):
+            os.unlink(path)  # a symlink (or a stray file) goes itself; its target stays
+            return None
+        fd = None
+        if LOCKING:
+            try:
+                fd = _lock(path, exclusive=True)
+            except BlockingIOError:
+                return "busy"
+            if fd is None:
+                return None  # removed meanwhile
+        try:
+            grave = Path(tempfile.mkdtemp(prefix=".removed-", suffix=_TMP_SUFFIX, dir=path.parent))
+            os.rename(path, grave / "entry")
+        finally:
+            if fd is not None:
+                os.close(fd)
+        shutil.rmtree(grave)
+        return None
+    except PermissionError as exc:
+        # Windows refuses to delete a file that a process has mapped: in use.
+        return "busy" if not LOCKING else f"{exc.strerror or exc}"
+    except OSError as exc:
+        return f"{exc.strerror or exc}"
+
+
+def remove_entries(entries: Collection[EntryStatus], *, dry_run: bool = False) -> Removal:
+    """Remove ``entries`` (as :func:`list_entries` gives them), skipping those in use.
+
+    Each entry is moved out of its kind folder under its exclusive lock, then deleted: a
+    process opening it meanwhile finds no entry and builds it again.
+
+    Args:
+        entries: What to remove.
+        dry_run: Report what would be removed; remove nothing.
+    """
+    removed: list[EntryStatus] = []
+    busy: list[EntryStatus] = []
+    failed: list[tuple[EntryStatus, str]] = []
+    for status in entries:
+        if dry_run:
+            (busy if status.busy else removed).append(status)
+            continue
+        outcome = _remove(status)
+        if outcome is None:
+            removed.append(status)
+        elif outcome == "busy":
+            busy.append(status)
+        else:
+            failed.append((status, outcome))
+    return Removal(tuple(removed), tuple(busy), tuple(failed))
+
+
+def prune_cache(
+    *,
+    older_than_s: float | None = None,
+    max_bytes: int | None = None,
+    dry_run: bool = False,
+    cache_dir: CacheDir = None,
+) -> Removal:
+    """Remove damaged entries and old ones, then the least recently used down to a size.
+
+    Damaged entries go first, then entries unused for ``older_than_s``, then the least
+    recently used until the entries take at most ``max_bytes``; entries in use are kept.
+
+    Raises:
+        ValueError: neither limit given, or a negative one.
+    """
+    if older_than_s is None and max_bytes is None:
+        raise ValueError("Give --older-than DAYS, --max-size SIZE or both.")
+    if (older_than_s is not None and older_than_s < 0) or (max_bytes is not None and max_bytes < 0):
+        raise ValueError("--older-than and --max-size must not be negative.")
+    entries = list_entries(cache_dir=cache_dir)  # least recently used first
+    now = time.time()
+    chosen = [
+        e
+        for e in entries
+        if e.problem is not None
+        or (older_than_s is not None and now - (e.last_used or 0.0) > older_than_s)
+    ]
+    if max_bytes is not None:
+        total = sum(e.size_bytes for e in entries if e not in chosen)
+        for e in entries:
+            if total <= max_bytes:
+                break
+            if e not in chosen:
+                chosen.append(e)  # one in use is reported as kept, and frees nothing
+                total -= 0 if e.busy else e.size_bytes
+    result = remove_entries(chosen, dry_run=dry_run)
+    if not dry_run:
+        with contextlib.suppress(OSError):
+            clear_stale(cache_dir)
+    return result
+
+
+def clear_cache(*, dry_run: bool = False, cache_dir: CacheDir = None) -> Removal:
+    """Remove every entry not in use, every stamp, and builds left by killed processes."""
+    result = remove_entries(list_entries(cache_dir=cache_dir), dry_run=dry_run)
+    stamps = _root_of(cache_dir) / "stamps"
+    if not dry_run and _is_private_dir(stamps):
+        for stamp in stamps.iterdir():
+            with contextlib.suppress(OSError):
+                stamp.unlink()
+        with contextlib.suppress(OSError):
+            clear_stale(cache_dir)
+    return result
 
 
 # --------------------------------------------------------------------------------------------

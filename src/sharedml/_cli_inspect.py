@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import secrets
 import sys
@@ -17,10 +18,17 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from sharedml._errors import SharedMLError
+from sharedml._errors import MeasurementError, missing_package
 from sharedml._format import human_bytes, human_seconds
 
-__all__ = ["add_parser", "parse_dims", "render_text", "write_plot"]
+__all__ = [
+    "add_parser",
+    "parse_dims",
+    "parse_shapes",
+    "plot_figure",
+    "render_text",
+    "write_plot",
+]
 
 
 def add_parser(sub: Any) -> None:
@@ -67,6 +75,19 @@ def add_parser(sub: Any) -> None:
         help="size of a symbolic input dimension (default 1); repeatable",
     )
     p.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="INPUT=AxBxC",
+        help="the whole shape of an input, e.g. images=1x3x320x320 (sets its symbolic dims for "
+        "every input); repeatable",
+    )
+    p.add_argument(
+        "--inputs",
+        metavar="FEEDS.npz",
+        help="real input values, an .npz by input name (numpy.savez); the rest is generated",
+    )
+    p.add_argument(
         "--strategy",
         action="append",
         dest="strategies",
@@ -87,19 +108,39 @@ def parse_dims(items: Sequence[str]) -> dict[str, int]:
     """``["batch=8", "seq=128"]`` -> ``{"batch": 8, "seq": 128}``.
 
     Raises:
-        ValueError: an item that is not ``NAME=VALUE`` with a non-negative integer VALUE.
+        ValueError: an item that is not ``NAME=VALUE`` with an integer VALUE of at least 1
+            (a dimension of 0 makes an empty input, which measures nothing).
     """
     dims: dict[str, int] = {}
     for item in items:
         name, sep, value = item.partition("=")
         name, value = name.strip(), value.strip()
-        if not sep or not name or not value.isdigit():
+        if not sep or not name or not value.isdigit() or int(value) < 1:
             raise ValueError(
-                f"--dim {item!r}: expected NAME=VALUE with a non-negative integer VALUE, "
+                f"--dim {item!r}: expected NAME=VALUE with an integer VALUE of at least 1, "
                 "e.g. --dim batch=8."
             )
         dims[name] = int(value)
     return dims
+
+
+def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """``["images=1x3x320x320"]`` -> ``{"images": (1, 3, 320, 320)}`` (as trtexec's --shapes).
+
+    Raises:
+        ValueError: an item that is not ``INPUT=AxBxC`` with sizes of at least 1.
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        sizes = value.strip().lower().split("x")
+        if not sep or not name.strip() or not all(v.isdigit() and int(v) >= 1 for v in sizes):
+            raise ValueError(
+                f"--shape {item!r}: expected INPUT=AxBxC with sizes of at least 1, "
+                "e.g. --shape images=1x3x320x320."
+            )
+        shapes[name.strip()] = tuple(int(v) for v in sizes)
+    return shapes
 
 
 def _check_plot_target(path: Path) -> None:
@@ -114,16 +155,29 @@ def _check_plot_target(path: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SharedMLError(
-            "--plot needs matplotlib, which is not installed: pip install 'sharedml[plot]'."
-        ) from None
+        raise missing_package("--plot", "matplotlib", "plot") from None
 
 
 @contextlib.contextmanager
 def _progress_display() -> Iterator[Callable[[str, int, int], None] | None]:
-    """A rich progress display on stderr when it is a terminal; nothing otherwise."""
+    """A rich progress display on stderr when it is a terminal, else one line per step.
+
+    Piped or logged, a bar would be noise and silence would look like a hang: each new stage
+    (the trial run, each strategy) gets one line on stderr.
+    """
     if not sys.stderr.isatty():
-        yield None
+        last = [""]
+
+        def line(description: str, done: int, total: int) -> None:
+            if not total:
+                return  # before measuring (building the demo): quick, and not a stage
+            stage = description.split(":")[0]
+            if stage != last[0]:
+                last[0] = stage
+                counted = f" ({done}/{total} sessions measured)" if total else ""
+                print(f"sharedml inspect: {description}{counted}", file=sys.stderr, flush=True)
+
+        yield line
         return
     from rich.console import Console
     from rich.progress import (
@@ -158,40 +212,141 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.sessions < 1:
         raise ValueError(f"--sessions must be at least 1, not {args.sessions}.")
     dims = parse_dims(args.dim)
+    shapes = parse_shapes(args.shape)
     plot = Path(args.plot) if args.plot else None
     if plot is not None:
         _check_plot_target(plot)
-    with _progress_display() as progress:
-        report = inspect(
-            args.model,
-            sessions=args.sessions,
-            providers=args.providers,
-            dims=dims,
-            strategies=args.strategies,
-            progress=progress,
-        )
+    try:
+        with _progress_display() as progress:
+            report = inspect(
+                args.model,
+                sessions=args.sessions,
+                providers=args.providers,
+                dims=dims,
+                shapes=shapes,
+                feeds=args.inputs,
+                strategies=args.strategies,
+                progress=progress,
+            )
+    except MeasurementError as exc:
+        if exc.report is None:
+            raise
+        _print_report(exc.report, json_out=args.json, plot=None)  # what needed no run
+        raise
     if plot is not None:
         write_plot(report, plot)
-    if args.json:
+    _print_report(report, json_out=args.json, plot=plot)
+    return 0
+
+
+def _print_report(report: Any, *, json_out: bool, plot: Path | None) -> None:
+    if json_out:
         print(json.dumps(report.to_dict(), indent=2))
     elif sys.stdout.isatty():
         render_text(report, plot=plot)
     else:
-        # Piped: plain text, 100 columns (the memory table needs them), no trailing blanks.
+        # Piped: plain text, 100 columns, no trailing blanks.
         from rich.console import Console
 
         buffer = io.StringIO()
         render_text(report, plot=plot, console=Console(file=buffer, width=100, highlight=False))
         sys.stdout.write("".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines()))
-    return 0
+        sys.stdout.flush()
 
 
 # --------------------------------------------------------------------------------------------
 # Rendering
 
 
+def _mib(n: float | None) -> str:
+    """A figure for a table whose header says MiB: ``1234.5``; ``n/a`` for None."""
+    if n is None:
+        return "n/a"
+    value = n / 2**20
+    return f"{value:.1f}" if abs(value) < 10_000 else f"{value:.0f}"
+
+
+def _vs_plain(m: Any) -> str:
+    """The numerics column: '=' bitwise equal to a default plain session, else the largest gap."""
+    if m.matches_plain is None:
+        return "n/a"
+    if m.matches_plain:
+        return "="
+    if m.plain_max_abs_diff is None:
+        return "shape!"
+    return f"{m.plain_max_abs_diff:.1e}"
+
+
+# Columns of the memory table that give way, in this order, when the console is narrow (the
+# JSON has them all): a header cut to "sess…" helps nobody.
+_OPTIONAL = ("RSS", "USS", "untrimmed")
+
+
+def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
+    """The memory table, with as many optional columns as fit in ``width``; and those left out."""
+    from rich.table import Table
+
+    measurements = report.measurements
+    metric = report.metric.upper()
+    trimmed = all(m.trimmed for m in measurements)
+    show_device = any(m.device_metric is not None or m.device_note for m in measurements)
+    columns: list[tuple[str, str, Any]] = [
+        ("strategy", "strategy", lambda m: m.strategy),
+        ("total", f"{metric}\nMiB", lambda m: _mib(m.total_bytes) + projected(m)),
+        ("per", "per extra\nsession MiB", lambda m: _mib(m.per_session_bytes)),
+    ]
+    if trimmed:
+        columns.append(("untrimmed", "before\ntrim MiB", lambda m: _mib(m.total("untrimmed"))))
+    for other, key in (("USS", "uss"), ("RSS", "rss")):
+        if other != metric:
+            columns.append((other, f"{other}\nMiB", lambda m, k=key: _mib(m.total(k))))
+    if show_device:
+        columns.append(
+            (
+                "device",
+                "device\nMiB",
+                lambda m: _mib(m.points[-1].device_bytes if m.points else None),
+            )
+        )
+    columns += [
+        ("create", "create\nall", lambda m: human_seconds(m.init_seconds)),
+        ("first", "first\nrun", lambda m: human_seconds(m.first_run_seconds)),
+        ("plain", "vs plain\nmax diff", _vs_plain),
+    ]
+
+    def needed(chosen: list[tuple[str, str, Any]]) -> int:
+        widest = [
+            max([len(line) for line in header.splitlines()] + [len(cell(m)) for m in measurements])
+            for _key, header, cell in chosen
+        ]
+        return sum(widest) + 3 * (len(chosen) - 1) + 2  # separators, the 2-column indent
+
+    left_out: list[str] = []
+    for key in _OPTIONAL:
+        if needed(columns) <= width:
+            break
+        if any(c[0] == key for c in columns):
+            columns = [c for c in columns if c[0] != key]
+            left_out.append(f"{metric} before malloc_trim" if key == "untrimmed" else key)
+    table = Table(show_edge=False, pad_edge=False)
+    for key, header, _cell in columns:
+        table.add_column(header, justify="left" if key == "strategy" else "right", no_wrap=True)
+    for m in measurements:
+        table.add_row(*(cell(m) for _key, _header, cell in columns))
+    return table, left_out
+
+
+def projected(m: Any) -> str:
+    """``*`` after a total that was projected because measuring stopped early."""
+    return "*" if m.measured_sessions != m.sessions else ""
+
+
 def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -> None:
-    """Print ``report`` (an :class:`~sharedml.InspectReport`) as tables on ``console``."""
+    """Print ``report`` (an :class:`~sharedml.InspectReport`) as tables on ``console``.
+
+    A partial report (``report.error``: the trial run failed) prints its static part and the
+    error; nothing measured is invented.
+    """
     from rich.console import Console
     from rich.padding import Padding
     from rich.table import Table
@@ -218,13 +373,13 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         heading("sharedml inspect", f": {report.model_path.name}")
     para(str(report.model_path))
     para(
-        f"onnxruntime {report.onnxruntime_version}, {', '.join(report.providers)}; inputs "
-        f"generated: {', '.join(i.describe() for i in report.inputs) or 'none'}"
+        f"onnxruntime {report.onnxruntime_version}, {', '.join(report.providers)}; inputs: "
+        f"{', '.join(i.describe() for i in report.inputs) or 'none'}"
     )
     out.print()
 
     # ---- static part
-    heading("Weights", f"  {human_bytes(w.total_bytes)} in {w.tensors} tensors")
+    heading("Weights in the file", f"  {human_bytes(w.total_bytes)} in {w.tensors} tensors")
     grid = Table.grid(padding=(0, 2))
     grid.add_column()
     grid.add_column()
@@ -251,21 +406,32 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
             else ""
         )
         leaves = (
-            f"{w.prepare_leaves_tensors} small tensors ({human_bytes(w.prepare_leaves_bytes)}) "
-            "stay in the graph"
+            f"{w.prepare_leaves_tensors} small tensors ({human_bytes(w.prepare_leaves_bytes)}: "
+            "initializers and Constant nodes under 1 KiB) stay in the graph"
             if w.prepare_leaves_tensors
-            else "no weight stays in the graph"
+            else "no initializer or Constant stays in the graph"
         )
         para(
             f"prepare would move {w.prepare_moves_tensors} tensors "
             f"({human_bytes(w.prepare_moves_bytes)}) into one aligned, mappable weights file; "
             f"{leaves}{converts}."
         )
+    unshared_tensors, unshared_bytes = w.unshared
+    if unshared_bytes >= 0.01 * max(w.total_bytes, 1):  # a ConstantOfShape's 4 B is not news
+        para(
+            f"Not shared: {human_bytes(unshared_bytes)} in {unshared_tensors} node attributes or "
+            "sparse initializers (ai.onnx.ml parameters, tensor attributes) stay in the graph, "
+            "and every session keeps its own copy."
+        )
     out.print()
+
+    if report.error is not None or not measurements:
+        heading("Not measured")
+        para(report.error or "No strategy was measured.")
+        return
 
     # ---- measured part
     concurrently = all(m.concurrent for m in measurements)
-    trimmed = all(m.trimmed for m in measurements)
     if n == 1:
         heading("Memory with 1 session", "  (run once)")
     else:
@@ -274,31 +440,7 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
             f"  (each run once, {'all at once' if concurrently else 'one after another'}, "
             "one thread each)",
         )
-    show_device = any(m.device_metric is not None or m.device_note for m in measurements)
-    others = [o for o in ("USS", "RSS") if o != metric]
-    table = Table(show_edge=False, pad_edge=False)
-    table.add_column("strategy", no_wrap=True)
-    table.add_column(metric, justify="right")
-    table.add_column("per extra\nsession", justify="right")
-    if trimmed:
-        table.add_column(f"{metric} before\nmalloc_trim", justify="right")
-    for other in others:
-        table.add_column(other, justify="right")
-    if show_device:
-        table.add_column("device", justify="right")
-    table.add_column("create\nall", justify="right")
-    table.add_column("first\nrun", justify="right")
-    for m in measurements:
-        total = human_bytes(m.total_bytes) + ("*" if m.measured_sessions != m.sessions else "")
-        row = [m.strategy, total, human_bytes(m.per_session_bytes)]
-        if trimmed:
-            row.append(human_bytes(m.total("untrimmed")))
-        row += [human_bytes(m.total(other.lower())) for other in others]
-        if show_device:
-            device = m.points[-1].device_bytes if m.points else None
-            row.append(human_bytes(device) if device is not None else "n/a")
-        row += [human_seconds(m.init_seconds), human_seconds(m.first_run_seconds)]
-        table.add_row(*row)
+    table, left_out = _memory_table(report, out.width)
     out.print(Padding(table, (0, 0, 0, 2), expand=False))
     legend = Table.grid(padding=(0, 2))
     legend.add_column(no_wrap=True)
@@ -308,17 +450,21 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
     out.print(Padding(legend, (0, 0, 0, 2), expand=False))
     out.print()
     baseline = max((m.baseline_bytes for m in measurements), default=0)
+    trimmed = all(m.trimmed for m in measurements)
     para(
         f"Each strategy ran in a fresh process. Figures are the growth of its {metric} over the "
         f"same process with onnxruntime loaded (about {human_bytes(baseline)}, not counted)"
         + (
             ", read after malloc_trim gave freed heap back to the OS: what the sessions hold. "
-            f"'{metric} before malloc_trim' is what the process held, including free heap that "
-            "glibc kept after creating the sessions; it varies from run to run."
+            "'before trim' is what the process held, including free heap that glibc kept after "
+            "creating the sessions; it varies from run to run."
             if trimmed
             else "."
         )
-        + " First run: one timed run of one session, alone; not a throughput figure."
+        + " First run: one timed run of one session, alone; not a throughput figure. 'vs plain':"
+        " the first outputs against a default plain session's ('=' bitwise equal, else the "
+        "largest absolute difference)."
+        + (f" Left out to fit this width (in --json): {', '.join(left_out)}." if left_out else "")
     )
     for note in sorted({m.device_note for m in measurements if m.device_note}):
         para(f"Device memory {note}.")
@@ -327,10 +473,39 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
             para(f"* {m.strategy}: {m.stopped_reason}.")
     out.print()
 
+    # ---- runtime weights
+    runtime = report.runtime_weights
+    if runtime:
+        any_stats = next(iter(runtime.values()))
+        derived, packed = any_stats["derived_bytes"], any_stats["prepacked_bytes"]
+        known = (
+            f"ORT derives {human_bytes(derived)} and packs {human_bytes(packed)} of weights "
+            "from them (read from its saved optimized model)"
+            if derived is not None
+            else "what ORT derives and packs is unknown (no pooled strategy built its saved model)"
+        )
+        heading("Weights at run time", f"  the file holds {human_bytes(w.total_bytes)}; {known}")
+        grid = Table(show_edge=False, pad_edge=False)
+        for header in (
+            "strategy",
+            "per extra\nsession MiB",
+            "file's\nweights",
+            "derived",
+            "packed",
+        ):
+            grid.add_column(header, no_wrap=True, justify="left")
+        for name, r in runtime.items():
+            grid.add_row(
+                name, _mib(r["per_session_bytes"]), r["file_weights"], r["derived"], r["packed"]
+            )
+        out.print(Padding(grid, (0, 0, 0, 2), expand=False))
+        para("once: one copy for all sessions (mapped); per session: each session its own copy.")
+        out.print()
+
     # ---- projection
     if any(m.fit() is not None for m in measurements):
         heading(
-            f"Projected {metric} by session count",
+            f"Projected {metric} by session count, MiB",
             f"  (least-squares line through the measured 1..{n})",
         )
         proj = Table(show_edge=False, pad_edge=False)
@@ -339,26 +514,31 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
             proj.add_column(str(count), justify="right", no_wrap=True)
         for m in measurements:
             values = report.projection(m.strategy)
-            proj.add_row(m.strategy, *(human_bytes(values[c]) for c in report.projection_sessions))
+            proj.add_row(m.strategy, *(_mib(values[c]) for c in report.projection_sessions))
         out.print(Padding(proj, (0, 0, 0, 2), expand=False))
         out.print()
 
     heading("Recommendation")
-    para(report.recommendation)
+    for finding in report.findings or ():
+        para(f"- {finding.text}")
+    if not report.findings:
+        para(report.recommendation)
     if plot is not None:
         out.print()
         para(f"Wrote {plot}", indent=0)
 
 
-def write_plot(report: Any, path: Path) -> None:
-    """Write a PNG of memory against session count, one line per strategy.
+def plot_figure(report: Any) -> Any:
+    """The figure :func:`write_plot` saves: memory against session count, one line a strategy.
 
-    Measured points are markers; the fitted line runs on to the largest projected count.
-    The file appears atomically: nothing is left behind on failure.
+    Both axes are logarithmic: the strategies differ by factors (a pool at 0.1x of plain
+    sessions), which a linear axis squeezes against zero, and session counts double. Measured
+    points are joined by solid lines, the least-squares projection continues dashed to the
+    largest projected count, and each line is labelled at its end; the title names the model,
+    the provider and the inputs (with their dims).
 
     Raises:
         SharedMLError: matplotlib is not installed.
-        OSError: the file cannot be written.
     """
     try:
         import matplotlib
@@ -366,39 +546,77 @@ def write_plot(report: Any, path: Path) -> None:
         matplotlib.use("Agg")  # no display needed, and never a window
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SharedMLError(
-            "--plot needs matplotlib, which is not installed: pip install 'sharedml[plot]'."
-        ) from None
+        raise missing_package("--plot", "matplotlib", "plot") from None
 
     metric = report.metric.upper()
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    try:
-        top = max(report.projection_sessions)
-        markers = "osD^vP*X"
-        for i, m in enumerate(report.measurements):
-            xs = [p.sessions for p in m.points]
-            ys = [(p.value(m.metric) or 0) / 2**20 for p in m.points]
-            (dots,) = ax.plot(xs, ys, markers[i % len(markers)], label=m.strategy, alpha=0.85)
-            fit = m.fit()
-            if fit is not None:
-                fx = [1, top]  # a linear x axis, so that linear growth looks linear
-                fy = [max(0.0, (fit[0] + fit[1] * x) / 2**20) for x in fx]
-                ax.plot(fx, fy, "--", color=dots.get_color(), alpha=0.6)
-        ticks = list(report.projection_sessions)
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([str(t) for t in ticks])
-        ax.set_xlim(0, top + 1)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("sessions")
-        ax.set_ylabel(f"memory ({metric} growth, MiB)")
-        name = "demo model" if report.demo else report.model_path.name
-        ax.set_title(
-            f"sharedml inspect: {name}, {report.providers[0]}\n"
-            "markers: measured; dashed: least-squares projection"
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
+    top = max(report.projection_sessions)
+    markers = "osD^vP*X"
+    floor = 0.1  # MiB: a log axis has no zero; smaller figures are drawn here
+    ends: list[tuple[float, str, Any]] = []
+    for i, m in enumerate(report.measurements):
+        xs = [p.sessions for p in m.points]
+        ys = [max(floor, (p.value(m.metric) or 0) / 2**20) for p in m.points]
+        (line,) = ax.plot(
+            xs, ys, marker=markers[i % len(markers)], linestyle="-", label=m.strategy, alpha=0.9
         )
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
+        end_y = ys[-1] if ys else floor
+        fit = m.fit()
+        if fit is not None and xs:
+            fx = [xs[-1], top]
+            fy = [max(floor, (fit[0] + fit[1] * x) / 2**20) for x in fx]
+            ax.plot(fx, fy, "--", color=line.get_color(), alpha=0.6)
+            end_y = fy[-1]
+        ends.append((end_y, m.strategy, line.get_color()))
+    # Labels at the line ends, nudged apart where lines end close together.
+    placed: list[float] = []
+    for y, name, color in sorted(ends):
+        label_y = y
+        for other in placed:
+            if abs(math.log10(label_y) - math.log10(other)) < 0.06:
+                label_y = other * 10**0.06
+        placed.append(label_y)
+        ax.annotate(
+            name,
+            (top, y),
+            xytext=(top * 1.08, label_y),
+            color=color,
+            fontsize="small",
+            va="center",
+            annotation_clip=False,
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = list(report.projection_sessions)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.set_xlim(min(ticks) / 1.15, top * 1.15)
+    ax.set_xlabel("sessions (log scale)")
+    ax.set_ylabel(f"memory ({metric} growth, MiB, log scale)")
+    name = "demo model" if report.demo else report.model_path.name
+    inputs = ", ".join(i.describe() for i in report.inputs)
+    ax.set_title(
+        f"sharedml inspect: {name}, {report.providers[0]}\ninputs: {inputs}\n"
+        "solid: measured; dashed: least-squares projection",
+        fontsize="medium",
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left")
+    fig.tight_layout(rect=(0, 0, 0.84, 1))  # room on the right for the labels at the line ends
+    return fig
+
+
+def write_plot(report: Any, path: Path) -> None:
+    """Write :func:`plot_figure` as a PNG. The file appears atomically: nothing is left on failure.
+
+    Raises:
+        SharedMLError: matplotlib is not installed.
+        OSError: the file cannot be written.
+    """
+    fig = plot_figure(report)
+    import matplotlib.pyplot as plt
+
+    try:
         folder = path.parent if str(path.parent) else Path(".")
         # A fresh name beside the target ("x": never an existing file), honouring the umask.
         tmp = folder / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"

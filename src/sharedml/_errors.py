@@ -46,6 +46,7 @@ __all__ = [
     "SharedMLError",
     "UnsafePathError",
     "WeightsMismatchError",
+    "missing_package",
 ]
 
 
@@ -134,4 +135,25 @@ class PoolTimeout(PoolError, TimeoutError):
 
 
 class MeasurementError(SharedMLError):
-    """A memory or timing measurement in a subprocess failed."""
+    """A memory or timing measurement in a subprocess failed.
+
+    Attributes:
+        report: Where ``sharedml.inspect`` failed after its static part, the partial
+            ``InspectReport`` (weights, inputs, the trial run's error); else None.
+    """
+
+    report: object = None
+
+
+def missing_package(feature: str, package: str, extra: str) -> SharedMLError:
+    """The error for a feature whose optional package is not installed, saying how to get it.
+
+    sharedml is installed from a checkout or a wheel, not from a package index, so
+    ``pip install 'sharedml[extra]'`` would not find it: the message gives the package itself,
+    and the extra for each way of installing sharedml.
+    """
+    return SharedMLError(
+        f"{feature} needs {package}, which is not installed: pip install {package} (or, in a "
+        f"checkout of sharedml, pip install '.[{extra}]'; with a wheel, pip install "
+        f"'sharedml-<version>-py3-none-any.whl[{extra}]')."
+    )

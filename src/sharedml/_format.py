@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["human_bytes", "human_seconds"]
+__all__ = ["human_bytes", "human_seconds", "parse_bytes"]
+
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
 def human_bytes(n: float | None) -> str:
@@ -22,3 +24,24 @@ def human_seconds(s: float | None) -> str:
     if s is None:
         return "n/a"
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def parse_bytes(text: str) -> int:
+    """``"500M"``, ``"1.5GiB"``, ``"2G"``, ``"123"``: a size in bytes (binary units: K = 1024).
+
+    Raises:
+        ValueError: anything else (the message shows the accepted forms).
+    """
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = value[-1:] if value[-1:] in _UNITS else ""
+    number = value[: len(value) - len(unit)].strip()
+    try:
+        size = float(number)
+    except ValueError:
+        size = -1.0
+    if not number or size < 0 or size != size:  # NaN too
+        raise ValueError(
+            f"{text!r} is not a size: give bytes or a number with K, M, G or T (binary units), "
+            "e.g. 500M or 1.5G."
+        )
+    return int(size * _UNITS[unit])

@@ -19,6 +19,7 @@ import platform
 import stat
 import sys
 import sysconfig
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,16 @@ from typing import Any
 __all__ = [
     "HASH_CHUNK_BYTES",
     "LinkSwappedError",
+    "ORT_DISTRIBUTIONS",
     "available_bytes",
+    "check_one_onnxruntime",
     "child_env",
     "cpu_fingerprint",
     "file_kind",
     "fsync_dir",
     "max_map_count",
     "open_below",
+    "onnxruntime_distributions",
     "package_root",
     "release_freed_heap",
     "sha256_file",
@@ -81,6 +85,65 @@ def release_freed_heap() -> bool:
 def heap_trim_available() -> bool:
     """Whether :func:`release_freed_heap` can trim at all here (glibc only)."""
     return _malloc_trim() is not None
+
+
+# Distributions that install the `onnxruntime` package: any two of them overwrite each other's
+# files, so which build `import onnxruntime` gets depends on install order.
+ORT_DISTRIBUTIONS = (
+    "onnxruntime",
+    "onnxruntime-gpu",
+    "onnxruntime-directml",
+    "onnxruntime-openvino",
+    "onnxruntime-qnn",
+    "onnxruntime-rocm",
+    "onnxruntime-migraphx",
+    "onnxruntime-cann",
+    "onnxruntime-training",
+    "ort-nightly",
+    "ort-nightly-gpu",
+    "ort-nightly-directml",
+)
+
+
+def onnxruntime_distributions() -> list[tuple[str, str]]:
+    """``(name, version)`` of every installed distribution that provides ``onnxruntime``."""
+    import importlib.metadata as metadata
+
+    found = []
+    for name in ORT_DISTRIBUTIONS:
+        try:
+            found.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+@functools.cache
+def check_one_onnxruntime() -> str | None:
+    """Warn (once per process) when two onnxruntime distributions are installed; say the fix.
+
+    Called where sharedml first needs onnxruntime (planning a pool's or a measurement's
+    providers), not at ``import sharedml``. A warning, not an error: the mixed install may still
+    work for what the user runs, but it is an accident of install order (``pip install
+    onnxruntime-gpu`` next to ``onnxruntime`` leaves whichever came last, in part).
+
+    Returns:
+        The warning's text, or None when at most one is installed.
+    """
+    found = onnxruntime_distributions()
+    if len(found) < 2:
+        return None
+    listed = ", ".join(f"{name} {version}" for name, version in found)
+    names = " ".join(name for name, _ in found)
+    keep = next((name for name, _ in found if name != "onnxruntime"), found[0][0])
+    message = (
+        f"sharedml: {len(found)} onnxruntime distributions are installed ({listed}); they all "
+        "write the same 'onnxruntime' package, so the build you get (and its execution "
+        f"providers) depends on install order. Keep exactly one: pip uninstall -y {names} && "
+        f"pip install {keep} (README, Install)."
+    )
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return message
 
 
 def usable_cores() -> int:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from sharedml._errors import MeasurementError
 
-__all__ = ["InputSpec", "generate", "input_specs"]
+__all__ = ["InputSpec", "defaulted_dims", "generate", "input_specs", "load_feeds"]
 
 
 _GENERATED_DTYPES = frozenset(
@@ -46,12 +48,16 @@ class InputSpec:
         shape: The concrete shape the child generates.
         dim_names: For each axis, the symbolic name it had in the model (``None`` for a fixed
             size; ``"?"`` for an unnamed dynamic axis, generated as 1).
+        source: ``"generated"`` (from the model's signature, symbolic dims from ``dims``),
+            ``"shape"`` (generated at a shape the caller gave, ``--shape``) or ``"file"``
+            (the caller's values, ``--inputs feeds.npz``).
     """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     dim_names: tuple[str | None, ...]
+    source: str = "generated"
 
     def describe(self) -> str:
         """``x float32[batch=1, 1024]``: the input as generated, symbolic axes named."""
@@ -59,30 +65,68 @@ class InputSpec:
             str(size) if dim is None else f"{dim}={size}"
             for size, dim in zip(self.shape, self.dim_names, strict=True)
         ]
-        return f"{self.name} {self.dtype}[{', '.join(axes)}]"
+        given = " (given)" if self.source == "file" else ""
+        return f"{self.name} {self.dtype}[{', '.join(axes)}]{given}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "source": self.source,
+        }
+
+
+def defaulted_dims(
+    specs: Sequence[InputSpec], dims: Mapping[str, int] | None = None
+) -> dict[str, list[str]]:
+    """The symbolic dimensions set to 1 because no size was given, by input name.
+
+    Args:
+        specs: From :func:`input_specs`.
+        dims: The sizes the caller gave (``--dim``); inputs with a given shape or values have
+            no defaulted axes.
+    """
+    named = set(dims or {})
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        if spec.source != "generated":
+            continue
+        for dim in spec.dim_names:
+            if dim is not None and dim not in named:
+                out.setdefault(spec.name, []).append(dim)
+    return out
 
 
 def input_specs(
-    model: Any, dims: Mapping[str, int] | None = None, *, model_name: str = "the model"
+    model: Any,
+    dims: Mapping[str, int] | None = None,
+    *,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    given: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
+    model_name: str = "the model",
 ) -> tuple[InputSpec, ...]:
     """The inputs to generate for ``model`` (an ``onnx.ModelProto``).
 
-    Symbolic dimensions are 1 unless ``dims`` names them.
+    Symbolic dimensions are 1 unless ``dims`` names them, or an input they appear in has a
+    shape from ``shapes`` or ``given`` (its sizes then hold for every input that shares the
+    dimension's name, as ORT requires).
 
     Args:
         model: The model's protobuf (``sharedml._prepare.load_graph`` gives it without data).
-        dims: Sizes of symbolic dimensions, by name.
+        dims: Sizes of symbolic dimensions, by name (each at least 1).
+        shapes: Whole shapes of inputs, by input name (``--shape images=1x3x320x320``).
+        given: ``(dtype, shape)`` of inputs whose values the caller gives (``--inputs``).
         model_name: How error messages name the model.
 
     Returns:
         One spec per graph input that is not an initializer, in graph order.
 
     Raises:
-        ValueError: ``dims`` names a dimension the model does not have, or a size below 0.
+        ValueError: ``dims`` names a dimension the model does not have, a size below 1, a
+            shape or given input that the model has not or whose rank, fixed sizes or dtype
+            differ, or two sizes for one dimension.
         MeasurementError: an input whose type inspect cannot generate (sequences, maps,
             bfloat16, ...).
     """
@@ -94,16 +138,29 @@ def input_specs(
             checked[name] = operator.index(size)  # ints only: no 2.5, no "2"
         except TypeError:
             checked[name] = -1
-        if checked[name] < 0 or isinstance(size, bool):
-            raise ValueError(f"Dimension {name!r} must be a non-negative integer, not {size!r}.")
-    dims = checked
+        if checked[name] < 1 or isinstance(size, bool):
+            raise ValueError(f"Dimension {name!r} must be an integer of at least 1, not {size!r}.")
+    dims = dict(checked)
+    fixed: dict[str, tuple[tuple[int, ...], str]] = {
+        name: (tuple(int(d) for d in shape), "shape") for name, shape in (shapes or {}).items()
+    }
+    wanted_dtypes: dict[str, str] = {}
+    for name, (dtype, shape) in (given or {}).items():
+        if name in fixed:
+            raise ValueError(f"Input {name!r} has both --shape and values from --inputs.")
+        fixed[name] = (tuple(shape), "file")
+        wanted_dtypes[name] = dtype
     graph = model.graph
     initializers = {t.name for t in graph.initializer}
-    specs: list[InputSpec] = []
-    seen_dims: set[str] = set()
-    for value in graph.input:
-        if value.name in initializers:
-            continue  # IR < 4: initializers are listed as inputs with defaults
+    real_inputs = [v for v in graph.input if v.name not in initializers]
+    unknown_inputs = sorted(set(fixed) - {v.name for v in real_inputs})
+    if unknown_inputs:
+        raise ValueError(
+            f"{_cap(model_name)} has no input {', '.join(repr(u) for u in unknown_inputs)} (its "
+            f"inputs: {', '.join(v.name for v in real_inputs) or 'none'})."
+        )
+    raw: list[tuple[Any, str, list[Any]]] = []
+    for value in real_inputs:
         kind = value.type.WhichOneof("value")
         if kind != "tensor_type":
             raise MeasurementError(
@@ -112,43 +169,126 @@ def input_specs(
             )
         tensor_type = value.type.tensor_type
         try:
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
-            dtype_name = "str" if dtype.kind in "OSU" else dtype.name
+            np_dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+            dtype_name = "str" if np_dtype.kind in "OSU" else np_dtype.name
         except Exception:
             dtype_name = onnx.TensorProto.DataType.Name(tensor_type.elem_type).lower()
-        if dtype_name not in _GENERATED_DTYPES:
+        if dtype_name not in _GENERATED_DTYPES and value.name not in wanted_dtypes:
             raise MeasurementError(
                 f"Input '{value.name}' of {model_name} has type {dtype_name}; inspect can "
                 f"generate inputs of types {', '.join(sorted(_GENERATED_DTYPES))}."
             )
+        if value.name in wanted_dtypes and wanted_dtypes[value.name] != dtype_name:
+            raise ValueError(
+                f"Input '{value.name}' of {model_name} is {dtype_name}, but --inputs gives "
+                f"{wanted_dtypes[value.name]}."
+            )
         if not tensor_type.HasField("shape"):
+            if value.name in fixed:
+                raw.append((value, dtype_name, [None] * len(fixed[value.name][0])))
+                continue
             raise MeasurementError(
                 f"Input '{value.name}' of {model_name} has no shape (not even a rank), so inspect "
                 "cannot generate it. Give the input a shape in the model (onnx.shape_inference "
-                "or the exporter's dynamic_axes)."
+                "or the exporter's dynamic_axes), or pass --shape NAME=AxBxC."
             )
-        shape: list[int] = []
-        names: list[str | None] = []
+        axes: list[Any] = []
         for dim in tensor_type.shape.dim:
             if dim.HasField("dim_value"):
-                shape.append(int(dim.dim_value))
-                names.append(None)
+                axes.append(int(dim.dim_value))
             elif dim.dim_param:
-                seen_dims.add(dim.dim_param)
-                shape.append(dims.get(dim.dim_param, 1))
-                names.append(dim.dim_param)
+                axes.append(dim.dim_param)
             else:
-                shape.append(1)
-                names.append("?")
-        specs.append(InputSpec(value.name, dtype_name, tuple(shape), tuple(names)))
+                axes.append(None)
+        raw.append((value, dtype_name, axes))
+    seen_dims = {a for _v, _d, axes in raw for a in axes if isinstance(a, str)}
     unknown = sorted(set(dims) - seen_dims)
     if unknown:
         known = ", ".join(sorted(seen_dims)) or "none"
         raise ValueError(
-            f"{model_name[:1].upper() + model_name[1:]} has no symbolic dimension "
+            f"{_cap(model_name)} has no symbolic dimension "
             f"{', '.join(repr(u) for u in unknown)} (its symbolic dimensions: {known})."
         )
+    # Sizes that given shapes imply for symbolic dimensions, checked against each other.
+    implied: dict[str, tuple[int, str]] = {}
+    for value, _dtype, axes in raw:
+        if value.name not in fixed:
+            continue
+        shape, _source = fixed[value.name]
+        if len(shape) != len(axes):
+            raise ValueError(
+                f"Input '{value.name}' of {model_name} has rank {len(axes)} "
+                f"({_axes_text(axes)}), but {_given_as(value.name, fixed)} {_shape_text(shape)}."
+            )
+        for size, axis in zip(shape, axes, strict=True):
+            if size < 1:
+                raise ValueError(
+                    f"Input '{value.name}': every size must be at least 1, not "
+                    f"{_shape_text(shape)}."
+                )
+            if isinstance(axis, int) and axis != size:
+                raise ValueError(
+                    f"Input '{value.name}' of {model_name} is {_axes_text(axes)}, but "
+                    f"{_given_as(value.name, fixed)} {_shape_text(shape)}."
+                )
+            if isinstance(axis, str):
+                before = implied.get(axis) or ((dims[axis], "--dim") if axis in dims else None)
+                if before is not None and before[0] != size:
+                    raise ValueError(
+                        f"Dimension {axis!r} is {size} in input '{value.name}' but {before[0]} "
+                        f"in {before[1]}."
+                    )
+                implied[axis] = (size, f"input '{value.name}'")
+    sizes = dims | {axis: size for axis, (size, _where) in implied.items()}
+    specs: list[InputSpec] = []
+    for value, dtype_name, axes in raw:
+        if value.name in fixed:
+            shape, source = fixed[value.name]
+        else:
+            shape = tuple(a if isinstance(a, int) else sizes.get(a, 1) if a else 1 for a in axes)
+            source = "generated"
+        names = tuple(None if isinstance(a, int) else (a or "?") for a in axes)
+        specs.append(InputSpec(value.name, dtype_name, tuple(shape), names, source))
     return tuple(specs)
+
+
+def _cap(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _axes_text(axes: Sequence[Any]) -> str:
+    return "[" + ", ".join("?" if a is None else str(a) for a in axes) + "]"
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "x".join(str(d) for d in shape) or "a scalar"
+
+
+def _given_as(name: str, fixed: Mapping[str, tuple[tuple[int, ...], str]]) -> str:
+    return "--shape gives" if fixed[name][1] == "shape" else "--inputs gives"
+
+
+def load_feeds(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The arrays of an ``.npz`` file of inputs (``numpy.savez``), by input name.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a readable ``.npz`` of arrays (object arrays are refused: loading them
+            would unpickle).
+    """
+    import numpy as np
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--inputs: '{path}' does not exist.")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except Exception as exc:
+        raise ValueError(
+            f"--inputs: '{path}' is not a numpy .npz file of arrays ({exc}). Write one with "
+            "numpy.savez('feeds.npz', input_name=array, ...)."
+        ) from None
 
 
 def generate(spec: Mapping[str, Any]) -> Any:

@@ -14,14 +14,21 @@ import dataclasses
 import gc
 import os
 import platform
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sharedml._format import human_bytes
+from sharedml._format import human_bytes, human_seconds
 from sharedml._inputs import InputSpec, input_specs
 from sharedml._measure import measure
-from sharedml._onnx import ExternalData, Placement, iter_tensors, tensor_nbytes
+from sharedml._onnx import (
+    ExternalData,
+    Placement,
+    iter_attribute_weights,
+    iter_tensors,
+    tensor_nbytes,
+)
 from sharedml._results import Measurement
 from sharedml._strategies import (
     NAIVE,
@@ -35,11 +42,14 @@ from sharedml._strategies import (
 
 __all__ = [
     "DEFAULT_PROJECTION_SESSIONS",
+    "SAME_WITHIN",
+    "Finding",
     "InspectProgress",
     "InspectReport",
     "PlacementSummary",
     "TensorInfo",
     "WeightsSummary",
+    "findings",
     "inspect",
     "recommend",
     "summarize_weights",
@@ -52,6 +62,8 @@ _MiB = 1024 * 1024
 InspectProgress = Callable[[str, int, int], None]
 """Called as ``progress(description, steps_done, steps_total)``; a step is one session measured."""
 
+# Weights prepare leaves in the graph, which every session therefore copies for itself.
+UNSHARED_PLACEMENTS = ("node attributes", "sparse initializers")
 # Where a tensor's bytes sit; exclusive, in the order reports list them.
 PLACEMENTS = (
     "initializers",
@@ -102,15 +114,17 @@ class WeightsSummary:
     """The static part of the report: the model's weights, read without loading them.
 
     Attributes:
-        total_bytes: Bytes of every weight (initializers, Constant nodes, subgraphs, external).
-        tensors: How many tensors that is.
+        total_bytes: Bytes of every weight (initializers, Constant nodes, subgraphs, external,
+            node attributes: ``ai.onnx.ml`` parameters count, 4 bytes a float, 8 an int).
+        tensors: How many tensors (and parameter attributes) that is.
         placements: Tensors and bytes per placement (only placements that occur).
         external_files: ``(file, bytes)`` of each external data file the model refers to.
         largest: The largest tensors, largest first.
         already_prepared: The model was written by ``sharedml.prepare``.
         prepare_moves_tensors: Tensors ``prepare`` would put in the weights file.
         prepare_moves_bytes: Their bytes.
-        prepare_leaves_tensors: Tensors it would leave in the graph (small ones).
+        prepare_leaves_tensors: Tensors it would leave in the graph (small initializers and
+            ``Constant`` nodes; node attributes are counted in ``unshared``).
         prepare_leaves_bytes: Their bytes.
         prepare_converts_constants: Constant nodes it would turn into initializers.
     """
@@ -127,11 +141,23 @@ class WeightsSummary:
     prepare_leaves_bytes: int
     prepare_converts_constants: int
 
+    @property
+    def unshared(self) -> tuple[int, int]:
+        """``(tensors, bytes)`` that stay in the graph where no route can share them.
+
+        Node attributes (``ai.onnx.ml`` parameters, tensor attributes other than a
+        ``Constant``'s) and sparse initializers: prepare cannot move them, so ORT copies them
+        into every session.
+        """
+        chosen = [p for p in self.placements if p.placement in UNSHARED_PLACEMENTS]
+        return sum(p.tensors for p in chosen), sum(p.nbytes for p in chosen)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {
             "total_bytes": self.total_bytes,
             "tensors": self.tensors,
+            "unshared": {"tensors": self.unshared[0], "bytes": self.unshared[1]},
             "placements": {
                 p.placement: {"tensors": p.tensors, "bytes": p.nbytes} for p in self.placements
             },
@@ -185,6 +211,8 @@ def summarize_weights(model: Any, model_path: str | os.PathLike[str]) -> Weights
     Raises:
         ExternalDataError: external data that prepare would refuse (missing, short, unsafe).
     """
+    from onnx import AttributeProto as onnx_attr
+
     from sharedml._prepare import DEFAULT_SIZE_THRESHOLD_BYTES, plan_weights, read_manifest
 
     tensors: list[TensorInfo] = []
@@ -204,6 +232,18 @@ def summarize_weights(model: Any, model_path: str | os.PathLike[str]) -> Weights
                 nbytes=_tensor_bytes(ref.tensor),
                 placement=placement,
                 file=info.location if info is not None else None,
+            )
+        )
+    for node, attr, nbytes in iter_attribute_weights(model.graph):
+        kind = {onnx_attr.FLOATS: "float", onnx_attr.INTS: "int64"}.get(attr.type, "string")
+        count = len(attr.floats) or len(attr.ints) or len(attr.strings)
+        tensors.append(
+            TensorInfo(
+                name=f"{node.name or node.op_type}.{attr.name}",
+                dtype=kind,
+                shape=(count,),
+                nbytes=nbytes,
+                placement="node attributes",
             )
         )
     placements = []
@@ -242,6 +282,27 @@ def summarize_weights(model: Any, model_path: str | os.PathLike[str]) -> Weights
 
 
 @dataclasses.dataclass(frozen=True)
+class Finding:
+    """One statement of the recommendation and the measured figures it rests on.
+
+    Attributes:
+        kind: What it is about: ``one-session``, ``pool-vs-plain``, ``single-vs-pool``,
+            ``advice``, ``prepacking-off``, ``derived-not-shared``, ``per-session-packing``,
+            ``runtime-weights``, ``unshared-weights``, ``numerics``, ``stopped``.
+        text: One or two sentences; every figure in them is one of ``figures``.
+        figures: The figures (bytes, seconds, ratios, names), JSON-ready.
+    """
+
+    kind: str
+    text: str
+    figures: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"kind": self.kind, "text": self.text, "figures": dict(self.figures)}
+
+
+@dataclasses.dataclass(frozen=True)
 class InspectReport:
     """What ``sharedml inspect`` reports; every figure the CLI prints comes from here.
 
@@ -250,14 +311,18 @@ class InspectReport:
         demo: Whether it is sharedml's built-in demo model.
         sessions: The session count measured (N).
         providers: The execution providers every strategy used, CPU last.
-        inputs: The inputs generated for the runs.
+        inputs: The inputs generated (or given) for the runs.
         weights: The static part.
         measurements: One :class:`~sharedml._measure.Measurement` per strategy, in the order
-            measured.
+            measured (none where the trial run failed).
         projection_sessions: The session counts :meth:`projection` covers.
-        recommendation: A paragraph computed from the figures.
+        recommendation: The findings' sentences, as one paragraph.
         onnxruntime_version: The onnxruntime that measured.
         platform: ``platform.platform()`` of the machine.
+        findings: The recommendation, one :class:`Finding` per statement, with its figures.
+        trial: The trial run (one plain session, ORT's defaults, run once before measuring):
+            ``error``, ``outputs``, ``run_seconds``; None where it was not made.
+        error: Why the report is partial (the trial run failed), else None.
     """
 
     model_path: Path
@@ -271,6 +336,9 @@ class InspectReport:
     recommendation: str
     onnxruntime_version: str
     platform: str
+    findings: tuple[Finding, ...] = ()
+    trial: Mapping[str, Any] | None = None
+    error: str | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -292,6 +360,47 @@ class InspectReport:
         m = self.strategies[strategy]
         return {n: m.projected_bytes(n) for n in self.projection_sessions}
 
+    @property
+    def runtime_weights(self) -> dict[str, dict[str, Any]]:
+        """What each strategy's sessions hold as weights at run time, beside the file's.
+
+        Per strategy: the measured growth per extra session, the weights ORT derives from the
+        file's (``derived_bytes``: fused, folded, dequantized) and packs (``prepacked_bytes``),
+        read from ORT's saved optimized model where a pooled strategy built it, and how the
+        strategy holds each: ``"once"`` (mapped once for every session), ``"per session"``,
+        ``"none"`` (not made: prepacking off) or ``"-"`` (ORT makes none for this model).
+        """
+        stats: Mapping[str, Any] = {}
+        for m in self.measurements:
+            found = m.details.get("runtime_weights")
+            if isinstance(found, Mapping):
+                stats = found
+                break
+        out: dict[str, dict[str, Any]] = {}
+        for m in self.measurements:
+            raw, derived, packed = _HOLDING.get(
+                str(m.details.get("mechanism", "")) if m.details else m.strategy,
+                _HOLDING.get(m.strategy, ("?", "?", "?")),
+            )
+            if m.strategy == SHARED_RAW:
+                packed = "none"
+            elif m.strategy == SHARED_PRIVATE_PACKS:
+                packed = "per session"
+            if stats.get("derived_bytes") == 0:
+                derived = "-"  # ORT derives nothing from this model
+            if stats.get("prepacked_bytes") == 0:
+                packed = "-"
+            out[m.strategy] = {
+                "file_bytes": self.weights_bytes,
+                "per_session_bytes": m.per_session_bytes,
+                "derived_bytes": stats.get("derived_bytes"),
+                "prepacked_bytes": stats.get("prepacked_bytes"),
+                "file_weights": raw,
+                "derived": derived,
+                "packed": packed,
+            }
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON object that ``sharedml inspect --json`` prints."""
         return {
@@ -305,137 +414,422 @@ class InspectReport:
             "weights_bytes": self.weights_bytes,
             "tensors": self.weights.tensors,
             "weights": self.weights.to_dict(),
+            "error": self.error,
+            "trial": dict(self.trial) if self.trial is not None else None,
             "memory_metric": self.metric,
             "strategies": {
                 m.strategy: m.to_dict()
                 | {"projection": {str(n): v for n, v in self.projection(m.strategy).items()}}
                 for m in self.measurements
             },
+            "runtime_weights": self.runtime_weights,
+            "findings": [f.to_dict() for f in self.findings],
             "recommendation": self.recommendation,
         }
 
 
+# How each mechanism (or plain strategy) holds the file's weights, the derived ones, the packed.
+_HOLDING = {
+    NAIVE: ("per session", "per session", "per session"),
+    SINGLE: ("once", "once", "once"),
+    "prepacked-file": ("once", "once", "once"),
+    "optimized-file": ("once", "once", "none"),
+    "in-memory-file": ("once", "per session", "per session"),
+    "add-initializer": ("once", "per session", "per session"),
+    "ort-mmap": ("once", "per session", "per session"),
+    "device": ("once per device", "per session", "per session"),
+}
+
+
 # --------------------------------------------------------------------------------------------
-# Recommendation
+# Recommendation: every sentence from the measured figures
+
+SAME_WITHIN = 0.10
+"""Two figures within this fraction of each other are "about the same": repeat measurements of
+one configuration agree within about 1 MiB on the demo, and a busy machine moves them more."""
+_NOTABLE_DERIVED = 1.5  # a plain session holding this many times the file's weights: say why
+_NOTABLE_UNSHARED = 0.01  # unshared weights this share of the file's are worth a finding
 
 
 def _pct(part: float, whole: float) -> str:
     return f"{100 * part / whole:.0f}%" if whole else "n/a"
 
 
-def recommend(measurements: Mapping[str, Measurement], *, sessions: int, weights_bytes: int) -> str:
-    """A paragraph of advice computed from the measurements (no figure is made up)."""
-    parts: list[str] = []
+def _compare(a: float, b: float) -> str:
+    """``"less"``, ``"same"`` (within :data:`SAME_WITHIN` of ``b``) or ``"more"``."""
+    if a < (1 - SAME_WITHIN) * b:
+        return "less"
+    if a > (1 + SAME_WITHIN) * b:
+        return "more"
+    return "same"
+
+
+def _than(a: int, b: int, what: str) -> str:
+    """``a`` against ``b`` (called ``what``) in words: "46% less than the pool's 54.0 MiB"."""
+    verdict = _compare(a, b)
+    if verdict == "less":
+        return f"{_pct(b - a, b)} less than {what}"
+    if verdict == "more":
+        return f"{a / b:.1f}x {what}" if b and a >= 2 * b else f"{_pct(a - b, b)} more than {what}"
+    return f"about as much as {what} (within {SAME_WITHIN:.0%})"
+
+
+def findings(
+    measurements: Mapping[str, Measurement],
+    *,
+    sessions: int,
+    weights_bytes: int,
+    unshared: tuple[int, int] = (0, 0),
+) -> tuple[Finding, ...]:
+    """The recommendation, computed from the measurements: one :class:`Finding` per statement.
+
+    Comparisons are relative (:data:`SAME_WITHIN`), never absolute: "less", "more" and "about
+    the same" say what the figures beside them show, and the advice names the strategy that
+    took the least memory. Nothing is said about run speed, which inspect does not measure,
+    except as a pointer to the documented figures.
+
+    Args:
+        measurements: By strategy name.
+        sessions: N.
+        weights_bytes: Bytes of the file's weights.
+        unshared: ``(tensors, bytes)`` of weights that stay in the graph
+            (:attr:`WeightsSummary.unshared`).
+    """
+    out: list[Finding] = []
+    stats = _runtime_stats(measurements)
     naive = measurements.get(NAIVE)
     shared = measurements.get(SHARED)
-    prepacked = measurements.get(SHARED_PRIVATE_PACKS)
+    packs = measurements.get(SHARED_PRIVATE_PACKS)
     raw = measurements.get(SHARED_RAW)
     single = measurements.get(SINGLE)
     big = max(DEFAULT_PROJECTION_SESSIONS[-1], sessions * 2)
     metric = next(iter(measurements.values())).metric.upper() if measurements else "PSS"
+    hb = human_bytes
 
-    def total(m: Measurement | None) -> int | None:
-        return None if m is None else m.total_bytes
-
-    naive_total, shared_total = total(naive), total(shared)
+    naive_total = naive.total_bytes if naive is not None else None
+    shared_total = shared.total_bytes if shared is not None else None
     if naive is not None and shared is not None and naive_total and shared_total is not None:
-        saving = naive_total - shared_total
-        material = max(0.1 * naive_total, 8 * _MiB)
-        slopes = ""
-        if naive.per_session_bytes is not None and shared.per_session_bytes is not None:
-            slopes = (
-                f" Each extra plain session adds {human_bytes(naive.per_session_bytes)}, each "
-                f"extra pooled session {human_bytes(shared.per_session_bytes)}"
-            )
-            far_naive, far_shared = naive.projected_bytes(big), shared.projected_bytes(big)
-            if far_naive is not None and far_shared is not None:
-                slopes += (
-                    f"; at {big} sessions that would be about {human_bytes(far_naive)} against "
-                    f"{human_bytes(far_shared)} (projected)."
-                )
-            else:
-                slopes += "."
         if sessions == 1:
-            parts.append(
-                f"With one session there is nothing to share: the pool takes "
-                f"{human_bytes(shared_total)} ({metric}), a plain session "
-                f"{human_bytes(naive_total)}. Measure with --sessions 2 or more (sessions=2) "
-                "to see what each extra session costs."
-            )
-        elif saving > material:
-            parts.append(
-                f"With {sessions} sessions, sharedml's pool takes {human_bytes(shared_total)} "
-                f"({metric}) where {sessions} plain sessions take {human_bytes(naive_total)}: "
-                f"{human_bytes(saving)} ({_pct(saving, naive_total)}) less.{slopes} "
-                f"Use sharedml.SessionPool(model, sessions={sessions})."
-            )
-        elif saving >= -material:
-            parts.append(
-                f"Sharing saves little here: {human_bytes(shared_total)} with the pool against "
-                f"{human_bytes(naive_total)} for {sessions} plain sessions. The weights "
-                f"({human_bytes(weights_bytes)}) are small next to what each session needs for "
-                f"itself, so plain sessions are as good.{slopes}"
+            out.append(
+                Finding(
+                    "one-session",
+                    f"With one session there is nothing to share: the pool takes "
+                    f"{hb(shared_total)} ({metric}), a plain session {hb(naive_total)}. Measure "
+                    "with --sessions 2 or more (sessions=2) to see what each extra session costs.",
+                    {"pool_bytes": shared_total, "plain_bytes": naive_total},
+                )
             )
         else:
-            parts.append(
-                f"The pool takes more than plain sessions here ({human_bytes(shared_total)} "
-                f"against {human_bytes(naive_total)}): sharing does not pay for this model.{slopes}"
+            out.append(_pool_vs_plain(naive, shared, sessions, big, metric))
+    if single is not None and shared_total and sessions > 1:
+        single_total = single.total_bytes
+        if single_total is not None:
+            verdict = _compare(single_total, shared_total)
+            text = (
+                f"One plain session shared by all {sessions} threads takes {hb(single_total)}, "
+                + _than(single_total, shared_total, f"the pool's {hb(shared_total)}")
             )
-    if shared is not None and prepacked is not None:
-        a, b = shared.per_session_bytes, prepacked.per_session_bytes
+            text += (
+                ": ORT lets several threads run one CPU session at once, so on the CPU that is "
+                "the smaller choice; the pool is for threads that each need a session of their "
+                "own (DirectML, CUDA graphs, per-thread state)."
+                if verdict == "less"
+                else "; its threads share that one session's intra-op thread pool, where the "
+                "pool gives each thread a session of its own."
+            )
+            out.append(
+                Finding(
+                    "single-vs-pool",
+                    text,
+                    {"single_bytes": single_total, "pool_bytes": shared_total, "verdict": verdict},
+                )
+            )
+    advice = _advice(measurements, sessions)
+    if advice is not None:
+        out.append(advice)
+    if raw is not None and shared is not None and shared_total and raw.total_bytes is not None:
+        out.append(_prepacking_off(raw, shared))
+    for m in (raw, packs):
+        own = m.details.get("runtime_weights") if m is not None else None
+        if m is None or not isinstance(own, Mapping) or not own.get("derived_bytes"):
+            continue
+        derived = int(own["derived_bytes"])
+        setting = "prepacking='off'" if m is raw else "prepacking='per-session'"
+        out.append(
+            Finding(
+                "derived-not-shared",
+                f"{setting} ({m.strategy}) shares only the file's weights: ORT's optimizers "
+                f"derive {hb(derived)} of weights from them (fused, folded or dequantized), "
+                "which every session derives and keeps for itself.",
+                {"strategy": m.strategy, "derived_bytes": derived},
+            )
+        )
+    if shared is not None and packs is not None:
+        a, b = shared.per_session_bytes, packs.per_session_bytes
         if a is not None and b is not None:
+            basis = max(naive.per_session_bytes or 0 if naive else 0, weights_bytes, 1)
             extra = b - a
-            if extra <= max(0.02 * weights_bytes, 1 * _MiB):
-                parts.append(
-                    f"ORT's own per-session prepacking (prepacking='per-session') costs next "
-                    f"to nothing more per session for this model ({human_bytes(extra)})."
+            if extra <= SAME_WITHIN * basis:
+                text = (
+                    "ORT's own per-session prepacking (prepacking='per-session') costs about as "
+                    f"much per session as the default ({hb(b)} against {hb(a)})."
                 )
             else:
-                parts.append(
-                    f"ORT's own per-session prepacking (prepacking='per-session') would add "
-                    f"{human_bytes(extra)} per session ({human_bytes(total(prepacked))} in all "
-                    f"at {sessions}): each session keeps a packed copy of each MatMul/Conv "
-                    "weight. The pool's default shares the packed weights instead, where ORT "
-                    "packs any."
+                text = (
+                    f"ORT's own per-session prepacking (prepacking='per-session') adds "
+                    f"{hb(extra)} more per session than the default ({hb(packs.total_bytes)} in "
+                    f"all at {sessions})"
                 )
-    if shared is not None and raw is not None:
-        raw_total = total(raw)
-        if shared_total is not None and raw_total is not None:
-            parts.append(
-                f"With prepacking off (prepacking='off') the pool takes "
-                f"{human_bytes(raw_total)} against {human_bytes(shared_total)} for its default: "
-                "the least memory and the fastest session creation, but unpacked MatMul/Gemm "
-                "kernels (slower for batched inputs on CPU: see docs/cpu-prepacking.md)."
+                packed = int(stats.get("prepacked_bytes") or 0) if stats is not None else None
+                derived = int(stats.get("derived_bytes") or 0) if stats is not None else 0
+                if packed and derived:
+                    text += (
+                        f": each session packs a private copy of the {hb(packed)} of packed "
+                        f"weights and derives its own {hb(derived)}, which the default shares."
+                    )
+                elif packed:
+                    text += (
+                        f": each session packs a private copy of the {hb(packed)} of packed "
+                        "weights, which the default shares."
+                    )
+                elif derived:
+                    text += (
+                        f": ORT packs nothing here, but each session derives its own copy of "
+                        f"the {hb(derived)} of derived weights, which the default shares."
+                    )
+                else:
+                    text += "."
+            out.append(
+                Finding(
+                    "per-session-packing",
+                    text,
+                    {"per_session_bytes": b, "default_per_session_bytes": a, "extra_bytes": extra},
+                )
             )
-    if single is not None and shared is not None and sessions > 1:
-        single_total = total(single)
-        if single_total is not None and shared_total is not None:
-            gap = shared_total - single_total
-            if gap > max(0.05 * shared_total, 8 * _MiB):
-                parts.append(
-                    f"One plain session shared by all threads is smaller still "
-                    f"({human_bytes(single_total)}): ORT allows concurrent Run calls on one "
-                    "session, but the threads then share its one intra-op thread pool; the pool "
-                    "gives each thread a session of its own (which DirectML requires)."
-                )
-            elif gap >= -max(0.05 * shared_total, 8 * _MiB):
-                parts.append(
-                    f"One plain session shared by all threads takes about as much "
-                    f"({human_bytes(single_total)}), but its threads share one session's "
-                    "intra-op thread pool, where the pool gives each thread a session of its "
-                    "own (which DirectML requires)."
-                )
-            else:
-                parts.append(
-                    f"One plain session shared by all threads takes {human_bytes(single_total)}, "
-                    "more than the pool: a plain session keeps its own copies of the weights."
-                )
+    runtime = _runtime_weights(naive, stats, weights_bytes)
+    if runtime is not None:
+        out.append(runtime)
+    if unshared[1] and unshared[1] >= _NOTABLE_UNSHARED * max(weights_bytes, 1):
+        out.append(
+            Finding(
+                "unshared-weights",
+                f"{hb(unshared[1])} of weights in {unshared[0]} node attributes or sparse "
+                "initializers (ai.onnx.ml parameters, tensor attributes) stay in the graph: "
+                "prepare cannot move them, so every session keeps its own copy and no route "
+                "shares them.",
+                {"tensors": unshared[0], "bytes": unshared[1]},
+            )
+        )
+    numerics = _numerics(measurements, sessions)
+    if numerics is not None:
+        out.append(numerics)
     for m in measurements.values():
         if m.stopped_reason:
-            parts.append(f"{m.strategy}: {m.stopped_reason}.")
-    if not parts:
-        parts.append("Measure at least 'naive' and 'shared' for a recommendation.")
-    return " ".join(parts)
+            out.append(Finding("stopped", f"{m.strategy}: {m.stopped_reason}.", {}))
+    if not out:
+        out.append(Finding("none", "Measure at least 'naive' and 'shared' for a recommendation."))
+    return tuple(out)
+
+
+def _pool_vs_plain(
+    naive: Measurement, shared: Measurement, sessions: int, big: int, metric: str
+) -> Finding:
+    hb = human_bytes
+    naive_total, shared_total = naive.total_bytes or 0, shared.total_bytes or 0
+    verdict = _compare(shared_total, naive_total)
+    figures: dict[str, Any] = {
+        "sessions": sessions,
+        "pool_bytes": shared_total,
+        "plain_bytes": naive_total,
+        "ratio": shared_total / naive_total if naive_total else None,
+        "verdict": verdict,
+        "plain_per_session_bytes": naive.per_session_bytes,
+        "pool_per_session_bytes": shared.per_session_bytes,
+    }
+    if verdict == "less":
+        text = (
+            f"With {sessions} sessions, sharedml's pool takes {hb(shared_total)} ({metric}) "
+            f"where {sessions} plain sessions take {hb(naive_total)}: "
+            f"{hb(naive_total - shared_total)} ({_pct(naive_total - shared_total, naive_total)}) "
+            "less."
+        )
+    elif verdict == "same":
+        text = (
+            f"With {sessions} sessions the pool takes {hb(shared_total)} ({metric}) and "
+            f"{sessions} plain sessions {hb(naive_total)}: within {SAME_WITHIN:.0%} of each "
+            "other, so sharing saves nothing material here."
+        )
+    else:
+        text = (
+            f"The pool takes more than {sessions} plain sessions here: {hb(shared_total)}, "
+            + _than(shared_total, naive_total, f"their {hb(naive_total)}")
+            + "."
+        )
+    if naive.per_session_bytes is not None and shared.per_session_bytes is not None:
+        text += (
+            f" Each extra plain session adds {hb(naive.per_session_bytes)}, each extra pooled "
+            f"session {hb(shared.per_session_bytes)}"
+        )
+        far_naive, far_shared = naive.projected_bytes(big), shared.projected_bytes(big)
+        if far_naive is not None and far_shared is not None:
+            text += (
+                f"; at {big} sessions that would be about {hb(far_naive)} against "
+                f"{hb(far_shared)} (projected)."
+            )
+            figures |= {"projected_sessions": big, "plain_projected_bytes": far_naive}
+            figures["pool_projected_bytes"] = far_shared
+        else:
+            text += "."
+    return Finding("pool-vs-plain", text, figures)
+
+
+def _advice(measurements: Mapping[str, Measurement], sessions: int) -> Finding | None:
+    """Name the strategy that took the least memory, and what to use."""
+    known: dict[str, int] = {}
+    for name in (SHARED, SINGLE, NAIVE):
+        m = measurements.get(name)
+        if m is not None and m.total_bytes is not None:
+            known[name] = m.total_bytes
+    if sessions < 2 or SHARED not in known or len(known) < 2:
+        return None
+    least = min(known, key=lambda name: known[name])
+    figures = {"least": least, "least_bytes": known[least], "totals": known}
+    if least == SHARED or _compare(known[SHARED], known[least]) == "same":
+        close = "" if least == SHARED else f" (within {SAME_WITHIN:.0%} of {least})"
+        text = (
+            f"Use sharedml.SessionPool(model, sessions={sessions}): of the strategies measured "
+            f"it took the least memory{close}."
+        )
+    elif least == SINGLE:
+        text = (
+            f"Least memory measured: one plain session shared by the threads "
+            f"({human_bytes(known[SINGLE])}); use it where the provider runs concurrent Run "
+            f"calls on one session (CPU), and sharedml.SessionPool(model, sessions={sessions}) "
+            "where each thread needs a session of its own."
+        )
+    else:
+        text = (
+            f"Least memory measured: {sessions} plain sessions ({human_bytes(known[NAIVE])}); "
+            "sharing does not pay for this model at this session count."
+        )
+    return Finding("advice", text, figures)
+
+
+def _prepacking_off(raw: Measurement, shared: Measurement) -> Finding:
+    raw_total, shared_total = raw.total_bytes or 0, shared.total_bytes or 0
+    rt, dt = raw.init_seconds, shared.init_seconds
+    if rt < (1 - SAME_WITHIN) * dt:
+        speed = "faster"
+    elif rt > (1 + SAME_WITHIN) * dt:
+        speed = "slower"
+    else:
+        speed = "about as fast"
+    default = f"the default's {human_bytes(shared_total)}"
+    text = (
+        f"With prepacking off (prepacking='off') the pool took {human_bytes(raw_total)}, "
+        f"{_than(raw_total, shared_total, default)}, and created its sessions in "
+        f"{human_seconds(rt)} against {human_seconds(dt)} ({speed}). Its MatMul/Gemm/Conv "
+        "kernels run on unpacked weights (batched inputs about 2x slower in "
+        "docs/cpu-prepacking.md; inspect does not measure run speed)."
+    )
+    return Finding(
+        "prepacking-off",
+        text,
+        {
+            "bytes": raw_total,
+            "default_bytes": shared_total,
+            "memory": _compare(raw_total, shared_total),
+            "init_seconds": rt,
+            "default_init_seconds": dt,
+            "creation": speed,
+        },
+    )
+
+
+def _runtime_stats(measurements: Mapping[str, Measurement]) -> Mapping[str, Any] | None:
+    """What ORT's saved optimized model of this model holds, from any pooled strategy."""
+    for m in measurements.values():
+        stats = m.details.get("runtime_weights")
+        if isinstance(stats, Mapping):
+            return stats
+    return None
+
+
+def _runtime_weights(
+    naive: Measurement | None, stats: Mapping[str, Any] | None, weights_bytes: int
+) -> Finding | None:
+    """Say what plain sessions hold beyond the file's weights, where ORT's saved model shows it.
+
+    Only with the saved model's figures: a session's own growth (thread pools, arena, kernel
+    state) is no evidence of derived weights by itself.
+    """
+    per = naive.per_session_bytes if naive is not None else None
+    derived = int(stats.get("derived_bytes") or 0) if stats is not None else 0
+    packed = int(stats.get("prepacked_bytes") or 0) if stats is not None else 0
+    if per is None or not weights_bytes or not derived + packed:
+        return None
+    if per < _NOTABLE_DERIVED * weights_bytes:
+        return None
+    text = (
+        f"Each plain session holds {human_bytes(per)} more than the one before, "
+        f"{per / weights_bytes:.1f}x the file's {human_bytes(weights_bytes)} of weights: at load "
+        f"ORT derives {human_bytes(derived)} of weights from them (fused, folded, dequantized)"
+        + (f" and packs {human_bytes(packed)}" if packed else "")
+        + ", and each plain session keeps its own. The pool's saved optimized model holds "
+        "them, mapped once for all its sessions."
+    )
+    figures = {
+        "plain_per_session_bytes": per,
+        "file_bytes": weights_bytes,
+        "derived_bytes": derived,
+        "prepacked_bytes": packed,
+    }
+    return Finding("runtime-weights", text, figures)
+
+
+def _numerics(measurements: Mapping[str, Measurement], sessions: int) -> Finding | None:
+    """Compare every strategy's outputs with a default plain session's (the trial run)."""
+    compared = {n: m for n, m in measurements.items() if m.matches_plain is not None}
+    if not compared:
+        return None
+    differ = {n: m for n, m in compared.items() if not m.matches_plain}
+    figures: dict[str, Any] = {
+        n: {"max_abs_diff": m.plain_max_abs_diff, "comparable": m.plain_outputs_comparable}
+        for n, m in compared.items()
+    }
+    if not differ:
+        return Finding(
+            "numerics",
+            "Every strategy's outputs were bitwise equal to a default plain session's.",
+            figures,
+        )
+    parts = [
+        f"{n} by up to {m.plain_max_abs_diff:.3g}"
+        if m.plain_max_abs_diff is not None
+        else f"{n} in shape or type"
+        for n, m in differ.items()
+    ]
+    text = (
+        "Outputs differ from a default plain session's (largest absolute difference): "
+        f"{', '.join(parts)}."
+    )
+    if SHARED_RAW in differ:
+        text += " prepacking='off' runs unpacked kernels, which round differently."
+    if any(n not in (NAIVE, SINGLE, SHARED_RAW) for n in differ):
+        text += (
+            f" The pool gives each CPU session cores // {sessions} intra-op threads, and "
+            "dynamically quantizing kernels (DynamicQuantizeLSTM, MatMulInteger) round "
+            "differently with another thread count; a plain session given the same "
+            "intra_op_num_threads matches the pool (README, SessionPool)."
+        )
+    return Finding("numerics", text, figures)
+
+
+def recommend(measurements: Mapping[str, Measurement], *, sessions: int, weights_bytes: int) -> str:
+    """The recommendation as one paragraph: the sentences of :func:`findings`."""
+    return " ".join(
+        f.text for f in findings(measurements, sessions=sessions, weights_bytes=weights_bytes)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,6 +843,8 @@ def inspect(
     providers: Sequence[Any] | None = None,
     provider_options: Sequence[dict[str, Any]] | None = None,
     dims: Mapping[str, int] | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    feeds: str | os.PathLike[str] | None = None,
     strategies: Sequence[str] | None = None,
     projection_sessions: Sequence[int] = DEFAULT_PROJECTION_SESSIONS,
     timeout_s: float | None = None,
@@ -456,9 +852,13 @@ def inspect(
 ) -> InspectReport:
     """Report what ``model`` holds and what ``sessions`` sessions of it cost per strategy.
 
-    Each strategy is measured in a fresh subprocess, one after another: ``sessions`` sessions
-    created one at a time, and after each, all of them run once concurrently on generated
-    inputs, memory recorded (see :mod:`sharedml._measure`).
+    First, one plain session with ORT's defaults is created and run once on the inputs, in a
+    fresh process (the trial run): a model that the generated inputs do not fit fails there in
+    seconds, with a message naming the dimensions that were set to 1, and its outputs are what
+    every strategy's outputs are checked against (:attr:`Measurement.plain_max_abs_diff`). Then
+    each strategy is measured in a fresh subprocess, one after another: ``sessions`` sessions
+    created one at a time, and after each, all of them run once concurrently, memory recorded
+    (see :mod:`sharedml._measure`).
 
     Args:
         model: An ONNX model file; ``None`` inspects sharedml's built-in demo model (built into
@@ -466,7 +866,11 @@ def inspect(
         sessions: N, the number of sessions (and threads) to measure.
         providers: As for ``onnxruntime.InferenceSession``; default CPU.
         provider_options: As for ``onnxruntime.InferenceSession``.
-        dims: Sizes of the inputs' symbolic dimensions by name (default 1 each).
+        dims: Sizes of the inputs' symbolic dimensions by name (default 1 each; at least 1).
+        shapes: Whole shapes of inputs by name (``{"images": (1, 3, 320, 320)}``); their
+            symbolic dimensions hold for the other inputs too.
+        feeds: An ``.npz`` file of input values by input name (``numpy.savez``); inputs it
+            does not hold are generated.
         strategies: Names of registered strategies to measure (default: every strategy
             registered as a default; see :func:`sharedml.registered_strategies`).
         projection_sessions: Session counts to project memory to (N is added).
@@ -481,13 +885,20 @@ def inspect(
         InvalidModelError: ``model`` is not an ONNX model.
         ExternalDataError: its external data is missing or unsafe.
         ProviderError: a provider this onnxruntime build does not have.
-        ValueError: ``sessions`` below 1, an unknown strategy or dimension name.
-        MeasurementError: a measuring subprocess failed (the message names the strategy).
+        ValueError: ``sessions`` below 1, an unknown strategy, dimension or input, a shape or
+            feeds file that does not fit the model.
+        FileNotFoundError: ``feeds`` does not exist.
+        MeasurementError: the trial run failed (its ``report`` attribute holds the partial
+            report: the static part, the inputs and the error), or a measuring subprocess
+            failed (the message names the strategy).
 
     Thread safety: safe to call from any thread; concurrent calls disturb each other's figures.
     """
     import onnxruntime as ort
 
+    from sharedml._errors import MeasurementError
+    from sharedml._inputs import defaulted_dims, load_feeds
+    from sharedml._measure import trial_run
     from sharedml._onnx import load_graph
     from sharedml._providers import plan_providers
 
@@ -516,52 +927,114 @@ def inspect(
         path = Path(model)
     proto = load_graph(path)
     label = "the demo model" if demo else f"'{path}'"
-    inputs = input_specs(proto, dims, model_name=label)
+    given = None
+    if feeds is not None:
+        given = {
+            name: ("str" if a.dtype.kind in "OSU" else a.dtype.name, tuple(a.shape))
+            for name, a in load_feeds(feeds).items()
+        }
+    inputs = input_specs(proto, dims, shapes=shapes, given=given, model_name=label)
     weights = summarize_weights(proto, path)
     del proto  # a model with inline weights is as large as they are: not kept while measuring
     gc.collect()
 
     total_steps = sessions * len(chosen)
-    measurements: list[Measurement] = []
-    for index, strategy in enumerate(chosen):
-        done_before = index * sessions
 
-        def step(
-            done: int, _total: int, name: str = strategy.name, base: int = done_before
-        ) -> None:
-            if progress is not None:
-                progress(f"{name}: {done}/{sessions} sessions", base + done, total_steps)
-
-        if progress is not None:
-            what = (
-                "preparing the model (cached) and opening the pool"
-                if strategy.warm_cache
-                else "starting a fresh process"
-            )
-            progress(f"{strategy.name}: {what}", done_before, total_steps)
-        measurements.append(
-            measure(
-                path,
-                strategy.name,
-                sessions=sessions,
-                providers=plan.providers,
-                provider_options=plan.provider_options,
-                inputs=inputs,
-                timeout_s=timeout_s,
-                progress=step,
-            )
+    def report(
+        measured: Sequence[Measurement],
+        found: tuple[Finding, ...],
+        trial: Mapping[str, Any],
+        error: str | None = None,
+    ) -> InspectReport:
+        return InspectReport(
+            model_path=path,
+            demo=demo,
+            sessions=sessions,
+            providers=plan.providers,
+            inputs=inputs,
+            weights=weights,
+            measurements=tuple(measured),
+            projection_sessions=tuple(sorted({*projection_sessions, sessions})),
+            recommendation=" ".join(f.text for f in found),
+            onnxruntime_version=(measured[0].onnxruntime_version if measured else "")
+            or ort.__version__,
+            platform=platform.platform(),
+            findings=found,
+            trial=trial,
+            error=error,
         )
+
+    measurements: list[Measurement] = []
+    with tempfile.TemporaryDirectory(prefix="sharedml-inspect-") as scratch:
+        if progress is not None:
+            progress("trial run: one plain session, ORT defaults", 0, total_steps)
+        trial = trial_run(
+            path,
+            inputs=inputs,
+            reference=Path(scratch) / "plain-outputs.npz",
+            providers=plan.providers,
+            provider_options=plan.provider_options,
+            feeds=feeds,
+            timeout_s=timeout_s,
+        )
+        if trial.error is not None:
+            message = _trial_failed(label, trial.error, defaulted_dims(inputs, dims))
+            exc = MeasurementError(message)
+            exc.report = report((), (), trial.to_dict(), message)
+            raise exc
+        for index, strategy in enumerate(chosen):
+            done_before = index * sessions
+
+            def step(
+                done: int, _total: int, name: str = strategy.name, base: int = done_before
+            ) -> None:
+                if progress is not None:
+                    progress(f"{name}: {done}/{sessions} sessions", base + done, total_steps)
+
+            if progress is not None:
+                what = (
+                    "preparing the model (cached) and opening the pool"
+                    if strategy.warm_cache
+                    else "starting a fresh process"
+                )
+                progress(f"{strategy.name}: {what}", done_before, total_steps)
+            measurements.append(
+                measure(
+                    path,
+                    strategy.name,
+                    sessions=sessions,
+                    providers=plan.providers,
+                    provider_options=plan.provider_options,
+                    inputs=inputs,
+                    timeout_s=timeout_s,
+                    progress=step,
+                    feeds=feeds,
+                    reference=trial.reference,
+                )
+            )
     by_name = {m.strategy: m for m in measurements}
-    return InspectReport(
-        model_path=path,
-        demo=demo,
-        sessions=sessions,
-        providers=plan.providers,
-        inputs=inputs,
-        weights=weights,
-        measurements=tuple(measurements),
-        projection_sessions=tuple(sorted({*projection_sessions, sessions})),
-        recommendation=recommend(by_name, sessions=sessions, weights_bytes=weights.total_bytes),
-        onnxruntime_version=measurements[0].onnxruntime_version or ort.__version__,
-        platform=platform.platform(),
+    found = findings(
+        by_name, sessions=sessions, weights_bytes=weights.total_bytes, unshared=weights.unshared
     )
+    return report(measurements, found, trial.to_dict())
+
+
+def _trial_failed(label: str, error: str, defaulted: Mapping[str, Sequence[str]]) -> str:
+    """The message for a trial run that failed: ORT's error, and the dims that were guessed."""
+    text = (
+        f"One plain onnxruntime session of {label} could not run on the inputs inspect made "
+        f"(nothing was measured): {error.rstrip('.')}."
+    )
+    if defaulted:
+        set_to_one = "; ".join(f"{name}: {', '.join(d)}" for name, d in defaulted.items())
+        every = [d for dims in defaulted.values() for d in dims]
+        # Batch sizes of 1 rarely break a model; heights, widths and lengths do.
+        first = next((d for d in every if "batch" not in d.lower()), every[0])
+        text += (
+            f" These symbolic dimensions were set to 1 ({set_to_one}): give real sizes with "
+            f"--dim {first}=SIZE (dims= in Python), a whole input with --shape NAME=AxBxC, or "
+            "real inputs with --inputs feeds.npz."
+        )
+    else:
+        text += " Give real inputs with --inputs feeds.npz (feeds= in Python)."
+    return text

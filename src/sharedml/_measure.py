@@ -11,6 +11,7 @@ thread pools) can neither hide nor inflate another's figures.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ from sharedml._measure_child import PROGRESS_PREFIX, RESULT_PREFIX, SPEC_VERSION
 from sharedml._results import Measurement
 from sharedml._strategies import get_strategy
 
-__all__ = ["DEFAULT_MEMORY_RESERVE_BYTES", "ProgressCallback", "measure"]
+__all__ = ["DEFAULT_MEMORY_RESERVE_BYTES", "ProgressCallback", "TrialRun", "measure", "trial_run"]
 
 DEFAULT_MEMORY_RESERVE_BYTES = 512 * 1024 * 1024  # bytes a measurement leaves free for the box
 _STDERR_LINES_KEPT = 50  # of the child's stderr, for error messages
@@ -52,6 +53,8 @@ def measure(
     timeout_s: float | None = None,
     memory_reserve_bytes: int = DEFAULT_MEMORY_RESERVE_BYTES,
     progress: ProgressCallback | None = None,
+    feeds: str | os.PathLike[str] | None = None,
+    reference: str | os.PathLike[str] | None = None,
 ) -> Measurement:
     """Measure one strategy at ``sessions`` sessions in a fresh subprocess.
 
@@ -70,6 +73,10 @@ def measure(
             (:attr:`Measurement.stopped_reason`). Measuring N plain sessions of a large model
             must not push the machine into swapping or the OOM killer.
         progress: Called as ``progress(sessions_done, sessions)`` while the child works.
+        feeds: An ``.npz`` file with the values of the ``inputs`` whose ``source`` is
+            ``"file"`` (``sharedml inspect --inputs``).
+        reference: Outputs of a default plain session to compare the first run with
+            (:func:`trial_run` writes them); see :attr:`Measurement.plain_max_abs_diff`.
 
     Returns:
         The :class:`Measurement`.
@@ -98,25 +105,119 @@ def measure(
         from sharedml._prepare import prepared_model_for
 
         prepared_model_for(path)
-    spec = {
-        "version": SPEC_VERSION,
-        "model": str(path.resolve()),
+    spec = _spec(path, plan, inputs, feeds) | {
         "strategy": chosen.name,
         "factory": chosen.factory,
         "sessions": sessions,
+        "memory_reserve_bytes": int(memory_reserve_bytes),
+        "reference_file": str(reference) if reference is not None else None,
+    }
+    try:
+        raw = _run_child(spec, timeout_s=timeout_s, progress=progress)
+    except _ChildFailed as exc:
+        raise MeasurementError(f"Measuring strategy '{chosen.name}' {exc.how}") from None
+    return Measurement._from_child(chosen, sessions, raw)
+
+
+def _spec(
+    path: Path, plan: Any, inputs: Sequence[InputSpec], feeds: str | os.PathLike[str] | None
+) -> dict[str, Any]:
+    """What every child needs: the model, the providers and how to make the inputs."""
+    return {
+        "version": SPEC_VERSION,
+        "model": str(path.resolve()),
         "providers": list(plan.providers),
         "provider_options": [dict(o) for o in plan.provider_options],
-        "inputs": [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape)} for i in inputs],
-        "memory_reserve_bytes": int(memory_reserve_bytes),
+        "inputs": [i.to_dict() for i in inputs],
+        "feeds_file": str(Path(feeds).resolve()) if feeds is not None else None,
     }
-    raw = _run_child(spec, timeout_s=timeout_s, progress=progress)
-    return Measurement._from_child(chosen, sessions, raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialRun:
+    """One plain session with ORT's defaults, run once in a fresh process before measuring.
+
+    Attributes:
+        error: ORT's message where creating or running the session failed, else None.
+        outputs: ``{name, dtype, shape}`` of each output (shape None for non-tensor outputs).
+        run_seconds: The run's wall time.
+        reference: The file holding its numeric outputs (for :func:`measure`'s ``reference``).
+    """
+
+    error: str | None
+    outputs: tuple[Mapping[str, Any], ...] = ()
+    run_seconds: float | None = None
+    reference: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "error": self.error,
+            "outputs": [dict(o) for o in self.outputs],
+            "run_seconds": self.run_seconds,
+        }
+
+
+def trial_run(
+    model: str | os.PathLike[str],
+    *,
+    inputs: Sequence[InputSpec],
+    reference: str | os.PathLike[str],
+    providers: Sequence[Any] | None = None,
+    provider_options: Sequence[dict[str, Any]] | None = None,
+    feeds: str | os.PathLike[str] | None = None,
+    timeout_s: float | None = None,
+) -> TrialRun:
+    """Create one plain session of ``model`` in a fresh process and run it once on ``inputs``.
+
+    A model that fails on the generated inputs (a detector whose symbolic height and width
+    were set to 1) fails here in seconds, before any strategy is measured; its outputs are the
+    reference that every measurement's numerics are checked against.
+
+    Args:
+        model: The ONNX model.
+        inputs: From :func:`sharedml._inputs.input_specs`.
+        reference: Where to write the outputs (``.npz``).
+        providers: As for ``onnxruntime.InferenceSession``; default CPU.
+        provider_options: As for ``onnxruntime.InferenceSession``.
+        feeds: As for :func:`measure`.
+        timeout_s: Stop the child after this long.
+
+    Returns:
+        The trial; ``error`` says why it failed (ORT's own message).
+    """
+    from sharedml._providers import plan_providers
+
+    plan = plan_providers(providers, provider_options)
+    spec = _spec(Path(model), plan, inputs, feeds) | {
+        "mode": "trial",
+        "strategy": "trial",
+        "reference_file": str(reference),
+    }
+    try:
+        raw = _run_child(spec, timeout_s=timeout_s, progress=None)
+    except _ChildFailed as exc:
+        return TrialRun(error=exc.last)
+    return TrialRun(
+        error=None,
+        outputs=tuple(raw["outputs"]),
+        run_seconds=float(raw["run_seconds"]),
+        reference=Path(reference),
+    )
+
+
+class _ChildFailed(Exception):
+    """A measuring child failed: ``how`` (for a sentence), ``last`` (its last stderr line)."""
+
+    def __init__(self, how: str, last: str) -> None:
+        super().__init__(how)
+        self.how = how
+        self.last = last
 
 
 def _run_child(
     spec: Mapping[str, Any], *, timeout_s: float | None, progress: ProgressCallback | None
 ) -> dict[str, Any]:
-    name = spec["strategy"]
     cmd = [sys.executable, "-c", _CHILD_CODE, json.dumps(spec)]
     stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES_KEPT)
     result: dict[str, Any] | None = None
@@ -171,9 +272,9 @@ def _run_child(
         proc.stderr.close()
     last = stderr_tail[-1] if stderr_tail else "(no output on stderr)"
     if timed_out.is_set():
-        raise MeasurementError(
-            f"Measuring strategy '{name}' took longer than {timeout_s} s and was stopped. "
-            f"Last stderr line: {last}"
+        raise _ChildFailed(
+            f"took longer than {timeout_s} s and was stopped. Last stderr line: {last}",
+            f"stopped after {timeout_s} s: {last}",
         )
     if returncode != 0 or result is None:
         if returncode < 0:
@@ -182,7 +283,5 @@ def _run_child(
                 how += " (out of memory?)"
         else:
             how = f"exited with status {returncode}"
-        raise MeasurementError(
-            f"Measuring strategy '{name}' failed: the measuring process {how}: {last}"
-        )
+        raise _ChildFailed(f"failed: the measuring process {how}: {last}", last)
     return result

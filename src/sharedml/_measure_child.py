@@ -11,8 +11,14 @@ Started by :func:`sharedml.measure` (``child_main``) with one JSON spec. The chi
    threads released together by a ``threading.Barrier``), checks that their outputs agree, and
    records memory again. Point k is therefore "k sessions, each having run once,
    concurrently": point N is the total, and the per-extra-session cost is a fit over all points;
-4. prints one ``RESULT`` line of JSON on stdout (progress lines before it), or an error as its
+4. compares the first session's first outputs with a default plain session's (the parent's
+   trial run saved them, ``reference_file``): the largest absolute difference, a numerics check
+   of the strategy's settings (a pool's thread count, prepacking) against ORT's defaults;
+5. prints one ``RESULT`` line of JSON on stdout (progress lines before it), or an error as its
    last stderr line and a non-zero exit status.
+
+A spec with ``"mode": "trial"`` does only the trial run: one plain session with ORT's defaults,
+run once on the inputs; its array outputs are saved for the measurements to compare against.
 
 The headline metric is PSS where the platform has it (Linux): a page mapped by several processes
 counts a share in each, and a file mapped once by this process counts once, which is what "how
@@ -213,6 +219,93 @@ def _same_outputs(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _feeds(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The inputs: the caller's arrays (``feeds_file``) where given, the rest generated."""
+    given: dict[str, Any] = {}
+    if spec.get("feeds_file"):
+        from sharedml._inputs import load_feeds
+
+        given = load_feeds(spec["feeds_file"])
+    return {
+        i["name"]: given[i["name"]] if i.get("source") == "file" else generate(i)
+        for i in spec["inputs"]
+    }
+
+
+def _comparable(outputs: Sequence[Any]) -> dict[str, Any]:
+    """The numeric array outputs, by position (``out0``...): what a numerics check compares."""
+    import numpy as np
+
+    return {
+        f"out{i}": out
+        for i, out in enumerate(outputs)
+        if isinstance(out, np.ndarray) and out.dtype.kind in "biufc"
+    }
+
+
+def _load_reference(reference_file: str) -> dict[str, Any]:
+    """The saved outputs of a default plain session, by position.
+
+    Loaded before the baseline is read, so that neither they nor the modules that read them
+    count as the sessions' memory.
+    """
+    import numpy as np
+
+    with np.load(reference_file, allow_pickle=False) as saved:
+        return {name: saved[name] for name in saved.files}
+
+
+def _difference(
+    outputs: Sequence[Any], reference: Mapping[str, Any]
+) -> tuple[float | None, int, bool]:
+    """How far ``outputs`` are from the saved reference.
+
+    Returns:
+        The largest absolute difference over the outputs compared (None: nothing comparable
+        was saved, or shapes, dtypes or NaN positions differ), how many outputs were compared,
+        and whether all of them had the reference's shape, dtype and NaN positions.
+    """
+    import numpy as np
+
+    mine = _comparable(outputs)
+    worst = 0.0
+    for name, ref in reference.items():
+        out = mine.get(name)
+        if out is None or out.shape != ref.shape or out.dtype != ref.dtype:
+            return None, len(reference), False
+        if not np.array_equal(np.isnan(out), np.isnan(ref)):
+            return None, len(reference), False
+        if out.size:
+            delta = np.abs(out.astype(np.float64) - ref.astype(np.float64))
+            worst = max(worst, float(np.nanmax(delta)) if not np.isnan(delta).all() else 0.0)
+    return (worst if reference else None), len(reference), True
+
+
+def _child_trial(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """One plain session, ORT's defaults, run once; its outputs saved to ``reference_file``."""
+    import numpy as np
+    import onnxruntime as ort
+
+    feeds = _feeds(spec)
+    sess = ort.InferenceSession(
+        spec["model"],
+        providers=list(spec["providers"]),
+        provider_options=[dict(o) for o in spec["provider_options"]],
+    )
+    start = time.perf_counter()
+    outputs = sess.run(None, feeds)
+    seconds = time.perf_counter() - start
+    names = [o.name for o in sess.get_outputs()]
+    described = []
+    for name, out in zip(names, outputs, strict=False):
+        if isinstance(out, np.ndarray):
+            described.append({"name": name, "dtype": str(out.dtype), "shape": list(out.shape)})
+        else:
+            described.append({"name": name, "dtype": type(out).__name__, "shape": None})
+    np.savez(spec["reference_file"], **_comparable(outputs))
+    return {"outputs": described, "run_seconds": seconds, "onnxruntime": ort.__version__}
+
+
 def _growth(now: Mapping[str, int | None], base: Mapping[str, int | None], key: str) -> int | None:
     a, b = now.get(key), base.get(key)
     return None if a is None or b is None else a - b
@@ -233,12 +326,20 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         providers=providers,
         provider_options=provider_options,
     )
-    feeds = {i["name"]: generate(i) for i in spec["inputs"]}
+    feeds = _feeds(spec)
+    plain = _load_reference(spec["reference_file"]) if spec.get("reference_file") else None
     reserve = int(spec["memory_reserve_bytes"])
     # DirectML can run neither one session from two threads nor several sessions at once.
     concurrent = providers[0] != "DmlExecutionProvider"
     device = _DeviceMemory(providers)
 
+    # sharedml's own modules (and onnx, which they import) load on first use: load them all
+    # now, so that a pooled strategy's first SessionPool does not count ~18 MiB of imports as
+    # its sessions' memory, and plain strategies are measured over the same baseline.
+    import sharedml
+
+    for name in sharedml.__all__:
+        getattr(sharedml, name)
     # One-time costs of any process that uses these providers: their libraries, ORT's
     # environment and thread pools. Paid (and released) here, so that they are not counted.
     warmup = ort.InferenceSession(
@@ -259,6 +360,9 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     runners: list[Runner] = []
     points: list[dict[str, Any]] = []
     stopped: str | None = None
+    plain_diff: float | None = None
+    plain_compared = 0
+    plain_comparable = True
     largest_step = 0
     previous = 0
     reference: Any = None  # the first session's first outputs: every later run must equal them
@@ -280,6 +384,8 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
             run_seconds, outputs = _run_concurrently(runners, feeds, concurrent)
             if reference is None:
                 reference = outputs[0]
+                if plain is not None:
+                    plain_diff, plain_compared, plain_comparable = _difference(reference, plain)
             agree = all(_same_outputs(out, reference) for out in outputs)
             gc.collect()
             untrimmed = _memory()
@@ -326,6 +432,9 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         "stopped_reason": stopped,
         "onnxruntime": ort.__version__,
         "details": details,
+        "plain_max_abs_diff": plain_diff,
+        "plain_outputs_compared": plain_compared,
+        "plain_outputs_comparable": plain_comparable,
     }
 
 
@@ -338,6 +447,9 @@ def child_main(argv: Sequence[str]) -> int:
         return 2
     try:
         spec = json.loads(argv[0])
+        if spec.get("mode") == "trial":
+            print(RESULT_PREFIX + json.dumps(_child_trial(spec)), flush=True)
+            return 0
         result = _child_measure(spec)
     except BaseException as exc:  # one line, last on stderr: the parent quotes it
         text = " ".join((str(exc).strip() or type(exc).__name__).split())

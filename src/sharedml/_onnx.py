@@ -40,6 +40,7 @@ __all__ = [
     "external_locations",
     "inline_bytes",
     "is_external",
+    "iter_attribute_weights",
     "iter_graphs",
     "iter_tensors",
     "load_graph",
@@ -184,6 +185,37 @@ def iter_tensors(graph: GraphProto) -> Iterator[TensorRef]:
                     for i, t in enumerate(attr.tensors):
                         name = t.name or f"{node.name or node.op_type}.{attr.name}[{i}]"
                         yield TensorRef(t, name, Placement.ATTRIBUTE, g, depth, node)
+
+
+# Domains whose operators keep their parameters in list attributes (FLOATS, INTS, STRINGS):
+# LinearClassifier's coefficients, TreeEnsemble's nodes and leaves, SVM's support vectors.
+_PARAMETER_DOMAINS = ("ai.onnx.ml",)
+_LIST_ITEM_BYTES = {AttributeProto.FLOATS: 4, AttributeProto.INTS: 8}
+
+
+def iter_attribute_weights(graph: GraphProto) -> Iterator[tuple[NodeProto, AttributeProto, int]]:
+    """``(node, attribute, bytes)`` of every list attribute that holds a model's parameters.
+
+    ``ai.onnx.ml`` operators keep their weights in FLOATS/INTS/STRINGS attributes, not in
+    tensors, so :func:`iter_tensors` does not see them; ORT copies them into each session's
+    kernel. Bytes are as stored (4 per float, 8 per int, a string's length). Other domains'
+    list attributes (``perm``, ``axes``, ``pads``) are settings, not weights, and are skipped.
+    """
+    for g, _depth in iter_graphs(graph):
+        for node in g.node:
+            if node.domain not in _PARAMETER_DOMAINS:
+                continue
+            for attr in node.attribute:
+                if attr.type == AttributeProto.STRINGS:
+                    size = sum(len(v) for v in attr.strings)
+                elif attr.type == AttributeProto.FLOATS:
+                    size = 4 * len(attr.floats)
+                elif attr.type == AttributeProto.INTS:
+                    size = 8 * len(attr.ints)
+                else:
+                    continue
+                if size:
+                    yield node, attr, size
 
 
 def _element_bits(data_type: int) -> int:

@@ -42,6 +42,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,32 @@ class _FairLock:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+_CREATOR: ThreadPoolExecutor | None = None
+_CREATOR_GUARD = threading.Lock()
+
+
+def _background_creator() -> ThreadPoolExecutor:
+    """The one thread that creates every pool's background sessions, in this process.
+
+    One thread for all pools: creation is serialized anyway, and a thread that allocates gets a
+    malloc arena of its own, a cost paid once per process rather than once per pool.
+    """
+    global _CREATOR
+    with _CREATOR_GUARD:
+        if _CREATOR is None:
+            _CREATOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharedml-create")
+        return _CREATOR
+
+
+def _forget_creator_in_child() -> None:
+    global _CREATOR
+    _CREATOR = None  # its thread did not survive fork(): a child's pools start their own
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_creator_in_child)
 
 
 _RUN_LOCKS: dict[tuple[str, int], _FairLock] = {}
@@ -318,6 +345,10 @@ class SessionPool:
         per_session_state: Say that each caller needs a session of its own (state kept in the
             session, CUDA or DML graph capture): no warning for extra sessions where runs are
             serialized.
+        create_in_background: Return once the first session exists and create the rest on one
+            background thread per process (default): callers are served meanwhile. That thread
+            costs a few MiB once per process (its own malloc arena: figures in README).
+            ``False``: the constructor returns with every up-front session created.
         cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
         verify_weights: Check the weights' SHA-256 when they are first mapped in the process.
         serialize_creation: Create one session at a time, process-wide (default). ``False``:
@@ -354,6 +385,7 @@ class SessionPool:
         prepacking: str | bool | None = "auto",
         batching: bool | Batching | None = None,
         per_session_state: bool = False,
+        create_in_background: bool = True,
         cache_dir: CacheDir = None,
         verify_weights: bool = True,
         serialize_creation: bool = True,
@@ -403,7 +435,7 @@ class SessionPool:
         self._meta: dict[str, Any] | None = None  # inputs, outputs, providers, modelmeta
         self._serialize_creation = serialize_creation
         self._run_lock: _FairLock | None = _run_lock_for(self.plan) if serialized else None
-        self._creator: threading.Thread | None = None
+        self._creator: Future[None] | None = None
         self._creation_error: BaseException | None = None  # undelivered background failure
         self._gave_up: BaseException | None = None  # background creation stopped for good
         self._ready = threading.Event()  # every up-front session exists (or never will)
@@ -433,7 +465,9 @@ class SessionPool:
                 if wanted is not None:
                     raise  # asked for: say why not; by default: run unbatched
 
-        initial = self._min if not serialize_creation else min(self._min, 1)
+        initial = (
+            self._min if not (serialize_creation and create_in_background) else min(self._min, 1)
+        )
         try:
             self._idle.extend(self._create_initial_sessions(initial))
         except BaseException:
@@ -444,13 +478,7 @@ class SessionPool:
         background = self._min - initial
         if background:
             self._count += background  # reserved: on-demand growth must not overshoot
-            self._creator = threading.Thread(
-                target=self._create_in_background,
-                args=(background,),
-                name="sharedml-create",
-                daemon=True,
-            )
-            self._creator.start()
+            self._creator = _background_creator().submit(self._create_in_background, background)
         else:
             self._ready.set()
 
@@ -1082,14 +1110,17 @@ class SessionPool:
                     )
                 self._cond.wait(remaining)
         creator = self._creator
-        if creator is not None:
+        if creator is not None and creator.cancel():  # queued behind another pool: dropped
+            self._ready.set()
+        elif creator is not None:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            creator.join(remaining)
-            if creator.is_alive():
+            try:
+                creator.result(remaining)
+            except FuturesTimeout:
                 raise PoolTimeout(
                     f"A session still being created after {timeout_s} s; the pool is closing "
                     "and accepts no new work."
-                )
+                ) from None
         with self._cond:
             self._idle.clear()
             self._count = 0

@@ -136,12 +136,14 @@ class PrepackedModel:
         data_path: Its data file (raw and derived initializers, prepacked blobs), next to it.
         key: The cache key of this entry (hex).
         stats: What the data file holds.
+        hold: Keeps the cache entry from removal while sessions may map its data file.
     """
 
     model_path: Path
     data_path: Path
     key: str
     stats: PrepackStats
+    hold: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def apply(self, so: ort.SessionOptions) -> None:
         """Set what a session needs to load this model with shared prepacked weights.
@@ -175,7 +177,7 @@ class PrepackedModel:
                 f"The cache entry '{entry.path}' has no readable prepack figures ({exc}). Remove "
                 "it; sharedml builds it again."
             ) from None
-        return cls(entry.file(_MODEL_NAME), entry.file(_DATA_NAME), entry.key, stats)
+        return cls(entry.file(_MODEL_NAME), entry.file(_DATA_NAME), entry.key, stats, entry.hold)
 
 
 def build_prepacked_model(
@@ -430,12 +432,20 @@ def choose_cpu_route(
             f"{sessions} sessions would make {maps} memory maps of the data file, over half of "
             f"vm.max_map_count ({limit}); raise min_external_bytes or vm.max_map_count.",
         )
-    return CpuRouteDecision(
-        CpuRoute.PREPACKED_FILE,
-        f"{stats.prepacked_blobs} prepacked blobs ({stats.prepacked_bytes / 2**20:.0f} MiB) and "
-        f"{stats.derived_bytes / 2**20:.0f} MiB of optimizer-made weights are mapped once for "
-        "every session.",
+    derived = (
+        f"{stats.derived_bytes / 2**20:.1f} MiB of weights that ORT's optimizers derive (fused, "
+        "folded or dequantized)"
     )
+    if stats.prepacked_blobs == 0:
+        return CpuRouteDecision(
+            CpuRoute.PREPACKED_FILE,
+            f"ORT packs no weight of this model on this CPU, but its saved optimized model "
+            f"carries {derived}: mapped once for every session (mechanism 'optimized-file').",
+        )
+    what = f"{stats.prepacked_blobs} prepacked blobs ({stats.prepacked_bytes / 2**20:.1f} MiB)"
+    if stats.derived_bytes:
+        what += f" and {derived}"
+    return CpuRouteDecision(CpuRoute.PREPACKED_FILE, f"{what} are mapped once for every session.")
 
 
 def _drop_sharedml_metadata(model_path: Path, key: str) -> None:

@@ -211,7 +211,8 @@ class PrepareResult:
         weights_path: The weights file beside it.
         tensors_moved: Tensors now in the weights file.
         bytes_moved: Their data size (without alignment padding).
-        tensors_inline: Tensors left in the graph (below the threshold, or strings).
+        tensors_inline: Tensors left in the graph (initializers and ``Constant`` nodes below the
+            threshold, strings).
         bytes_inline: Their data size.
         constants_converted: ``Constant`` nodes turned into initializers.
         manifest: The record stored in the model to verify the weights file.
@@ -288,7 +289,8 @@ class WeightsPlan:
 
     Attributes:
         moving: The tensors that go to the weights file, in the order they are written.
-        inline_tensors: Tensors left in the graph (below the threshold, or strings).
+        inline_tensors: Tensors left in the graph: initializers and ``Constant`` nodes below the
+            threshold, strings.
         inline_bytes: Their data size.
         constants_converted: ``Constant`` nodes turned into initializers (already done to the
             model the plan was made from).
@@ -374,14 +376,14 @@ def plan_weights(model: ModelProto, model_path: Path, threshold: int) -> Weights
         tensor = ref.tensor
         if ref.placement is Placement.CONSTANT:
             assert ref.node is not None
-            if not may_convert or len(ref.node.output) != 1:
-                continue
             size = (
                 resolve_external(tensor, model_path, resolved_files=files).length
                 if is_external(tensor)
                 else tensor_nbytes(tensor)
             )
-            if size is None or size < floor:
+            if not may_convert or len(ref.node.output) != 1 or size is None or size < floor:
+                inline_count += 1  # stays a Constant node in the graph
+                inline_bytes += size or 0
                 continue
             tensor = ref.graph.initializer.add()
             tensor.CopyFrom(ref.tensor)
@@ -666,6 +668,26 @@ def _output_error(path: Path, exc: OSError) -> OutputError:
     return error
 
 
+def _keep_a_link(path: Path) -> Path | None:
+    """A hard link to an existing ``path`` under a temporary name, to restore it from; else None.
+
+    None too where the filesystem has no hard links: a failure then loses the old weights file
+    (the old graph, still in place, refuses the new one by its recorded hash).
+    """
+    if not path.is_file() or path.is_symlink():
+        return None
+    for _ in range(100):
+        link = path.with_name(f".{path.name[:200]}.{secrets.token_hex(6)}.old")
+        try:
+            os.link(path, link)
+            return link
+        except FileExistsError:
+            continue
+        except OSError:
+            return None
+    return None  # pragma: no cover
+
+
 def prepare(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -679,12 +701,14 @@ def prepare(
     Args:
         src: Any ONNX model: weights inline, in external data files, in ``Constant`` nodes or
             in subgraphs. A model prepared before prepares again into an equivalent one.
-        dst: The graph file to write. The weights go to ``<dst stem>.weights`` in its folder,
-            which is created if missing. Existing regular files at both paths are replaced
-            atomically; neither may be the source model or one of its data files, a symlink,
-            a device or a FIFO. Both are written read-only (0444 less the umask): running pools
-            map the weights, and copying a file over them would crash those pools, so replace
-            them only by renames (prepare again, or ``mv``).
+        dst: The graph file to write, or an existing folder to write ``<src stem>.onnx`` into
+            (as ``cp`` does). The weights go to ``<dst stem>.weights`` beside it; a missing
+            folder is created. Existing regular files at both paths are replaced atomically,
+            and a failure leaves both as they were (no new file, no temporary file); neither
+            may be the source model or one of its data files, a symlink, a device or a FIFO.
+            Both are written read-only (0444 less the umask): running pools map the weights,
+            and copying a file over them would crash those pools, so replace them only by
+            renames (prepare again, or ``mv``).
         size_threshold_bytes: Tensors at least this large move to the weights file; smaller
             ones stay in the graph (and those under 128 bytes always do: shape inference must
             read them). Tensors that were in external files always move.
@@ -724,6 +748,8 @@ def prepare(
         raise ValueError("size_threshold_bytes must not be negative.")
     src_path = Path(src)
     dst_path = Path(dst)
+    if dst_path.is_dir() and not dst_path.is_symlink():
+        dst_path = dst_path / f"{src_path.stem}.onnx"
     weights_path = weights_path_for(dst_path)
     model, model_bytes = read_model(src_path)
     reader = _SourceReader(model_bytes)
@@ -754,13 +780,28 @@ def prepare(
             fh.flush()
             os.fsync(fh.fileno())
         # Weights first: until the graph lands, no prepared model refers to the new weights; an
-        # older graph left at dst by a crash in between is caught by its recorded hash.
-        writing = weights_path
-        os.replace(tmp_weights, weights_path)
-        tmp_weights = None
-        writing = dst_path
-        os.replace(tmp_model, dst_path)
-        tmp_model = None
+        # older graph left at dst by a crash in between is caught by its recorded hash. If the
+        # graph cannot land, the weights file that was there is put back (a hard link kept it).
+        backup = _keep_a_link(weights_path)
+        try:
+            writing = weights_path
+            os.replace(tmp_weights, weights_path)
+            tmp_weights = None
+            try:
+                writing = dst_path
+                os.replace(tmp_model, dst_path)
+            except BaseException:
+                if backup is not None:
+                    os.replace(backup, weights_path)
+                    backup = None
+                else:
+                    weights_path.unlink()
+                raise
+            tmp_model = None
+        finally:
+            if backup is not None:
+                with contextlib.suppress(OSError):
+                    backup.unlink()
         fsync_dir(dst_path.parent)
     except OSError as exc:
         if isinstance(exc, SharedMLError):  # UnsafePathError is a PermissionError too

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sharedml._errors import ProviderError
+from sharedml._host import check_one_onnxruntime
 
 __all__ = [
     "CPU",
@@ -135,13 +136,18 @@ def plan_providers(
             CPU is a surprise worth an error.
     """
     requested = _normalize(providers, provider_options)
+    if available is None:
+        check_one_onnxruntime()  # the first place sharedml needs onnxruntime itself
     available = list(available) if available is not None else available_providers()
     names = [name for name, _ in requested]
     missing = [name for name in names if name not in available]
     if missing:
         hint = ""
         if CUDA in missing:
-            hint = " Install the 'onnxruntime-gpu' package (pip install 'sharedml[gpu]')."
+            hint = (
+                " Install onnxruntime-gpu in place of onnxruntime: pip uninstall -y onnxruntime "
+                "&& pip install onnxruntime-gpu (README, Install)."
+            )
         elif DML in missing:
             hint = " DirectML needs Windows and the 'onnxruntime-directml' package."
         raise ProviderError(

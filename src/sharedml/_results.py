@@ -99,8 +99,14 @@ class Measurement:
         device_note: Why device memory is missing, where a GPU provider was used.
         stopped_reason: Why fewer sessions than asked were created (memory running out).
         onnxruntime_version: The onnxruntime version of the child.
-        details: What the strategy reported about its sessions (a pool's ``mechanism`` and
-            ``mechanism_reason``), see :class:`~sharedml.SessionSet`.
+        details: What the strategy reported about its sessions (a pool's ``mechanism``,
+            ``mechanism_reason`` and ``runtime_weights``), see :class:`~sharedml.SessionSet`.
+        plain_max_abs_diff: The largest absolute difference of the first session's first
+            outputs from a default plain session's (``inspect``'s trial run), None where not
+            compared (or shapes differ: see ``plain_outputs_comparable``).
+        plain_outputs_compared: How many (numeric array) outputs that compared.
+        plain_outputs_comparable: Every compared output had the plain session's shape, dtype
+            and NaN positions.
     """
 
     strategy: str
@@ -117,6 +123,16 @@ class Measurement:
     stopped_reason: str | None = None
     onnxruntime_version: str = ""
     details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    plain_max_abs_diff: float | None = None
+    plain_outputs_compared: int = 0
+    plain_outputs_comparable: bool = True
+
+    @property
+    def matches_plain(self) -> bool | None:
+        """Outputs bitwise equal to a default plain session's; None where not compared."""
+        if not self.plain_outputs_compared:
+            return None
+        return self.plain_outputs_comparable and self.plain_max_abs_diff == 0.0
 
     @property
     def measured_sessions(self) -> int:
@@ -205,6 +221,9 @@ class Measurement:
             "first_run_seconds": self.first_run_seconds,
             "concurrent_runs": self.concurrent,
             "outputs_agree": self.outputs_agree,
+            "matches_plain": self.matches_plain,
+            "plain_max_abs_diff": self.plain_max_abs_diff,
+            "plain_outputs_compared": self.plain_outputs_compared,
             "details": dict(self.details),
             "measured_sessions": self.measured_sessions,
             "stopped_reason": self.stopped_reason,
@@ -229,4 +248,7 @@ class Measurement:
             stopped_reason=raw.get("stopped_reason"),
             onnxruntime_version=str(raw.get("onnxruntime", "")),
             details=dict(raw.get("details") or {}),
+            plain_max_abs_diff=raw.get("plain_max_abs_diff"),
+            plain_outputs_compared=int(raw.get("plain_outputs_compared") or 0),
+            plain_outputs_comparable=bool(raw.get("plain_outputs_comparable", True)),
         )

@@ -14,12 +14,20 @@ The rules, in order:
    probed in a child process works with the installed ORT; otherwise sessions use host
    weights, with a warning.
 3. On the CPU, with ``prepacking`` ``auto`` or ``shared``, sessions load ORT's saved
-   prepacked form of the model (``PREPACKED_FILE``) where ORT packs or derives any weight:
-   one copy of the packed weights too. Otherwise raw weights are borrowed zero-copy by the best
-   host mechanism measured on this ORT (``IN_MEMORY_FILE``, ``ADD_INITIALIZER``, ``ORT_MMAP``),
-   with prepacking off unless ``prepacking="per-session"``.
-4. Each CPU session gets ``cores // max_sessions`` intra-op threads unless the template sets a
-   count: N sessions that each use every core oversubscribe the CPU.
+   optimized form of the model where ORT packs or derives any weight: ``PREPACKED_FILE`` where
+   it holds prepacked blobs (one copy of the packed weights too), ``OPTIMIZED_FILE`` where ORT
+   packs nothing but its optimizers derive weights (fused Conv+BN, folded dequantization: one
+   copy of those). Otherwise raw weights are borrowed zero-copy by the best host mechanism
+   measured on this ORT (``IN_MEMORY_FILE``, ``ADD_INITIALIZER``, ``ORT_MMAP``), with
+   prepacking off unless ``prepacking="per-session"``.
+4. With ``prepacking="off"`` only the raw weights are shared. Where ORT's optimizers derive
+   weights, every session derives and keeps its own copy of those: the pool warns and says so
+   in its reason (the saved optimized model, built once into the cache, tells).
+5. Each CPU session gets ``cores // max_sessions`` intra-op threads unless the template sets a
+   count: N sessions that each use every core oversubscribe the CPU. A session's thread count
+   can change the numerics of some kernels (dynamic quantization: ``DynamicQuantizeLSTM``,
+   ``MatMulInteger``'s dynamically quantized inputs); outputs then differ from a plain session
+   with ORT's default thread count, and equal a plain session given the same count.
 """
 
 from __future__ import annotations
@@ -52,7 +60,11 @@ class Mechanism(str, enum.Enum):
     """
 
     PREPACKED_FILE = "prepacked-file"
-    """CPU: sessions load ORT's saved prepacked model by path and map its data file."""
+    """CPU: sessions load ORT's saved prepacked model by path and map its data file: raw,
+    derived and prepacked weights, one copy."""
+    OPTIMIZED_FILE = "optimized-file"
+    """CPU: as ``prepacked-file``, for a model ORT packs nothing of: the saved optimized model
+    shares the weights ORT's optimizers derive (fused, folded, dequantized), one copy."""
     IN_MEMORY_FILE = "in-memory-file"
     """CPU: the mapped weights file is lent whole to every session (ORT's in-memory external
     data files, with ``session.use_external_initializer_file_buffers_directly=1``)."""
@@ -68,6 +80,7 @@ class Mechanism(str, enum.Enum):
 
 
 HOST = (Mechanism.IN_MEMORY_FILE, Mechanism.ADD_INITIALIZER, Mechanism.ORT_MMAP)
+SAVED_MODEL = (Mechanism.PREPACKED_FILE, Mechanism.OPTIMIZED_FILE)  # chosen, never requested
 
 
 class Prepacking(str, enum.Enum):
@@ -108,7 +121,7 @@ def _parse_mechanism(value: object) -> Mechanism | None:
     try:
         return Mechanism(value)
     except ValueError:
-        names = ", ".join(repr(m.value) for m in Mechanism if m is not Mechanism.PREPACKED_FILE)
+        names = ", ".join(repr(m.value) for m in Mechanism if m not in SAVED_MODEL)
         raise ValueError(f"mechanism must be 'auto' or one of {names}, not {value!r}.") from None
 
 
@@ -128,7 +141,11 @@ class SessionRecipe:
         intra_op_threads: Intra-op threads per session where the template sets none, or None
             to leave ORT's default.
         device_store: The device copy of the weights (``DEVICE``), else None.
-        prepacked: The prepacked model (``PREPACKED_FILE``), else None.
+        prepacked: The saved optimized model (``PREPACKED_FILE``, ``OPTIMIZED_FILE``), else
+            None.
+        runtime_stats: What ORT's optimized form of the model holds
+            (:class:`sharedml._prepack.PrepackStats`: derived and packed bytes) where the
+            planner read it, else None.
         template: The caller's ``SessionOptions`` template (never modified).
         configure: Called with each session's options before creation.
     """
@@ -144,6 +161,7 @@ class SessionRecipe:
     intra_op_threads: int | None
     device_store: Any = None
     prepacked: Any = None
+    runtime_stats: Any = None
     template: Any = None
     configure: Callable[[Any], None] | None = None
 
@@ -238,7 +256,8 @@ def plan_route(
         max_sessions: The most sessions that will exist at once (threads and map budget).
         sess_options: The caller's template ``SessionOptions`` (not modified).
         configure: Called with each session's options before creation.
-        mechanism: ``"auto"`` or a :class:`Mechanism` value other than ``prepacked-file``.
+        mechanism: ``"auto"`` or a :class:`Mechanism` value other than ``prepacked-file`` and
+            ``optimized-file`` (which the planner chooses).
         prepacking: A :class:`Prepacking` value (or an alias, see :meth:`Prepacking.parse`).
         cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
         verify_weights: Check the weights' SHA-256 when first mapped in the process.
@@ -319,15 +338,73 @@ def plan_route(
         if prepacked is not None:
             return SessionRecipe(
                 load_path=prepacked.model_path,
-                mechanism=Mechanism.PREPACKED_FILE,
+                mechanism=(
+                    Mechanism.PREPACKED_FILE
+                    if prepacked.stats.prepacked_blobs
+                    else Mechanism.OPTIMIZED_FILE
+                ),
                 reason=reason,
                 prepacked=prepacked,
+                runtime_stats=prepacked.stats,
                 **common,
             )
     else:
         reason = ""
+    stats = None
+    if plan.primary == CPU and packing is Prepacking.OFF and device_reason == "":
+        stats, derived_reason = _derived_weights_check(
+            weights, sess_options, cache_dir, source, verify=verify_weights
+        )
+        reason = " ".join(r for r in (reason, derived_reason) if r)
     reason = " ".join(r for r in (device_reason, reason, _host_reason(host, packing)) if r)
-    return SessionRecipe(load_path=model_path, mechanism=host, reason=reason, **common)
+    return SessionRecipe(
+        load_path=model_path, mechanism=host, reason=reason, runtime_stats=stats, **common
+    )
+
+
+def _optimized_model(
+    weights: WeightStore, sess_options: Any, cache_dir: CacheDir, *, verify: bool
+) -> Any:
+    """ORT's saved optimized (and prepacked) form of the model: a cache entry, built once."""
+    from sharedml import _prepack
+
+    return _prepack.build_prepacked_model(
+        weights.model_path,
+        weights.path,
+        cache_dir,
+        sess_options=sess_options,
+        weights_digest="sha256:" + weights.manifest.sha256,
+        verify=verify,
+    )
+
+
+def _derived_weights_check(
+    weights: WeightStore, sess_options: Any, cache_dir: CacheDir, source: Path, *, verify: bool
+) -> tuple[Any, str]:
+    """For ``prepacking="off"``: does ORT derive weights that every session then keeps itself?
+
+    Reads ORT's saved optimized form of the model (built once into the cache; the same entry
+    the default route uses). Where ORT derives weights, warns and returns the sentence for the
+    pool's reason. Never fails the pool: a model whose optimized form cannot be built gets a
+    reason saying the check could not be made.
+    """
+    try:
+        prepacked = _optimized_model(weights, sess_options, cache_dir, verify=verify)
+    except CacheError:
+        raise
+    except (SharedMLError, ValueError) as exc:
+        return None, f"Whether ORT derives weights of this model could not be checked ({exc})."
+    derived = prepacked.stats.derived_bytes
+    if not derived:
+        return prepacked.stats, ""
+    message = (
+        f"prepacking='off' shares only the raw weights of '{source}': ORT's optimizers derive "
+        f"{derived / 2**20:.1f} MiB of weights from them (fused, folded or dequantized), which "
+        "every session derives and keeps for itself. prepacking='auto' (the default) shares "
+        "those too."
+    )
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return prepacked.stats, message
 
 
 def _host_reason(mechanism: Mechanism, packing: Prepacking) -> str:
@@ -387,14 +464,7 @@ def _prepacked_weights(
     from sharedml import _prepack
 
     try:
-        prepacked = _prepack.build_prepacked_model(
-            weights.model_path,
-            weights.path,
-            cache_dir,
-            sess_options=sess_options,
-            weights_digest="sha256:" + weights.manifest.sha256,
-            verify=verify,
-        )
+        prepacked = _optimized_model(weights, sess_options, cache_dir, verify=verify)
     except CacheError:
         raise  # an untrusted cache is the caller's to fix, on every route alike
     except SharedMLError as exc:

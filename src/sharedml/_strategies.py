@@ -197,10 +197,13 @@ class _PoolSessions:
         sess = self._stack.enter_context(self._pool.session())
         return lambda feeds: sess.run(None, dict(feeds))
 
-    def details(self) -> dict[str, str]:
+    def details(self) -> dict[str, Any]:
+        stats = self._pool.recipe.runtime_stats
         return {
             "mechanism": str(self._pool.mechanism),
             "mechanism_reason": self._pool.mechanism_reason,
+            # What ORT's optimized form of the model holds (derived and packed weights).
+            "runtime_weights": dataclasses.asdict(stats) if stats is not None else None,
         }
 
     def close(self) -> None:

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx
 
-from sharedml._cache import CacheDir, verified_sha256
+from sharedml._cache import CacheDir, hold_entry, verified_sha256
 from sharedml._errors import (
     ExternalDataError,
     InvalidModelError,
@@ -146,6 +146,8 @@ class WeightStore:
         self.model_path = model_path
         self.manifest = manifest
         self.path = model_path.parent / manifest.file
+        # A cache entry's weights are not removed (sharedml cache prune) while mapped here.
+        self._hold = hold_entry(self.path)
         # ORT refuses external data that resolves outside the model's folder; the store hands
         # ORT the bytes itself, so it must refuse the same (a symlink to another file).
         real_folder = os.path.realpath(model_path.parent)
@@ -281,6 +283,8 @@ class WeightStore:
 
     def close(self) -> None:
         """Drop this process's mapping. Sessions that use it must be gone first."""
+        if self._hold is not None:
+            self._hold.release()
         self._ortvalues.clear()
         self.buffer = np.empty(0, np.uint8)
         if self._mmap is not None:

@@ -20,6 +20,10 @@ __all__ = ["main"]
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+# prepare's defaults, for --help: importing sharedml._prepare would import onnx (seconds) just to
+# print them; tests/test_prepare.py checks that they agree.
+_THRESHOLD = 1024  # bytes
+_ALIGNMENT = 4096  # bytes
 
 
 @contextlib.contextmanager
@@ -55,14 +59,16 @@ def _progress(enabled: bool, description: str) -> Iterator[Callable[[int, int], 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from sharedml._prepare import prepare
 
-    with _progress(not args.json, "preparing") as progress:
-        result = prepare(
-            args.model,
-            args.output,
-            size_threshold_bytes=args.threshold,
-            alignment_bytes=args.alignment,
-            progress=progress,
+    options = {
+        key: value
+        for key, value in (
+            ("size_threshold_bytes", args.threshold),
+            ("alignment_bytes", args.alignment),
         )
+        if value is not None
+    }
+    with _progress(not args.json, "preparing") as progress:
+        result = prepare(args.model, args.output, progress=progress, **options)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -82,7 +88,6 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     from sharedml import __version__
-    from sharedml._prepare import DEFAULT_ALIGNMENT_BYTES, DEFAULT_SIZE_THRESHOLD_BYTES
 
     parser = argparse.ArgumentParser(
         prog="sharedml",
@@ -97,35 +102,40 @@ def _build_parser() -> argparse.ArgumentParser:
         "prepare",
         help="move every weight of a model into one aligned, mappable weights file",
         description=(
-            "Rewrite MODEL into OUTPUT (the graph) plus OUTPUT's stem + '.weights' beside it. "
-            "The source model and its data files are never modified."
+            "Rewrite MODEL into OUTPUT (the graph) plus OUTPUT's stem + '.weights' beside it; "
+            "an existing folder as OUTPUT means OUTPUT/<MODEL's stem>.onnx. The source model "
+            "and its data files are never modified, and a failure leaves no file behind."
         ),
     )
     p.add_argument("model", help="the ONNX model to prepare")
-    p.add_argument("-o", "--output", required=True, help="path of the prepared graph file")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="the prepared graph file, or a folder to write it into",
+    )
     p.add_argument(
         "--threshold",
         type=int,
-        default=DEFAULT_SIZE_THRESHOLD_BYTES,
         metavar="BYTES",
-        help="tensors at least this large move to the weights file (default: %(default)s)",
+        help=f"tensors at least this large move to the weights file (default: {_THRESHOLD})",
     )
     p.add_argument(
         "--alignment",
         type=int,
-        default=DEFAULT_ALIGNMENT_BYTES,
         metavar="BYTES",
         help=(
             "alignment of every tensor at least this large in the weights file; smaller ones "
-            "are packed at 64 bytes (a power of two from 4096 to 1 GiB; default: %(default)s)"
+            f"are packed at 64 bytes (a power of two from 4096 to 1 GiB; default: {_ALIGNMENT})"
         ),
     )
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=_cmd_prepare)
 
-    from sharedml import _cli_inspect
+    from sharedml import _cli_cache, _cli_inspect
 
     _cli_inspect.add_parser(sub)
+    _cli_cache.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,195 @@
+"""inspect's recommendation: every sentence follows from the figures beside it, one test a branch.
+
+The figures are made up for the purpose (``fake_measurement``); the thresholds are relative
+(``SAME_WITHIN``), so a small model's pool that is 46% smaller than plain sessions is "less",
+not "saves little", and nothing is called the least memory or the fastest unless measured so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from test_inspect import MiB, fake_measurement, fake_report
+
+from sharedml._inspect import SAME_WITHIN, Finding, findings
+
+
+def by_kind(found: tuple[Finding, ...]) -> dict[str, Finding]:
+    return {f.kind: f for f in found}
+
+
+def verdicts(sessions: int, weights_bytes: int, **named: Any) -> dict[str, Finding]:
+    """The findings for ``named`` measurements (see :func:`measured`), by kind."""
+    return by_kind(findings(measured(**named), sessions=sessions, weights_bytes=weights_bytes))
+
+
+def measured(**named: tuple[float, float] | tuple[float, float, dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for name, spec in named.items():
+        per, base, *rest = spec
+        kw = rest[0] if rest else {}
+        out[name.replace("_", "-")] = fake_measurement(name.replace("_", "-"), per, base, **kw)
+    return out
+
+
+def test_same_within_is_relative() -> None:
+    assert 0 < SAME_WITHIN < 0.5
+
+
+def test_a_pool_46_percent_smaller_is_less_however_small_the_model() -> None:
+    # 4 plain sessions: 4 x 1.3 = 5.2 MiB; the pool 2.8 MiB: under the old absolute 8 MiB band.
+    found = verdicts(4, MiB, naive=(1.3, 0), shared=(0.2, 2.0))
+    text = found["pool-vs-plain"].text
+    assert "2.4 MiB (46%) less" in text and "saves" not in text
+    assert found["pool-vs-plain"].figures["verdict"] == "less"
+    assert "Use sharedml.SessionPool(model, sessions=4)" in found["advice"].text
+
+
+def test_a_pool_larger_than_plain_sessions_says_so_and_is_not_recommended() -> None:
+    found = verdicts(4, MiB, naive=(5, 0), shared=(5, 4))
+    assert found["pool-vs-plain"].text.startswith("The pool takes more than 4 plain sessions")
+    assert "20% more than their 20.0 MiB" in found["pool-vs-plain"].text
+    assert "sharing does not pay" in found["advice"].text
+    assert "SessionPool(model" not in found["advice"].text
+
+
+def test_within_ten_percent_is_about_the_same() -> None:
+    found = verdicts(4, MiB, naive=(5, 0), shared=(4.5, 1))
+    assert "within 10% of each other" in found["pool-vs-plain"].text
+    assert found["pool-vs-plain"].figures["verdict"] == "same"
+
+
+def test_one_plain_session_smaller_than_the_pool_is_the_advice_not_the_pool() -> None:
+    # single 40% smaller than the pool (issue 18: SessionPool was recommended anyway).
+    found = verdicts(4, 100 * MiB, naive=(100, 0), shared=(10, 60), single=(0, 60))
+    assert "60.0 MiB, 40% less than the pool's 100.0 MiB" in found["single-vs-pool"].text
+    assert found["advice"].figures["least"] == "single"
+    assert found["advice"].text.startswith("Least memory measured: one plain session")
+    assert "sharedml.SessionPool(model, sessions=4) where each thread needs" in found["advice"].text
+
+
+def test_one_plain_session_about_as_large_as_the_pool_is_about_as_much() -> None:
+    found = verdicts(4, 100 * MiB, naive=(100, 0), shared=(1, 100), single=(0, 100))
+    assert "about as much as the pool's 104.0 MiB (within 10%)" in found["single-vs-pool"].text
+    assert found["advice"].figures["least"] == "single"
+    assert "Use sharedml.SessionPool(model, sessions=4)" in found["advice"].text  # a tie
+
+
+def test_prepacking_off_is_never_called_least_memory_or_fastest_unless_measured_so() -> None:
+    # The int8 MiniLM of issue 18: off took 7x the memory and 4x the time of the default.
+    slow = {"setup_seconds": 1.3}
+    found = verdicts(4, 22 * MiB, naive=(90, 0), shared=(1, 50), shared_raw=(86, 35, slow))
+    text = found["prepacking-off"].text
+    assert "took 379.0 MiB, 7.0x the default's 54.0 MiB" in text
+    assert "(slower)" in text and "least memory" not in text and "fastest" not in text
+    assert found["prepacking-off"].figures["memory"] == "more"
+    found = verdicts(
+        4, 22 * MiB, naive=(90, 0), shared=(1, 80, {"setup_seconds": 1.0}), shared_raw=(1, 40)
+    )
+    assert "took 44.0 MiB, 48% less than the default's 84.0 MiB" in found["prepacking-off"].text
+    assert "(faster)" in found["prepacking-off"].text
+
+
+def test_per_session_packing_is_compared_relative_to_a_plain_session() -> None:
+    found = verdicts(4, 100 * MiB, naive=(100, 0), shared=(1, 100), shared_private_packs=(60, 100))
+    assert "adds 59.0 MiB more per session than the default" in found["per-session-packing"].text
+    assert found["per-session-packing"].text.endswith("(340.0 MiB in all at 4).")  # cause unknown
+    derived = {"details": {"runtime_weights": {"derived_bytes": 4 * MiB, "prepacked_bytes": 0}}}
+    found = verdicts(
+        2, 4 * MiB, naive=(8, 0), shared=(3, 10, derived), shared_private_packs=(7.6, 10)
+    )
+    assert "ORT packs nothing here, but each session derives its own copy of the 4.0 MiB" in (
+        found["per-session-packing"].text
+    )
+    found = verdicts(4, 100 * MiB, naive=(100, 0), shared=(1, 100), shared_private_packs=(2, 100))
+    assert "costs about as much per session as the default" in found["per-session-packing"].text
+
+
+def test_runtime_weights_say_what_plain_sessions_hold_beyond_the_file() -> None:
+    stats = {
+        "details": {"runtime_weights": {"derived_bytes": 86 * MiB, "prepacked_bytes": 40 * MiB}}
+    }
+    found = verdicts(4, 22 * MiB, naive=(93, 0), shared=(1, 50, stats))
+    text = found["runtime-weights"].text
+    assert (
+        "Each plain session holds 93.0 MiB more than the one before, 4.2x the file's 22.0 MiB"
+        in text
+    )
+    assert "ORT derives 86.0 MiB of weights from them" in text and "packs 40.0 MiB" in text
+    plain = verdicts(4, 22 * MiB, naive=(23, 0), shared=(1, 20, stats))
+    assert "runtime-weights" not in plain  # a plain session holding about the file says nothing
+    # A tiny model whose sessions grow by more than its weights, but ORT derives nothing: the
+    # growth is the session's own (logreg_iris: 220 KiB a session for 108 B of weights).
+    nothing = {"details": {"runtime_weights": {"derived_bytes": 0, "prepacked_bytes": 0}}}
+    tiny = findings(
+        measured(naive=(0.2, 0), shared=(0.1, 6, nothing)), sessions=2, weights_bytes=108
+    )
+    assert "runtime-weights" not in by_kind(tiny)
+    unknown = findings(measured(naive=(93, 0), shared=(1, 50)), sessions=4, weights_bytes=22 * MiB)
+    assert "runtime-weights" not in by_kind(unknown)  # no saved-model figures: no claim
+
+
+def test_derived_weights_on_the_raw_route_are_said_to_be_per_session() -> None:
+    stats = {"details": {"runtime_weights": {"derived_bytes": 11 * MiB, "prepacked_bytes": 0}}}
+    found = verdicts(4, 11 * MiB, naive=(20, 0), shared=(1, 12), shared_raw=(12, 0, stats))
+    assert (
+        "prepacking='off' (shared-raw) shares only the file's weights"
+        in found["derived-not-shared"].text
+    )
+    assert "11.0 MiB of weights" in found["derived-not-shared"].text
+
+
+def test_weights_in_node_attributes_are_said_not_to_be_shared() -> None:
+    found = by_kind(
+        findings(
+            measured(naive=(1, 0), shared=(1, 0)),
+            sessions=4,
+            weights_bytes=MiB,
+            unshared=(3, MiB),
+        )
+    )
+    assert found["unshared-weights"].text.startswith("1.0 MiB of weights in 3 node attributes")
+    assert "every session keeps its own copy" in found["unshared-weights"].text
+
+
+def test_numerics_name_the_strategies_whose_outputs_differ_from_a_plain_session() -> None:
+    differs = {"plain_max_abs_diff": 0.42, "plain_outputs_compared": 2}
+    equal = {"plain_max_abs_diff": 0.0, "plain_outputs_compared": 2}
+    found = verdicts(2, 10 * MiB, naive=(10, 0, equal), shared=(1, 10, differs))
+    text = found["numerics"].text
+    assert "shared by up to 0.42" in text and "naive" not in text.split(":")[1].split(".")[0]
+    assert "each CPU session cores // 2 intra-op threads" in text
+    assert "unpacked kernels" not in text  # shared-raw was not among those that differ
+    assert found["numerics"].figures["shared"]["max_abs_diff"] == 0.42
+    found = verdicts(2, 10 * MiB, naive=(10, 0, equal), shared=(1, 10, equal))
+    assert (
+        found["numerics"].text
+        == "Every strategy's outputs were bitwise equal to a default plain session's."
+    )
+
+
+def test_one_session_says_there_is_nothing_to_share() -> None:
+    found = findings(
+        {
+            "naive": fake_measurement("naive", 100, 0, n=1),
+            "shared": fake_measurement("shared", 1, 100, n=1),
+        },
+        sessions=1,
+        weights_bytes=100 * MiB,
+    )
+    assert [f.kind for f in found] == ["one-session"]
+
+
+def test_the_json_carries_the_findings_structured_beside_the_prose() -> None:
+    report = fake_report([fake_measurement("naive", 100, 0), fake_measurement("shared", 1, 100)])
+    report = type(report)(
+        **{
+            **report.__dict__,
+            "findings": findings(report.strategies, sessions=4, weights_bytes=100 * MiB),
+        }
+    )
+    d = report.to_dict()
+    assert [f["kind"] for f in d["findings"]] == ["pool-vs-plain", "advice"]
+    assert d["findings"][0]["figures"]["pool_bytes"] == 104 * MiB
+    assert d["findings"][0]["figures"]["plain_bytes"] == 400 * MiB
+    assert all(set(f) == {"kind", "text", "figures"} for f in d["findings"])

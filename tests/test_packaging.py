@@ -1,0 +1,120 @@
+"""Installing: never two onnxruntime distributions, one CUDA recipe, install hints that work.
+
+``onnxruntime``, ``onnxruntime-gpu`` and ``onnxruntime-directml`` all write the same
+``onnxruntime`` package; two of them in one environment overwrite each other's files.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+from sharedml import _host
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parent.parent
+PLATFORMS = {"linux": "Linux", "win32": "Windows", "darwin": "Darwin"}
+
+
+def project() -> dict[str, object]:
+    data: dict[str, object] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return data
+
+
+def wanted(requirements: list[str], sys_platform: str) -> list[Requirement]:
+    env = default_environment() | {
+        "sys_platform": sys_platform,
+        "platform_system": PLATFORMS[sys_platform],
+    }
+    parsed = [Requirement(r) for r in requirements]
+    return [r for r in parsed if r.marker is None or r.marker.evaluate(env)]
+
+
+def ort_names(requirements: list[Requirement]) -> list[str]:
+    return [r.name for r in requirements if r.name in _host.ORT_DISTRIBUTIONS]
+
+
+@pytest.mark.parametrize("sys_platform", sorted(PLATFORMS))
+def test_no_extra_adds_a_second_onnxruntime(sys_platform: str) -> None:
+    base = project()["dependencies"]
+    assert isinstance(base, list)
+    assert len(ort_names(wanted(base, sys_platform))) == 1
+    extras = project()["optional-dependencies"]
+    assert isinstance(extras, dict)
+    for extra, requirements in extras.items():
+        assert ort_names(wanted(base + requirements, sys_platform))[1:] == [], extra
+
+
+def test_the_cuda_recipe_is_the_dependencies_with_onnxruntime_gpu_instead() -> None:
+    lines = (ROOT / "requirements" / "cuda.txt").read_text().splitlines()
+    cuda = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+    assert ort_names(cuda) == ["onnxruntime-gpu"]
+    base = project()["dependencies"]
+    assert isinstance(base, list)
+    others = sorted(str(r) for r in wanted(base, "linux") if r.name not in _host.ORT_DISTRIBUTIONS)
+    assert sorted(str(r) for r in cuda if r.name != "onnxruntime-gpu") == others
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install -r requirements/cuda.txt && pip install --no-deps ." in readme
+
+
+DETECT = r"""
+import sys, warnings
+import sharedml
+from sharedml import _providers
+assert 'onnxruntime' not in sys.modules  # import sharedml alone checks nothing
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _providers.plan_providers(None)
+    _providers.plan_providers(None)
+print(len(caught))
+for w in caught:
+    print(w.category.__name__, w.message)
+"""
+
+
+def fake_distribution(site: Path, name: str, version: str) -> None:
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_two_onnxruntime_distributions_are_detected_when_onnxruntime_is_first_needed(
+    tmp_path: Path,
+) -> None:
+    fake_distribution(tmp_path, "onnxruntime-gpu", "1.20.0")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", DETECT], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, *warned = out.stdout.strip().splitlines()
+    assert first == "1", out.stdout  # once per process
+    assert warned[0].startswith("RuntimeWarning sharedml: 2 onnxruntime distributions")
+    assert "onnxruntime-gpu 1.20.0" in warned[0]
+    fix = "pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu"
+    assert fix in warned[0]
+
+
+def test_one_onnxruntime_distribution_says_nothing() -> None:
+    assert len(_host.onnxruntime_distributions()) == 1
+    _host.check_one_onnxruntime.cache_clear()
+    assert _host.check_one_onnxruntime() is None
+
+
+def test_an_install_hint_works_without_a_package_index() -> None:
+    from sharedml._errors import missing_package
+
+    text = str(missing_package("--plot", "matplotlib", "plot"))
+    assert "pip install matplotlib" in text and "pip install '.[plot]'" in text
+    assert "pip install 'sharedml[" not in text  # sharedml is not on a package index
+    for source in (ROOT / "src" / "sharedml").glob("*.py"):
+        assert "pip install 'sharedml[" not in source.read_text().replace(
+            "``pip install 'sharedml[extra]'`` would not find it", ""
+        ), source.name
