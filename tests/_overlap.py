@@ -39,16 +39,20 @@ class Detector:
         with self._lock:
             self.active = self.max_active = 0
             self.rows: list[int] = []
+            self.runs: list[tuple[str, int, float, float]] = []  # (thread, rows, start, end)
 
-    def enter(self, rows: int) -> None:
+    def enter(self, rows: int) -> float:
         with self._lock:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
             self.rows.append(rows)
+        return time.perf_counter()
 
-    def leave(self) -> None:
+    def leave(self, rows: int, start: float) -> None:
         with self._lock:
             self.active -= 1
+            name = threading.current_thread().name
+            self.runs.append((name, rows, start, time.perf_counter()))
 
 
 DETECTOR = Detector()
@@ -56,14 +60,14 @@ DETECTOR = Detector()
 
 @onnx_op(op_type="OverlapProbe", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float])
 def overlap_probe(x: np.ndarray) -> np.ndarray:
-    DETECTOR.enter(int(x.shape[0]))
+    start = DETECTOR.enter(int(x.shape[0]))
     try:
         time.sleep(SLEEP_S)  # releases the GIL: other threads' Runs can enter meanwhile
         if x.size and (x[:, 0] == -1.0).any():  # per row: a bad row fails any Run it is in
             return np.zeros((x.shape[0], 3), np.float32)  # the Add below fails the Run
         return x * np.float32(2.0)
     finally:
-        DETECTOR.leave()
+        DETECTOR.leave(int(x.shape[0]), start)
 
 
 def probe_model(path: Path) -> Path:

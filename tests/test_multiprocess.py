@@ -47,7 +47,9 @@ WORKER = textwrap.dedent(
     x = np.random.default_rng(0).standard_normal((1, 2048)).astype(np.float32)
     if kind == "sharedml":
         import sharedml
-        pool = sharedml.SessionPool(model, sessions=sessions)
+        # As README's worker recipe says: sessions created by the worker's own thread (a
+        # background creation thread keeps a malloc arena of its own in every worker).
+        pool = sharedml.SessionPool(model, sessions=sessions, create_in_background=False)
         checkouts = [pool.session() for _ in range(sessions)]
         held = [c.__enter__() for c in checkouts]  # every session created and run once
         outs = [s.run(None, {"input": x})[0] for s in held]

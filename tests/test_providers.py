@@ -16,6 +16,7 @@ import pytest
 from _models import batchable_model, build_model, save_model
 
 import sharedml
+import sharedml._pool
 from sharedml import _device_probe, _providers
 from sharedml._providers import (
     CPU,

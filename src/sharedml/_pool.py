@@ -58,6 +58,13 @@ from sharedml._errors import (
     SessionCreationError,
     SharedMLError,
 )
+from sharedml._graphs import (
+    DEFAULT_MAX_GRAPHS,
+    GRAPH_DEVICES,
+    GraphSession,
+    bucket_for,
+    cuda_graphs_enabled,
+)
 from sharedml._host import release_freed_heap, usable_cores
 from sharedml._onnx import load_graph
 from sharedml._providers import (
@@ -220,6 +227,8 @@ def _is_session_fatal(exc: BaseException) -> bool:
 
 def _run_error(exc: BaseException) -> SharedMLError:
     """ORT's run failure as a sharedml error that keeps ORT's message and type name."""
+    if isinstance(exc, SharedMLError):
+        return exc  # sharedml's own refusal (a graph session's), already clear
     kind = type(exc).__name__
     message = " ".join(str(exc).split()) or kind
     # InvalidArgument: shapes or dtypes; ValueError: ORT's Python layer (missing inputs).
@@ -277,6 +286,20 @@ class _SerializedSession:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._session, name)
+
+
+def _rows_of(value: Any, rows: int, have: int) -> Any:
+    """``value`` with ``rows`` rows, its own repeated (for warm-up feeds of other batch sizes)."""
+    import numpy as np
+
+    reps = -(-rows // have)
+    return np.concatenate([value] * reps)[:rows]
+
+
+def _discard(sess: Any) -> None:
+    """Let a session go; a CUDA-graph session's thread stops first."""
+    if isinstance(sess, GraphSession):
+        sess.close()
 
 
 def _count_argument(name: str, value: object, *, minimum: int) -> int:
@@ -435,6 +458,7 @@ class SessionPool:
         self._meta: dict[str, Any] | None = None  # inputs, outputs, providers, modelmeta
         self._serialize_creation = serialize_creation
         self._run_lock: _FairLock | None = _run_lock_for(self.plan) if serialized else None
+        self._graphs = cuda_graphs_enabled(self.plan.primary, self.plan.provider_options[0])
         self._creator: Future[None] | None = None
         self._creation_error: BaseException | None = None  # undelivered background failure
         self._gave_up: BaseException | None = None  # background creation stopped for good
@@ -567,6 +591,17 @@ class SessionPool:
         start = time.perf_counter()
         with lock:
             sess = self.recipe.create_session()
+        if self._graphs:
+            # Driven by a thread of its own: ORT keeps a CUDA graph per thread (see _graphs).
+            buckets = self.batching.max_batch_size if self.batching else None
+            sess = GraphSession(
+                sess,
+                device=GRAPH_DEVICES[self.plan.primary],
+                device_id=self.plan.device_id,
+                buckets_up_to=buckets,
+                # Room for a graph per power-of-two batch bucket, besides other shapes.
+                max_graphs=DEFAULT_MAX_GRAPHS + (buckets.bit_length() + 1 if buckets else 0),
+            )
         elapsed = time.perf_counter() - start
         with self._cond:
             self._created += 1
@@ -776,6 +811,8 @@ class SessionPool:
             else:
                 self._idle.append(sess)
             self._dispatch()
+        if broken:
+            _discard(sess)
 
     @contextlib.contextmanager
     def session(self, timeout_s: float | None = None) -> Iterator[Any]:
@@ -822,6 +859,13 @@ class SessionPool:
         names = list(request.output_names) if request.output_names is not None else None
         lock = self._run_lock if self._run_lock is not None else contextlib.nullcontext()
         with lock:
+            if isinstance(sess, GraphSession):
+                if request.run_options is not None:
+                    raise InvalidInputError(
+                        "run_options cannot be given to a pool with CUDA graphs: each graph is "
+                        "replayed with the run options it was captured with. Pass None."
+                    )
+                return sess.run(names, dict(feed or request.feed))
             return list(sess.run(names, dict(feed or request.feed), request.run_options))
 
     def run(
@@ -1018,6 +1062,38 @@ class SessionPool:
         else:
             ticket.event.set()
 
+    def warm_up(self, input_feed: Mapping[str, Any], *, timeout_s: float | None = None) -> None:
+        """Run ``input_feed`` once on every session, before serving.
+
+        With CUDA graphs this captures every session's graph for the feed's shape (with
+        batching: for every padded batch size up to ``max_batch_size``), so that no capture
+        happens while other CUDA work runs; without, it settles each session's first-run
+        allocations. Waits for the sessions still being created first.
+
+        Raises:
+            PoolTimeout: the sessions were not all free (or created) within ``timeout_s``.
+            InvalidInputError, RunError: as :meth:`run`.
+        """
+        self.wait_ready(timeout_s)
+        feeds: list[dict[str, Any]] = [dict(input_feed)]
+        if self.batching is not None and self._graphs:
+            rows = {len(v) for v in input_feed.values() if hasattr(v, "__len__")}
+            if len(rows) == 1 and (n := rows.pop()):
+                sizes = sorted(
+                    {
+                        bucket_for(r, self.batching.max_batch_size)
+                        for r in range(1, self.batching.max_batch_size + 1)
+                    }
+                )
+                feeds = [{k: _rows_of(v, size, n) for k, v in input_feed.items()} for size in sizes]
+        with contextlib.ExitStack() as held:
+            sessions = [
+                held.enter_context(self.session(timeout_s=timeout_s)) for _ in range(self._min)
+            ]
+            for sess in sessions:
+                for feed in feeds:
+                    sess.run(None, feed)
+
     # ----------------------------------------------------------------------------------------
     # Metadata and lifecycle
 
@@ -1122,11 +1198,13 @@ class SessionPool:
                     "and accepts no new work."
                 ) from None
         with self._cond:
-            self._idle.clear()
+            dropped, self._idle = list(self._idle), deque()
             self._count = 0
             self._creation_error = None
             self._state = _State.CLOSED
             executor, self._executor = self._executor, None
+        for sess in dropped:
+            _discard(sess)
         if executor is not None:
             executor.shutdown(wait=True)
 

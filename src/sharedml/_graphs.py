@@ -1,0 +1,289 @@
+"""CUDA graphs in a pool: fixed device buffers per shape, captured safely, replayed concurrently.
+
+ORT's CUDA EP (``enable_cuda_graph=1``) runs a session's graph from device buffers bound by
+IOBinding at fixed addresses: it runs normally a few times, captures the next run into a CUDA
+graph, and replays it afterwards. Three facts of ORT's implementation (read from
+``cuda_execution_provider.cc`` and ``cuda_graph.cc``) decide how a pool must drive it:
+
+- The graph lives in the EP's *per-thread* context: a session run from another thread warms up
+  and captures again, at a run the caller cannot see. So every graph session here is driven by
+  one thread of its own (:class:`GraphSession`); requests are handed to it.
+- Capture uses ``cudaStreamCaptureModeGlobal``: while one stream captures, a synchronizing call
+  from any other thread (another session's replay ends with one) fails the capture with
+  ``CUDA failure 900: operation not permitted when stream is capturing``. So the runs that
+  may capture (the first :data:`CAPTURE_RUNS` runs of each new shape) hold a process-wide lock
+  exclusively, and every replay holds it shared: captures never overlap other graph work of
+  the process. Other CUDA work of the process (a torch model, a pool without graphs) is not
+  covered: warm a graph pool up before such work starts (``pool.warm_up``).
+- Each captured graph is kept under a graph id (run option ``gpu_graph_id``): a new input
+  shape gets its own slot (buffers, binding, graph id), up to ``max_graphs`` per session; with
+  batching, merged requests are padded to a power-of-two bucket so that a few graphs serve any
+  batch size.
+
+Feeds are copied into the slot's input buffers and outputs copied out; callers who keep their
+data on the device use :meth:`GraphSession.slot` to get the buffers themselves.
+
+The device can also be ORT's CPU device (``"cpu"``): everything but the capture then runs, so
+that the machinery is tested on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from sharedml._errors import InvalidInputError, SharedMLError
+
+__all__ = [
+    "CAPTURE_RUNS",
+    "DEFAULT_MAX_GRAPHS",
+    "GRAPH_DEVICES",
+    "GRAPH_ID_KEY",
+    "GraphLimitError",
+    "GraphSession",
+    "GraphSlot",
+    "bucket_for",
+    "cuda_graphs_enabled",
+]
+
+GRAPH_ID_KEY = "gpu_graph_id"  # ORT's run config entry naming the graph a run uses
+CAPTURE_RUNS = 4  # runs of a new slot under the exclusive lock: ORT captures on its third
+DEFAULT_MAX_GRAPHS = 8  # slots per session: each holds device buffers and a captured graph
+
+
+class GraphLimitError(SharedMLError, ValueError):
+    """A CUDA-graph session was given more distinct input shapes than it keeps graphs for."""
+
+
+# The providers whose graphs a pool drives, and the device name of their buffers. (Tests add
+# the CPU provider: the machinery then runs, capture aside, on machines without a GPU.)
+GRAPH_DEVICES: dict[str, str] = {"CUDAExecutionProvider": "cuda"}
+
+
+def cuda_graphs_enabled(provider: str, provider_options: Mapping[str, str]) -> bool:
+    """Whether ``provider``'s options turn CUDA graphs on (``enable_cuda_graph=1``)."""
+    flag = str(provider_options.get("enable_cuda_graph", "0")).lower() in ("1", "true")
+    return flag and provider in GRAPH_DEVICES
+
+
+def bucket_for(rows: int, limit: int) -> int:
+    """The smallest power of two >= ``rows`` (at most ``limit``): the batch a graph is for."""
+    bucket = 1
+    while bucket < rows:
+        bucket *= 2
+    return min(bucket, max(limit, rows))
+
+
+class _SharedExclusive:
+    """Many holders share it (replays) or one holds it alone (a capture); captures go first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting_exclusive = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._waiting_exclusive:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting_exclusive += 1
+            try:
+                while self._exclusive or self._shared:
+                    self._cond.wait()
+            finally:
+                self._waiting_exclusive -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+CAPTURE_LOCK = _SharedExclusive()  # process-wide: see the module docstring
+_NUMBERS = itertools.count()  # names the sessions' threads apart
+
+
+@dataclasses.dataclass
+class GraphSlot:
+    """The device buffers one captured graph reads and writes, for one input shape.
+
+    Attributes:
+        graph_id: The graph's id (run option ``gpu_graph_id``).
+        inputs: Input name -> ``OrtValue`` on the device, at a fixed address.
+        outputs: Output name -> ``OrtValue`` on the device, at a fixed address.
+        rows: The batch (axis 0) the slot was captured for.
+    """
+
+    graph_id: int
+    inputs: dict[str, Any]
+    outputs: dict[str, Any]
+    rows: int
+    binding: Any = dataclasses.field(repr=False, default=None)
+    run_options: Any = dataclasses.field(repr=False, default=None)
+
+
+class GraphSession:
+    """A session with CUDA graphs, driven by a thread of its own.
+
+    Args:
+        session: An ``onnxruntime.InferenceSession`` created with ``enable_cuda_graph=1``.
+        device: ``"cuda"`` (or ``"cpu"`` for tests of the machinery).
+        device_id: The device.
+        buckets_up_to: With batching: pad a request's rows to a power of two up to this.
+        max_graphs: The most slots (distinct input shapes) kept.
+
+    Thread safety: ``run`` and ``slot`` may be called from any thread; the work runs on the
+    session's own thread.
+    """
+
+    def __init__(
+        self,
+        session: Any,
+        *,
+        device: str,
+        device_id: int,
+        buckets_up_to: int | None = None,
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
+    ) -> None:
+        self.session = session
+        self.device = device
+        self.device_id = device_id
+        self.buckets_up_to = buckets_up_to
+        self.max_graphs = max_graphs
+        self._slots: dict[Any, GraphSlot] = {}
+        self._outputs = [o.name for o in session.get_outputs()]
+        self._thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"sharedml-graph-{next(_NUMBERS)}"
+        )
+
+    def run(self, output_names: Sequence[str] | None, feed: Mapping[str, Any]) -> list[Any]:
+        """``InferenceSession.run``: feeds copied in, outputs copied out, replayed on the device."""
+        return self._thread.submit(self._run_here, output_names, dict(feed)).result()
+
+    def slot(self, feed: Mapping[str, Any]) -> GraphSlot:
+        """The slot for inputs shaped like ``feed`` (example arrays), captured if new.
+
+        For callers that keep their data on the device: write the inputs into
+        ``slot.inputs`` (e.g. through their DLPack views), call :meth:`replay`, read
+        ``slot.outputs``; nothing is copied through the host.
+        """
+        arrays, _ = self._padded(dict(feed))
+        return self._thread.submit(self._slot_for, arrays).result()
+
+    def replay(self, slot: GraphSlot) -> None:
+        """Run the graph of ``slot`` on whatever its input buffers hold now."""
+        self._thread.submit(self._replay, slot).result()
+
+    def close(self) -> None:
+        """Stop the session's thread (after the work it has)."""
+        self._thread.shutdown(wait=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session, name)  # get_inputs, get_providers, ...
+
+    # Everything below runs on the session's own thread.
+
+    def _run_here(self, output_names: Sequence[str] | None, feed: dict[str, Any]) -> list[Any]:
+        arrays, rows = self._padded(feed)
+        slot = self._slot_for(arrays)
+        for name, array in arrays.items():
+            slot.inputs[name].update_inplace(array)
+        self._replay(slot)
+        names = list(output_names) if output_names is not None else self._outputs
+        outs = [slot.outputs[n].numpy() for n in names]
+        if rows is not None and rows != slot.rows:
+            outs = [out[:rows].copy() for out in outs]
+        return outs
+
+    def _padded(self, feed: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+        """Feeds as contiguous arrays, padded along axis 0 to a bucket when batching."""
+        arrays = {}
+        for name, value in feed.items():
+            if not isinstance(value, np.ndarray):
+                raise InvalidInputError(
+                    f"Input '{name}' of a CUDA-graph session must be a numpy array (it is "
+                    f"copied into the graph's device buffer), not {type(value).__name__}."
+                )
+            arrays[name] = np.ascontiguousarray(value)
+        if self.buckets_up_to is None or not arrays:
+            return arrays, None
+        rows = {a.shape[0] for a in arrays.values() if a.ndim}
+        if len(rows) != 1:
+            return arrays, None
+        (n,) = rows
+        bucket = bucket_for(n, self.buckets_up_to)
+        if bucket != n:
+            arrays = {
+                k: np.concatenate([a, np.zeros((bucket - n, *a.shape[1:]), a.dtype)])
+                for k, a in arrays.items()
+            }
+        return arrays, n
+
+    def _slot_for(self, arrays: dict[str, Any]) -> GraphSlot:
+        key = tuple(sorted((k, a.dtype.str, a.shape) for k, a in arrays.items()))
+        slot = self._slots.get(key)
+        if slot is None:
+            if len(self._slots) >= self.max_graphs:
+                shapes = ", ".join(f"{k}{list(s)}" for k, _, s in key)
+                raise GraphLimitError(
+                    f"A CUDA-graph session keeps at most {self.max_graphs} graphs (each holds "
+                    f"its own device buffers); inputs {shapes} would need another. Use fewer "
+                    "input shapes, pad to the shapes already captured, or batching (which pads "
+                    "to power-of-two buckets)."
+                )
+            slot = self._capture(arrays, graph_id=len(self._slots) + 1)
+            self._slots[key] = slot
+        return slot
+
+    def _capture(self, arrays: dict[str, Any], *, graph_id: int) -> GraphSlot:
+        import onnxruntime as ort
+
+        options = ort.RunOptions()
+        options.add_run_config_entry(GRAPH_ID_KEY, str(graph_id))
+        binding = self.session.io_binding()
+        inputs = {
+            name: ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
+            for name, array in arrays.items()
+        }
+        for name, value in inputs.items():
+            binding.bind_ortvalue_input(name, value)
+        for name in self._outputs:
+            binding.bind_output(name, self.device, self.device_id)
+        rows = next((a.shape[0] for a in arrays.values() if a.ndim), 1)
+        with CAPTURE_LOCK.exclusive():
+            # First run: ORT allocates the outputs, whose shapes only a run tells; those buffers
+            # are bound from then on, so that the captured graph writes where callers read.
+            self.session.run_with_iobinding(binding, options)
+            outputs = dict(zip(self._outputs, binding.get_outputs(), strict=True))
+            binding.clear_binding_outputs()
+            for name, value in outputs.items():
+                binding.bind_ortvalue_output(name, value)
+            for _ in range(CAPTURE_RUNS - 1):  # the rest of ORT's warm-up, then its capture
+                self.session.run_with_iobinding(binding, options)
+        return GraphSlot(graph_id, inputs, outputs, rows, binding, options)
+
+    def _replay(self, slot: GraphSlot) -> None:
+        with CAPTURE_LOCK.shared():
+            self.session.run_with_iobinding(slot.binding, slot.run_options)

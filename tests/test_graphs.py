@@ -1,0 +1,185 @@
+"""CUDA graphs in the pool: one thread per session, slots per shape, captures alone.
+
+The machinery runs on ORT's CPU device here (the CPU provider accepts and ignores
+``enable_cuda_graph``; the tests route it through the graph sessions): what a pool does around
+a capture is checked on every machine. The capture itself needs CUDA: ``tests/test_device.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from _models import batchable_model
+from _waiting import DEADLINE_S
+
+import sharedml
+from sharedml import _graphs
+
+CPU_GRAPHS = [("CPUExecutionProvider", {"enable_cuda_graph": "1"})]
+
+
+@pytest.fixture(autouse=True)
+def graphs_on_the_cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(_graphs.GRAPH_DEVICES, "CPUExecutionProvider", "cpu")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return batchable_model(tmp_path_factory.mktemp("g") / "b.onnx", dim=16)
+
+
+def solo(model: Path, x: np.ndarray) -> np.ndarray:
+    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 16)).astype(np.float32)
+
+
+@pytest.fixture
+def pool(model: Path) -> Iterator[sharedml.SessionPool]:
+    with sharedml.SessionPool(model, sessions=2, providers=CPU_GRAPHS) as p:
+        p.wait_ready()
+        yield p
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("onnxruntime_extensions")
+    from _overlap import probe_model
+
+    return probe_model(tmp_path_factory.mktemp("probe") / "probe.onnx")
+
+
+def probe_pool(probe: Path, sessions: int) -> sharedml.SessionPool:
+    from _overlap import register
+
+    pool = sharedml.SessionPool(
+        probe, sessions=sessions, providers=CPU_GRAPHS, prepacking="off", configure=register
+    )
+    pool.wait_ready()
+    return pool
+
+
+def test_a_graph_pool_runs_every_session_on_a_thread_of_its_own(probe: Path) -> None:
+    from _overlap import DETECTOR
+
+    with probe_pool(probe, 2) as pool:
+        DETECTOR.reset()
+        barrier = threading.Barrier(8, timeout=DEADLINE_S)
+
+        def caller(i: int) -> None:
+            barrier.wait()
+            for _ in range(5):
+                pool.run(None, {"x": np.full((1, 4), i, np.float32)})
+
+        callers = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+        for c in callers:
+            c.start()
+        for c in callers:
+            c.join(DEADLINE_S)
+    threads = {name for name, _, _, _ in DETECTOR.runs}
+    # 8 caller threads, but ORT ran every Run on one of the two sessions' own threads.
+    assert len(DETECTOR.runs) >= 40
+    assert len(threads) == 2 and all(name.startswith("sharedml-graph-") for name in threads)
+
+
+def test_outputs_equal_a_plain_session_and_each_shape_gets_its_own_slot(
+    pool: sharedml.SessionPool, model: Path
+) -> None:
+    for n in (1, 3, 1, 3, 5):
+        out = pool.run(None, {"x": rows(n, n)})[0]
+        np.testing.assert_allclose(out, solo(model, rows(n, n)), rtol=1e-5, atol=1e-6)
+    with pool.session() as sess:
+        slots = sorted(s.rows for s in sess._slots.values())
+    assert set(slots) <= {1, 3, 5}
+
+
+def test_more_shapes_than_graphs_is_a_clear_error(model: Path) -> None:
+    with (
+        sharedml.SessionPool(model, sessions=1, providers=CPU_GRAPHS) as pool,
+        pool.session() as sess,
+    ):
+        sess.max_graphs = 2
+        sess.run(None, {"x": rows(1)})
+        sess.run(None, {"x": rows(2)})
+        with pytest.raises(_graphs.GraphLimitError, match=r"at most 2 graphs.*x\[3, 16\]"):
+            sess.run(None, {"x": rows(3)})
+
+
+def test_batching_pads_to_power_of_two_buckets_and_trims_the_rows(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=1, providers=CPU_GRAPHS, batching=True) as pool:
+        for n in (1, 3, 5, 6, 7):
+            out = pool.run(None, {"x": rows(n, n)})[0]
+            assert out.shape == (n, 16)
+            np.testing.assert_allclose(out, solo(model, rows(n, n)), rtol=1e-5, atol=1e-6)
+        with pool.session() as sess:
+            assert sorted(s.rows for s in sess._slots.values()) == [1, 4, 8]
+
+
+def test_warm_up_captures_every_bucket_on_every_session(model: Path) -> None:
+    batching = sharedml.Batching(max_batch_size=8)
+    with sharedml.SessionPool(model, sessions=2, providers=CPU_GRAPHS, batching=batching) as pool:
+        pool.warm_up({"x": rows(1)})
+        with pool.session() as a, pool.session() as b:
+            for sess in (a, b):
+                assert sorted(s.rows for s in sess._slots.values()) == [1, 2, 4, 8]
+
+
+def test_callers_that_keep_data_on_the_device_use_the_slots_buffers(
+    pool: sharedml.SessionPool, model: Path
+) -> None:
+    x = rows(2, 7)
+    with pool.session() as sess:
+        slot = sess.slot({"x": x})
+        slot.inputs["x"].update_inplace(x)  # a device caller writes through DLPack instead
+        sess.replay(slot)
+        np.testing.assert_allclose(slot.outputs["y"].numpy(), solo(model, x), rtol=1e-5, atol=1e-6)
+
+
+def test_run_options_are_refused_with_graphs(pool: sharedml.SessionPool) -> None:
+    with pytest.raises(sharedml.InvalidInputError, match="run_options"):
+        pool.run(None, {"x": rows(1)}, ort.RunOptions())
+
+
+def test_a_capture_never_overlaps_another_sessions_replay(probe: Path) -> None:
+    """While one session runs the runs that may capture a new shape, no other session replays.
+
+    ORT captures within a slot's first CAPTURE_RUNS runs; the probe op records every Run's
+    thread, rows and interval from inside ORT.
+    """
+    from _overlap import DETECTOR
+
+    with probe_pool(probe, 2) as pool:
+        pool.warm_up({"x": np.ones((1, 4), np.float32)})
+        DETECTOR.reset()
+        stop = threading.Event()
+
+        def replaying() -> None:
+            while not stop.is_set():
+                pool.run(None, {"x": np.ones((1, 4), np.float32)})
+
+        busy = [threading.Thread(target=replaying) for _ in range(3)]
+        for t in busy:
+            t.start()
+        for n in range(2, 6):  # new shapes while the others replay: captures
+            pool.run(None, {"x": np.ones((n, 4), np.float32)})
+        stop.set()
+        for t in busy:
+            t.join(DEADLINE_S)
+    seen: dict[tuple[str, int], int] = {}
+    captures, replays = [], []
+    for name, n, start, end in sorted(DETECTOR.runs, key=lambda run: run[2]):
+        k = seen[(name, n)] = seen.get((name, n), 0) + 1
+        (captures if n > 1 and k <= _graphs.CAPTURE_RUNS else replays).append((name, start, end))
+    assert len(captures) == 4 * _graphs.CAPTURE_RUNS and replays
+    for name, c_start, c_end in captures:
+        for other, r_start, r_end in replays:
+            if other != name:
+                assert r_end <= c_start or r_start >= c_end  # disjoint in time
