@@ -3,8 +3,9 @@
 #
 # onnxruntime-gpu (255 MB) travels in parts: ../shared/device/split-wheel.sh writes .ortgpu1..5
 # here; five calls copy one part each into /tmp/ortgpu-parts; then, while the machine is warm:
-#   bash benchmarks/gpu_run.sh tests     # wheel assembled; GPU tests; arena levers (~6 min)
-#   bash benchmarks/gpu_run.sh bert      # serving figures, BERT-base-like (~6 min)
+#   bash benchmarks/gpu_run.sh tests     # wheel assembled; the GPU tests (~1 min)
+#   bash benchmarks/gpu_run.sh levers    # ORT's arena levers on 8 pooled BERT sessions (~1 min)
+#   bash benchmarks/gpu_run.sh bert      # serving figures, BERT-base-like (~5 min)
 #   bash benchmarks/gpu_run.sh resnet    # serving figures, ResNet-50-like (~4 min)
 # Results go to $OUT (the device tool brings them back) and benchmarks/results/ by hand.
 set -uo pipefail
@@ -21,25 +22,27 @@ fi
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 export PYTHONUNBUFFERED=1
 python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())"
-# The CPU onnxruntime of the image stays installed under the GPU wheel: sharedml warns of that.
-IGNORE_TWO_ORTS='ignore:sharedml. 2 onnxruntime distributions:RuntimeWarning'
-CONFIGS="plain:8 single pool:8 pool:1:batch pool:2:batch pool:8:graph pool:1:batch:graph pool:2:batch:graph plain:8:serialized pool:1:batch:serialized"
+# The image's CPU onnxruntime stays installed; /tmp/site comes first on sys.path, in a folder of
+# its own, so that the GPU build is the one imported (and sharedml does not warn of a mixed one).
+CONFIGS="plain:8 pool:8 pool:1:batch pool:2:batch pool:4:batch pool:2:batch:fp32 pool:8:graph pool:1:batch:graph pool:2:batch:graph plain:8:serialized pool:1:batch:serialized"
 case "${1:-}" in
   tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    timeout 420 python3 -m pytest -q -p no:cacheprovider -W "$IGNORE_TWO_ORTS" -m gpu \
-      tests/test_device.py -s 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
-    timeout 240 python3 -W "$IGNORE_TWO_ORTS" benchmarks/gpu_levers.py --model bert --sessions 8 \
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_device.py -s 2>&1 \
+      | grep -v "No registered plugin EP" | tee "$OUT/gpu-tests.log" | tail -40
+    ;;
+  levers)
+    timeout 240 python3 benchmarks/gpu_levers.py --model bert --sessions 8 \
       --duration-s 2 --json "$OUT/gpu-levers-bert.json" 2>&1 | tail -8
     ;;
   bert|resnet)
     export SHAREDML_DEVICE_ROUTE=ort-slab  # probed by the tests run: children need not again
     configs="$CONFIGS"
-    [ "$1" = resnet ] && configs="plain:8 pool:8 pool:1:batch pool:2:batch pool:8:graph pool:1:batch:graph plain:8:serialized pool:1:batch:serialized"
-    timeout 500 python3 -W "$IGNORE_TWO_ORTS" benchmarks/serving.py --providers CUDAExecutionProvider \
+    [ "$1" = resnet ] && configs="plain:8 pool:8 pool:1:batch pool:1:batch:nopad pool:2:batch pool:8:graph pool:1:batch:graph plain:8:serialized pool:1:batch:serialized"
+    timeout 420 python3 benchmarks/serving.py --providers CUDAExecutionProvider \
       --models "$1" --seq 128 --callers 16 64 --configs $configs --duration-s 2 --warmup-s 0.5 \
       --json "$OUT/gpu-serving-$1.json" 2>&1 | grep -v "^$" | tail -30
-    timeout 100 python3 -W "$IGNORE_TWO_ORTS" benchmarks/serving.py --providers CUDAExecutionProvider \
+    timeout 100 python3 benchmarks/serving.py --providers CUDAExecutionProvider \
       --models "$1" --seq 128 --callers 1 8 --configs pool:1 pool:1:graph pool:8 pool:8:graph \
       --duration-s 2 --warmup-s 0.5 --json "$OUT/gpu-latency-$1.json" 2>&1 | tail -8
     ;;

@@ -13,10 +13,14 @@ as soon as the last one returned):
                        forces: ``plain:N:serialized`` puts one lock around every Run of the N
                        sessions; ``pool:...:serialized`` is ``serialize_runs=True``.
 ``...:graph``          CUDA graphs (``enable_cuda_graph=1``), where the pool supports them.
+``...:nopad``          batching without padding to power-of-two buckets
+                       (``Batching(pad_to_buckets=False)``; padding is on by default off the CPU).
+``...:fp32``           CUDA with TF32 off (``use_tf32=0``), compared with solo runs without TF32.
 
-Every configuration runs in a fresh process: the server is created (timed), every caller runs
-once (outputs checked against a solo run of the same input), then the callers meet on a barrier
-and run for ``--duration-s``. Reported: requests/s over the window, p50/p99 latency, PSS growth
+Every configuration runs in a fresh process: the server is created (timed), a pool warmed up
+(``pool.warm_up``, timed: graphs captured, buckets run once), every caller runs once (outputs
+checked against a solo run of the same input), then the callers meet on a barrier and run for
+``--duration-s``. Reported: requests/s over the window, p50/p99 latency, PSS growth
 (and device memory on CUDA), outputs equal, and for pools the batches' mean rows.
 
 Usage::
@@ -71,7 +75,7 @@ def _parse_config(name: str) -> dict[str, Any]:
     kind = parts[0]
     sessions = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
     flags = set(parts[2:] if len(parts) > 1 and parts[1].isdigit() else parts[1:])
-    unknown = flags - {"batch", "serialized", "threads", "graph"}
+    unknown = flags - {"batch", "nopad", "serialized", "threads", "graph", "fp32"}
     if kind not in ("plain", "pool", "single") or unknown:
         raise SystemExit(f"unknown configuration {name!r}")
     return {"kind": kind, "sessions": sessions, "flags": flags}
@@ -111,15 +115,14 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     cfg = _parse_config(spec["config"])
     providers = spec["providers"]
     n, flags = cfg["sessions"], cfg["flags"]
-    graph = "graph" in flags
-    if graph:
-        providers = [(providers[0], {"enable_cuda_graph": "1"}), *providers[1:]]
+    providers = _with_options(providers, flags)
     if cfg["kind"] == "pool":
+        batching = sharedml.Batching(pad_to_buckets=False if "nopad" in flags else None)
         pool = sharedml.SessionPool(
             spec["model"],
             sessions=n,
             providers=providers,
-            batching="batch" in flags,
+            batching=batching if "batch" in flags else False,
             serialize_runs=True if "serialized" in flags else None,
             per_session_state="serialized" in flags and n > 1,
             cache_dir=spec["cache_dir"],
@@ -129,6 +132,9 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         class _Pool:
             def run(self, feed: dict[str, Any]) -> Any:
                 return pool.run(None, feed)
+
+            def warm_up(self, feed: dict[str, Any]) -> None:
+                pool.warm_up(feed)  # what a server does before it serves: graphs, buckets
 
             def stats(self) -> Any:
                 return pool.stats()
@@ -155,6 +161,16 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         return _Single(), {}
     lock = threading.Lock() if "serialized" in flags else None
     return _PlainQueue(sessions, lock), {}
+
+
+def _with_options(providers: list[Any], flags: set[str]) -> list[Any]:
+    """The first provider with the options the flags ask for (graph: CUDA graphs; fp32: no TF32)."""
+    options = {}
+    if "graph" in flags:
+        options["enable_cuda_graph"] = "1"
+    if "fp32" in flags:
+        options["use_tf32"] = "0"
+    return [(providers[0], options), *providers[1:]] if options else providers
 
 
 def _preload(providers: list[Any]) -> None:
@@ -189,7 +205,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         {k[len(f"in{i}_") :]: refs[k] for k in refs.files if k.startswith(f"in{i}_")}
         for i in range(INPUTS)
     ]
-    expected = [refs[f"out{i}"] for i in range(INPUTS)]
+    cfg = _parse_config(spec["config"])
+    prefix = "fp32out" if "fp32" in cfg["flags"] and "fp32out0" in refs.files else "out"
+    expected = [refs[f"{prefix}{i}"] for i in range(INPUTS)]
     me = psutil.Process()
     _preload(spec["providers"])  # onnxruntime's import and libraries are not the server's memory
 
@@ -198,6 +216,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     server, extras = _server(spec)
     create_s = time.perf_counter() - start
+    start = time.perf_counter()
+    if hasattr(server, "warm_up"):
+        server.warm_up(feeds[0])
+    warm_s = time.perf_counter() - start
     callers = spec["callers"]
     mismatches = [0] * callers
     max_diff = [0.0] * callers
@@ -246,7 +268,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     if hasattr(server, "stats"):
         s = server.stats()
-        stats = {"batches": s.batches, "mean_batch_rows": s.mean_batch_rows, "waits": s.waits}
+        stats = {
+            "batches": s.batches,
+            "mean_batch_rows": s.mean_batch_rows,
+            "padded_rows": s.padded_rows,
+            "waits": s.waits,
+        }
     server.close()
     done.sort()
     elapsed = window["end"] - window["start"]
@@ -254,6 +281,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         "config": spec["config"],
         "callers": callers,
         "create_s": create_s,
+        "warm_up_s": warm_s,
         "requests": len(done),
         "requests_per_s": len(done) / elapsed,
         "p50_ms": 1000 * statistics.median(done) if done else None,
@@ -264,13 +292,18 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         ),
         "outputs_equal": not any(mismatches),
         "max_abs_diff": max(max_diff),
+        "output_max_abs": float(max(np.max(np.abs(e)) for e in expected)),
         **extras,
         **stats,
     }
 
 
 def references(spec: dict[str, Any]) -> dict[str, Any]:
-    """Solo runs of every input on one plain session (ORT defaults), saved for the workers."""
+    """Solo runs of every input on one plain session, saved for the workers.
+
+    With ORT's defaults, and on CUDA also with TF32 off (``fp32out``): the ``fp32`` configs are
+    compared with those, so that what batching changes is told apart from what TF32 does.
+    """
     import numpy as np
     import onnxruntime as ort
 
@@ -288,12 +321,19 @@ def references(spec: dict[str, Any]) -> dict[str, Any]:
     )
     _preload(spec["providers"])
     sess = ort.InferenceSession(spec["model"], providers=spec["providers"])
+    exact = None
+    if spec["providers"][0] == "CUDAExecutionProvider":
+        exact = ort.InferenceSession(
+            spec["model"], providers=_with_options(spec["providers"], {"fp32"})
+        )
     arrays: dict[str, Any] = {}
     for i in range(INPUTS):
         feed = rm.sample_inputs(info, batch=1, seq=spec["seq"], seed=i)
         for k, v in feed.items():
             arrays[f"in{i}_{k}"] = v
         arrays[f"out{i}"] = sess.run(None, feed)[0]
+        if exact is not None:
+            arrays[f"fp32out{i}"] = exact.run(None, feed)[0]
     np.savez(spec["references"], **arrays)
     return {"inputs": INPUTS}
 
@@ -480,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                             "sessions": cfg["sessions"],
                             "batching": "batch" in cfg["flags"],
                             "cuda_graph": "graph" in cfg["flags"],
+                            "tf32": "fp32" not in cfg["flags"],
                             "callers": callers,
                         }
                         entry["configs"].append(result)
@@ -499,7 +540,8 @@ def _line(model: str, r: dict[str, Any]) -> str:
     return (
         f"{model} {r['name']:<24} x{r['callers']:<3} {r['requests_per_s']:8.1f} req/s  "
         f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  PSS {r['pss_bytes'] / MIB:6.0f} "
-        f"MiB{device}{batch}, outputs {'equal' if r['outputs_equal'] else 'DIFFER'}"
+        f"MiB{device}{batch}, outputs {'equal' if r['outputs_equal'] else 'DIFFER'} "
+        f"(max diff {r['max_abs_diff']:.1e} of {r['output_max_abs']:.1e})"
     )
 
 

@@ -415,3 +415,62 @@ def test_any_arrival_pattern_gives_every_caller_its_own_rows(
             np.testing.assert_allclose(out[0], solo(feed(rows, seed)), rtol=1e-5, atol=1e-6)
         else:
             assert isinstance(out, sharedml.InvalidInputError), (kind, out)
+
+
+def test_padded_batches_run_at_a_bucket_and_give_each_caller_its_rows(
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+) -> None:
+    batching = sharedml.Batching(max_batch_size=8, pad_to_buckets=True)
+    with sharedml.SessionPool(model, sessions=1, batching=batching) as pool:
+        feeds = [feed(rows, seed) for seed, rows in enumerate([1, 3, 1])]  # 5 rows: run as 8
+        outs = queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, f) for f in feeds])
+        alone = feed(3, 9)
+        (lone,) = pool.run(None, alone)  # 3 rows: run as 4
+        (full,) = pool.run(None, feed(8, 10))  # a bucket already: as it is
+        stats = pool.stats()
+    assert (stats.batches, stats.batched_rows, stats.padded_rows) == (3, 16, 4)
+    for f, (y,) in [*zip(feeds, outs, strict=True), (alone, (lone,))]:
+        assert y.shape == (f["x"].shape[0], DIM)
+        np.testing.assert_allclose(y, solo(f), rtol=1e-5, atol=1e-6)
+    assert full.shape == (8, DIM)
+
+
+def test_padding_repeats_the_last_real_row() -> None:
+    from sharedml._batching import Request, merge, split
+
+    ids = [np.array([[5, 6]]), np.array([[7, 8], [9, 10]])]
+    requests = [Request(None, {"ids": x}, None, len(x), "k") for x in ids]
+    merged = merge(requests, rows=4)["ids"]
+    np.testing.assert_array_equal(merged, [[5, 6], [7, 8], [9, 10], [9, 10]])  # no zero ids
+    parts = split([merged * 2], requests, rows=4)
+    assert parts is not None
+    np.testing.assert_array_equal(parts[1][0], [[14, 16], [18, 20]])
+    assert split([merged], requests) is None  # unpadded rows expected: 3, not 4
+
+
+def test_padding_is_on_where_kernels_are_chosen_per_shape() -> None:
+    default = sharedml.Batching()
+    assert not default.pads("CPUExecutionProvider")
+    assert default.pads("CUDAExecutionProvider") and default.pads("DmlExecutionProvider")
+    assert not sharedml.Batching(pad_to_buckets=False).pads("CUDAExecutionProvider")
+    assert sharedml.Batching(pad_to_buckets=False).pads("CUDAExecutionProvider", cuda_graphs=True)
+    assert sharedml.Batching(max_batch_size=12).buckets() == [1, 2, 4, 8, 12]
+    with pytest.raises(ValueError, match="pad_to_buckets"):
+        sharedml.Batching(pad_to_buckets="yes")  # type: ignore[arg-type]
+
+
+def test_warm_up_runs_every_bucket_when_batches_are_padded(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime_extensions")
+    from _overlap import DETECTOR, probe_model, register
+
+    probe = probe_model(tmp_path / "probe.onnx")
+    batching = sharedml.Batching(max_batch_size=8, pad_to_buckets=True)
+    with sharedml.SessionPool(
+        probe, sessions=2, batching=batching, prepacking="off", configure=register
+    ) as pool:
+        DETECTOR.reset()
+        pool.warm_up({"x": np.ones((1, 4), np.float32)})
+        assert sorted(DETECTOR.rows) == [1, 1, 2, 2, 4, 4, 8, 8]  # every bucket, each session
+        DETECTOR.reset()
+        pool.run(None, {"x": np.ones((3, 4), np.float32)})
+        assert DETECTOR.rows == [4]  # what ORT ran: the bucket

@@ -183,3 +183,32 @@ def test_a_capture_never_overlaps_another_sessions_replay(probe: Path) -> None:
         for other, r_start, r_end in replays:
             if other != name:
                 assert r_end <= c_start or r_start >= c_end  # disjoint in time
+
+
+def test_each_set_of_dim_values_gets_a_session_with_those_dims_fixed(
+    pool: sharedml.SessionPool,
+) -> None:
+    # Fixed dims let ORT fold shape arithmetic away, which it would otherwise put on the CPU,
+    # where CUDA graphs refuse it. The pool itself reports the model as declared.
+    assert pool.get_inputs()[0].shape == ["batch", 16]
+    with pool.session() as sess:
+        three, again, five = (sess.slot({"x": rows(n)}) for n in (3, 3, 5))
+    assert three.dims == {"batch": 3} and five.dims == {"batch": 5}
+    assert three.session is again.session and three.session is not five.session
+    assert three.session.get_inputs()[0].shape == [3, 16]
+    assert five.session.get_outputs()[0].shape == [5, 16]
+
+
+def test_inputs_that_disagree_on_a_shared_dim_are_refused(tmp_path: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    a, b, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 4]) for n in "aby")
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "add", [a, b], [y])
+    path = tmp_path / "add.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    with sharedml.SessionPool(path, sessions=1, providers=CPU_GRAPHS) as pool:
+        ones = np.ones((2, 4), np.float32)
+        np.testing.assert_array_equal(pool.run(None, {"a": ones, "b": ones})[0], 2 * ones)
+        with pytest.raises(sharedml.InvalidInputError, match=r"'batch'.*must agree"):
+            pool.run(None, {"a": ones, "b": np.ones((3, 4), np.float32)})

@@ -85,21 +85,46 @@ def fake_distribution(site: Path, name: str, version: str) -> None:
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
 
 
-def test_two_onnxruntime_distributions_are_detected_when_onnxruntime_is_first_needed(
-    tmp_path: Path,
-) -> None:
-    fake_distribution(tmp_path, "onnxruntime-gpu", "1.20.0")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+def run_detect(*sites: Path) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, sites), *sys.path])}
     out = subprocess.run(
         [sys.executable, "-c", DETECT], capture_output=True, text=True, timeout=120, env=env
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    first, *warned = out.stdout.strip().splitlines()
-    assert first == "1", out.stdout  # once per process
+    return out.stdout.strip().splitlines()
+
+
+def test_two_onnxruntime_distributions_in_one_folder_are_detected_when_first_needed(
+    tmp_path: Path,
+) -> None:
+    # One folder that two installs wrote: the real package (linked) and both records.
+    import onnxruntime
+
+    (tmp_path / "onnxruntime").symlink_to(Path(onnxruntime.__file__).parent)
+    fake_distribution(tmp_path, "onnxruntime", onnxruntime.__version__)
+    fake_distribution(tmp_path, "onnxruntime-gpu", "1.20.0")
+    first, *warned = run_detect(tmp_path)
+    assert first == "1", warned  # once per process
     assert warned[0].startswith("RuntimeWarning sharedml: 2 onnxruntime distributions")
-    assert "onnxruntime-gpu 1.20.0" in warned[0]
+    assert str(tmp_path) in warned[0] and "onnxruntime-gpu 1.20.0" in warned[0]
     fix = "pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu"
     assert fix in warned[0]
+
+
+def test_an_onnxruntime_installed_in_a_folder_of_its_own_is_not_mixed(tmp_path: Path) -> None:
+    # pip install --target DIR onnxruntime-gpu, DIR on PYTHONPATH: sys.path order decides, and
+    # the folder imported from holds one distribution.
+    import onnxruntime
+
+    own = tmp_path / "own"
+    (own / "onnxruntime").parent.mkdir()
+    (own / "onnxruntime").symlink_to(Path(onnxruntime.__file__).parent)
+    fake_distribution(own, "onnxruntime-gpu", "1.20.0")
+    assert run_detect(own) == ["0"]
+    # and a record elsewhere on the path, shadowed by the package imported, is not either
+    other = tmp_path / "other"
+    fake_distribution(other, "onnxruntime-gpu", "1.20.0")
+    assert run_detect(other) == ["0"]
 
 
 def test_one_onnxruntime_distribution_says_nothing() -> None:

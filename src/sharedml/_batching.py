@@ -37,6 +37,7 @@ __all__ = [
     "Batching",
     "Request",
     "Signature",
+    "bucket_for",
     "merge",
     "signature_of",
     "split",
@@ -57,10 +58,18 @@ class Batching:
         max_delay_ms: How long a session that found fewer than ``max_batch_size`` rows waiting
             waits for more before it runs. 0 (default): never wait; a request that finds a free
             session runs at once, and batches form only from requests that queued meanwhile.
+        pad_to_buckets: Pad each batch (a lone request too) to the next power of two rows
+            (at most ``max_batch_size``), repeating its last row; the padding's outputs are
+            dropped. None (default): on for every provider but the CPU's, and always with CUDA
+            graphs. GPU providers choose kernels per input shape (cuDNN searches convolution
+            algorithms for each new batch size, a CUDA graph is captured per shape): buckets
+            bound the shapes to ``log2(max_batch_size) + 1``, which ``warm_up`` then settles.
+            On the CPU kernels need no warm-up per shape, and padding would only cost work.
     """
 
     max_batch_size: int = 32
     max_delay_ms: float = 0.0
+    pad_to_buckets: bool | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -74,6 +83,26 @@ class Batching:
         delay: object = self.max_delay_ms
         if not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
             raise ValueError(f"max_delay_ms must be a finite number >= 0, not {delay!r}.")
+        if self.pad_to_buckets not in (None, True, False):
+            raise ValueError(
+                f"pad_to_buckets must be True, False or None, not {self.pad_to_buckets!r}."
+            )
+
+    def pads(self, provider: str, *, cuda_graphs: bool = False) -> bool:
+        """Whether batches on ``provider`` are padded to buckets (see ``pad_to_buckets``)."""
+        if cuda_graphs:
+            return True  # a graph per batch size otherwise
+        if self.pad_to_buckets is None:
+            return provider != "CPUExecutionProvider"
+        return self.pad_to_buckets
+
+    def buckets(self) -> list[int]:
+        """The rows a padded batch can have: the powers of two below ``max_batch_size``, and it."""
+        sizes, size = [], 1
+        while size < self.max_batch_size:
+            sizes.append(size)
+            size *= 2
+        return [*sizes, self.max_batch_size]
 
     @classmethod
     def parse(cls, value: object) -> Batching | None:
@@ -270,17 +299,47 @@ def signature_of(model: Any, *, name: str) -> Signature:
     return Signature(inputs, tuple(o.name for o in model.graph.output))
 
 
-def merge(requests: Sequence[Request]) -> dict[str, Any]:
-    """One feed holding every request's rows, in order (same key assumed)."""
+def bucket_for(rows: int, limit: int) -> int:
+    """The smallest power of two >= ``rows``, at most ``limit``: the rows of a padded batch."""
+    bucket = 1
+    while bucket < rows:
+        bucket *= 2
+    return min(bucket, max(limit, rows))
+
+
+def merge(requests: Sequence[Request], *, rows: int | None = None) -> dict[str, Any]:
+    """One feed holding every request's rows, in order (same key assumed).
+
+    Args:
+        requests: The requests, each of ``request.rows`` rows.
+        rows: Pad to this many rows by repeating the last one (a real row, so that no model
+            meets inputs it was never given: zeros can be an invalid token id or a 0/0).
+    """
     first = requests[0].feed
-    return {name: np.concatenate([r.feed[name] for r in requests], axis=0) for name in first}
+    merged = {}
+    for name in first:
+        parts = [r.feed[name] for r in requests]
+        total = sum(len(part) for part in parts)
+        if rows is not None and rows > total:
+            parts.append(np.repeat(parts[-1][-1:], rows - total, axis=0))
+        merged[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    return merged
 
 
-def split(outputs: Sequence[Any], requests: Sequence[Request]) -> list[list[Any]] | None:
-    """Each request's rows of ``outputs``, as arrays it owns; None if the rows do not add up."""
+def split(
+    outputs: Sequence[Any], requests: Sequence[Request], *, rows: int | None = None
+) -> list[list[Any]] | None:
+    """Each request's rows of ``outputs``, as arrays it owns; None if the rows do not add up.
+
+    Args:
+        outputs: A run's outputs over the merged feed.
+        requests: The requests merged, in order.
+        rows: The merged feed's rows, padding included (default: the requests' rows).
+    """
     total = sum(r.rows for r in requests)
+    expected = total if rows is None else rows
     for out in outputs:
-        if len(out) != total:  # arrays (axis 0) and sequence outputs (lists) alike
+        if len(out) != expected:  # arrays (axis 0) and sequence outputs (lists) alike
             return None
     per_request: list[list[Any]] = []
     start = 0

@@ -15,10 +15,16 @@ graph, and replays it afterwards. Three facts of ORT's implementation (read from
   exclusively, and every replay holds it shared: captures never overlap other graph work of
   the process. Other CUDA work of the process (a torch model, a pool without graphs) is not
   covered: warm a graph pool up before such work starts (``pool.warm_up``).
-- Each captured graph is kept under a graph id (run option ``gpu_graph_id``): a new input
-  shape gets its own slot (buffers, binding, graph id), up to ``max_graphs`` per session; with
-  batching, merged requests are padded to a power-of-two bucket so that a few graphs serve any
-  batch size.
+- ORT refuses graph capture when any node is not on the CUDA EP, and with symbolic dims it
+  places the shape arithmetic (``Shape`` -> ``Gather`` -> ``Range``/``Reshape`` chains, e.g. a
+  transformer's position ids) on the CPU: "all compute graph nodes have not been partitioned to
+  the CUDAExecutionProvider". Fixing the dims folds those chains away. So each set of dim
+  values gets a session of its own, created with ``add_free_dimension_override_by_name``
+  (cheap: the weights are shared; what a session adds is the execution state a captured graph
+  holds anyway); its graphs are kept under graph ids (run option ``gpu_graph_id``): a new input
+  shape gets its own slot (session, buffers, binding, graph id), up to ``max_graphs`` per pool
+  session. With batching, the pool pads every batch to a power-of-two bucket
+  (``Batching.pad_to_buckets``) so that a few graphs serve any batch size.
 
 Feeds are copied into the slot's input buffers and outputs copied out; callers who keep their
 data on the device use :meth:`GraphSession.slot` to get the buffers themselves.
@@ -33,7 +39,7 @@ import contextlib
 import dataclasses
 import itertools
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -49,7 +55,6 @@ __all__ = [
     "GraphLimitError",
     "GraphSession",
     "GraphSlot",
-    "bucket_for",
     "cuda_graphs_enabled",
 ]
 
@@ -71,14 +76,6 @@ def cuda_graphs_enabled(provider: str, provider_options: Mapping[str, str]) -> b
     """Whether ``provider``'s options turn CUDA graphs on (``enable_cuda_graph=1``)."""
     flag = str(provider_options.get("enable_cuda_graph", "0")).lower() in ("1", "true")
     return flag and provider in GRAPH_DEVICES
-
-
-def bucket_for(rows: int, limit: int) -> int:
-    """The smallest power of two >= ``rows`` (at most ``limit``): the batch a graph is for."""
-    bucket = 1
-    while bucket < rows:
-        bucket *= 2
-    return min(bucket, max(limit, rows))
 
 
 class _SharedExclusive:
@@ -130,28 +127,33 @@ class GraphSlot:
     """The device buffers one captured graph reads and writes, for one input shape.
 
     Attributes:
-        graph_id: The graph's id (run option ``gpu_graph_id``).
+        graph_id: The graph's id (run option ``gpu_graph_id``) in its session.
+        dims: The symbolic dims fixed for its session (name -> value).
         inputs: Input name -> ``OrtValue`` on the device, at a fixed address.
         outputs: Output name -> ``OrtValue`` on the device, at a fixed address.
         rows: The batch (axis 0) the slot was captured for.
     """
 
     graph_id: int
+    dims: dict[str, int]
     inputs: dict[str, Any]
     outputs: dict[str, Any]
     rows: int
+    session: Any = dataclasses.field(repr=False, default=None)
     binding: Any = dataclasses.field(repr=False, default=None)
     run_options: Any = dataclasses.field(repr=False, default=None)
 
 
 class GraphSession:
-    """A session with CUDA graphs, driven by a thread of its own.
+    """A pool session with CUDA graphs, driven by a thread of its own.
 
     Args:
-        session: An ``onnxruntime.InferenceSession`` created with ``enable_cuda_graph=1``.
+        template: A session of the model (graphs off, never run): the inputs' declared shapes
+            and everything ``get_inputs``/``get_outputs``/... report.
+        factory: ``factory(dims)`` creates an ``onnxruntime.InferenceSession`` with
+            ``enable_cuda_graph=1`` and the symbolic dims ``dims`` (name -> value) fixed.
         device: ``"cuda"`` (or ``"cpu"`` for tests of the machinery).
         device_id: The device.
-        buckets_up_to: With batching: pad a request's rows to a power of two up to this.
         max_graphs: The most slots (distinct input shapes) kept.
 
     Thread safety: ``run`` and ``slot`` may be called from any thread; the work runs on the
@@ -160,20 +162,22 @@ class GraphSession:
 
     def __init__(
         self,
-        session: Any,
+        template: Any,
+        factory: Callable[[Mapping[str, int]], Any],
         *,
         device: str,
         device_id: int,
-        buckets_up_to: int | None = None,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
     ) -> None:
-        self.session = session
+        self.template = template
+        self.factory = factory
         self.device = device
         self.device_id = device_id
-        self.buckets_up_to = buckets_up_to
         self.max_graphs = max_graphs
         self._slots: dict[Any, GraphSlot] = {}
-        self._outputs = [o.name for o in session.get_outputs()]
+        self._sessions: dict[tuple[tuple[str, int], ...], Any] = {}  # fixed dims -> session
+        self._declared = {i.name: list(i.shape) for i in template.get_inputs()}
+        self._outputs = [o.name for o in template.get_outputs()]
         self._thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"sharedml-graph-{next(_NUMBERS)}"
         )
@@ -189,7 +193,7 @@ class GraphSession:
         ``slot.inputs`` (e.g. through their DLPack views), call :meth:`replay`, read
         ``slot.outputs``; nothing is copied through the host.
         """
-        arrays, _ = self._padded(dict(feed))
+        arrays = self._arrays(dict(feed))
         return self._thread.submit(self._slot_for, arrays).result()
 
     def replay(self, slot: GraphSlot) -> None:
@@ -197,28 +201,28 @@ class GraphSession:
         self._thread.submit(self._replay, slot).result()
 
     def close(self) -> None:
-        """Stop the session's thread (after the work it has)."""
+        """Stop the session's thread (after the work it has); its sessions go with it."""
         self._thread.shutdown(wait=True)
+        self._slots.clear()
+        self._sessions.clear()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.session, name)  # get_inputs, get_providers, ...
+        return getattr(self.template, name)  # get_inputs, get_providers, ...
 
     # Everything below runs on the session's own thread.
 
     def _run_here(self, output_names: Sequence[str] | None, feed: dict[str, Any]) -> list[Any]:
-        arrays, rows = self._padded(feed)
+        arrays = self._arrays(feed)
         slot = self._slot_for(arrays)
         for name, array in arrays.items():
             slot.inputs[name].update_inplace(array)
         self._replay(slot)
         names = list(output_names) if output_names is not None else self._outputs
-        outs = [slot.outputs[n].numpy() for n in names]
-        if rows is not None and rows != slot.rows:
-            outs = [out[:rows].copy() for out in outs]
-        return outs
+        return [slot.outputs[n].numpy() for n in names]
 
-    def _padded(self, feed: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-        """Feeds as contiguous arrays, padded along axis 0 to a bucket when batching."""
+    @staticmethod
+    def _arrays(feed: dict[str, Any]) -> dict[str, Any]:
+        """Feeds as contiguous numpy arrays, the form a slot's buffers are written from."""
         arrays = {}
         for name, value in feed.items():
             if not isinstance(value, np.ndarray):
@@ -227,19 +231,7 @@ class GraphSession:
                     f"copied into the graph's device buffer), not {type(value).__name__}."
                 )
             arrays[name] = np.ascontiguousarray(value)
-        if self.buckets_up_to is None or not arrays:
-            return arrays, None
-        rows = {a.shape[0] for a in arrays.values() if a.ndim}
-        if len(rows) != 1:
-            return arrays, None
-        (n,) = rows
-        bucket = bucket_for(n, self.buckets_up_to)
-        if bucket != n:
-            arrays = {
-                k: np.concatenate([a, np.zeros((bucket - n, *a.shape[1:]), a.dtype)])
-                for k, a in arrays.items()
-            }
-        return arrays, n
+        return arrays
 
     def _slot_for(self, arrays: dict[str, Any]) -> GraphSlot:
         key = tuple(sorted((k, a.dtype.str, a.shape) for k, a in arrays.items()))
@@ -253,16 +245,46 @@ class GraphSession:
                     "input shapes, pad to the shapes already captured, or batching (which pads "
                     "to power-of-two buckets)."
                 )
-            slot = self._capture(arrays, graph_id=len(self._slots) + 1)
+            dims = self._dims_of(arrays)
+            graph_id = 1 + sum(1 for s in self._slots.values() if s.dims == dims)
+            slot = self._capture(self._session_for(dims), arrays, dims=dims, graph_id=graph_id)
             self._slots[key] = slot
         return slot
 
-    def _capture(self, arrays: dict[str, Any], *, graph_id: int) -> GraphSlot:
+    def _dims_of(self, arrays: dict[str, Any]) -> dict[str, int]:
+        """The values ``arrays`` give the inputs' symbolic dims (ORT checks the rest)."""
+        dims: dict[str, int] = {}
+        for name, array in arrays.items():
+            declared = self._declared.get(name)
+            if declared is None or len(declared) != array.ndim:
+                continue  # ORT's own error names it, at the first run
+            for dim, value in zip(declared, array.shape, strict=True):
+                if not isinstance(dim, str):
+                    continue
+                if dims.setdefault(dim, value) != value:
+                    raise InvalidInputError(
+                        f"Input '{name}' gives dim '{dim}' the value {value}, another input "
+                        f"{dims[dim]}: inputs that share a symbolic dim must agree on it."
+                    )
+        return dims
+
+    def _session_for(self, dims: dict[str, int]) -> Any:
+        key = tuple(sorted(dims.items()))
+        sess = self._sessions.get(key)
+        if sess is None:
+            # Creation allocates on the device: not while another stream captures.
+            with CAPTURE_LOCK.exclusive():
+                sess = self._sessions[key] = self.factory(dims)
+        return sess
+
+    def _capture(
+        self, session: Any, arrays: dict[str, Any], *, dims: dict[str, int], graph_id: int
+    ) -> GraphSlot:
         import onnxruntime as ort
 
         options = ort.RunOptions()
         options.add_run_config_entry(GRAPH_ID_KEY, str(graph_id))
-        binding = self.session.io_binding()
+        binding = session.io_binding()
         inputs = {
             name: ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
             for name, array in arrays.items()
@@ -275,15 +297,15 @@ class GraphSession:
         with CAPTURE_LOCK.exclusive():
             # First run: ORT allocates the outputs, whose shapes only a run tells; those buffers
             # are bound from then on, so that the captured graph writes where callers read.
-            self.session.run_with_iobinding(binding, options)
+            session.run_with_iobinding(binding, options)
             outputs = dict(zip(self._outputs, binding.get_outputs(), strict=True))
             binding.clear_binding_outputs()
             for name, value in outputs.items():
                 binding.bind_ortvalue_output(name, value)
             for _ in range(CAPTURE_RUNS - 1):  # the rest of ORT's warm-up, then its capture
-                self.session.run_with_iobinding(binding, options)
-        return GraphSlot(graph_id, inputs, outputs, rows, binding, options)
+                session.run_with_iobinding(binding, options)
+        return GraphSlot(graph_id, dims, inputs, outputs, rows, session, binding, options)
 
     def _replay(self, slot: GraphSlot) -> None:
         with CAPTURE_LOCK.shared():
-            self.session.run_with_iobinding(slot.binding, slot.run_options)
+            slot.session.run_with_iobinding(slot.binding, slot.run_options)

@@ -37,6 +37,7 @@ __all__ = [
     "max_map_count",
     "open_below",
     "onnxruntime_distributions",
+    "onnxruntime_site",
     "package_root",
     "release_freed_heap",
     "sha256_file",
@@ -105,40 +106,62 @@ ORT_DISTRIBUTIONS = (
 )
 
 
-def onnxruntime_distributions() -> list[tuple[str, str]]:
-    """``(name, version)`` of every installed distribution that provides ``onnxruntime``."""
+def onnxruntime_site() -> Path | None:
+    """The folder the ``onnxruntime`` package would be imported from, without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("onnxruntime")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent.parent
+
+
+def onnxruntime_distributions(site: Path | None = None) -> list[tuple[str, str]]:
+    """``(name, version)`` of each distribution in ``site`` that provides ``onnxruntime``.
+
+    Args:
+        site: a site folder; default: the one ``onnxruntime`` would be imported from
+            (:func:`onnxruntime_site`). Distributions in other folders of ``sys.path`` are left
+            out: sys.path order decides between folders, and a package shadowed that way cannot
+            mix with the one imported. Two in one folder wrote their files over each other.
+    """
     import importlib.metadata as metadata
 
-    found = []
-    for name in ORT_DISTRIBUTIONS:
-        try:
-            found.append((name, metadata.version(name)))
-        except metadata.PackageNotFoundError:
-            continue
-    return found
+    site = site if site is not None else onnxruntime_site()
+    if site is None:
+        return []
+    found: dict[str, str] = {}
+    for dist in metadata.distributions(path=[str(site)]):
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in ORT_DISTRIBUTIONS:
+            found.setdefault(name, dist.version)
+    return sorted(found.items(), key=lambda item: ORT_DISTRIBUTIONS.index(item[0]))
 
 
 @functools.cache
 def check_one_onnxruntime() -> str | None:
-    """Warn (once per process) when two onnxruntime distributions are installed; say the fix.
+    """Warn (once per process) when two onnxruntime distributions share one folder; say the fix.
 
     Called where sharedml first needs onnxruntime (planning a pool's or a measurement's
     providers), not at ``import sharedml``. A warning, not an error: the mixed install may still
     work for what the user runs, but it is an accident of install order (``pip install
-    onnxruntime-gpu`` next to ``onnxruntime`` leaves whichever came last, in part).
+    onnxruntime-gpu`` next to ``onnxruntime`` leaves whichever came last, in part). A build
+    installed in a folder of its own ahead on ``sys.path`` (``pip install --target``) is not
+    mixed, and is not warned of.
 
     Returns:
-        The warning's text, or None when at most one is installed.
+        The warning's text, or None when at most one is installed there.
     """
-    found = onnxruntime_distributions()
+    site = onnxruntime_site()
+    found = onnxruntime_distributions(site)
     if len(found) < 2:
         return None
     listed = ", ".join(f"{name} {version}" for name, version in found)
     names = " ".join(name for name, _ in found)
     keep = next((name for name, _ in found if name != "onnxruntime"), found[0][0])
     message = (
-        f"sharedml: {len(found)} onnxruntime distributions are installed ({listed}); they all "
-        "write the same 'onnxruntime' package, so the build you get (and its execution "
+        f"sharedml: {len(found)} onnxruntime distributions are installed in {site} ({listed}); "
+        "they all write the same 'onnxruntime' package, so the build you get (and its execution "
         f"providers) depends on install order. Keep exactly one: pip uninstall -y {names} && "
         f"pip install {keep} (README, Install)."
     )

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import math
 import operator
 import os
@@ -46,7 +47,15 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
-from sharedml._batching import Batching, Request, Signature, merge, signature_of, split
+from sharedml._batching import (
+    Batching,
+    Request,
+    Signature,
+    bucket_for,
+    merge,
+    signature_of,
+    split,
+)
 from sharedml._cache import CacheDir
 from sharedml._errors import (
     InvalidInputError,
@@ -58,13 +67,7 @@ from sharedml._errors import (
     SessionCreationError,
     SharedMLError,
 )
-from sharedml._graphs import (
-    DEFAULT_MAX_GRAPHS,
-    GRAPH_DEVICES,
-    GraphSession,
-    bucket_for,
-    cuda_graphs_enabled,
-)
+from sharedml._graphs import DEFAULT_MAX_GRAPHS, GRAPH_DEVICES, GraphSession, cuda_graphs_enabled
 from sharedml._host import release_freed_heap, usable_cores
 from sharedml._onnx import load_graph
 from sharedml._providers import (
@@ -191,6 +194,7 @@ class PoolStats:
         batches: ``Run`` calls made for requests while batching (merged or alone).
         batched_rows: Rows those runs processed.
         max_batch_rows: The most rows in one of them.
+        padded_rows: Rows of padding those runs added (``Batching.pad_to_buckets``).
     """
 
     sessions: int
@@ -208,6 +212,7 @@ class PoolStats:
     batches: int = 0
     batched_rows: int = 0
     max_batch_rows: int = 0
+    padded_rows: int = 0
 
     @property
     def idle(self) -> int:
@@ -452,6 +457,7 @@ class SessionPool:
         self._busy = 0
         self._runs = self._failed = self._waits = self._created = self._replaced = 0
         self._creation_failures = self._batches = self._batched_rows = self._max_rows = 0
+        self._padded_rows = 0
         self._wait_s = self._create_s = 0.0
         self._filling = 0  # leaders waiting up to max_delay_ms for more rows
         self._executor: ThreadPoolExecutor | None = None
@@ -459,6 +465,8 @@ class SessionPool:
         self._serialize_creation = serialize_creation
         self._run_lock: _FairLock | None = _run_lock_for(self.plan) if serialized else None
         self._graphs = cuda_graphs_enabled(self.plan.primary, self.plan.provider_options[0])
+        self._template: Any = None  # with graphs: see _graph_template
+        self._template_lock = threading.Lock()
         self._creator: Future[None] | None = None
         self._creation_error: BaseException | None = None  # undelivered background failure
         self._gave_up: BaseException | None = None  # background creation stopped for good
@@ -488,6 +496,9 @@ class SessionPool:
             except NotBatchableError:
                 if wanted is not None:
                     raise  # asked for: say why not; by default: run unbatched
+        self._pads = self.batching is not None and self.batching.pads(
+            self.plan.primary, cuda_graphs=self._graphs
+        )
 
         initial = (
             self._min if not (serialize_creation and create_in_background) else min(self._min, 1)
@@ -589,19 +600,20 @@ class SessionPool:
     def _create_session(self) -> Any:
         lock = _CREATION_LOCK if self._serialize_creation else contextlib.nullcontext()
         start = time.perf_counter()
-        with lock:
-            sess = self.recipe.create_session()
         if self._graphs:
-            # Driven by a thread of its own: ORT keeps a CUDA graph per thread (see _graphs).
-            buckets = self.batching.max_batch_size if self.batching else None
+            # Driven by a thread of its own: ORT keeps a CUDA graph per thread; its sessions,
+            # one per set of dim values, are created as shapes arrive (see _graphs).
+            buckets = len(self.batching.buckets()) if self.batching else 0
             sess = GraphSession(
-                sess,
+                self._graph_template(),
+                functools.partial(self._create_graph_session, lock),
                 device=GRAPH_DEVICES[self.plan.primary],
                 device_id=self.plan.device_id,
-                buckets_up_to=buckets,
-                # Room for a graph per power-of-two batch bucket, besides other shapes.
-                max_graphs=DEFAULT_MAX_GRAPHS + (buckets.bit_length() + 1 if buckets else 0),
+                max_graphs=DEFAULT_MAX_GRAPHS + buckets,  # room for every batch bucket
             )
+        else:
+            with lock:
+                sess = self.recipe.create_session()
         elapsed = time.perf_counter() - start
         with self._cond:
             self._created += 1
@@ -614,6 +626,17 @@ class SessionPool:
                     "modelmeta": sess.get_modelmeta(),
                 }
         return sess
+
+    def _graph_template(self) -> Any:
+        """The pool's one session with graphs off, never run: what its graph sessions report."""
+        with self._template_lock:
+            if self._template is None:
+                self._template = self.recipe.create_session(cuda_graph=False)
+            return self._template
+
+    def _create_graph_session(self, lock: Any, dims: Mapping[str, int]) -> Any:
+        with lock:
+            return self.recipe.create_session(dims=dims)
 
     def _create_in_background(self, n: int) -> None:
         """Create ``n`` more sessions (reserved in ``_count``), one at a time.
@@ -1000,18 +1023,22 @@ class SessionPool:
         """
         requests = [t.request for t in batch]
         assert all(r is not None for r in requests)
-        if len(batch) > 1:
-            merged_rows = sum(r.rows for r in requests if r is not None)
+        merged_rows = sum(r.rows for r in requests if r is not None)
+        rows = merged_rows
+        if self._pads and self.batching is not None and batch[0].request.key is not None:  # type: ignore[union-attr]
+            rows = bucket_for(merged_rows, self.batching.max_batch_size)
+        if len(batch) > 1 or rows != merged_rows:
             try:
-                outputs = self._ort_run(sess, batch[0].request, merge(requests))  # type: ignore[arg-type]
+                feed = merge(requests, rows=rows)  # type: ignore[arg-type]
+                outputs = self._ort_run(sess, batch[0].request, feed)  # type: ignore[arg-type]
             except Exception as exc:
                 if _is_session_fatal(exc):
                     for t in batch:
                         t.error = _run_error(exc)
                     return True
                 outputs = None  # rerun each member alone: only the culprit fails
-            self._count_batch(merged_rows)
-            parts = split(outputs, requests) if outputs is not None else None  # type: ignore[arg-type]
+            self._count_batch(merged_rows, padded=rows - merged_rows)
+            parts = split(outputs, requests, rows=rows) if outputs is not None else None  # type: ignore[arg-type]
             if parts is not None:
                 for t, part in zip(batch, parts, strict=True):
                     t.result = part
@@ -1033,10 +1060,11 @@ class SessionPool:
                     self._count_batch(t.request.rows if t.request is not None else 0)
         return False
 
-    def _count_batch(self, rows: int) -> None:
+    def _count_batch(self, rows: int, *, padded: int = 0) -> None:
         with self._cond:
             self._batches += 1
             self._batched_rows += rows
+            self._padded_rows += padded
             self._max_rows = max(self._max_rows, rows)
 
     def _stop_merging(self) -> None:
@@ -1076,15 +1104,10 @@ class SessionPool:
         """
         self.wait_ready(timeout_s)
         feeds: list[dict[str, Any]] = [dict(input_feed)]
-        if self.batching is not None and self._graphs:
+        if self.batching is not None and self._pads:
             rows = {len(v) for v in input_feed.values() if hasattr(v, "__len__")}
             if len(rows) == 1 and (n := rows.pop()):
-                sizes = sorted(
-                    {
-                        bucket_for(r, self.batching.max_batch_size)
-                        for r in range(1, self.batching.max_batch_size + 1)
-                    }
-                )
+                sizes = self.batching.buckets()
                 feeds = [{k: _rows_of(v, size, n) for k, v in input_feed.items()} for size in sizes]
         with contextlib.ExitStack() as held:
             sessions = [
@@ -1149,6 +1172,7 @@ class SessionPool:
                 batches=self._batches,
                 batched_rows=self._batched_rows,
                 max_batch_rows=self._max_rows,
+                padded_rows=self._padded_rows,
             )
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -1205,6 +1229,8 @@ class SessionPool:
             executor, self._executor = self._executor, None
         for sess in dropped:
             _discard(sess)
+        with self._template_lock:
+            self._template = None
         if executor is not None:
             executor.shutdown(wait=True)
 

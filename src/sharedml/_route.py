@@ -36,7 +36,7 @@ import dataclasses
 import enum
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -205,8 +205,15 @@ class SessionRecipe:
             self.configure(so)
         return so
 
-    def create_session(self) -> Any:
+    def create_session(
+        self, *, dims: Mapping[str, int] | None = None, cuda_graph: bool = True
+    ) -> Any:
         """Create one ``onnxruntime.InferenceSession`` of this recipe.
+
+        Args:
+            dims: Symbolic dims to fix (``add_free_dimension_override_by_name``), name -> value.
+            cuda_graph: False: ``enable_cuda_graph`` off whatever the plan says (a session that
+                only reports the model's inputs and outputs).
 
         Raises:
             SessionCreationError: onnxruntime refused; the message names the model and providers.
@@ -214,12 +221,18 @@ class SessionRecipe:
         import onnxruntime as ort
 
         so = self.options()
+        for name, value in (dims or {}).items():
+            so.add_free_dimension_override_by_name(name, value)
+        provider_options = [dict(o) for o in self.plan.provider_options]
+        if not cuda_graph:
+            for options in provider_options:
+                options.pop("enable_cuda_graph", None)
         try:
             sess = ort.InferenceSession(
                 str(self.load_path),
                 so,
                 providers=list(self.plan.providers),
-                provider_options=[dict(o) for o in self.plan.provider_options],
+                provider_options=provider_options,
             )
         except SharedMLError:
             raise
