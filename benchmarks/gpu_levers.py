@@ -12,6 +12,9 @@ short window. Configurations:
                  (``sharedml._device.register_shared_arena``, ``session.use_env_allocators=1``).
 ``mempool``      that environment arena with ``arena.use_cuda_mempool=1`` (ORT's CUDA memory
                  pool arena, where the installed build knows the key).
+``external``     every session allocating from torch's caching allocator (provider options
+                 ``gpu_external_alloc``/``gpu_external_free``/``gpu_external_empty_cache``, ctypes
+                 callbacks): one allocator for all sessions.
 
 It also re-probes ``SessionOptions.add_external_initializers`` with device OrtValues in a child
 process (upstream PR #29013 made it use them in place; onnxruntime-gpu 1.31.1 crashed there).
@@ -33,7 +36,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-LEVERS = ("default", "shrink", "env-arena", "mempool")
+LEVERS = ("default", "shrink", "env-arena", "mempool", "external")
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -80,6 +83,33 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         max_seq=meta.get("max_seq"),
     )
     feed = rm.sample_inputs(info_, batch=1, seq=spec["seq"], seed=0)
+    providers: list[Any] = ["CUDAExecutionProvider"]
+    callbacks: tuple[Any, ...] = ()
+    if lever == "external":
+        import ctypes
+
+        alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(
+            lambda size: torch.cuda.caching_allocator_alloc(size) if size else None
+        )
+        free = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(
+            lambda ptr: torch.cuda.caching_allocator_delete(ptr) if ptr else None
+        )
+        empty = ctypes.CFUNCTYPE(None)(torch.cuda.empty_cache)
+        callbacks = (alloc, free, empty)  # alive as long as the sessions
+
+        def address(fn: Any) -> str:
+            return str(ctypes.cast(fn, ctypes.c_void_p).value)
+
+        providers = [
+            (
+                "CUDAExecutionProvider",
+                {
+                    "gpu_external_alloc": address(alloc),
+                    "gpu_external_free": address(free),
+                    "gpu_external_empty_cache": address(empty),
+                },
+            )
+        ]
     options = None
     if lever == "shrink":
         options = ort.RunOptions()
@@ -88,7 +118,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     pool = sharedml.SessionPool(
         spec["model"],
         sessions=n,
-        providers=["CUDAExecutionProvider"],
+        providers=providers,
         configure=configure,
         cache_dir=spec["cache_dir"],
     )
@@ -125,6 +155,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         "mechanism": str(pool.mechanism),
     }
     pool.close()
+    del callbacks
     return result
 
 
