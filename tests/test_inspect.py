@@ -846,3 +846,36 @@ def test_the_plot_makes_the_comparison_visible() -> None:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_where_runs_are_serialized_the_recommendation_is_one_batched_session(
+    tmp_path: Path,
+) -> None:
+    from _models import batchable_model
+
+    from sharedml._inspect import _serialized_for, findings
+    from sharedml._providers import plan_providers
+
+    dml = "DmlExecutionProvider"
+    plan = plan_providers([dml], available=[dml, "CPUExecutionProvider"])
+    model = load_graph(batchable_model(tmp_path / "b.onnx", dim=8))
+    serialized = _serialized_for(plan, model, "'b.onnx'")
+    assert serialized is not None and serialized.not_batchable is None
+    measured = {
+        "naive": fake_measurement("naive", 100, 0),
+        "shared": fake_measurement("shared", 100, 100),  # DML: every session its own VRAM copy
+    }
+    first = findings(measured, sessions=4, weights_bytes=100 * MiB, serialized=serialized)[0]
+    assert first.kind == "serialized-runs" and first.figures["batchable"]
+    assert "one Run at a time across the process" in first.text
+    assert "4 sessions run no more at once than one" in first.text
+    assert "sessions=1, batching=True" in first.text
+    # a model that cannot be batched: one session, and why not batching
+    fixed = onnx.load(str(tmp_path / "b.onnx"))
+    fixed.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1
+    unbatchable = _serialized_for(plan, fixed, "'fixed.onnx'")
+    assert unbatchable is not None and "fixed at 1 on axis 0" in (unbatchable.not_batchable or "")
+    text = findings(measured, sessions=4, weights_bytes=100 * MiB, serialized=unbatchable)[0].text
+    assert "Use one session" in text and "cannot be batched" in text
+    # and on the CPU, nothing of the kind
+    assert _serialized_for(plan_providers(None), model, "'b.onnx'") is None

@@ -47,6 +47,7 @@ __all__ = [
     "InspectProgress",
     "InspectReport",
     "PlacementSummary",
+    "SerializedRuns",
     "TensorInfo",
     "WeightsSummary",
     "findings",
@@ -480,6 +481,7 @@ def findings(
     sessions: int,
     weights_bytes: int,
     unshared: tuple[int, int] = (0, 0),
+    serialized: SerializedRuns | None = None,
 ) -> tuple[Finding, ...]:
     """The recommendation, computed from the measurements: one :class:`Finding` per statement.
 
@@ -494,8 +496,11 @@ def findings(
         weights_bytes: Bytes of the file's weights.
         unshared: ``(tensors, bytes)`` of weights that stay in the graph
             (:attr:`WeightsSummary.unshared`).
+        serialized: Where the provider runs one ``Run`` at a time across the process.
     """
     out: list[Finding] = []
+    if serialized is not None:
+        out.append(_serialized_runs(serialized, sessions))
     stats = _runtime_stats(measurements)
     naive = measurements.get(NAIVE)
     shared = measurements.get(SHARED)
@@ -629,6 +634,50 @@ def findings(
     if not out:
         out.append(Finding("none", "Measure at least 'naive' and 'shared' for a recommendation."))
     return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class SerializedRuns:
+    """A provider that runs one ``Run`` at a time across the process, for a recommendation.
+
+    Attributes:
+        provider: Its name (``DmlExecutionProvider``).
+        onnxruntime_version: The installed version, which decides it.
+        not_batchable: Why the model cannot be batched (``NotBatchableError``), or None.
+    """
+
+    provider: str
+    onnxruntime_version: str
+    not_batchable: str | None = None
+
+
+def _serialized_runs(serialized: SerializedRuns, sessions: int) -> Finding:
+    provider, version = serialized.provider, serialized.onnxruntime_version
+    text = (
+        f"{provider} on onnxruntime {version} runs one Run at a time across the process (ORT "
+        f"issue #20713): {sessions} sessions run no more at once than one, and each uploads "
+        "its own device copy of the weights (no device route shares them there). "
+    )
+    if serialized.not_batchable is None:
+        text += (
+            "Use one session with batching, the pool's default on this provider "
+            f"(SessionPool(model, providers=['{provider}']) is sessions=1, batching=True): "
+            "requests that queue while it runs merge into its next Run."
+        )
+    else:
+        text += (
+            f"Use one session (the pool's default on this provider); this model cannot be "
+            f"batched: {serialized.not_batchable}"
+        )
+    return Finding(
+        "serialized-runs",
+        text,
+        {
+            "provider": provider,
+            "onnxruntime_version": version,
+            "batchable": serialized.not_batchable is None,
+        },
+    )
 
 
 def _pool_vs_plain(
@@ -935,6 +984,7 @@ def inspect(
         }
     inputs = input_specs(proto, dims, shapes=shapes, given=given, model_name=label)
     weights = summarize_weights(proto, path)
+    serialized = _serialized_for(plan, proto, label)
     del proto  # a model with inline weights is as large as they are: not kept while measuring
     gc.collect()
 
@@ -1014,9 +1064,31 @@ def inspect(
             )
     by_name = {m.strategy: m for m in measurements}
     found = findings(
-        by_name, sessions=sessions, weights_bytes=weights.total_bytes, unshared=weights.unshared
+        by_name,
+        sessions=sessions,
+        weights_bytes=weights.total_bytes,
+        unshared=weights.unshared,
+        serialized=serialized,
     )
     return report(measurements, found, trial.to_dict())
+
+
+def _serialized_for(plan: Any, proto: Any, label: str) -> SerializedRuns | None:
+    """What a recommendation says of a provider that runs one ``Run`` at a time, or None."""
+    import onnxruntime as ort
+
+    from sharedml._batching import signature_of
+    from sharedml._errors import NotBatchableError
+    from sharedml._providers import serialize_runs_by_default
+
+    if not serialize_runs_by_default(plan):
+        return None
+    try:
+        signature_of(proto, name=label)
+        why = None
+    except NotBatchableError as exc:
+        why = str(exc)
+    return SerializedRuns(plan.primary, ort.__version__, why)
 
 
 def _trial_failed(label: str, error: str, defaulted: Mapping[str, Sequence[str]]) -> str:
