@@ -165,3 +165,33 @@ def test_without_matplotlib_the_run_skips_the_chart_with_a_note(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "matplotlib is not installed: no chart" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["quick.json", "quick.md"]
+
+
+def test_the_serving_sweep_runs_through_run_py_and_checks_every_output(tmp_path: Path) -> None:
+    out = tmp_path / "serving.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "run.py"), "serving",
+            "--size", "tiny",
+            "--models", "mlp",
+            "--callers", "3",
+            "--configs", "plain:2", "pool:1:batch", "pool:1:batch:serialized",
+            "--warmup-s", "0.05",
+            "--duration-s", "0.2",
+            "--out-dir", str(tmp_path / "out"),
+            "--json", str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (model,) = json.loads(out.read_text())["models"]
+    configs = {c["name"]: c for c in model["configs"]}
+    assert set(configs) == {"plain:2", "pool:1:batch", "pool:1:batch:serialized"}
+    for c in configs.values():
+        assert c["callers"] == 3 and c["requests"] > 0 and c["outputs_equal"], c
+        assert c["p50_ms"] <= c["p99_ms"]
+    assert configs["pool:1:batch"]["batching"] and not configs["plain:2"]["batching"]
+    assert configs["pool:1:batch"]["batches"] > 0
