@@ -1,4 +1,4 @@
-"""Shared test setup: make `tools/` importable and keep caches inside the test's tmp folders."""
+"""Shared test setup: `tools/` importable, caches in tmp folders, Ray set up for loopback."""
 
 from __future__ import annotations
 
@@ -18,6 +18,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # tools/ holds the model generators
+
+# Ray reads these when it is first imported (any test module may be first): a cluster on
+# 127.0.0.1 is reachable only with the first one (else ray.init rewrites the address to the
+# machine's IP and retries forever); no usage-stats thread; quiet routers on 2 busy cores.
+for _name, _value in (
+    ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+    ("RAY_USAGE_STATS_ENABLED", "0"),
+    ("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0"),
+    ("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0"),
+):
+    os.environ.setdefault(_name, _value)
 
 
 @pytest.fixture(autouse=True)

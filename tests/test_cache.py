@@ -91,6 +91,23 @@ def test_a_lax_kind_folder_is_made_private_again(
     assert mode(root / kind) == 0o700
 
 
+@pytest.mark.skipif(not POSIX, reason="POSIX permissions and flock")
+def test_locks_follow_the_policy(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    (root / "locks").mkdir(parents=True)
+    os.chmod(root / "locks", 0o777)
+    with _cache.held_lock("a", cache_dir=root) as waited:
+        assert 0 <= waited < 1  # free: taken at once
+        assert mode(root / "locks") == 0o700 and mode(root / "locks" / "a.lock") == 0o600
+    os.symlink(tmp_path / "planted", root / "locks" / "b.lock")
+    with (
+        pytest.raises(sharedml.CacheError, match=r"b\.lock"),
+        _cache.held_lock("b", cache_dir=root),
+    ):
+        pass
+    assert not (tmp_path / "planted").exists()
+
+
 @pytest.mark.skipif(not POSIX, reason="symlinks")
 @pytest.mark.parametrize("kind", ("models", "prepacked", "demo"))
 def test_a_kind_folder_that_is_a_symlink_is_refused(

@@ -131,3 +131,19 @@ def test_a_clone_named_sharedml_does_not_shadow_the_installed_package(tmp_path: 
         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )
     assert out.returncode == 0 and out.stdout.strip() == "SessionPool", out.stderr[-2000:]
+
+
+def test_ray_stays_optional() -> None:
+    """`pip install .` never pulls Ray; importing sharedml (or sharedml.ray) never imports it."""
+    import importlib.metadata
+
+    ray_requirements = [r for r in importlib.metadata.requires("sharedml") or [] if "ray" in r]
+    assert ray_requirements and all('extra == "ray"' in r for r in ray_requirements)
+    code = (
+        "import sys, sharedml, sharedml.ray; "
+        "print(sorted(m for m in ('ray', 'starlette') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"

@@ -11,7 +11,8 @@ Layout and permission policy (POSIX; the one policy every kind of entry gets)::
     │   │   ├── .lock               not part of the entry: see "In use" below
     │   │   └── <files>             0444
     │   └── .<key prefix>-XXXX.tmp/ an entry being built (or a crashed build): never read
-    └── stamps/                     0700: "this file, unchanged since, has this digest"
+    ├── stamps/                     0700: "this file, unchanged since, has this digest"
+    └── locks/                      0700: empty files that processes lock (:func:`held_lock`)
 
 The kinds of entry (:data:`ENTRY_KINDS`): ``models`` (prepared models, keyed by content: see
 :func:`prepared_model_for`), ``prepacked`` (ORT's prepacked form of a prepared model, see
@@ -24,6 +25,10 @@ wins and the others use the winner's entry. A crashed build leaves only a tempor
 is never read and is removed by :func:`clear_stale` once it is old enough to be a dead process's.
 Published files are never rewritten in place: a mapped file truncated under a running process
 would crash it (SIGBUS).
+
+Publishing needs no lock: losers of the race only waste their build. Where a build is worth
+avoiding (replicas of a server starting together on a node, each about to prepare the same large
+model), callers serialize on :func:`held_lock` and find the winner's entry once they hold it.
 
 Opening (:func:`open_entry`): an entry is used only if its folder and files pass the policy above
 and every file has the size ``entry.json`` records, and the SHA-256 for the files the caller
@@ -60,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -102,6 +108,7 @@ __all__ = [
     "clear_stale",
     "ensure_entry",
     "hold_entry",
+    "held_lock",
     "iter_entries",
     "kind_folder",
     "list_entries",
@@ -125,6 +132,7 @@ _READ_ONLY_FILE_MODE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # 0444: never
 _TMP_SUFFIX = ".tmp"
 _RACY_WINDOW_NS = 3_000_000_000  # a file changed this recently gets no stamp (FAT: 2 s mtimes)
 _STAMP_VERSION = 2  # 2: paths as named, resolved again at recall
+_LOCK_POLL_S = 0.05  # seconds between attempts while another process holds a lock
 
 CacheDir = str | os.PathLike[str] | None
 """A cache folder argument: a path, or None for :func:`cache_dir`'s default."""
@@ -219,7 +227,7 @@ def _private_dir(path: Path) -> None:
 
 
 def kind_folder(kind: str, cache_dir: CacheDir = None) -> Path:
-    """The folder of one kind of entry (or ``stamps``), created and checked by the policy.
+    """The folder of one kind of entry (or ``stamps``, ``locks``), created and checked.
 
     Raises:
         CacheError: the cache folder or the kind's folder fails the policy.
@@ -992,6 +1000,74 @@ def clear_cache(*, dry_run: bool = False, cache_dir: CacheDir = None) -> Removal
         with contextlib.suppress(OSError):
             clear_stale(cache_dir)
     return result
+
+
+# Locks
+
+
+@contextlib.contextmanager
+def held_lock(
+    name: str, *, cache_dir: CacheDir = None, timeout_s: float | None = None
+) -> Iterator[float]:
+    """Hold the cache's cross-process lock ``name`` for the ``with`` block.
+
+    An advisory ``flock`` on ``locks/<name>.lock``: the kernel releases it when its holder exits
+    or is killed, so a crashed holder never leaves it taken. Lock files are never removed
+    (removing one while a process waits on it would let two processes hold "the" lock). Where
+    ``flock`` does not exist (Windows) the block runs unlocked: the cache's atomic publish still
+    gives every caller a complete entry, at the cost of duplicate builds.
+
+    Args:
+        name: Which lock: a plain file name (letters, digits, ``-``, ``_``, ``.``).
+        cache_dir: The cache folder (default: :func:`cache_dir`).
+        timeout_s: Give up after waiting this long (None: wait as long as the holder holds it).
+
+    Yields:
+        Seconds spent waiting for another holder.
+
+    Raises:
+        ValueError: ``name`` is not a plain file name.
+        CacheError: the lock cannot be created, or was not free within ``timeout_s``.
+    """
+    if not name or Path(name).name != name or name.startswith("."):
+        raise ValueError(f"A lock name must be a plain file name, not {name!r}.")
+    path = kind_folder("locks", cache_dir) / f"{name}.lock"
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        raise CacheError(
+            f"Cannot open the lock file '{path}' ({exc.strerror or exc}). Remove it if it is "
+            "not a regular file, or set SHAREDML_CACHE_DIR to a folder of your own."
+        ) from exc
+    try:
+        yield _lock_fd(fd, path, timeout_s)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock_fd(fd: int, path: Path, timeout_s: float | None) -> float:
+    """Take an exclusive ``flock`` on ``fd``; returns the seconds waited."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return 0.0
+    start = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return time.monotonic() - start
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CacheError(f"Cannot lock '{path}' ({exc.strerror or exc}).") from exc
+        waited = time.monotonic() - start
+        if timeout_s is not None and waited >= timeout_s:
+            raise CacheError(
+                f"Another process has held the lock '{path}' for more than {timeout_s} s. It is "
+                "probably still preparing the model; raise the timeout, or find that process "
+                "('lslocks' on Linux shows it). A dead process holds no lock."
+            )
+        time.sleep(_LOCK_POLL_S)
 
 
 # --------------------------------------------------------------------------------------------

@@ -887,6 +887,7 @@ def prepared_model_for(
     cache_dir: CacheDir = None,
     size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
     verify: bool = True,
+    copy_prepared: bool = False,
 ) -> Path:
     """A prepared model equivalent to ``model_path``: itself if prepared, else a cache entry.
 
@@ -905,10 +906,14 @@ def prepared_model_for(
         verify: Check every file of the entry against the SHA-256 recorded when it was built
             (a stamp spares re-reading unchanged files); False checks the graph only (the
             weights' size is always checked). A damaged entry is built again, with a warning.
+        copy_prepared: Give a model that :func:`sharedml.prepare` wrote a cache entry too,
+            instead of returning it as it is: for a model on a network file system, whose
+            weights should be mapped from local disk (the copy is prepared from it, so it is
+            read twice the first time: once to key it, once to copy it).
 
     Returns:
-        ``model_path`` when :func:`sharedml.prepare` wrote it, else ``<cache>/models/<key>/
-        model.onnx``.
+        ``model_path`` when :func:`sharedml.prepare` wrote it (and ``copy_prepared`` is
+        False), else ``<cache>/models/<key>/model.onnx``.
 
     Raises:
         ModelError: from :func:`sharedml.prepare`: the model or its external data is unusable.
@@ -919,7 +924,8 @@ def prepared_model_for(
     caller gets a complete entry, and no entry is ever modified after it is published.
     """
     path = Path(model_path)
-    params = f"{_KEY_VERSION}:{size_threshold_bytes}"
+    # A copied prepared model must not be found by a later call that wants the model itself.
+    params = f"{_KEY_VERSION}:{size_threshold_bytes}{':copy' if copy_prepared else ''}"
     checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
 
     def entry_for(key: str) -> Path:
@@ -937,7 +943,7 @@ def prepared_model_for(
         return entry_for(known)
     before = snapshot(path)  # before the read: a stamp must not vouch for a later write
     model, model_bytes = read_model(path)
-    if read_manifest(model) is not None:
+    if read_manifest(model) is not None and not copy_prepared:
         return path
     key, before = _source_key(path, model, model_bytes, before, size_threshold_bytes)
     del model, model_bytes  # the graph can be large; prepare loads its own copy

@@ -290,7 +290,9 @@ def plan_route(
         raise ValueError(
             "prepacking='shared' chooses the weight mechanism itself; leave mechanism='auto'."
         )
-    kwargs = {} if size_threshold_bytes is None else {"size_threshold_bytes": size_threshold_bytes}
+    kwargs: dict[str, Any] = (
+        {} if size_threshold_bytes is None else {"size_threshold_bytes": size_threshold_bytes}
+    )
     if isinstance(model, (bytes, bytearray, memoryview)):
         source = Path("<model bytes>")
         model_path = prepared_model_from_bytes(
