@@ -42,11 +42,11 @@ case "${1:-}" in
     configs="${2:-$configs}"  # a second argument: these configs instead
     timeout 420 python3 benchmarks/serving.py --providers CUDAExecutionProvider \
       --models "$1" --seq 128 --callers 16 64 --configs $configs --duration-s 1.5 --warmup-s 0.5 \
-      --json "$OUT/gpu-serving-$1.json" 2>&1 | grep -v "^$" | tail -30
+      --json "$OUT/gpu-serving-{model}.json" 2>&1 | grep -v "^$" | tail -30
     [ -n "${2:-}" ] && [ "${LATENCY:-1}" = 0 ] && exit 0
     timeout 100 python3 benchmarks/serving.py --providers CUDAExecutionProvider \
       --models "$1" --seq 128 --callers 1 8 --configs ${LATENCY_CONFIGS:-pool:1 pool:1:graph pool:8 pool:8:graph} \
-      --duration-s 1.5 --warmup-s 0.5 --json "$OUT/gpu-latency-$1.json" 2>&1 | tail -8
+      --duration-s 1.5 --warmup-s 0.5 --json "$OUT/gpu-latency-{model}.json" 2>&1 | tail -8
     ;;
   *) echo "usage: $0 tests|bert|resnet"; exit 2 ;;
 esac

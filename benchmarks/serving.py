@@ -454,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128, help="sequence length of transformers")
     p.add_argument("--size", choices=("full", "tiny"), default="full")
     p.add_argument("--out-dir", type=Path, default=HERE / "out")
-    p.add_argument("--json", type=Path, help="write results here")
+    p.add_argument(
+        "--json", type=Path, help="write results here ('{model}' in the name: a file per model)"
+    )
     p.add_argument("--first-result", action="store_true", help="time to first result instead")
     p.add_argument("--sessions", type=int, default=8, help="pool size for --first-result")
     p.add_argument("--repeats", type=int, default=3, help="repeats for --first-result")
@@ -528,7 +530,14 @@ def main(argv: list[str] | None = None) -> int:
             report["models"].append(entry)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        if "{model}" not in args.json.name:
+            args.json.write_text(json.dumps(report, indent=1) + "\n")
+        for entry in report["models"] if "{model}" in args.json.name else ():
+            # One file per model: {"device", "onnxruntime", "model", "weights_bytes", "configs"}
+            name = entry["model"].split("-")[0].removesuffix("_like")
+            one = {"device": report["device"], **entry}
+            path = args.json.with_name(args.json.name.replace("{model}", name))
+            path.write_text(json.dumps(one, indent=1) + "\n")
     return 0
 
 
