@@ -14,6 +14,7 @@ OUT="${OUT:-benchmarks/out/gpu}"
 mkdir -p "$OUT"
 if [ ! -d /tmp/site/onnxruntime ]; then
   d=/tmp/ortgpu-parts
+  [ -f "$d/WHEEL_NAME" ] || { echo "no wheel parts in $d: the machine went back; upload them again"; exit 3; }
   name="$(cat "$d/WHEEL_NAME")"
   cat "$d"/part.? > "/tmp/$name"
   [ "$(sha256sum "/tmp/$name" | cut -d' ' -f1)" = "$(cat "$d/SHA256")" ] || { echo "a wheel part is missing"; exit 1; }
@@ -21,7 +22,8 @@ if [ ! -d /tmp/site/onnxruntime ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 export PYTHONUNBUFFERED=1
-python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())"
+python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())
+assert 'CUDAExecutionProvider' in o.get_available_providers(), 'not the GPU build'" || exit 3
 # The image's CPU onnxruntime stays installed; /tmp/site comes first on sys.path, in a folder of
 # its own, so that the GPU build is the one imported (and sharedml does not warn of a mixed one).
 CONFIGS="plain:8 single pool:8 pool:1:batch pool:2:batch pool:4:batch pool:2:batch:fp32 pool:8:graph pool:2:batch:graph plain:8:serialized pool:1:batch:serialized"

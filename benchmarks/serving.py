@@ -15,6 +15,8 @@ as soon as the last one returned):
 ``...:graph``          CUDA graphs (``enable_cuda_graph=1``), where the pool supports them.
 ``...:nopad``          batching without padding to power-of-two buckets
                        (``Batching(pad_to_buckets=False)``; padding is on by default off the CPU).
+``...:anyshape``       batching with one ORT session per pool session for every batch size
+                       (``session_per_bucket=False``; CUDA's default is a session per bucket)
 ``...:fp32``           CUDA with TF32 off (``use_tf32=0``), compared with solo runs without TF32.
 
 Every configuration runs in a fresh process: the server is created (timed), a pool warmed up
@@ -75,7 +77,7 @@ def _parse_config(name: str) -> dict[str, Any]:
     kind = parts[0]
     sessions = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
     flags = set(parts[2:] if len(parts) > 1 and parts[1].isdigit() else parts[1:])
-    unknown = flags - {"batch", "nopad", "serialized", "threads", "graph", "fp32"}
+    unknown = flags - {"batch", "nopad", "anyshape", "serialized", "threads", "graph", "fp32"}
     if kind not in ("plain", "pool", "single") or unknown:
         raise SystemExit(f"unknown configuration {name!r}")
     return {"kind": kind, "sessions": sessions, "flags": flags}
@@ -117,7 +119,10 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     n, flags = cfg["sessions"], cfg["flags"]
     providers = _with_options(providers, flags)
     if cfg["kind"] == "pool":
-        batching = sharedml.Batching(pad_to_buckets=False if "nopad" in flags else None)
+        batching = sharedml.Batching(
+            pad_to_buckets=False if "nopad" in flags else None,
+            session_per_bucket=False if "anyshape" in flags else None,
+        )
         pool = sharedml.SessionPool(
             spec["model"],
             sessions=n,
@@ -544,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
 def _line(model: str, r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{model} {r['name']} x{r['callers']}: FAILED {r['error']}"
+    if r.get("p50_ms") is None:
+        return f"{model} {r['name']:<24} x{r['callers']:<3} no request finished in the window"
     batch = f", {r['mean_batch_rows']:.1f} rows/batch" if r.get("batches") else ""
     device = f", device {r['device_bytes'] / MIB:.0f} MiB" if r.get("device_bytes") else ""
     return (

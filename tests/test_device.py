@@ -515,6 +515,25 @@ def test_a_cuda_graph_pool_batches_into_captured_buckets(cuda_ready: None, tmp_p
         assert pool.stats().max_batch_rows >= 1
 
 
+@gpu
+@needs_cuda
+def test_cuda_batching_gives_every_bucket_its_own_session(cuda_ready: None, tmp_path: Path) -> None:
+    from sharedml import _graphs
+
+    model = _graph_model(tmp_path)
+    plain = ort.InferenceSession(str(model), providers=[CUDA, CPU])
+    batching = sharedml.Batching(max_batch_size=8)
+    with sharedml.SessionPool(model, sessions=1, providers=[CUDA], batching=batching) as pool:
+        pool.warm_up({"x": _rows(1, 0)})
+        with pool.session() as sess:
+            assert isinstance(sess, _graphs.ShapeSessions)
+            assert sess.shapes == [{"batch": n} for n in (1, 2, 4, 8)]
+        for n in (1, 3, 5, 8):
+            out = pool.run(None, {"x": _rows(n, n)})[0]
+            expected = plain.run(None, {"x": _rows(n, n)})[0]
+            np.testing.assert_allclose(out, expected, rtol=1e-3, atol=1e-3)  # TF32 on
+
+
 def _bert_feed(rows: int, seed: int) -> dict[str, np.ndarray]:
     ids = np.random.default_rng(seed).integers(0, 1000, (rows, 32), dtype=np.int64)
     return {"input_ids": ids, "attention_mask": np.ones((rows, 32), np.int64)}

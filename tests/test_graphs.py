@@ -212,3 +212,79 @@ def test_inputs_that_disagree_on_a_shared_dim_are_refused(tmp_path: Path) -> Non
         np.testing.assert_array_equal(pool.run(None, {"a": ones, "b": ones})[0], 2 * ones)
         with pytest.raises(sharedml.InvalidInputError, match=r"'batch'.*must agree"):
             pool.run(None, {"a": ones, "b": np.ones((3, 4), np.float32)})
+
+
+# ShapeSessions: a session per batch bucket, graphs off (Batching.session_per_bucket)
+
+PER_BUCKET = sharedml.Batching(max_batch_size=8, pad_to_buckets=True, session_per_bucket=True)
+
+
+def test_session_per_bucket_defaults_to_cuda_batches_that_are_padded_without_graphs() -> None:
+    default = sharedml.Batching()
+    assert default.sessions_per_bucket("CUDAExecutionProvider")
+    assert not default.sessions_per_bucket("CUDAExecutionProvider", cuda_graphs=True)
+    assert not default.sessions_per_bucket("CPUExecutionProvider")  # not padded there
+    assert not default.sessions_per_bucket("DmlExecutionProvider")
+    unpadded = sharedml.Batching(pad_to_buckets=False, session_per_bucket=True)
+    assert not unpadded.sessions_per_bucket("CUDAExecutionProvider")  # a session per size
+    assert PER_BUCKET.sessions_per_bucket("CPUExecutionProvider")
+    with pytest.raises(ValueError, match="session_per_bucket must be True, False or None"):
+        sharedml.Batching(session_per_bucket="yes")  # type: ignore[arg-type]
+
+
+def test_every_bucket_gets_a_session_with_its_batch_dim_fixed(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=2, batching=PER_BUCKET) as pool:
+        pool.warm_up({"x": rows(1)})
+        with pool.session() as a, pool.session() as b:
+            for sess in (a, b):
+                assert isinstance(sess, _graphs.ShapeSessions)
+                assert sess.shapes == [{"batch": n} for n in (1, 2, 4, 8)]
+                fixed = sess.session_for({"x": rows(4)})
+                assert fixed.get_inputs()[0].shape == [4, 16]
+            assert a.get_inputs()[0].shape == ["batch", 16]  # the pool reports the model
+
+
+def test_batched_callers_on_bucket_sessions_get_their_solo_results(model: Path) -> None:
+    callers = 12
+    barrier = threading.Barrier(callers, timeout=DEADLINE_S)
+    results: dict[int, np.ndarray] = {}
+
+    with sharedml.SessionPool(model, sessions=1, batching=PER_BUCKET) as pool:
+        pool.warm_up({"x": rows(1)})
+
+        def caller(i: int) -> None:
+            barrier.wait()
+            results[i] = pool.run(None, {"x": rows(1 + i % 3, i)})[0]
+
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE_S)
+        stats = pool.stats()
+    assert sorted(results) == list(range(callers))
+    for i, out in results.items():
+        np.testing.assert_allclose(out, solo(model, rows(1 + i % 3, i)), rtol=1e-5, atol=1e-6)
+    assert stats.padded_rows > 0  # batches of odd sizes ran on the bucket sessions
+
+
+def test_shapes_beyond_the_limit_and_non_numpy_feeds_run_on_the_template(model: Path) -> None:
+    created: list[dict[str, int]] = []
+    template = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+
+    def factory(dims: dict[str, int]) -> object:
+        created.append(dict(dims))
+        so = ort.SessionOptions()
+        for name, value in dims.items():
+            so.add_free_dimension_override_by_name(name, value)
+        return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+
+    sess = _graphs.ShapeSessions(template, factory, max_shapes=2)
+    for n in (1, 2, 1, 3):
+        out = sess.run(None, {"x": rows(n, n)})[0]
+        np.testing.assert_allclose(out, solo(model, rows(n, n)), rtol=1e-5, atol=1e-6)
+    assert created == [{"batch": 1}, {"batch": 2}]  # 3 rows: over the limit, on the template
+    assert sess.session_for({"x": rows(3)}) is template
+    assert sess.session_for({"x": ort.OrtValue.ortvalue_from_numpy(rows(1))}) is template
+    sess.close()
+    assert sess.shapes == []

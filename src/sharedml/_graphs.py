@@ -55,7 +55,9 @@ __all__ = [
     "GraphLimitError",
     "GraphSession",
     "GraphSlot",
+    "ShapeSessions",
     "cuda_graphs_enabled",
+    "symbolic_dims",
 ]
 
 GRAPH_ID_KEY = "gpu_graph_id"  # ORT's run config entry naming the graph a run uses
@@ -120,6 +122,102 @@ class _SharedExclusive:
 
 CAPTURE_LOCK = _SharedExclusive()  # process-wide: see the module docstring
 _NUMBERS = itertools.count()  # names the sessions' threads apart
+
+
+def symbolic_dims(
+    declared: Mapping[str, Sequence[Any]], shapes: Mapping[str, Sequence[int]]
+) -> dict[str, int]:
+    """The values that inputs of ``shapes`` give the ``declared`` shapes' symbolic dims.
+
+    ``declared``: input name -> the model's shape (ints, dim names, None). Inputs not declared
+    or of another rank are skipped: ORT's own error names them at the run.
+
+    Raises:
+        InvalidInputError: two inputs give one symbolic dim different values.
+    """
+    dims: dict[str, int] = {}
+    for name, shape in shapes.items():
+        want = declared.get(name)
+        if want is None or len(want) != len(shape):
+            continue
+        for dim, value in zip(want, shape, strict=True):
+            if not isinstance(dim, str):
+                continue
+            if dims.setdefault(dim, value) != value:
+                raise InvalidInputError(
+                    f"Input '{name}' gives dim '{dim}' the value {value}, another input "
+                    f"{dims[dim]}: inputs that share a symbolic dim must agree on it."
+                )
+    return dims
+
+
+class ShapeSessions:
+    """A pool session made of one ORT session per set of symbolic-dim values (graphs off).
+
+    For batching on CUDA (``Batching.session_per_bucket``): ORT's CUDA ``Conv`` keeps the
+    cuDNN plans of its last input shape only and rebuilds them (``CreateCudnnFeExecutionPlan``
+    in ``conv.cc``) whenever the shape changes, so one session fed batches of alternating
+    sizes pays that for every convolution at almost every batch. Here each shape keeps a
+    session whose dims are fixed (``add_free_dimension_override_by_name``), created on first
+    use (``pool.warm_up`` creates them all); all are lent the pool's weights. Shapes beyond
+    ``max_shapes``, feeds that are not numpy arrays and inputs without named dims run on
+    ``template``, a session of the model with its dims free.
+
+    Args:
+        template: A session of the model, dims free: runs what the others do not, and answers
+            ``get_inputs``/``get_outputs``/...
+        factory: ``factory(dims)`` creates a session with the symbolic dims ``dims`` fixed.
+        max_shapes: The most sessions kept besides ``template``.
+
+    Thread safety: ``run`` may be called from any thread.
+    """
+
+    def __init__(
+        self, template: Any, factory: Callable[[Mapping[str, int]], Any], *, max_shapes: int
+    ) -> None:
+        self.template = template
+        self.factory = factory
+        self.max_shapes = max_shapes
+        self._declared = {i.name: list(i.shape) for i in template.get_inputs()}
+        self._sessions: dict[tuple[tuple[str, int], ...], Any] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def shapes(self) -> list[dict[str, int]]:
+        """The dims of the sessions created so far, oldest first."""
+        with self._lock:
+            return [dict(key) for key in self._sessions]
+
+    def run(
+        self, output_names: Sequence[str] | None, feed: Mapping[str, Any], run_options: Any = None
+    ) -> list[Any]:
+        """``InferenceSession.run`` on the session for the feed's dims."""
+        return list(self.session_for(feed).run(output_names, feed, run_options))
+
+    def session_for(self, feed: Mapping[str, Any]) -> Any:
+        """The session that runs inputs shaped like ``feed`` (created if new)."""
+        if not all(isinstance(v, np.ndarray) for v in feed.values()):
+            return self.template
+        dims = symbolic_dims(self._declared, {k: v.shape for k, v in feed.items()})
+        if not dims:
+            return self.template
+        key = tuple(sorted(dims.items()))
+        with self._lock:
+            sess = self._sessions.get(key)
+            if sess is None:
+                if len(self._sessions) >= self.max_shapes:
+                    return self.template
+                # Created under the lock: two callers of one new shape make one session.
+                sess = self._sessions[key] = self.factory(dims)
+            return sess
+
+    def close(self) -> None:
+        """Drop the sessions (the pool drops the template)."""
+        with self._lock:
+            self._sessions.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.template, name)  # get_inputs, get_providers, ...
 
 
 @dataclasses.dataclass
@@ -252,21 +350,7 @@ class GraphSession:
         return slot
 
     def _dims_of(self, arrays: dict[str, Any]) -> dict[str, int]:
-        """The values ``arrays`` give the inputs' symbolic dims (ORT checks the rest)."""
-        dims: dict[str, int] = {}
-        for name, array in arrays.items():
-            declared = self._declared.get(name)
-            if declared is None or len(declared) != array.ndim:
-                continue  # ORT's own error names it, at the first run
-            for dim, value in zip(declared, array.shape, strict=True):
-                if not isinstance(dim, str):
-                    continue
-                if dims.setdefault(dim, value) != value:
-                    raise InvalidInputError(
-                        f"Input '{name}' gives dim '{dim}' the value {value}, another input "
-                        f"{dims[dim]}: inputs that share a symbolic dim must agree on it."
-                    )
-        return dims
+        return symbolic_dims(self._declared, {k: a.shape for k, a in arrays.items()})
 
     def _session_for(self, dims: dict[str, int]) -> Any:
         key = tuple(sorted(dims.items()))

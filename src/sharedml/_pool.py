@@ -67,7 +67,13 @@ from sharedml._errors import (
     SessionCreationError,
     SharedMLError,
 )
-from sharedml._graphs import DEFAULT_MAX_GRAPHS, GRAPH_DEVICES, GraphSession, cuda_graphs_enabled
+from sharedml._graphs import (
+    DEFAULT_MAX_GRAPHS,
+    GRAPH_DEVICES,
+    GraphSession,
+    ShapeSessions,
+    cuda_graphs_enabled,
+)
 from sharedml._host import release_freed_heap, usable_cores
 from sharedml._onnx import load_graph
 from sharedml._providers import (
@@ -303,7 +309,7 @@ def _rows_of(value: Any, rows: int, have: int) -> Any:
 
 def _discard(sess: Any) -> None:
     """Let a session go; a CUDA-graph session's thread stops first."""
-    if isinstance(sess, GraphSession):
+    if isinstance(sess, (GraphSession, ShapeSessions)):
         sess.close()
 
 
@@ -499,6 +505,9 @@ class SessionPool:
         self._pads = self.batching is not None and self.batching.pads(
             self.plan.primary, cuda_graphs=self._graphs
         )
+        self._per_bucket = self.batching is not None and self.batching.sessions_per_bucket(
+            self.plan.primary, cuda_graphs=self._graphs
+        )
 
         initial = (
             self._min if not (serialize_creation and create_in_background) else min(self._min, 1)
@@ -600,6 +609,7 @@ class SessionPool:
     def _create_session(self) -> Any:
         lock = _CREATION_LOCK if self._serialize_creation else contextlib.nullcontext()
         start = time.perf_counter()
+        sess: Any
         if self._graphs:
             # Driven by a thread of its own: ORT keeps a CUDA graph per thread; its sessions,
             # one per set of dim values, are created as shapes arrive (see _graphs).
@@ -614,6 +624,15 @@ class SessionPool:
         else:
             with lock:
                 sess = self.recipe.create_session()
+            if self._per_bucket:
+                # One session per batch bucket, dims fixed, created as buckets arrive (see
+                # Batching.session_per_bucket); this one runs every other shape.
+                assert self.batching is not None
+                sess = ShapeSessions(
+                    sess,
+                    functools.partial(self._create_graph_session, lock),
+                    max_shapes=len(self.batching.buckets()),
+                )
         elapsed = time.perf_counter() - start
         with self._cond:
             self._created += 1
