@@ -644,4 +644,6 @@ def test_capturing_while_other_sessions_run_fails_without_the_pool(
     line = next((x for x in out.stdout.splitlines() if x.startswith("ERRORS ")), "")
     errors = int(line.split()[1]) if line else -1  # -1: the child crashed before reporting
     assert errors != 0, "8 plain CUDA-graph sessions captured concurrently without a failure"
-    assert errors < 0 or "capturing" in line, line
+    # ORT reports the broken capture through whichever CUDA call meets it first: "operation
+    # not permitted when stream is capturing" (900), or a cuBLAS launch failure (13).
+    assert errors < 0 or "capturing" in line or "cuda" in line.lower(), line
