@@ -15,6 +15,7 @@ as soon as the last one returned):
 ``...:graph``          CUDA graphs (``enable_cuda_graph=1``), where the pool supports them.
 ``...:nopad``          batching without padding to power-of-two buckets
                        (``Batching(pad_to_buckets=False)``; padding is on by default off the CPU).
+``...:delayX``         batching whose sessions wait up to X ms for more rows (``max_delay_ms``)
 ``...:anyshape``       batching with one ORT session per pool session for every batch size
                        (``session_per_bucket=False``; CUDA's default is a session per bucket)
 ``...:fp32``           CUDA with TF32 off (``use_tf32=0``), compared with solo runs without TF32.
@@ -72,12 +73,21 @@ SERIALIZED_CONFIGS = ["plain:8:serialized", "pool:8:serialized", "pool:1:batch:s
 # The child: one configuration
 
 
+def _delay_ms(flag: str) -> float | None:
+    """``delayX`` -> X ms (``Batching.max_delay_ms``); None for other flags."""
+    try:
+        return float(flag[5:]) if flag.startswith("delay") else None
+    except ValueError:
+        return None
+
+
 def _parse_config(name: str) -> dict[str, Any]:
     parts = name.split(":")
     kind = parts[0]
     sessions = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
     flags = set(parts[2:] if len(parts) > 1 and parts[1].isdigit() else parts[1:])
-    unknown = flags - {"batch", "nopad", "anyshape", "serialized", "threads", "graph", "fp32"}
+    known = {"batch", "nopad", "anyshape", "serialized", "threads", "graph", "fp32"}
+    unknown = {f for f in flags - known if not _delay_ms(f)}
     if kind not in ("plain", "pool", "single") or unknown:
         raise SystemExit(f"unknown configuration {name!r}")
     return {"kind": kind, "sessions": sessions, "flags": flags}
@@ -122,6 +132,7 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         batching = sharedml.Batching(
             pad_to_buckets=False if "nopad" in flags else None,
             session_per_bucket=False if "anyshape" in flags else None,
+            max_delay_ms=next((d for f in flags if (d := _delay_ms(f))), 0.0),
         )
         pool = sharedml.SessionPool(
             spec["model"],
