@@ -1,0 +1,271 @@
+"""Model families: graphs that hold the same tensors, prepared over one weights file.
+
+Identity is by content (dtype, shape, SHA-256 of the bytes), never by name: the variants below
+rename every tensor. The distinct-byte figures the assertions compare against are computed here
+from the source models' own arrays, not taken from prepare's result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import sharedml
+from sharedml._family import FAMILY_WEIGHTS_PATTERN
+from sharedml._weights import _MappedFile
+from tools.families import decoder_pair, encoder_heads, renamed_variant
+from tools.realistic_models import mlp
+
+WIDTH = 256
+
+
+def _arrays(path: Path) -> list[np.ndarray]:
+    model = onnx.load(str(path))
+    return [onnx.numpy_helper.to_array(t) for t in model.graph.initializer]
+
+
+def _distinct_bytes(paths: list[Path], *, floor: int = 1024) -> tuple[int, int]:
+    """(distinct, total) data bytes of the tensors prepare moves, by content."""
+    seen: set[tuple[str, tuple[int, ...], str]] = set()
+    distinct = total = 0
+    for path in paths:
+        for array in _arrays(path):
+            if array.nbytes < floor:
+                continue
+            total += array.nbytes
+            key = (array.dtype.str, array.shape, hashlib.sha256(array.tobytes()).hexdigest())
+            if key not in seen:
+                seen.add(key)
+                distinct += array.nbytes
+    return distinct, total
+
+
+def _plain(path: Path, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, feed)
+
+
+@pytest.fixture
+def variants(tmp_path: Path) -> list[Path]:
+    """An MLP and two re-exports of it: every tensor renamed, one extra layer each."""
+    base = Path(mlp(tmp_path / "src" / "mlp.onnx", target_bytes=4 * 2**20, width=WIDTH).path)
+    return [
+        base,
+        renamed_variant(base, tmp_path / "src" / "mlp_a.onnx", extra_bytes=2**20, seed=1),
+        renamed_variant(base, tmp_path / "src" / "mlp_b.onnx", extra_bytes=2**20, seed=2),
+    ]
+
+
+def test_a_prepared_family_of_three_variants_stores_each_distinct_tensor_once(
+    tmp_path: Path, variants: list[Path]
+) -> None:
+    out = tmp_path / "family"
+    result = sharedml.prepare(variants, out)
+    distinct, total = _distinct_bytes(variants)
+    size = result.weights_path.stat().st_size
+    print(f"distinct {distinct} B, total {total} B, weights file {size} B ({size / distinct:.3f}x)")
+    assert total > 2 * distinct  # the sources really repeat their tensors
+    assert result.bytes_distinct == distinct and result.bytes_total == total
+    assert size <= 1.05 * distinct
+    assert [p.name for p in result.model_paths] == [p.name for p in variants]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [result.weights_path.name, *(p.name for p in variants)]
+    )
+    feed = {"input": np.random.default_rng(0).standard_normal((2, WIDTH)).astype(np.float32)}
+    for src, prepared in zip(variants, result.model_paths, strict=True):
+        np.testing.assert_array_equal(_plain(prepared, feed)[0], _plain(src, feed)[0])
+        with sharedml.SessionPool(prepared, sessions=2) as pool:
+            np.testing.assert_array_equal(pool.run(None, feed)[0], _plain(src, feed)[0])
+
+
+def test_members_of_a_family_share_one_mapping_of_the_weights_file(
+    tmp_path: Path, variants: list[Path]
+) -> None:
+    result = sharedml.prepare(variants[:2], tmp_path / "family")
+    before = _MappedFile.live()
+    a = sharedml.WeightStore.open(result.model_paths[0])
+    b = sharedml.WeightStore.open(result.model_paths[1])
+    assert a is not b and a.mapping_id == b.mapping_id
+    assert _MappedFile.live() == before + 1
+    a.close()
+    assert _MappedFile.live() == before + 1  # b still maps it
+    b.close()
+    assert _MappedFile.live() == before
+
+
+def test_the_decoder_pair_prepared_as_a_family_stores_one_models_weights(tmp_path: Path) -> None:
+    dec, past = decoder_pair(tmp_path / "src")
+    result = sharedml.prepare([dec, past], tmp_path / "family")
+    one = sharedml.prepare(dec, tmp_path / "single" / "decoder_model.onnx")
+    size, single = result.weights_path.stat().st_size, one.weights_path.stat().st_size
+    print(f"family weights {size} B, one model's {single} B ({size / single:.3f}x)")
+    assert size <= 1.15 * single
+    ids = np.array([[1, 5, 9, 3]], np.int64)
+    for src, prepared in zip((dec,), result.model_paths[:1], strict=True):
+        for got, want in zip(
+            _plain(prepared, {"input_ids": ids}), _plain(src, {"input_ids": ids}), strict=True
+        ):
+            np.testing.assert_array_equal(got, want)
+    # decoder_with_past, fed the decoder's presents: same outputs as its original.
+    sess = ort.InferenceSession(str(dec), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    presents = dict(zip(names, sess.run(None, {"input_ids": ids[:, :3]}), strict=True))
+    feed = {"input_ids": ids[:, 3:]}
+    feed |= {"past" + n[len("present") :]: v for n, v in presents.items() if n != "logits"}
+    for got, want in zip(_plain(result.model_paths[1], feed), _plain(past, feed), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_an_encoder_with_two_heads_stores_the_encoder_once(tmp_path: Path) -> None:
+    paths = list(encoder_heads(tmp_path / "src"))
+    result = sharedml.prepare(paths, tmp_path / "family")
+    distinct, total = _distinct_bytes(paths)
+    assert total > 1.8 * distinct
+    assert result.weights_path.stat().st_size <= 1.05 * distinct + 4096  # + the end's page
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: clear errors, nothing written
+
+
+def test_two_members_with_one_file_name_are_refused_before_anything_is_written(
+    tmp_path: Path, variants: list[Path]
+) -> None:
+    other = tmp_path / "elsewhere" / variants[1].name
+    other.parent.mkdir()
+    other.write_bytes(variants[1].read_bytes())
+    out = tmp_path / "family"
+    with pytest.raises(sharedml.FamilyError, match="same path") as info:
+        sharedml.prepare([variants[1], other], out)
+    assert variants[1].name in str(info.value)
+    assert not out.exists()
+
+
+def test_a_member_inside_the_output_folder_is_refused(tmp_path: Path, variants: list[Path]) -> None:
+    folder = variants[0].parent
+    before = sorted(os.listdir(folder))
+    with pytest.raises(sharedml.FamilyError, match="inside the output folder"):
+        sharedml.prepare(variants, folder)
+    with pytest.raises(sharedml.FamilyError, match="inside the output folder"):
+        sharedml.prepare(variants, folder.parent)  # a folder above the member: still inside
+    assert sorted(os.listdir(folder)) == before
+
+
+def test_a_missing_member_is_refused_before_anything_is_written(
+    tmp_path: Path, variants: list[Path]
+) -> None:
+    out = tmp_path / "family"
+    with pytest.raises(sharedml.ModelNotFoundError, match=r"missing\.onnx"):
+        sharedml.prepare([variants[0], tmp_path / "missing.onnx"], out)
+    assert not out.exists()
+
+
+def test_an_empty_family_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(sharedml.FamilyError, match="empty"):
+        sharedml.prepare([], tmp_path / "family")
+
+
+def test_a_family_member_whose_shared_weights_file_is_gone_is_a_clear_error(
+    tmp_path: Path, variants: list[Path]
+) -> None:
+    result = sharedml.prepare(variants[:2], tmp_path / "family")
+    result.weights_path.unlink()
+    with pytest.raises(sharedml.WeightsMismatchError, match="missing"):
+        sharedml.WeightStore.open(result.model_paths[1])
+
+
+# --------------------------------------------------------------------------------------------
+# Redeploying one member
+
+
+def test_redeploying_one_member_keeps_running_pools_and_removes_only_unreferenced_files(
+    tmp_path: Path, variants: list[Path]
+) -> None:
+    out = tmp_path / "family"
+    first = sharedml.prepare(variants[:2], out)
+    mine = out / "family-0123456789abcdef.txt"  # not of the naming scheme: never removed
+    mine.write_text("a user's file")
+    feed = {"input": np.ones((1, WIDTH), np.float32)}
+    with sharedml.SessionPool(first.model_paths[0], sessions=1, prepacking="off") as pool:
+        want = pool.run(None, feed)[0]  # unpacked kernels: compared with itself, not plain ORT
+        # Redeploy: the variant changes (another extra layer), the base does not.
+        renamed_variant(variants[0], variants[1], extra_bytes=2**20, seed=99)
+        second = sharedml.prepare(variants[:2], out)
+        assert second.weights_path != first.weights_path  # new content, new name
+        assert not first.weights_path.exists()  # no graph in the folder refers to it
+        assert second.removed == (first.weights_path,)
+        np.testing.assert_array_equal(pool.run(None, feed)[0], want)  # its mapping survives
+    assert mine.exists()
+    for src, prepared in zip(variants[:2], second.model_paths, strict=True):
+        np.testing.assert_array_equal(_plain(prepared, feed)[0], _plain(src, feed)[0])
+
+
+def test_a_weights_file_another_graph_of_the_folder_refers_to_is_kept(
+    tmp_path: Path, variants: list[Path]
+) -> None:
+    out = tmp_path / "family"
+    first = sharedml.prepare(variants[:2], out)
+    # variants[2] alone, into the same folder: the first family's graphs still need its file.
+    second = sharedml.prepare([variants[2]], out)
+    assert first.weights_path.exists() and second.weights_path.exists()
+    assert second.removed == ()
+
+
+def test_preparing_the_same_family_again_keeps_the_same_weights_file(
+    tmp_path: Path, variants: list[Path]
+) -> None:
+    out = tmp_path / "family"
+    first = sharedml.prepare(variants, out)
+    inode = first.weights_path.stat().st_ino
+    second = sharedml.prepare(variants, out)
+    assert second.weights_path == first.weights_path
+    assert second.weights_path.stat().st_ino == inode  # kept, not replaced (pools map it)
+
+
+def test_the_cli_prepares_a_family_into_a_folder(tmp_path: Path, variants: list[Path]) -> None:
+    out = tmp_path / "family"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sharedml",
+            "prepare",
+            *map(str, variants),
+            "-o",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["bytes_distinct"] < summary["bytes_total"]
+    assert FAMILY_WEIGHTS_PATTERN.fullmatch(Path(summary["weights_path"]).name)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sharedml",
+            "prepare",
+            str(variants[0]),
+            str(variants[0]),
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "same path" in bad.stderr
