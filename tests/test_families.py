@@ -269,3 +269,98 @@ def test_the_cli_prepares_a_family_into_a_folder(tmp_path: Path, variants: list[
     )
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "same path" in bad.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Device store: one device copy per distinct tensor, whichever member it came from
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+
+
+def _decoder_feeds(dec: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    ids = np.array([[1, 5, 9, 3]], np.int64)
+    sess = ort.InferenceSession(str(dec), providers=[CPU])
+    names = [o.name for o in sess.get_outputs()]
+    presents = dict(zip(names, sess.run(None, {"input_ids": ids[:, :3]}), strict=True))
+    step = {"input_ids": ids[:, 3:]}
+    step |= {"past" + n[len("present") :]: v for n, v in presents.items() if n != "logits"}
+    return {"input_ids": ids}, step
+
+
+def _device_sessions(
+    path: Path, store: sharedml.DeviceWeightStore, provider: str
+) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.disable_prepacking", "1")  # as the pool does on CPU
+    store.register(so)
+    return ort.InferenceSession(str(path), so, providers=list(dict.fromkeys([provider, CPU])))
+
+
+def _device_family_check(tmp_path: Path, provider: str, route: str) -> None:
+    dec, past = decoder_pair(tmp_path / "src")
+    family = sharedml.prepare([dec, past], tmp_path / "family")
+    hosts = [sharedml.WeightStore.open(p) for p in family.model_paths]
+    first = sharedml.DeviceWeightStore.for_store(hosts[0], provider, 0, route=route)
+    alone = first.device_bytes
+    second = sharedml.DeviceWeightStore.for_store(hosts[1], provider, 0, route=route)
+    assert second is not first  # per model: its own tensor names
+    assert set(second.tensor_names) == {s.name for s in hosts[1].slots}
+    print(f"{provider} {route}: one member {alone} B on the device, both {second.device_bytes} B")
+    assert second.device_bytes <= 1.15 * alone
+    ptrs = {
+        (s.offset, s.length): first._upload.values[s.name].data_ptr()  # type: ignore[union-attr]
+        for s in hosts[0].slots
+    }
+    shared = [
+        s
+        for s in hosts[1].slots
+        if second._upload.values[s.name].data_ptr() == ptrs.get((s.offset, s.length))  # type: ignore[union-attr]
+    ]
+    assert len(shared) == len(hosts[1].slots)  # every tensor of the pair is one device copy
+    prompt, step = _decoder_feeds(dec)
+    for prepared, src, feed, store in (
+        (family.model_paths[0], dec, prompt, first),
+        (family.model_paths[1], past, step, second),
+    ):
+        got = _device_sessions(prepared, store, provider).run(None, feed)
+        plain = ort.InferenceSession(str(src), providers=list(dict.fromkeys([provider, CPU])))
+        want = plain.run(None, feed)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("route", ["ort-slab", "ort-per-tensor"])
+def test_family_members_borrow_one_device_copy_of_each_tensor_on_the_cpu_device(
+    tmp_path: Path, route: str
+) -> None:
+    _device_family_check(tmp_path, CPU, route)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    CUDA not in ort.get_available_providers(), reason="needs onnxruntime-gpu with a CUDA device"
+)
+def test_family_members_borrow_one_cuda_copy_of_each_tensor(tmp_path: Path) -> None:
+    from sharedml import _device_probe
+
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+    route = _device_probe.select_route(CUDA, 0)
+    assert route is not None
+    _device_family_check(tmp_path, CUDA, route)
+    # And through pools, each member's pool over the same device values.
+    dec, past = decoder_pair(tmp_path / "src2")
+    family = sharedml.prepare([dec, past], tmp_path / "family2")
+    prompt, step = _decoder_feeds(dec)
+    providers = [CUDA, CPU]
+    with (
+        sharedml.SessionPool(family.model_paths[0], sessions=2, providers=providers) as a,
+        sharedml.SessionPool(family.model_paths[1], sessions=2, providers=providers) as b,
+    ):
+        assert a.mechanism == "device" and b.mechanism == "device", a.mechanism_reason
+        for pool, src, feed in ((a, dec, prompt), (b, past, step)):
+            want = ort.InferenceSession(str(src), providers=providers).run(None, feed)
+            for g, w in zip(pool.run(None, feed), want, strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)

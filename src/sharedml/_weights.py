@@ -187,6 +187,12 @@ class WeightStore:
         return self._file is not None and self._file.verified
 
     @property
+    def file_key(self) -> tuple[Any, ...]:
+        """The weights file's identity (real path, device, inode, size, mtime, SHA-256)."""
+        assert self._file is not None, "closed"
+        return self._file.key
+
+    @property
     def mapping_id(self) -> int:
         """Identifies the process-wide mapping this store lends (equal: the same pages)."""
         assert self._file is not None, "closed"
