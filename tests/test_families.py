@@ -364,3 +364,87 @@ def test_family_members_borrow_one_cuda_copy_of_each_tensor(tmp_path: Path) -> N
             want = ort.InferenceSession(str(src), providers=providers).run(None, feed)
             for g, w in zip(pool.run(None, feed), want, strict=True):
                 np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: pools over family members, measured in fresh processes (as tests/test_pool_memory.py)
+
+POOLS = r"""
+import ctypes, gc, json, sys
+import numpy as np, psutil
+import sharedml
+sharedml.SessionPool  # the modules load lazily: before the baseline
+libc = ctypes.CDLL("libc.so.6")
+def pss():
+    gc.collect(); libc.malloc_trim(0); return psutil.Process().memory_full_info().pss
+prepacking, width, warm_model, models = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+feed = {"input": np.ones((1, width), np.float32)}
+# ORT's environment and thread pools, from another model: the baseline holds none of the weights.
+warm = sharedml.SessionPool(warm_model, sessions=1, prepacking=prepacking)
+warm.run(None, feed)
+base = pss()
+pools = [sharedml.SessionPool(m, sessions=4, prepacking=prepacking) for m in models]
+outputs = []
+for pool in pools:
+    pool.wait_ready()
+    with pool.session() as a, pool.session() as b, pool.session() as c, pool.session() as d:
+        outputs.append([s.run(None, feed)[0].tolist() for s in (a, b, c, d)])
+grown = pss() - base
+print(json.dumps({"pss": grown, "mechanisms": [p.mechanism for p in pools]}))
+for pool in pools:
+    pool.close()
+warm.close()
+"""
+
+MEMORY_WIDTH = 1024
+MEMORY_BASE_BYTES = 32 * 2**20  # the issue's 100 MiB, scaled down 3x for 2-core CI ...
+MEMORY_EXTRA_BYTES = 5 * 2**20  # ... and its 16 MiB extra layer with it (same ratio)
+
+
+def _pss_of_pools(models: list[Path], prepacking: str, warm: Path) -> tuple[int, list[str]]:
+    out = subprocess.run(
+        [sys.executable, "-c", POOLS, prepacking, str(MEMORY_WIDTH), str(warm), *map(str, models)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return int(result["pss"]), list(result["mechanisms"])
+
+
+@pytest.fixture(scope="module")
+def memory_family(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, Path, list[Path], Path]:
+    folder = tmp_path_factory.mktemp("family-memory")
+    warm = mlp(folder / "warm" / "warm.onnx", target_bytes=1, width=MEMORY_WIDTH, seed=5).path
+    base = Path(
+        mlp(folder / "src" / "mlp.onnx", target_bytes=MEMORY_BASE_BYTES, width=MEMORY_WIDTH).path
+    )
+    variant = renamed_variant(
+        base, folder / "src" / "mlp_variant.onnx", extra_bytes=MEMORY_EXTRA_BYTES
+    )
+    family = sharedml.prepare([base, variant], folder / "family")
+    return base, variant, list(family.model_paths), Path(warm)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is read from Linux smaps")
+def test_pools_over_a_prepared_family_cost_about_one_copy_of_the_shared_weights(
+    memory_family: tuple[Path, Path, list[Path], Path], tmp_path: Path
+) -> None:
+    """Raw sharing (prepacking="off"): both members' pools map the family's one weights file."""
+    base, variant, members, warm = memory_family
+    os.environ["SHAREDML_CACHE_DIR"] = str(tmp_path / "cache")
+    alone, _ = _pss_of_pools([members[0]], "off", warm)
+    both, mechanisms = _pss_of_pools(members, "off", warm)
+    separate, _ = _pss_of_pools([base, variant], "off", warm)  # unprepared: an entry each
+    print(
+        f"pools of 4, prepacking off ({mechanisms}): first member alone {alone / 2**20:.1f} MiB, "
+        f"both members {both / 2**20:.1f} MiB ({both / alone:.2f}x), the two unprepared "
+        f"models {separate / 2**20:.1f} MiB ({separate / alone:.2f}x)"
+    )
+    assert alone >= 0.9 * MEMORY_BASE_BYTES  # the weights really were touched
+    assert both <= 1.3 * alone
+    assert separate >= 1.7 * alone  # the baseline the family saves: two copies
