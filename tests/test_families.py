@@ -482,3 +482,94 @@ def test_pools_over_a_model_and_its_renamed_variant_share_identical_weights_auto
     assert alone >= 0.9 * MEMORY_BASE_BYTES
     assert both <= 1.3 * alone
     assert family <= 1.3 * alone
+
+
+# --------------------------------------------------------------------------------------------
+# The decoder / decoder-with-past pair on every CPU route, and sharedml inspect A B
+
+
+@pytest.fixture(scope="module")
+def decoders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[Path]]:
+    folder = tmp_path_factory.mktemp("decoders")
+    # 80 MiB of weights (GPT-2-small's layout: 4 layers of width 512, 8192 tokens, the head).
+    dec, past = decoder_pair(folder / "src", layers=4, width=512, vocab=8192)
+    family = sharedml.prepare([dec, past], folder / "family")
+    return dec, past, list(family.model_paths)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is read from Linux smaps")
+@pytest.mark.parametrize("route", ["pooled", "raw"])
+def test_the_decoder_pair_costs_about_one_models_weights_on_every_cpu_route(
+    decoders: tuple[Path, Path, list[Path]], tmp_path: Path, route: str
+) -> None:
+    from sharedml._family_inspect import measure_family
+
+    dec, past, members = decoders
+    os.environ["SHAREDML_CACHE_DIR"] = str(tmp_path / "cache")
+    # Pool defaults (packed blobs shared across cache entries): the unprepared pair, no family
+    # named. Raw sharing (prepacking off): the pair prepared as a family.
+    pair = [str(dec), str(past)] if route == "pooled" else [str(m) for m in members]
+    measure_family(route, 1, pair)  # the cache's one-off builds are not counted
+    one = measure_family(route, 4, pair[:1])
+    both = measure_family(route, 4, pair)
+    print(
+        f"{route}, pools of 4 ({both['mechanisms']}): decoder alone {one['pss'] / 2**20:.1f} "
+        f"MiB, both {both['pss'] / 2**20:.1f} MiB ({both['pss'] / one['pss']:.2f}x)"
+    )
+    assert one["pss"] >= 0.9 * 80 * 2**20
+    assert both["pss"] <= 1.15 * one["pss"]
+
+
+def test_inspect_reports_a_familys_distinct_and_total_weights_and_its_memory(
+    tmp_path: Path,
+) -> None:
+    dec, past = decoder_pair(tmp_path / "src")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sharedml",
+            "inspect",
+            str(dec),
+            str(past),
+            "--json",
+            "--sessions",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    distinct, total = _distinct_bytes([dec, past])
+    assert (report["distinct_bytes"], report["total_bytes"]) == (distinct, total)
+    assert report["total_bytes"] == 2 * report["distinct_bytes"]  # same weights, renamed
+    assert report["sessions"] == 2 and len(report["mechanisms"]) == 2
+    assert 0 < report["pooled_bytes"] < report["plain_bytes"]
+
+
+def test_the_cache_says_which_entries_share_weights_and_pruning_one_keeps_the_other(
+    variants: list[Path],
+) -> None:
+    from sharedml import _cache
+
+    feed = {"input": np.ones((1, WIDTH), np.float32)}
+    for model in variants[:2]:
+        with sharedml.SessionPool(model, sessions=1) as pool:
+            assert pool.mechanism == "prepacked-file", pool.mechanism_reason
+            pool.run(None, feed)
+    prepacked = [e for e in _cache.list_entries() if e.kind == "prepacked"]
+    assert len(prepacked) == 2
+    user = next(e for e in prepacked if e.uses)  # the second one built links the first's file
+    lender = next(e for e in prepacked if e is not user)
+    assert user.uses == (lender.key,)
+    assert set(user.linked.values()) == {2} and set(lender.linked.values()) == {2}
+    _cache.remove_entries([lender])
+    assert not lender.path.exists()
+    verified = _cache.verify_entries()
+    assert user.key in {e.key for e in verified}
+    assert all(e.problem is None for e in verified)  # the link kept the lender's bytes
+    with sharedml.SessionPool(variants[1], sessions=1) as pool:
+        np.testing.assert_array_equal(pool.run(None, feed)[0], _plain(variants[1], feed)[0])

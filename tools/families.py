@@ -108,10 +108,12 @@ def _gpt2(
         )
         x = b.op("Add", [x, b.linear(h, f"{p}.mlp.c_proj", 4 * width, width, 0.02)])
     x = b.layer_norm(x, f"{prefix}ln_f", width, 1e-5)
-    # Tied LM head, as GPT-2: logits = x @ wte^T.
-    b.graph.node.append(
-        helper.make_node("MatMul", [x, b.op("Transpose", [wte], perm=[1, 0])], ["logits"])
-    )
+    # GPT-2 ties the LM head to wte; exporters fold the Transpose into an initializer of its
+    # own (a Transpose left in the graph would be folded by ORT in every raw-route session).
+    table = next(t for t in b.graph.initializer if t.name == wte)
+    head = np.frombuffer(table.raw_data, np.float32).reshape(vocab, width).T
+    lm_head = b._store(f"{prefix}lm_head.weight", np.ascontiguousarray(head))
+    b.graph.node.append(helper.make_node("MatMul", [x, lm_head], ["logits"]))
 
 
 def decoder_pair(
