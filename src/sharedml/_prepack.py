@@ -434,10 +434,8 @@ def _share_identical(
     linked bytes are hashed again before they are used: another entry's record is not trusted
     for content. This entry's own data file keeps its copy on disk (ORT wrote it), but no
     session maps those ranges any more. Hard links unavailable (another filesystem, Windows
-    without rights): nothing is shared, and the entry records why.
+    without rights): those tensors keep this entry's own copy; ``meta["shared"]`` says what was.
     """
-    import numpy as np
-
     wanted = {json.dumps(t["match"]): t for t in own}
     offers: dict[str, tuple[CacheEntry, dict[str, Any]]] = {}
     for entry in iter_entries(_KIND, cache_dir=cache_dir):
@@ -478,7 +476,7 @@ def _share_identical(
             files[name] = entry.key
         entries = [[k, name if k == "location" else v] for k, v in tensor["entries"]]
         probe = {"file": name, "entries": entries}
-        if not _same_bytes(tmp, probe, item, np):
+        if not _same_bytes(tmp, probe, item):
             index.append(item)
             continue
         proto = by_name[item["name"]]
@@ -503,10 +501,12 @@ def _share_identical(
     return _Sharing(index, files, shared_tensors, shared_bytes)
 
 
-def _same_bytes(tmp: Path, theirs: dict[str, Any], ours: dict[str, Any], np: Any) -> bool:
+def _same_bytes(tmp: Path, theirs: dict[str, Any], ours: dict[str, Any]) -> bool:
     """Whether the ranges ``theirs`` names in ``tmp`` hold exactly ``ours``' digests."""
+    import numpy as np
+
     try:
-        data = np.memmap(tmp / theirs["file"], dtype=np.uint8, mode="r")
+        data: Any = np.memmap(tmp / theirs["file"], dtype=np.uint8, mode="r")
         entries = dict(theirs["entries"])
         offset, length = int(entries["offset"]), int(entries["length"])
         if hashlib.sha256(data[offset : offset + length]).hexdigest() != ours["match"][3]:
