@@ -573,3 +573,23 @@ def test_the_cache_says_which_entries_share_weights_and_pruning_one_keeps_the_ot
     assert all(e.problem is None for e in verified)  # the link kept the lender's bytes
     with sharedml.SessionPool(variants[1], sessions=1) as pool:
         np.testing.assert_array_equal(pool.run(None, feed)[0], _plain(variants[1], feed)[0])
+
+
+def test_without_hard_links_a_prepacked_entry_keeps_its_own_blobs_and_still_matches_plain(
+    variants: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sharedml import _cache
+
+    feed = {"input": np.ones((1, WIDTH), np.float32)}
+    with sharedml.SessionPool(variants[0], sessions=1) as pool:
+        pool.run(None, feed)
+
+    def no_links(*_args: object) -> None:
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with sharedml.SessionPool(variants[1], sessions=1) as pool:
+        assert pool.mechanism == "prepacked-file"
+        np.testing.assert_array_equal(pool.run(None, feed)[0], _plain(variants[1], feed)[0])
+    prepacked = [e for e in _cache.list_entries() if e.kind == "prepacked"]
+    assert len(prepacked) == 2 and all(not e.uses and not e.linked for e in prepacked)
