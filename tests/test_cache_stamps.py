@@ -160,7 +160,9 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     weights = sharedml.weights_path_for(prepared)
     store = sharedml.WeightStore.open(prepared)
     assert store.verified
-    sharedml.WeightStore._registry.clear()  # as in a new process
+    del store
+    sharedml.WeightStore._registry.clear()  # as in a new process: no store, no mapping
+    sharedml._weights._MappedFile._registry.clear()
 
     hashed: list[Path] = []
     real = sharedml._host.sha256_file
@@ -173,6 +175,7 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     assert sharedml.WeightStore.open(prepared).verified
     assert hashed == []
     sharedml.WeightStore._registry.clear()
+    sharedml._weights._MappedFile._registry.clear()
 
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF

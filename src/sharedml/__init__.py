@@ -28,6 +28,7 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
     from sharedml._errors import (
         CacheError,
         ExternalDataError,
+        FamilyError,
         InvalidInputError,
         InvalidModelError,
         MeasurementError,
@@ -46,6 +47,7 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
         UnsafePathError,
         WeightsMismatchError,
     )
+    from sharedml._family import FamilyResult, TensorDigest
     from sharedml._inputs import InputSpec
     from sharedml._inspect import (
         Finding,
@@ -87,6 +89,8 @@ __all__ = [
     # Preparing models
     "prepare",
     "PrepareResult",
+    "FamilyResult",
+    "TensorDigest",
     "WeightsManifest",
     "weights_path_for",
     "prepared_model_for",
@@ -133,6 +137,7 @@ __all__ = [
     "WeightsMismatchError",
     "PrepareError",
     "OutputError",
+    "FamilyError",
     "CacheError",
     "ProviderError",
     "SessionCreationError",
@@ -150,7 +155,8 @@ __all__ = [
 # ``sharedml --help`` import neither onnx nor onnxruntime.
 _ERRORS = (
     "SharedMLError ModelError ModelNotFoundError InvalidModelError ExternalDataError "
-    "UnsafePathError WeightsMismatchError PrepareError OutputError CacheError ProviderError "
+    "UnsafePathError WeightsMismatchError PrepareError OutputError FamilyError CacheError "
+    "ProviderError "
     "SessionCreationError RunError InvalidInputError NotBatchableError PoolError "
     "PoolClosedError PoolTimeout MeasurementError"
 )
@@ -160,6 +166,7 @@ _HOMES = {
     "_device": "DeviceWeightStore HostWeights",
     "_device_probe": "device_mechanism_available",
     "_errors": _ERRORS,
+    "_family": "FamilyResult TensorDigest",
     "_inputs": "InputSpec",
     "_inspect": "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect",
     "_measure": "measure",

@@ -651,6 +651,10 @@ class EntryStatus:
         ort: The onnxruntime version and build it is valid for (prepacked entries), else None.
         busy: A live process holds it (None: this platform cannot tell, see :data:`LOCKING`).
         problem: Why it is unusable (damaged, not private, a symlink), else None.
+        linked: Its files that other entries hard-link too (identical weights shared across
+            models), with the file's link count: removing this entry frees none of their bytes
+            while another link remains. ``size_bytes`` counts them in every entry.
+        uses: The entries whose files this one hard-linked when it was built (by key).
     """
 
     kind: str
@@ -663,10 +667,12 @@ class EntryStatus:
     ort: str | None
     busy: bool | None
     problem: str | None = None
+    linked: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    uses: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``sharedml cache list --json``)."""
-        return dataclasses.asdict(self) | {"path": str(self.path)}
+        return dataclasses.asdict(self) | {"path": str(self.path), "linked": dict(self.linked)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -788,6 +794,14 @@ def _status(kind: str, child: Path) -> EntryStatus:
         if commit:
             ort += f" ({commit[0]})"
     source = entry.meta.get("source") or entry.meta.get("model")
+    linked = {}
+    for name in entry.files:
+        with contextlib.suppress(OSError):
+            links = os.lstat(child / name).st_nlink
+            if links > 1:
+                linked[name] = links
+    shared = entry.meta.get("shared")
+    uses = shared.get("files", {}).values() if isinstance(shared, Mapping) else ()
     return EntryStatus(
         kind,
         entry.key,
@@ -798,6 +812,8 @@ def _status(kind: str, child: Path) -> EntryStatus:
         str(source) if source is not None else None,
         ort,
         _is_busy(child),
+        linked=linked,
+        uses=tuple(sorted({str(u) for u in uses})),
     )
 
 

@@ -126,6 +126,12 @@ def _print_entries(entries: Any) -> None:
             print(f"{'':<57}{e.ort}")
         if e.problem:
             print(f"{'':<10} damaged: {e.problem}")
+        for name, links in sorted(e.linked.items()):
+            print(
+                f"{'':<10} {name}: shared with other entries ({links} links; freed with the last)"
+            )
+        if e.uses:
+            print(f"{'':<10} uses weights of: {', '.join(k[:16] for k in e.uses)}")
     total = sum(e.size_bytes for e in entries)
     print(f"{len(entries)} entries, {human_bytes(total)}")
 

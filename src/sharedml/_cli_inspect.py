@@ -52,7 +52,14 @@ def add_parser(sub: Any) -> None:
         ),
         epilog=f"strategies (--strategy; default: {', '.join(defaults)}):\n{listing}",
     )
-    p.add_argument("model", nargs="?", help="the ONNX model (default: a built-in demo model)")
+    p.add_argument(
+        "model",
+        nargs="*",
+        help=(
+            "the ONNX model (default: a built-in demo model); several models: a family, its "
+            "distinct vs total weights and plain vs pooled memory over all of them"
+        ),
+    )
     p.add_argument(
         "--sessions",
         type=int,
@@ -206,11 +213,37 @@ def _progress_display() -> Iterator[Callable[[str, int, int], None] | None]:
         yield update
 
 
+def _cmd_inspect_family(args: argparse.Namespace) -> int:
+    from sharedml._family_inspect import inspect_family
+
+    report = inspect_family(args.model, sessions=args.sessions)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    print(f"family of {len(report.models)} models: {', '.join(report.models)}")
+    print(
+        f"weights: {human_bytes(report.distinct_bytes)} distinct of "
+        f"{human_bytes(report.total_bytes)} in all ({report.tensors_distinct} distinct tensors "
+        f"of {report.tensors_total})"
+    )
+    if report.plain_bytes is not None and report.pooled_bytes is not None:
+        ratio = report.pooled_bytes / report.plain_bytes if report.plain_bytes > 0 else 0.0
+        print(
+            f"{report.sessions} sessions per model, PSS growth of one process: plain sessions "
+            f"{human_bytes(report.plain_bytes)}, pools {human_bytes(report.pooled_bytes)} "
+            f"({ratio:.2f}x; routes: {', '.join(report.mechanisms)})"
+        )
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from sharedml._inspect import inspect
 
     if args.sessions < 1:
         raise ValueError(f"--sessions must be at least 1, not {args.sessions}.")
+    if len(args.model) > 1:
+        return _cmd_inspect_family(args)
+    args.model = args.model[0] if args.model else None
     dims = parse_dims(args.dim)
     shapes = parse_shapes(args.shape)
     plot = Path(args.plot) if args.plot else None

@@ -194,6 +194,60 @@ _UPLOADERS: Mapping[str, Callable[[HostWeights, str, int], _Upload]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class _Subset:
+    """Some tensors of a host buffer: what an upload for a family member still lacks."""
+
+    buffer: np.ndarray
+    slots: tuple[TensorSlot, ...]
+
+
+def _slot_key(slot: TensorSlot) -> tuple[int, int, int, tuple[int, ...]]:
+    return (slot.offset, slot.length, slot.data_type, slot.dims)
+
+
+@dataclasses.dataclass(eq=False)
+class _FileValues:
+    """The device values of one weights file, by place in the file: one per distinct tensor.
+
+    Every model over the file (a family's members) borrows the values already uploaded and
+    uploads only the tensors that are not on the device yet; each upload is kept alive here
+    for as long as a store of any of those models lives.
+    """
+
+    by_slot: dict[tuple[int, int, int, tuple[int, ...]], Any] = dataclasses.field(
+        default_factory=dict
+    )
+    uploads: list[_Upload] = dataclasses.field(default_factory=list)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(u.device_bytes for u in self.uploads)
+
+    def reload(self, buffer: np.ndarray) -> None:
+        for upload in self.uploads:
+            upload.reload(buffer)
+
+    def upload_for(
+        self,
+        host: HostWeights,
+        uploader: Callable[[HostWeights, str, int], _Upload],
+        device: str,
+        device_id: int,
+    ) -> _Upload:
+        missing: dict[tuple[int, int, int, tuple[int, ...]], TensorSlot] = {}
+        for slot in host.slots:
+            if _on_device(slot) and _slot_key(slot) not in self.by_slot:
+                missing.setdefault(_slot_key(slot), slot)
+        if missing:
+            upload = uploader(_Subset(host.buffer, tuple(missing.values())), device, device_id)
+            self.uploads.append(upload)
+            for key, slot in missing.items():
+                self.by_slot[key] = upload.values[slot.name]
+        values = {s.name: self.by_slot[_slot_key(s)] for s in host.slots if _on_device(s)}
+        return _Upload(values, self.device_bytes, self.reload, [self])
+
+
 # --------------------------------------------------------------------------------------------
 # The store
 
@@ -224,11 +278,24 @@ class DeviceWeightStore:
         weakref.WeakValueDictionary()
     )
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+    _files: ClassVar[weakref.WeakValueDictionary[tuple[Any, ...], _FileValues]] = (
+        weakref.WeakValueDictionary()
+    )
 
-    def __init__(self, host: HostWeights, provider: str, device_id: int, *, route: str) -> None:
+    def __init__(
+        self,
+        host: HostWeights,
+        provider: str,
+        device_id: int,
+        *,
+        route: str,
+        shared: _FileValues | None = None,
+    ) -> None:
         """Upload ``host``'s tensors to ``provider``'s device ``device_id`` by ``route``.
 
-        Prefer :meth:`for_store`, which reuses a live upload.
+        Prefer :meth:`for_store`, which reuses a live upload, and shares the device copy of
+        each distinct tensor of one weights file between the models that name it (``shared``:
+        only tensors not on the device yet are uploaded).
 
         Raises:
             ProviderError: the provider has no device store, the route is unknown, or the
@@ -242,7 +309,10 @@ class DeviceWeightStore:
         self.route = route
         start = time.perf_counter()
         try:
-            self._upload: _Upload | None = _UPLOADERS[route](host, self.device, device_id)
+            if shared is None:
+                self._upload: _Upload | None = _UPLOADERS[route](host, self.device, device_id)
+            else:
+                self._upload = shared.upload_for(host, _UPLOADERS[route], self.device, device_id)
         except Exception as exc:
             raise ProviderError(
                 f"Could not put {sum(s.length for s in host.slots)} bytes of weights on "
@@ -280,12 +350,19 @@ class DeviceWeightStore:
         Raises:
             ProviderError: the route is unknown, or the upload failed.
         """
-        key = (str(store.path), store.manifest.sha256, provider, device_id, route)
+        # Per model (the tensor names are the model's), over device values per weights FILE:
+        # the members of a family (sharedml.prepare([...])) name the same bytes differently.
+        key = (str(store.model_path), store.manifest.sha256, provider, device_id, route)
+        file_key = (store.file_key, provider, device_id, route)
         with cls._registry_lock:
             live = cls._registry.get(key)
             if live is not None and live._upload is not None:
                 return live
-            created = cls(store, provider, device_id, route=route)
+            shared = cls._files.get(file_key)
+            if shared is None:
+                shared = _FileValues()
+                cls._files[file_key] = shared
+            created = cls(store, provider, device_id, route=route, shared=shared)
             cls._registry[key] = created
             return created
 

@@ -11,7 +11,8 @@ subclass inherits it too, so callers can catch either::
     │       └── UnsafePathError (PermissionError)   a location escaping the model's folder
     ├── WeightsMismatchError                 a prepared weights file changed after prepare
     ├── PrepareError                         prepare refused (e.g. it would overwrite its source)
-    │   └── OutputError (OSError)            its outputs cannot be written (full disk, no access)
+    │   ├── OutputError (OSError)            its outputs cannot be written (full disk, no access)
+    │   └── FamilyError (ValueError)         a family's members clash or sit in the output folder
     ├── CacheError                           a cache folder or entry that cannot be trusted or used
     ├── ProviderError                        an execution provider that cannot be used here
     ├── SessionCreationError                 ONNX Runtime refused to create a session
@@ -29,6 +30,7 @@ from __future__ import annotations
 __all__ = [
     "CacheError",
     "ExternalDataError",
+    "FamilyError",
     "InvalidInputError",
     "InvalidModelError",
     "MeasurementError",
@@ -87,6 +89,14 @@ class OutputError(PrepareError, OSError):
 
     The message names the path and the fix; ``errno`` is the operating system's error number
     (``errno.ENOSPC`` for a full disk), so code that handles ``OSError`` keeps working.
+    """
+
+
+class FamilyError(PrepareError, ValueError):
+    """``prepare([a, b, ...], folder)`` refused its members, before writing anything.
+
+    Two members with one file name (both would be written to the same path), or a member (or
+    one of its external data files) inside the output folder, which prepare would overwrite.
     """
 
 

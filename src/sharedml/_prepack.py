@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 
 from sharedml import _host
-from sharedml._cache import CacheDir, CacheEntry, ensure_entry
+from sharedml._cache import CacheDir, CacheEntry, ensure_entry, iter_entries
 from sharedml._errors import (
     CacheError,
     ExternalDataError,
@@ -189,8 +189,15 @@ def build_prepacked_model(
     weights_digest: str | None = None,
     min_external_bytes: int = _DEFAULT_MIN_EXTERNAL_BYTES,
     verify: bool = True,
+    share: bool = True,
 ) -> PrepackedModel:
     """Return the cached prepacked form of ``prepared_model``, building it first if needed.
+
+    Identical weights are shared across entries (``share``): an initializer whose raw bytes and
+    prepacked blobs equal those of one in another prepacked entry of the same ORT build and
+    CPU (whatever its name or model) is pointed at that entry's data file, hard-linked into
+    this entry's folder, so every model's sessions map the same pages (see
+    :func:`_share_identical` and ``docs/families.md``).
 
     A build creates one CPU session over ``prepared_model`` that saves its optimized graph with
     ``session.save_external_prepacked_constant_initializers=1`` into the cache's temporary
@@ -220,6 +227,8 @@ def build_prepacked_model(
         min_external_bytes: Initializers smaller than this stay inline in the saved model.
         verify: Check a published entry's files against the SHA-256 recorded when it was built
             (a stamp spares re-reading unchanged files).
+        share: Point identical initializers (raw bytes and blobs) at other entries' data files
+            through hard links, so that models holding the same weights share their pages.
 
     Returns:
         The entry; its ``stats`` feed :func:`choose_cpu_route`.
@@ -307,9 +316,28 @@ def build_prepacked_model(
                 (tmp / _DATA_NAME).write_bytes(b"")
             _drop_sharedml_metadata(tmp / _MODEL_NAME, key)
             stats = inspect_prepacked_model(tmp / _MODEL_NAME, source_model=source)
-            check = ort.SessionOptions()
-            PrepackedModel(tmp / _MODEL_NAME, tmp / _DATA_NAME, key, stats).apply(check)
-            ort.InferenceSession(str(tmp / _MODEL_NAME), check, providers=["CPUExecutionProvider"])
+            own_index = _blob_index(tmp / _MODEL_NAME)
+            unshared = (tmp / _MODEL_NAME).read_bytes()
+            sharing = _share_identical(tmp, own_index, key_material, cache_dir) if share else None
+
+            def check_reload() -> None:
+                check = ort.SessionOptions()
+                PrepackedModel(tmp / _MODEL_NAME, tmp / _DATA_NAME, key, stats).apply(check)
+                ort.InferenceSession(
+                    str(tmp / _MODEL_NAME), check, providers=["CPUExecutionProvider"]
+                )
+
+            try:
+                check_reload()
+            except Exception:
+                if sharing is None:
+                    raise
+                # ORT refused the shared form: keep the entry's own blobs (still correct).
+                (tmp / _MODEL_NAME).write_bytes(unshared)
+                for linked in sharing.files:
+                    (tmp / linked).unlink()
+                sharing = None
+                check_reload()
         except Exception as exc:
             raise SessionCreationError(
                 f"onnxruntime could not save or reload the prepacked form of '{prepared_model}': "
@@ -322,10 +350,177 @@ def build_prepacked_model(
             "source": str(prepared_model),
             "key_material": key_material,
             "stats": dataclasses.asdict(stats),
+            # What a later entry may share: every external initializer's content and place.
+            "blobs": sharing.index if sharing is not None else own_index,
+            "shared": sharing.summary() if sharing is not None else None,
         }
 
     entry = ensure_entry(_KIND, key, build, cache_dir=cache_dir, verify=verify)
     return PrepackedModel._of(entry)
+
+
+# --------------------------------------------------------------------------------------------
+# Sharing identical packed weights across entries (model families)
+
+_SHARED_PREFIX = "shared-"  # name of a data file hard-linked from another prepacked entry
+# The key material two entries must agree on for one's blobs to be offered to the other. ORT
+# still validates every blob at load (it packs again and compares), and contents are compared
+# by SHA-256 here, so this only avoids pointless offers.
+_SHARING_FIELDS = ("format", "ort_version", "ort_build", "cpu", "optimization_level", "config")
+
+
+def _blob_index(model_path: Path) -> list[dict[str, Any]]:
+    """Each external initializer of a saved model: its content digests and external entries.
+
+    ``match`` identifies the content: dtype, shape, SHA-256 of the raw bytes, and for each
+    prepacked blob its key, kernel tag and SHA-256. Equal ``match``: the same weight, packed the
+    same way.
+    """
+    import numpy as np
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    maps: dict[str, Any] = {}
+    index = []
+    for ref in iter_tensors(model.graph):
+        info = ExternalData.of(ref.tensor)
+        if info is None or info.length is None or info.malformed:
+            continue
+        data: Any = maps.get(info.location)
+        if data is None:
+            path = model_path.parent / info.location
+            data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else b""
+            maps[info.location] = data
+        blobs = []
+        for key, value in info.entries:
+            if key.startswith("prepacked_"):
+                tag, *parts = value.split("|")
+                for part in parts:
+                    offset, size = (int(v) for v in part.split(";")[:2])
+                    blobs.append(
+                        [key, tag, hashlib.sha256(data[offset : offset + size]).hexdigest()]
+                    )
+        raw = hashlib.sha256(data[info.offset : info.offset + info.length]).hexdigest()
+        index.append(
+            {
+                "name": ref.tensor.name,
+                "file": info.location,
+                "match": [ref.tensor.data_type, list(ref.tensor.dims), info.length, raw, blobs],
+                "entries": [list(e) for e in info.entries],
+            }
+        )
+    return index
+
+
+@dataclasses.dataclass
+class _Sharing:
+    """What :func:`_share_identical` did to an entry being built."""
+
+    index: list[dict[str, Any]]
+    files: dict[str, str]  # linked file name -> the entry key it came from
+    tensors: int
+    bytes: int
+
+    def summary(self) -> dict[str, Any]:
+        return {"files": self.files, "tensors": self.tensors, "bytes": self.bytes}
+
+
+def _share_identical(
+    tmp: Path, own: list[dict[str, Any]], key_material: dict[str, Any], cache_dir: CacheDir
+) -> _Sharing | None:
+    """Point this entry's initializers at identical ones of other entries; None if none match.
+
+    Each matching initializer takes the other entry's external entries (raw data and blob
+    offsets) with the location of a hard link to that entry's data file, made in ``tmp``. The
+    linked bytes are hashed again before they are used: another entry's record is not trusted
+    for content. This entry's own data file keeps its copy on disk (ORT wrote it), but no
+    session maps those ranges any more. Hard links unavailable (another filesystem, Windows
+    without rights): those tensors keep this entry's own copy; ``meta["shared"]`` says what was.
+    """
+    wanted = {json.dumps(t["match"]): t for t in own}
+    offers: dict[str, tuple[CacheEntry, dict[str, Any]]] = {}
+    for entry in iter_entries(_KIND, cache_dir=cache_dir):
+        if isinstance(entry, CacheError) or entry.path == tmp:
+            continue
+        theirs = entry.meta.get("key_material") or {}
+        if any(theirs.get(f) != key_material.get(f) for f in _SHARING_FIELDS):
+            continue
+        for tensor in entry.meta.get("blobs") or ():
+            match = json.dumps(tensor.get("match"))
+            if match in wanted and match not in offers and tensor.get("file") in entry.files:
+                offers[match] = (entry, tensor)
+    if not offers:
+        return None
+    model = onnx.load(str(tmp / _MODEL_NAME), load_external_data=False)
+    by_name = {ref.tensor.name: ref.tensor for ref in iter_tensors(model.graph)}
+    linked: dict[tuple[str, str], str] = {}  # (entry key, file) -> name in tmp
+    files: dict[str, str] = {}
+    shared_tensors = shared_bytes = 0
+    index = []
+    for item in own:
+        offer = offers.get(json.dumps(item["match"]))
+        if offer is None:
+            index.append(item)
+            continue
+        entry, tensor = offer
+        name = linked.get((entry.key, tensor["file"]))
+        if name is None:
+            _size, digest = entry.files[tensor["file"]]
+            name = f"{_SHARED_PREFIX}{digest[:16]}.data"
+            if not (tmp / name).exists():
+                try:
+                    os.link(entry.path / tensor["file"], tmp / name)
+                except OSError:
+                    index.append(item)  # no hard link here: keep this entry's own copy
+                    continue
+            linked[(entry.key, tensor["file"])] = name
+            files[name] = entry.key
+        entries = [[k, name if k == "location" else v] for k, v in tensor["entries"]]
+        probe = {"file": name, "entries": entries}
+        if not _same_bytes(tmp, probe, item):
+            index.append(item)
+            continue
+        proto = by_name[item["name"]]
+        del proto.external_data[:]
+        for k, v in entries:
+            added = proto.external_data.add()
+            added.key, added.value = k, v
+        index.append({**item, "file": name, "entries": entries})
+        shared_tensors += 1
+        shared_bytes += int(item["match"][2]) + sum(
+            int(p.split(";")[1])
+            for k, v in entries
+            if k.startswith("prepacked_")
+            for p in v.split("|")[1:]
+        )
+    for name in set(files) - {i["file"] for i in index}:
+        (tmp / name).unlink()  # linked, then every tensor of it failed the byte check
+        files.pop(name)
+    if not shared_tensors:
+        return None
+    (tmp / _MODEL_NAME).write_bytes(model.SerializeToString())
+    return _Sharing(index, files, shared_tensors, shared_bytes)
+
+
+def _same_bytes(tmp: Path, theirs: dict[str, Any], ours: dict[str, Any]) -> bool:
+    """Whether the ranges ``theirs`` names in ``tmp`` hold exactly ``ours``' digests."""
+    import numpy as np
+
+    try:
+        data: Any = np.memmap(tmp / theirs["file"], dtype=np.uint8, mode="r")
+        entries = dict(theirs["entries"])
+        offset, length = int(entries["offset"]), int(entries["length"])
+        if hashlib.sha256(data[offset : offset + length]).hexdigest() != ours["match"][3]:
+            return False
+        digests = []
+        for key, value in theirs["entries"]:
+            if key.startswith("prepacked_"):
+                tag, *parts = value.split("|")
+                for part in parts:
+                    o, n = (int(v) for v in part.split(";")[:2])
+                    digests.append([key, tag, hashlib.sha256(data[o : o + n]).hexdigest()])
+        return bool(digests == ours["match"][4])
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _key_material(

@@ -34,7 +34,7 @@ import secrets
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, overload
 
 import onnx
 from onnx import ModelProto, TensorProto
@@ -74,6 +74,9 @@ from sharedml._onnx import (
     tensor_nbytes,
 )
 
+if TYPE_CHECKING:
+    from sharedml._family import FamilyResult
+
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
     "DEFAULT_SIZE_THRESHOLD_BYTES",
@@ -83,6 +86,7 @@ __all__ = [
     "PrepareResult",
     "WeightsManifest",
     "WeightsPlan",
+    "check_settings",
     "content_key",
     "load_graph",
     "plan_weights",
@@ -688,15 +692,57 @@ def _keep_a_link(path: Path) -> Path | None:
     return None  # pragma: no cover
 
 
+def check_settings(size_threshold_bytes: int, alignment_bytes: int) -> None:
+    """Refuse prepare settings out of range (``ValueError``)."""
+    if not _is_power_of_two(alignment_bytes) or not (
+        DEFAULT_ALIGNMENT_BYTES <= alignment_bytes <= MAX_ALIGNMENT_BYTES
+    ):
+        raise ValueError(
+            f"alignment_bytes must be a power of two from {DEFAULT_ALIGNMENT_BYTES} to "
+            f"{MAX_ALIGNMENT_BYTES} (1 GiB), not {alignment_bytes}."
+        )
+    if size_threshold_bytes < 0:
+        raise ValueError("size_threshold_bytes must not be negative.")
+
+
+@overload
 def prepare(
     src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    size_threshold_bytes: int = ...,
+    alignment_bytes: int = ...,
+    progress: ProgressCallback | None = ...,
+) -> PrepareResult: ...
+
+
+@overload
+def prepare(
+    src: list[str | os.PathLike[str]] | list[str] | list[Path] | tuple[str | os.PathLike[str], ...],
+    dst: str | os.PathLike[str],
+    *,
+    size_threshold_bytes: int = ...,
+    alignment_bytes: int = ...,
+    progress: ProgressCallback | None = ...,
+) -> FamilyResult: ...
+
+
+def prepare(
+    src: Any,
     dst: str | os.PathLike[str],
     *,
     size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     progress: ProgressCallback | None = None,
-) -> PrepareResult:
+) -> PrepareResult | FamilyResult:
     """Rewrite ``src`` into ``dst`` plus one aligned weights file beside it.
+
+    Given a list of models (a *family*: graphs that hold the same tensors under any names),
+    ``dst`` is a folder: each model is written to ``dst/<its file name>``, all of them over
+    ONE weights file, ``dst/family-<sha16>.weights``, that holds each distinct tensor (same
+    dtype, shape and SHA-256 of its bytes) once; see :mod:`sharedml._family`. Two members with
+    one file name, or a member inside ``dst``, is a :class:`FamilyError`, raised before
+    anything is written. Returns a :class:`~sharedml._family.FamilyResult` then.
 
     Args:
         src: Any ONNX model: weights inline, in external data files, in ``Constant`` nodes or
@@ -737,15 +783,17 @@ def prepare(
     Thread safety: safe to call concurrently, also on the same ``dst`` (the last one wins,
     each result complete).
     """
-    if not _is_power_of_two(alignment_bytes) or not (
-        DEFAULT_ALIGNMENT_BYTES <= alignment_bytes <= MAX_ALIGNMENT_BYTES
-    ):
-        raise ValueError(
-            f"alignment_bytes must be a power of two from {DEFAULT_ALIGNMENT_BYTES} to "
-            f"{MAX_ALIGNMENT_BYTES} (1 GiB), not {alignment_bytes}."
+    if isinstance(src, (list, tuple)):
+        from sharedml._family import prepare_family
+
+        return prepare_family(
+            src,
+            dst,
+            size_threshold_bytes=size_threshold_bytes,
+            alignment_bytes=alignment_bytes,
+            progress=progress,
         )
-    if size_threshold_bytes < 0:
-        raise ValueError("size_threshold_bytes must not be negative.")
+    check_settings(size_threshold_bytes, alignment_bytes)
     src_path = Path(src)
     dst_path = Path(dst)
     if dst_path.is_dir() and not dst_path.is_symlink():

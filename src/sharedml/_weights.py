@@ -146,8 +146,6 @@ class WeightStore:
         self.model_path = model_path
         self.manifest = manifest
         self.path = model_path.parent / manifest.file
-        # A cache entry's weights are not removed (sharedml cache prune) while mapped here.
-        self._hold = hold_entry(self.path)
         # ORT refuses external data that resolves outside the model's folder; the store hands
         # ORT the bytes itself, so it must refuse the same (a symlink to another file).
         real_folder = os.path.realpath(model_path.parent)
@@ -169,30 +167,51 @@ class WeightStore:
                 f"Weights file '{self.path}' has {size} bytes, but prepare wrote "
                 f"{manifest.size_bytes}: it was truncated or replaced. Prepare the model again."
             )
-        self.verified = False
         self._cache_dir = cache_dir
-        if verify:
-            self._verify()
         graph = model if model is not None else load_graph(model_path)  # open() parsed it already
         self.slots = _slots(graph, model_path, manifest, size)
-        with open(self.path, "rb") as fh:
-            # Read-only and shared: pages come from the page cache, one copy for every session
-            # of every pool (and every process) that maps this file.
-            self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        self.buffer: np.ndarray = (
-            np.frombuffer(self._mmap, dtype=np.uint8) if self._mmap else np.empty(0, np.uint8)
-        )
+        # One mapping per weights FILE per process, whichever graph names it: the members of a
+        # family (sharedml.prepare([...])) share it, and so share its pages.
+        self._file: _MappedFile | None = _MappedFile.acquire(self.path, manifest.sha256)
+        # Released once: by close(), or when the store is collected without it.
+        self._release = weakref.finalize(self, self._file.release)
+        if verify:
+            self._verify()
+        self.buffer: np.ndarray = self._file.buffer
         self._ortvalues: dict[str, Any] = {}
         self._lock = threading.Lock()
 
+    @property
+    def verified(self) -> bool:
+        """Whether the weights file was checked against its SHA-256 in this process."""
+        return self._file is not None and self._file.verified
+
+    @property
+    def file_key(self) -> tuple[Any, ...]:
+        """The weights file's identity (real path, device, inode, size, mtime, SHA-256)."""
+        assert self._file is not None, "closed"
+        return self._file.key
+
+    @property
+    def mapping_id(self) -> int:
+        """Identifies the process-wide mapping this store lends (equal: the same pages)."""
+        assert self._file is not None, "closed"
+        return id(self._file)
+
     def _verify(self) -> None:
-        # A stamp from an earlier hash of this very file spares reading it in every process.
-        if not verified_sha256(self.path, self.manifest.sha256, cache_dir=self._cache_dir):
-            raise WeightsMismatchError(
-                f"Weights file '{self.path}' does not match the SHA-256 that prepare recorded in "
-                f"'{self.model_path}': it was modified. Prepare the model again."
-            )
-        self.verified = True
+        assert self._file is not None
+        with self._file.lock:
+            if self._file.verified:
+                return
+            # A stamp from an earlier hash of this very file spares reading it in every process.
+            if not verified_sha256(self.path, self.manifest.sha256, cache_dir=self._cache_dir):
+                self._release()
+                self._file = None
+                raise WeightsMismatchError(
+                    f"Weights file '{self.path}' does not match the SHA-256 that prepare "
+                    f"recorded in '{self.model_path}': it was modified. Prepare the model again."
+                )
+            self._file.verified = True
 
     @classmethod
     def open(
@@ -282,16 +301,76 @@ class WeightStore:
             )
 
     def close(self) -> None:
-        """Drop this process's mapping. Sessions that use it must be gone first."""
+        """Drop this store's use of the mapping; the last user unmaps it.
+
+        Sessions that use it must be gone first.
+        """
+        self._ortvalues.clear()
+        self.buffer = np.empty(0, np.uint8)
+        self._release()
+        self._file = None
+
+
+class _MappedFile:
+    """One weights file, mapped read-only once per process, shared by every store naming it.
+
+    Keyed by the file's identity (real path, device, inode, size, mtime) and the SHA-256 the
+    graphs record: a file replaced by a rename is a new inode, hence a new mapping, while pools
+    over the old one keep theirs. Reference-counted by the stores that use it.
+    """
+
+    _registry: ClassVar[dict[tuple[Any, ...], _MappedFile]] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, path: Path, key: tuple[Any, ...], size: int) -> None:
+        self.path = path
+        self.key = key
+        self.users = 0
+        self.verified = False
+        self.lock = threading.Lock()
+        # A cache entry's weights are not removed (sharedml cache prune) while mapped here.
+        self._hold = hold_entry(path)
+        with open(path, "rb") as fh:
+            # Read-only and shared: pages come from the page cache, one copy for every session
+            # of every pool (and every process) that maps this file.
+            self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        self.buffer: np.ndarray = (
+            np.frombuffer(self._mmap, dtype=np.uint8) if self._mmap else np.empty(0, np.uint8)
+        )
+
+    @classmethod
+    def acquire(cls, path: Path, sha256: str) -> _MappedFile:
+        st = path.stat()
+        key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, sha256)
+        with cls._registry_lock:
+            mapped = cls._registry.get(key)
+            if mapped is None:
+                mapped = cls(path, key, st.st_size)
+                cls._registry[key] = mapped
+            mapped.users += 1
+            return mapped
+
+    def release(self) -> None:
+        with self._registry_lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            if self._registry.get(self.key) is self:
+                del self._registry[self.key]
         if self._hold is not None:
             self._hold.release()
-        self._ortvalues.clear()
         self.buffer = np.empty(0, np.uint8)
         if self._mmap is not None:
             # Still exported (a live session's buffer): the OS unmaps it when the process exits.
             with contextlib.suppress(BufferError):
                 self._mmap.close()
             self._mmap = None
+
+    @classmethod
+    def live(cls) -> int:
+        """How many weights files this process maps now (for tests and inspect)."""
+        with cls._registry_lock:
+            return len(cls._registry)
 
 
 # --------------------------------------------------------------------------------------------

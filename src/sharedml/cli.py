@@ -67,8 +67,10 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         )
         if value is not None
     }
+    if len(args.model) > 1:
+        return _prepare_family(args, options)
     with _progress(not args.json, "preparing") as progress:
-        result = prepare(args.model, args.output, progress=progress, **options)
+        result = prepare(args.model[0], args.output, progress=progress, **options)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -83,6 +85,25 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
             "them (cp) would crash those pools with SIGBUS. To redeploy, prepare again over "
             "them or rename (mv) new files into place."
         )
+    return 0
+
+
+def _prepare_family(args: argparse.Namespace, options: dict[str, int]) -> int:
+    from sharedml._prepare import prepare
+
+    with _progress(not args.json, "preparing") as progress:
+        result = prepare(list(args.model), args.output, progress=progress, **options)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    names = ", ".join(p.name for p in result.model_paths)
+    print(
+        f"wrote {names} and {result.weights_path.name} in {result.weights_path.parent}: "
+        f"{result.tensors_distinct} distinct tensors ({human_bytes(result.bytes_distinct)}) of "
+        f"{result.tensors_total} ({human_bytes(result.bytes_total)} if stored per model)"
+    )
+    for removed in result.removed:
+        print(f"removed {removed}: no graph in the folder refers to it any more")
     return 0
 
 
@@ -104,15 +125,18 @@ def _build_parser() -> argparse.ArgumentParser:
         description=(
             "Rewrite MODEL into OUTPUT (the graph) plus OUTPUT's stem + '.weights' beside it; "
             "an existing folder as OUTPUT means OUTPUT/<MODEL's stem>.onnx. The source model "
-            "and its data files are never modified, and a failure leaves no file behind."
+            "and its data files are never modified, and a failure leaves no file behind. "
+            "Several MODELs (a family: graphs that hold the same tensors) go to the folder "
+            "OUTPUT, each under its own file name, over ONE weights file holding each distinct "
+            "tensor once."
         ),
     )
-    p.add_argument("model", help="the ONNX model to prepare")
+    p.add_argument("model", nargs="+", help="the ONNX model(s) to prepare")
     p.add_argument(
         "-o",
         "--output",
         required=True,
-        help="the prepared graph file, or a folder to write it into",
+        help="the prepared graph file, or a folder to write it (or a family) into",
     )
     p.add_argument(
         "--threshold",
