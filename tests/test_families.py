@@ -593,3 +593,78 @@ def test_without_hard_links_a_prepacked_entry_keeps_its_own_blobs_and_still_matc
         np.testing.assert_array_equal(pool.run(None, feed)[0], _plain(variants[1], feed)[0])
     prepacked = [e for e in _cache.list_entries() if e.kind == "prepacked"]
     assert len(prepacked) == 2 and all(not e.uses and not e.linked for e in prepacked)
+
+
+@pytest.mark.parametrize("lender_has_subgraphs", [True, False])
+def test_an_entry_with_subgraph_weights_is_never_broken_by_another_sharing_its_file(
+    tmp_path: Path, lender_has_subgraphs: bool
+) -> None:
+    """onnx refuses subgraph external data in a file with several hard links (silero-vad).
+
+    A model with weights in an ``If`` body and one without share their main-graph weight
+    ``W_0``: whichever is built first, every model still loads afterwards, with its outputs.
+    """
+    from _models import build_model, feeds, save_model
+
+    from sharedml import _cache
+
+    with_if = save_model(
+        build_model(["initializer", "if_initializer"], dim=256), tmp_path / "a.onnx"
+    )
+    plain_mlp = save_model(build_model(["initializer"], dim=256), tmp_path / "b.onnx")
+    order = [with_if, plain_mlp] if lender_has_subgraphs else [plain_mlp, with_if]
+    feed = feeds(256)
+    for model in [*order, *order]:  # the second round loads entries built in the first
+        with sharedml.SessionPool(model, sessions=1) as pool:
+            assert pool.mechanism == "prepacked-file", pool.mechanism_reason
+            want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+            np.testing.assert_array_equal(pool.run(None, feed)[0], want.run(None, feed)[0])
+    prepacked = {e.key: e for e in _cache.list_entries() if e.kind == "prepacked"}
+    assert len(prepacked) == 2
+    # Sharing happens only when the lender's file holds no subgraph tensor.
+    assert any(e.uses for e in prepacked.values()) is not lender_has_subgraphs
+
+
+def _pairs_model(path: Path, seed: int) -> Path:
+    """x: float32[batch, n] -> rows of 2 -> MatMul: runs only where n is even."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(seed).standard_normal((2, 512)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Reshape", ["x", "pairs"], ["r"]),
+            helper.make_node("MatMul", ["r", "w"], ["y"]),
+        ],
+        "pairs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[
+            numpy_helper.from_array(np.array([-1, 2], np.int64), "pairs"),
+            numpy_helper.from_array(w, "w"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def test_family_inspect_takes_dims_shapes_and_inputs_for_every_member(tmp_path: Path) -> None:
+    from sharedml._errors import MeasurementError
+    from sharedml._family_inspect import inspect_family
+
+    models = [_pairs_model(tmp_path / f"m{i}.onnx", i) for i in (0, 1)]
+    with pytest.raises(MeasurementError, match=r"(?s)every symbolic dim set to 1.*--dim"):
+        inspect_family(models, sessions=1)  # n = 1 rows cannot pair up
+    for sizes in (
+        {"dims": {"n": 4}},
+        {"shapes": {"x": (1, 6)}},
+        {"inputs": _npz(tmp_path / "feeds.npz", x=np.ones((3, 2), np.float32))},
+    ):
+        report = inspect_family(models, sessions=1, **sizes)  # type: ignore[arg-type]
+        assert report.plain_bytes is not None and report.pooled_bytes is not None
+
+
+def _npz(path: Path, **arrays: np.ndarray) -> Path:
+    np.savez(path, **arrays)
+    return path

@@ -216,7 +216,13 @@ def _progress_display() -> Iterator[Callable[[str, int, int], None] | None]:
 def _cmd_inspect_family(args: argparse.Namespace) -> int:
     from sharedml._family_inspect import inspect_family
 
-    report = inspect_family(args.model, sessions=args.sessions)
+    report = inspect_family(
+        args.model,
+        sessions=args.sessions,
+        dims=parse_dims(args.dim),
+        shapes=parse_shapes(args.shape),
+        inputs=args.inputs,
+    )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0

@@ -11,12 +11,13 @@ weights share through the cache).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +100,9 @@ _CHILD = r"""
 import contextlib, ctypes, gc, json, sys
 import numpy as np, onnxruntime as ort, psutil
 import sharedml
-from sharedml._inputs import generate, input_specs
+from sharedml._inputs import generate, input_specs, load_feeds
 from sharedml._prepare import load_graph
-mode, n, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+mode, n, sizes, models = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4:]
 try:
     libc = ctypes.CDLL("libc.so.6")
     trim = libc.malloc_trim
@@ -113,9 +114,18 @@ def pss():
     return getattr(info, "pss", info.uss)
 feeds = []
 for m in models:
-    specs = input_specs(load_graph(m))
-    feeds.append({s.name: generate({"name": s.name, "dtype": s.dtype, "shape": s.shape})
-                  for s in specs})
+    graph = load_graph(m)
+    # --dim and --shape name what any member has: each member takes the ones it has.
+    names = {i.name: [d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
+    dims = {k: v for k, v in sizes["dims"].items() if any(k in d for d in names.values())}
+    shapes = {k: v for k, v in sizes["shapes"].items() if k in names}
+    values = {k: v for k, v in (load_feeds(sizes["inputs"]) if sizes["inputs"] else {}).items()
+              if k in names}
+    given = {k: ("str" if a.dtype.kind in "OSU" else a.dtype.name, tuple(a.shape))
+             for k, a in values.items()}
+    specs = input_specs(graph, dims, shapes=shapes, given=given, model_name=m)
+    feeds.append({s.name: values[s.name] if s.name in values else
+                  generate({"name": s.name, "dtype": s.dtype, "shape": s.shape}) for s in specs})
 sharedml.SessionPool  # the modules load lazily: before the baseline
 base = pss()
 held, mechanisms = [], []
@@ -142,22 +152,40 @@ for h in held:
 
 
 def measure_family(
-    mode: str, sessions: int, models: Sequence[str], timeout_s: float | None = None
+    mode: str,
+    sessions: int,
+    models: Sequence[str],
+    timeout_s: float | None = None,
+    *,
+    dims: Mapping[str, int] | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    inputs: str | os.PathLike[str] | None = None,
 ) -> Any:
     """One measuring process; returns ``{"pss": bytes, "mechanisms": [...]}``.
 
     ``mode``: "plain" (ORT sessions), "pooled" (pools, defaults) or "raw" (prepacking off).
+    ``dims``/``shapes``/``inputs``: as ``sharedml inspect --dim/--shape/--inputs``, each
+    applied to the members that have that dim or input (other symbolic dims are 1).
     """
+    sizes = json.dumps(
+        {
+            "dims": dict(dims or {}),
+            "shapes": {k: list(v) for k, v in (shapes or {}).items()},
+            "inputs": str(inputs) if inputs is not None else None,
+        }
+    )
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, mode, str(sessions), *models],
+        [sys.executable, "-c", _CHILD, mode, str(sessions), sizes, *models],
         capture_output=True,
         text=True,
         timeout=timeout_s,
     )
     if done.returncode != 0:
+        given = "" if dims or shapes or inputs else " with every symbolic dim set to 1"
         raise MeasurementError(
-            f"Measuring {mode} sessions of the family failed (exit {done.returncode}): "
-            f"{done.stderr.strip()[-1500:]}"
+            f"Measuring {mode} sessions of the family failed{given} (exit {done.returncode}): "
+            f"{done.stderr.strip()[-1500:]} Give the inputs' sizes with --dim NAME=VALUE or "
+            "--shape INPUT=AxB, or real values with --inputs FEEDS.npz (as for one model)."
         )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -168,6 +196,9 @@ def inspect_family(
     sessions: int = 4,
     measure: bool = True,
     timeout_s: float | None = None,
+    dims: Mapping[str, int] | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    inputs: str | os.PathLike[str] | None = None,
 ) -> FamilyReport:
     """Report a family's distinct vs total weights and, measured, plain vs pooled memory.
 
@@ -176,6 +207,10 @@ def inspect_family(
         sessions: Sessions per member in each measurement.
         measure: False: the static part only.
         timeout_s: Limit for each measuring process.
+        dims: Sizes of symbolic dims (``--dim``), for every member that has the dim.
+        shapes: Whole input shapes (``--shape``), for every member that has the input.
+        inputs: An ``.npz`` of input values by name (``--inputs``), for every member that has
+            the input.
 
     Raises:
         ModelError: a member cannot be read.
@@ -186,11 +221,12 @@ def inspect_family(
     report = FamilyReport(names, tensors, distinct_tensors, total, distinct)
     if not measure:
         return report
-    measure_family(
-        "pooled", 1, names, timeout_s
-    )  # fills the cache: its one-off build is not counted
-    plain = measure_family("plain", sessions, names, timeout_s)
-    pooled = measure_family("pooled", sessions, names, timeout_s)
+    run = functools.partial(
+        measure_family, models=names, timeout_s=timeout_s, dims=dims, shapes=shapes, inputs=inputs
+    )
+    run("pooled", 1)  # fills the cache: its one-off build is not counted
+    plain = run("plain", sessions)
+    pooled = run("pooled", sessions)
     return dataclasses.replace(
         report,
         sessions=sessions,

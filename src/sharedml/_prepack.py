@@ -444,21 +444,29 @@ def _share_identical(
         theirs = entry.meta.get("key_material") or {}
         if any(theirs.get(f) != key_material.get(f) for f in _SHARING_FIELDS):
             continue
+        barred = _subgraph_files(entry.path / _MODEL_NAME)
         for tensor in entry.meta.get("blobs") or ():
             match = json.dumps(tensor.get("match"))
-            if match in wanted and match not in offers and tensor.get("file") in entry.files:
+            if (
+                match in wanted
+                and match not in offers
+                and tensor.get("file") in entry.files
+                and tensor.get("file") not in barred
+            ):
                 offers[match] = (entry, tensor)
     if not offers:
         return None
     model = onnx.load(str(tmp / _MODEL_NAME), load_external_data=False)
-    by_name = {ref.tensor.name: ref.tensor for ref in iter_tensors(model.graph)}
+    refs = list(iter_tensors(model.graph))
+    by_name = {ref.tensor.name: ref.tensor for ref in refs}
+    in_subgraph = {ref.tensor.name for ref in refs if ref.depth}
     linked: dict[tuple[str, str], str] = {}  # (entry key, file) -> name in tmp
     files: dict[str, str] = {}
     shared_tensors = shared_bytes = 0
     index = []
     for item in own:
         offer = offers.get(json.dumps(item["match"]))
-        if offer is None:
+        if offer is None or item["name"] in in_subgraph:  # see _subgraph_files
             index.append(item)
             continue
         entry, tensor = offer
@@ -499,6 +507,27 @@ def _share_identical(
         return None
     (tmp / _MODEL_NAME).write_bytes(model.SerializeToString())
     return _Sharing(index, files, shared_tensors, shared_bytes)
+
+
+def _subgraph_files(model_path: Path) -> set[str]:
+    """The data files that tensors inside subgraphs (``If``/``Loop``/``Scan`` bodies) refer to.
+
+    ORT has onnx's checker validate the external data of subgraph tensors when it loads a model,
+    and onnx (1.22 and later) refuses a data file with more than one hard link ("a potential
+    hardlink attack"); main-graph initializers are not checked so. Measured on silero-vad:
+    linking such an entry's data file from another entry broke the lending entry's next load.
+    So such a file is never lent, and a subgraph tensor never points at a link.
+    """
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception:
+        return {_DATA_NAME}  # unreadable: lend nothing of it (its own load will say why)
+    files = set()
+    for ref in iter_tensors(model.graph):
+        info = ExternalData.of(ref.tensor) if ref.depth else None
+        if info is not None:
+            files.add(info.location)
+    return files
 
 
 def _same_bytes(tmp: Path, theirs: dict[str, Any], ours: dict[str, Any]) -> bool:
