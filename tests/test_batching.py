@@ -93,6 +93,24 @@ def test_requests_that_queue_merge_into_one_run_and_get_their_own_rows(
         np.testing.assert_allclose(y, solo(f), rtol=1e-5, atol=1e-6)
 
 
+def test_dims_exported_as_minus_one_are_dynamic_as_ort_treats_them(tmp_path: Path) -> None:
+    """Paddle's exporter writes dim_value -1 for dynamic dims (PP-OCR's classifier, PicoDet)."""
+    import onnx
+
+    path = batchable_model(tmp_path / "paddle.onnx", dim=DIM, extra_input=True)
+    model = onnx.load(path)
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_value = -1
+    onnx.save(model, path)
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with sharedml.SessionPool(path, sessions=1, batching=True) as pool:
+        feeds = [feed(rows, seed) for seed, rows in enumerate([1, 2, 1])]
+        outs = queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, f) for f in feeds])
+        assert pool.stats().max_batch_rows == 4
+    for f, (y,) in zip(feeds, outs, strict=True):
+        np.testing.assert_allclose(y, plain.run(None, f)[0], rtol=1e-5, atol=1e-6)
+
+
 def test_a_batch_holds_at_most_max_batch_size_rows_oldest_first(model: Path) -> None:
     with sharedml.SessionPool(
         model, sessions=1, batching=sharedml.Batching(max_batch_size=4)

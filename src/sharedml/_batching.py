@@ -255,7 +255,12 @@ def _value_info(value: Any) -> tuple[str, Any, tuple[int | None, ...] | None]:
         dtype = np.object_
     if not tensor.HasField("shape"):
         return type_text, dtype, None
-    dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+    # A negative dim_value is not valid ONNX, but Paddle's exporter writes -1 for dynamic dims
+    # (PP-OCR, PicoDet) and ORT accepts any size there: dynamic, as ORT treats it.
+    dims = tuple(
+        d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None
+        for d in tensor.shape.dim
+    )
     return type_text, dtype, dims
 
 
