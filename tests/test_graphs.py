@@ -288,3 +288,9 @@ def test_shapes_beyond_the_limit_and_non_numpy_feeds_run_on_the_template(model: 
     assert sess.session_for({"x": ort.OrtValue.ortvalue_from_numpy(rows(1))}) is template
     sess.close()
     assert sess.shapes == []
+
+
+def test_paddles_question_mark_dims_are_not_one_shared_name() -> None:
+    shapes = {"x": (2, 3, 48, 192)}
+    assert _graphs.symbolic_dims({"x": [None, 3, "?", "?"]}, shapes) == {}
+    assert _graphs.symbolic_dims({"x": ["batch", 3, "?", "?"]}, shapes) == {"batch": 2}

@@ -89,6 +89,19 @@ def test_symbolic_dims_default_to_one_and_can_be_overridden() -> None:
     assert specs[0].describe() == "ids int64[batch=3, seq=7]"
 
 
+def test_paddle_dims_minus_one_and_question_mark_are_unnamed_dynamic_axes() -> None:
+    """PP-OCR's classifier declares x[-1, 3, "?", "?"]: no sizes, and no shared name."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3, "?", "?"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "paddle", [x], [y])
+    model = helper.make_model(graph)
+    assert input_specs(model)[0].shape == (1, 3, 1, 1)
+    (spec,) = input_specs(model, shapes={"x": (1, 3, 48, 192)})  # '?' need not agree with '?'
+    assert spec.shape == (1, 3, 48, 192)
+
+
 def test_unknown_or_negative_dims_are_refused_with_the_known_names() -> None:
     with pytest.raises(ValueError, match=r"no symbolic dimension 'tokens'.*batch, seq"):
         input_specs(embedding_model(), {"tokens": 4})

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from sharedml._errors import InvalidInputError, SharedMLError
+from sharedml._inputs import UNNAMED_DIM
 
 __all__ = [
     "CAPTURE_RUNS",
@@ -141,7 +142,7 @@ def symbolic_dims(
         if want is None or len(want) != len(shape):
             continue
         for dim, value in zip(want, shape, strict=True):
-            if not isinstance(dim, str):
+            if not isinstance(dim, str) or dim == UNNAMED_DIM:
                 continue
             if dims.setdefault(dim, value) != value:
                 raise InvalidInputError(

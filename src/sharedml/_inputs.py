@@ -78,6 +78,11 @@ class InputSpec:
         }
 
 
+# Paddle's exporter names every dynamic dim "?" (PP-OCR: x[-1, 3, "?", "?"]): one name for
+# unrelated sizes. ORT does not hold inputs to it; neither does sharedml (an unnamed dim).
+UNNAMED_DIM = "?"
+
+
 def defaulted_dims(
     specs: Sequence[InputSpec], dims: Mapping[str, int] | None = None
 ) -> dict[str, list[str]]:
@@ -194,9 +199,9 @@ def input_specs(
             )
         axes: list[Any] = []
         for dim in tensor_type.shape.dim:
-            if dim.HasField("dim_value"):
+            if dim.HasField("dim_value") and dim.dim_value >= 0:  # Paddle writes -1: dynamic
                 axes.append(int(dim.dim_value))
-            elif dim.dim_param:
+            elif dim.dim_param and dim.dim_param != UNNAMED_DIM:
                 axes.append(dim.dim_param)
             else:
                 axes.append(None)
