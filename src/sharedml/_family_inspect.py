@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import MeasurementError
+from sharedml._family import TensorDigest
 from sharedml._onnx import inline_bytes, read_model
 from sharedml._prepare import DEFAULT_SIZE_THRESHOLD_BYTES, _SourceReader, plan_weights
 
@@ -68,7 +69,7 @@ def family_weights(
 
     Counts the tensors prepare would move (its threshold), by content, whatever their names.
     """
-    seen: set[tuple[int, tuple[int, ...], int, str]] = set()
+    seen: set[TensorDigest] = set()
     tensors = distinct_tensors = total = distinct = 0
     for path in map(Path, models):
         model, model_bytes = read_model(path)
@@ -83,7 +84,9 @@ def family_weights(
                 else:
                     for chunk in reader.read(index, item.piece, item.tensor.name):
                         sha.update(chunk)
-                key = (item.tensor.data_type, tuple(item.tensor.dims), item.nbytes, sha.hexdigest())
+                key = TensorDigest(
+                    item.tensor.data_type, tuple(item.tensor.dims), item.nbytes, sha.hexdigest()
+                )
                 tensors += 1
                 total += item.nbytes
                 if key not in seen:
@@ -97,19 +100,15 @@ def family_weights(
 
 # The measuring child: N sessions per member, all run once, then the PSS growth.
 _CHILD = r"""
-import contextlib, ctypes, gc, json, sys
+import contextlib, gc, json, sys
 import numpy as np, onnxruntime as ort, psutil
 import sharedml
-from sharedml._inputs import generate, input_specs, load_feeds
+from sharedml._host import release_freed_heap
+from sharedml._inputs import described, generate, input_specs, load_feeds
 from sharedml._prepare import load_graph
 mode, n, sizes, models = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4:]
-try:
-    libc = ctypes.CDLL("libc.so.6")
-    trim = libc.malloc_trim
-except OSError:
-    trim = lambda _pad: None
 def pss():
-    gc.collect(); trim(0)
+    gc.collect(); release_freed_heap()
     info = psutil.Process().memory_full_info()
     return getattr(info, "pss", info.uss)
 feeds = []
@@ -121,9 +120,7 @@ for m in models:
     shapes = {k: v for k, v in sizes["shapes"].items() if k in names}
     values = {k: v for k, v in (load_feeds(sizes["inputs"]) if sizes["inputs"] else {}).items()
               if k in names}
-    given = {k: ("str" if a.dtype.kind in "OSU" else a.dtype.name, tuple(a.shape))
-             for k, a in values.items()}
-    specs = input_specs(graph, dims, shapes=shapes, given=given, model_name=m)
+    specs = input_specs(graph, dims, shapes=shapes, given=described(values), model_name=m)
     feeds.append({s.name: values[s.name] if s.name in values else
                   generate({"name": s.name, "dtype": s.dtype, "shape": s.shape}) for s in specs})
 sharedml.SessionPool  # the modules load lazily: before the baseline

@@ -16,7 +16,15 @@ from typing import Any
 
 from sharedml._errors import MeasurementError
 
-__all__ = ["InputSpec", "defaulted_dims", "generate", "input_specs", "load_feeds"]
+__all__ = [
+    "UNNAMED_DIM",
+    "InputSpec",
+    "defaulted_dims",
+    "described",
+    "generate",
+    "input_specs",
+    "load_feeds",
+]
 
 
 _GENERATED_DTYPES = frozenset(
@@ -294,6 +302,17 @@ def load_feeds(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"--inputs: '{path}' is not a numpy .npz file of arrays ({exc}). Write one with "
             "numpy.savez('feeds.npz', input_name=array, ...)."
         ) from None
+
+
+def described(feeds: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``(dtype name, shape)`` of each given array, as :func:`input_specs` takes ``given``.
+
+    Strings, bytes and objects are ``"str"``: the dtype name inputs of type string have here.
+    """
+    return {
+        name: ("str" if a.dtype.kind in "OSU" else a.dtype.name, tuple(a.shape))
+        for name, a in feeds.items()
+    }
 
 
 def generate(spec: Mapping[str, Any]) -> Any:

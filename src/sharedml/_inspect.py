@@ -946,7 +946,7 @@ def inspect(
     import onnxruntime as ort
 
     from sharedml._errors import MeasurementError
-    from sharedml._inputs import defaulted_dims, load_feeds
+    from sharedml._inputs import defaulted_dims, described, load_feeds
     from sharedml._measure import trial_run
     from sharedml._onnx import load_graph
     from sharedml._providers import plan_providers
@@ -978,10 +978,7 @@ def inspect(
     label = "the demo model" if demo else f"'{path}'"
     given = None
     if feeds is not None:
-        given = {
-            name: ("str" if a.dtype.kind in "OSU" else a.dtype.name, tuple(a.shape))
-            for name, a in load_feeds(feeds).items()
-        }
+        given = described(load_feeds(feeds))
     inputs = input_specs(proto, dims, shapes=shapes, given=given, model_name=label)
     weights = summarize_weights(proto, path)
     serialized = _serialized_for(plan, proto, label)

@@ -616,7 +616,7 @@ class SessionPool:
             buckets = len(self.batching.buckets()) if self.batching else 0
             sess = GraphSession(
                 self._graph_template(),
-                functools.partial(self._create_graph_session, lock),
+                functools.partial(self._create_session_with_dims, lock),
                 device=GRAPH_DEVICES[self.plan.primary],
                 device_id=self.plan.device_id,
                 max_graphs=DEFAULT_MAX_GRAPHS + buckets,  # room for every batch bucket
@@ -630,7 +630,7 @@ class SessionPool:
                 assert self.batching is not None
                 sess = ShapeSessions(
                     sess,
-                    functools.partial(self._create_graph_session, lock),
+                    functools.partial(self._create_session_with_dims, lock),
                     max_shapes=len(self.batching.buckets()),
                 )
         elapsed = time.perf_counter() - start
@@ -653,7 +653,7 @@ class SessionPool:
                 self._template = self.recipe.create_session(cuda_graph=False)
             return self._template
 
-    def _create_graph_session(self, lock: Any, dims: Mapping[str, int]) -> Any:
+    def _create_session_with_dims(self, lock: Any, dims: Mapping[str, int]) -> Any:
         with lock:
             return self.recipe.create_session(dims=dims)
 

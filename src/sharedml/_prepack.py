@@ -444,16 +444,14 @@ def _share_identical(
         theirs = entry.meta.get("key_material") or {}
         if any(theirs.get(f) != key_material.get(f) for f in _SHARING_FIELDS):
             continue
-        barred = _subgraph_files(entry.path / _MODEL_NAME)
+        barred: set[str] | None = None  # read only for an entry that has a match
         for tensor in entry.meta.get("blobs") or ():
             match = json.dumps(tensor.get("match"))
-            if (
-                match in wanted
-                and match not in offers
-                and tensor.get("file") in entry.files
-                and tensor.get("file") not in barred
-            ):
-                offers[match] = (entry, tensor)
+            if match in wanted and match not in offers and tensor.get("file") in entry.files:
+                if barred is None:
+                    barred = _subgraph_files(entry.path / _MODEL_NAME)
+                if tensor.get("file") not in barred:
+                    offers[match] = (entry, tensor)
     if not offers:
         return None
     model = onnx.load(str(tmp / _MODEL_NAME), load_external_data=False)
