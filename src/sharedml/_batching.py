@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from sharedml import _proto
 from sharedml._errors import InvalidInputError, NotBatchableError
 
 __all__ = [
@@ -241,16 +242,14 @@ def _shape_text(shape: Sequence[int | None]) -> str:
 
 def _value_info(value: Any) -> tuple[str, Any, tuple[int | None, ...] | None]:
     """(type text, numpy dtype or None, dims with None for dynamic) of a graph input/output."""
-    import onnx
-
     tensor = value.type.tensor_type if value.type.HasField("tensor_type") else None
     if tensor is None:
         return value.type.WhichOneof("value") or "unknown", None, None
     try:
-        dtype: Any = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).type
+        dtype: Any = _proto.np_dtype(tensor.elem_type).type
     except Exception:
         dtype = None
-    type_text = f"tensor({onnx.TensorProto.DataType.Name(tensor.elem_type).lower()})"
+    type_text = f"tensor({_proto.pb2().TensorProto.DataType.Name(tensor.elem_type).lower()})"
     if dtype is not None and np.dtype(dtype).kind in "OSU":
         dtype = np.object_
     if not tensor.HasField("shape"):

@@ -40,8 +40,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
-import onnx
 
+from sharedml import _proto
 from sharedml._dlpack import DLPACK_TYPES, RouteError, check_view, export_capsule, retargeted_view
 from sharedml._errors import ProviderError
 from sharedml._providers import CPU, CUDA, DML
@@ -77,7 +77,7 @@ class HostWeights(Protocol):
 
 
 def _np_dtype(slot: TensorSlot) -> np.dtype[Any]:
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(slot.data_type))
+    return _proto.np_dtype(slot.data_type)
 
 
 def _on_device(slot: TensorSlot) -> bool:

@@ -132,6 +132,7 @@ ORT_DISTRIBUTIONS = (
     "ort-nightly-gpu",
     "ort-nightly-directml",
 )
+_ORT_PREFIXES = ("onnxruntime", "ort-nightly")  # of the records' folder names, normalized
 
 
 def onnxruntime_site() -> Path | None:
@@ -159,7 +160,19 @@ def onnxruntime_distributions(site: Path | None = None) -> list[tuple[str, str]]
     if site is None:
         return []
     found: dict[str, str] = {}
-    for dist in metadata.distributions(path=[str(site)]):
+    # Only the records whose folder name can be one of ours are parsed: reading every
+    # distribution's metadata costs 0.1 s in a venv of 100 packages, on every pool's start.
+    try:
+        records = [
+            entry
+            for entry in os.scandir(site)
+            if entry.name.endswith((".dist-info", ".egg-info"))
+            and re.sub(r"[-_.]+", "-", entry.name.lower()).startswith(_ORT_PREFIXES)
+        ]
+    except OSError:
+        return []
+    for record in sorted(records, key=lambda e: e.name):
+        dist = metadata.PathDistribution(Path(record.path))
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
         if name in ORT_DISTRIBUTIONS:
             found.setdefault(name, dist.version)

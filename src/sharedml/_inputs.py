@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sharedml import _proto
 from sharedml._errors import MeasurementError
 
 __all__ = [
@@ -143,8 +144,6 @@ def input_specs(
         MeasurementError: an input whose type inspect cannot generate (sequences, maps,
             bfloat16, ...).
     """
-    import onnx
-
     checked: dict[str, int] = {}
     for name, size in (dims or {}).items():
         try:
@@ -182,10 +181,10 @@ def input_specs(
             )
         tensor_type = value.type.tensor_type
         try:
-            np_dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+            np_dtype = _proto.np_dtype(tensor_type.elem_type)
             dtype_name = "str" if np_dtype.kind in "OSU" else np_dtype.name
         except Exception:
-            dtype_name = onnx.TensorProto.DataType.Name(tensor_type.elem_type).lower()
+            dtype_name = _proto.pb2().TensorProto.DataType.Name(tensor_type.elem_type).lower()
         if dtype_name not in _GENERATED_DTYPES and value.name not in wanted_dtypes:
             raise MeasurementError(
                 f"Input '{value.name}' of {model_name} has type {dtype_name}; inspect can "

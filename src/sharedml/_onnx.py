@@ -19,15 +19,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-import onnx
-from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
-
 from sharedml import _host
 from sharedml._errors import (
     ExternalDataError,
     InvalidModelError,
     ModelNotFoundError,
     UnsafePathError,
+)
+from sharedml._proto import (
+    AttributeProto,
+    GraphProto,
+    ModelProto,
+    NodeProto,
+    TensorProto,
+    np_dtype,
+    parse_model,
 )
 
 __all__ = [
@@ -90,7 +96,7 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelProto, bytes]:
     except OSError as exc:
         raise InvalidModelError(f"'{path}' cannot be read ({exc.strerror or exc}).") from None
     try:
-        model = onnx.load_model_from_string(data)
+        model = parse_model(data)
     except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning, ...: all "not ONNX"
         raise InvalidModelError(f"'{path}' is not a valid ONNX model: {exc}") from None
     if not model.HasField("graph"):
@@ -223,7 +229,7 @@ def _element_bits(data_type: int) -> int:
     if data_type in four_bit:
         return 4
     try:
-        return 8 * onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+        return 8 * np_dtype(data_type).itemsize
     except Exception:
         return 0  # unknown or undefined type: its size cannot be checked
 
@@ -256,8 +262,9 @@ def inline_bytes(tensor: TensorProto) -> bytes:
     """The raw little-endian bytes of an inline tensor, from ``raw_data`` or typed fields."""
     if tensor.HasField("raw_data"):
         return tensor.raw_data
-    array = onnx.numpy_helper.to_array(tensor)
-    return onnx.numpy_helper.from_array(array).raw_data
+    from onnx import numpy_helper  # typed fields: rare, and only prepare reads them
+
+    return numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data
 
 
 @dataclasses.dataclass(frozen=True)

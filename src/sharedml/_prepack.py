@@ -42,8 +42,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import onnx
-
 from sharedml import _host
 from sharedml._cache import CacheDir, CacheEntry, ensure_entry, iter_entries
 from sharedml._errors import (
@@ -52,8 +50,9 @@ from sharedml._errors import (
     ModelNotFoundError,
     SessionCreationError,
 )
-from sharedml._onnx import ExternalData, external_locations, iter_tensors
+from sharedml._onnx import ExternalData, external_locations, iter_tensors, load_graph
 from sharedml._options import config_entry, graph_settings
+from sharedml._proto import ModelProto, parse_model
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -253,7 +252,7 @@ def build_prepacked_model(
         raise ModelNotFoundError(
             f"Model '{prepared_model}' does not exist. Pass the path of a prepared model."
         ) from None
-    source = onnx.load_model_from_string(model_bytes)
+    source = parse_model(model_bytes)
     location = _single_external_location(source, prepared_model)
     if location is not None and weights_file is None:
         raise ValueError(
@@ -378,7 +377,7 @@ def _blob_index(model_path: Path) -> list[dict[str, Any]]:
     """
     import numpy as np
 
-    model = onnx.load(str(model_path), load_external_data=False)
+    model = load_graph(str(model_path))
     maps: dict[str, Any] = {}
     index = []
     for ref in iter_tensors(model.graph):
@@ -454,7 +453,7 @@ def _share_identical(
                     offers[match] = (entry, tensor)
     if not offers:
         return None
-    model = onnx.load(str(tmp / _MODEL_NAME), load_external_data=False)
+    model = load_graph(str(tmp / _MODEL_NAME))
     refs = list(iter_tensors(model.graph))
     by_name = {ref.tensor.name: ref.tensor for ref in refs}
     in_subgraph = {ref.tensor.name for ref in refs if ref.depth}
@@ -517,7 +516,7 @@ def _subgraph_files(model_path: Path) -> set[str]:
     So such a file is never lent, and a subgraph tensor never points at a link.
     """
     try:
-        model = onnx.load(str(model_path), load_external_data=False)
+        model = load_graph(str(model_path))
     except Exception:
         return {_DATA_NAME}  # unreadable: lend nothing of it (its own load will say why)
     files = set()
@@ -576,7 +575,7 @@ def _key_material(
 
 
 def inspect_prepacked_model(
-    model_path: str | os.PathLike[str], *, source_model: onnx.ModelProto | None = None
+    model_path: str | os.PathLike[str], *, source_model: ModelProto | None = None
 ) -> PrepackStats:
     """Count what a saved prepacked model's data file holds, from its protobuf alone.
 
@@ -589,7 +588,7 @@ def inspect_prepacked_model(
     Returns:
         The figures :func:`choose_cpu_route` decides on.
     """
-    model = onnx.load(str(model_path), load_external_data=False)
+    model = load_graph(str(model_path))
     source_names = (
         {ref.name for ref in iter_tensors(source_model.graph)} if source_model is not None else None
     )
@@ -677,7 +676,7 @@ def _drop_sharedml_metadata(model_path: Path, key: str) -> None:
     weights file this model does not read: ``WeightStore.open`` or the prepare cache would take
     the saved model for a prepared one and look for (and verify) the wrong file.
     """
-    model = onnx.load(str(model_path), load_external_data=False)
+    model = load_graph(str(model_path))
     kept = [p for p in model.metadata_props if not p.key.startswith("sharedml.")]
     del model.metadata_props[:]
     model.metadata_props.extend(kept)
@@ -686,7 +685,7 @@ def _drop_sharedml_metadata(model_path: Path, key: str) -> None:
     model_path.write_bytes(model.SerializeToString())
 
 
-def _single_external_location(model: onnx.ModelProto, path: Path) -> str | None:
+def _single_external_location(model: ModelProto, path: Path) -> str | None:
     locations = external_locations(model.graph)
     if len(locations) > 1:
         raise ExternalDataError(

@@ -36,9 +36,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, overload
 
-import onnx
-from onnx import ModelProto, TensorProto
-
 from sharedml import _host
 from sharedml._cache import (
     Built,
@@ -73,6 +70,7 @@ from sharedml._onnx import (
     set_external,
     tensor_nbytes,
 )
+from sharedml._proto import ModelProto, TensorProto, parse_model
 
 if TYPE_CHECKING:
     from sharedml._family import FamilyResult
@@ -331,7 +329,9 @@ def _source_of(tensor: TensorProto, model_path: Path, files: ResolvedFiles) -> _
         # anything of the declared size exists), and tells a corrupt tensor apart here rather
         # than in the middle of writing the weights file.
         try:
-            onnx.numpy_helper.to_array(tensor)
+            from onnx import numpy_helper
+
+            numpy_helper.to_array(tensor)
         except Exception as exc:
             raise InvalidModelError(
                 f"Tensor '{name}' in '{model_path}' declares shape {list(tensor.dims)} "
@@ -1035,7 +1035,7 @@ def prepared_model_from_bytes(
         CacheError: the cache folder fails sharedml's permission policy.
     """
     try:
-        model = onnx.load_model_from_string(data)
+        model = parse_model(data)
     except Exception as exc:
         raise InvalidModelError(f"The model bytes are not a valid ONNX model: {exc}") from None
     if not model.HasField("graph"):

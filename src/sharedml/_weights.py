@@ -31,11 +31,11 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import onnx
 
+from sharedml import _proto
 from sharedml._cache import CacheDir, hold_entry, verified_sha256
 from sharedml._errors import (
     ExternalDataError,
@@ -45,6 +45,9 @@ from sharedml._errors import (
 )
 from sharedml._onnx import ExternalData, Placement, iter_tensors, load_graph, tensor_nbytes
 from sharedml._prepare import WeightsManifest, read_manifest
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = [
     "HOST_MECHANISMS",
@@ -272,7 +275,7 @@ class WeightStore:
         with self._lock:
             value = self._ortvalues.get(slot.name)
             if value is None:
-                dtype = onnx.helper.tensor_dtype_to_np_dtype(slot.data_type)
+                dtype = _proto.np_dtype(slot.data_type)
                 view = self.buffer[slot.offset : slot.offset + slot.length].view(dtype)
                 value = ort.OrtValue.ortvalue_from_numpy(view.reshape(slot.dims))
                 self._ortvalues[slot.name] = value
@@ -381,11 +384,11 @@ _PROBE_ELEMENTS = 1024  # ORT inlines external tensors under 128 bytes: probe we
 
 
 def _probe_model(external: bool) -> onnx.ModelProto:
-    from onnx import TensorProto, helper
-
+    """Y = x * w over 1024 floats (built from the messages: no onnx import on a pool's path)."""
+    pb = _proto.pb2()
+    w = pb.TensorProto(name="w", data_type=pb.TensorProto.FLOAT, dims=[_PROBE_ELEMENTS])
     if external:
-        w = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[_PROBE_ELEMENTS])
-        w.data_location = TensorProto.EXTERNAL
+        w.data_location = pb.TensorProto.EXTERNAL
         for key, value in (
             ("location", "probe.bin"),
             ("offset", "0"),
@@ -394,17 +397,19 @@ def _probe_model(external: bool) -> onnx.ModelProto:
             entry = w.external_data.add()
             entry.key, entry.value = key, value
     else:
-        w = onnx.numpy_helper.from_array(np.zeros(_PROBE_ELEMENTS, np.float32), "w")
-    graph = helper.make_graph(
-        # Mul: no kernel prepacks its operand, so a borrowed buffer stays visible.
-        [helper.make_node("Mul", ["x", "w"], ["y"])],
-        "probe",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [_PROBE_ELEMENTS])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [_PROBE_ELEMENTS])],
-        initializer=[w],
+        w.raw_data = np.zeros(_PROBE_ELEMENTS, np.float32).tobytes()
+    model: onnx.ModelProto = pb.ModelProto(
+        ir_version=8, opset_import=[pb.OperatorSetIdProto(domain="", version=17)]
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
+    graph = model.graph
+    graph.name = "probe"
+    # Mul: no kernel prepacks its operand, so a borrowed buffer stays visible.
+    graph.node.add(op_type="Mul", input=["x", "w"], output=["y"])
+    for values, name in ((graph.input, "x"), (graph.output, "y")):
+        info = values.add(name=name)
+        info.type.tensor_type.elem_type = pb.TensorProto.FLOAT
+        info.type.tensor_type.shape.dim.add(dim_value=_PROBE_ELEMENTS)
+    graph.initializer.append(w)
     return model
 
 
