@@ -444,23 +444,30 @@ def memory_family(
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is read from Linux smaps")
-def test_pools_over_a_prepared_family_cost_about_one_copy_of_the_shared_weights(
+def test_raw_pools_over_a_model_and_its_variant_cost_about_one_copy_prepared_or_not(
     memory_family: tuple[Path, Path, list[Path], Path], tmp_path: Path
 ) -> None:
-    """Raw sharing (prepacking="off"): both members' pools map the family's one weights file."""
+    """Raw sharing (prepacking="off"): a prepared family's members map its one weights file;
+    unprepared, the variant's cache entry links the model's entry's file (sharedml._dedupe)."""
     base, variant, members, warm = memory_family
     os.environ["SHAREDML_CACHE_DIR"] = str(tmp_path / "cache")
     alone, _ = _pss_of_pools([members[0]], "off", warm)
     both, mechanisms = _pss_of_pools(members, "off", warm)
-    separate, _ = _pss_of_pools([base, variant], "off", warm)  # unprepared: an entry each
+    unprepared, _ = _pss_of_pools([base, variant], "off", warm)  # no family named
+    other = mlp(
+        tmp_path / "src" / "other.onnx", target_bytes=MEMORY_BASE_BYTES, width=MEMORY_WIDTH, seed=9
+    ).path
+    unrelated, _ = _pss_of_pools([base, Path(other)], "off", warm)  # no tensor in common
     print(
         f"pools of 4, prepacking off ({mechanisms}): first member alone {alone / 2**20:.1f} MiB, "
         f"both members {both / 2**20:.1f} MiB ({both / alone:.2f}x), the two unprepared "
-        f"models {separate / 2**20:.1f} MiB ({separate / alone:.2f}x)"
+        f"models {unprepared / 2**20:.1f} MiB ({unprepared / alone:.2f}x), the model and an "
+        f"unrelated one of its size {unrelated / 2**20:.1f} MiB ({unrelated / alone:.2f}x)"
     )
     assert alone >= 0.9 * MEMORY_BASE_BYTES  # the weights really were touched
     assert both <= 1.3 * alone
-    assert separate >= 1.7 * alone  # the baseline the family saves: two copies
+    assert unprepared <= 1.3 * alone
+    assert unrelated >= 1.7 * alone  # the baseline: two copies where nothing is identical
 
 
 @pytest.mark.slow
@@ -499,17 +506,18 @@ def decoders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is read from Linux smaps")
-@pytest.mark.parametrize("route", ["pooled", "raw"])
+@pytest.mark.parametrize(("route", "prepared"), [("pooled", False), ("raw", True), ("raw", False)])
 def test_the_decoder_pair_costs_about_one_models_weights_on_every_cpu_route(
-    decoders: tuple[Path, Path, list[Path]], tmp_path: Path, route: str
+    decoders: tuple[Path, Path, list[Path]], tmp_path: Path, route: str, prepared: bool
 ) -> None:
     from sharedml._family_inspect import measure_family
 
     dec, past, members = decoders
     os.environ["SHAREDML_CACHE_DIR"] = str(tmp_path / "cache")
     # Pool defaults (packed blobs shared across cache entries): the unprepared pair, no family
-    # named. Raw sharing (prepacking off): the pair prepared as a family.
-    pair = [str(dec), str(past)] if route == "pooled" else [str(m) for m in members]
+    # named. Raw sharing (prepacking off): the pair prepared as a family, or unprepared (the
+    # second cache entry links the first's weights file).
+    pair = [str(m) for m in members] if prepared else [str(dec), str(past)]
     measure_family(route, 1, pair)  # the cache's one-off builds are not counted
     one = max(measure_family(route, 4, [m])["pss"] for m in pair)  # the larger member alone
     both = measure_family(route, 4, pair)

@@ -289,13 +289,14 @@ class DeviceWeightStore:
         device_id: int,
         *,
         route: str,
-        shared: _FileValues | None = None,
+        shared: Sequence[tuple[_FileValues, HostWeights]] | None = None,
     ) -> None:
         """Upload ``host``'s tensors to ``provider``'s device ``device_id`` by ``route``.
 
         Prefer :meth:`for_store`, which reuses a live upload, and shares the device copy of
-        each distinct tensor of one weights file between the models that name it (``shared``:
-        only tensors not on the device yet are uploaded).
+        each distinct tensor of a weights file between the models that name it (``shared``:
+        per weights file, its device values and the tensors of ``host`` in it, main file
+        first; only tensors not on the device yet are uploaded).
 
         Raises:
             ProviderError: the provider has no device store, the route is unknown, or the
@@ -312,7 +313,16 @@ class DeviceWeightStore:
             if shared is None:
                 self._upload: _Upload | None = _UPLOADERS[route](host, self.device, device_id)
             else:
-                self._upload = shared.upload_for(host, _UPLOADERS[route], self.device, device_id)
+                uploads = [
+                    values.upload_for(part, _UPLOADERS[route], self.device, device_id)
+                    for values, part in shared
+                ]
+                self._upload = _Upload(
+                    {name: v for u in uploads for name, v in u.values.items()},
+                    sum(values.device_bytes for values, _part in shared),
+                    uploads[0].reload,  # the main file's layout (reload's contract)
+                    [values for values, _part in shared],
+                )
         except Exception as exc:
             raise ProviderError(
                 f"Could not put {sum(s.length for s in host.slots)} bytes of weights on "
@@ -352,16 +362,21 @@ class DeviceWeightStore:
         """
         # Per model (the tensor names are the model's), over device values per weights FILE:
         # the members of a family (sharedml.prepare([...])) name the same bytes differently.
+        # Cache entries that share tensors (sharedml._dedupe) name one file by hard links: the
+        # file's identity is its inode, so their values are one set too.
         key = (str(store.model_path), store.manifest.sha256, provider, device_id, route)
-        file_key = (store.file_key, provider, device_id, route)
         with cls._registry_lock:
             live = cls._registry.get(key)
             if live is not None and live._upload is not None:
                 return live
-            shared = cls._files.get(file_key)
-            if shared is None:
-                shared = _FileValues()
-                cls._files[file_key] = shared
+            shared = []
+            for name, file_key in store.file_keys.items():
+                values = cls._files.get((file_key, provider, device_id, route))
+                if values is None:
+                    values = _FileValues()
+                    cls._files[(file_key, provider, device_id, route)] = values
+                slots = tuple(s for s in store.slots if s.file == name)
+                shared.append((values, _Subset(store.buffers[name], slots)))
             created = cls(store, provider, device_id, route=route, shared=shared)
             cls._registry[key] = created
             return created

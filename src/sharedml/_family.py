@@ -243,7 +243,7 @@ def _referenced(folder: Path) -> set[str] | None:
         except SharedMLError:
             return None  # an unreadable graph might refer to anything: remove nothing
         if manifest is not None:
-            names.add(manifest.file)
+            names.update(f.file for f in manifest.files)
     return names
 
 

@@ -39,6 +39,7 @@ import hashlib
 import json
 import mmap
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -181,7 +182,7 @@ class PrepackedModel:
 
 def build_prepacked_model(
     prepared_model: str | os.PathLike[str],
-    weights_file: str | os.PathLike[str] | None,
+    weights_file: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None,
     cache_dir: CacheDir = None,
     *,
     sess_options: ort.SessionOptions | None = None,
@@ -216,7 +217,9 @@ def build_prepacked_model(
             (small ones may be inline; it may also have no external data at all).
         weights_file: The one external data file ``prepared_model`` refers to, or None if it has
             none. ORT reads it zero-copy through a read-only map registered under the name the
-            model uses, so it need not sit where the model's ``location`` points.
+            model uses, so it need not sit where the model's ``location`` points. A model over
+            several weights files (a cache entry that shares tensors with others) passes them
+            all, as ``{location: path}``.
         cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
         sess_options: The options the pool gives its sessions. Only the optimization level and
             the config entries that change the optimized graph are used; free-dimension
@@ -253,28 +256,41 @@ def build_prepacked_model(
             f"Model '{prepared_model}' does not exist. Pass the path of a prepared model."
         ) from None
     source = parse_model(model_bytes)
-    location = _single_external_location(source, prepared_model)
-    if location is not None and weights_file is None:
-        raise ValueError(
-            f"Model '{prepared_model}' keeps weights in the external file '{location}', but "
-            "weights_file is None. Pass the path of that file."
-        )
+    files: dict[str, Path] = {}
+    if isinstance(weights_file, Mapping):
+        files = {location: Path(path) for location, path in weights_file.items()}
+        missing = sorted(external_locations(source.graph) - set(files))
+        if missing:
+            raise ExternalDataError(
+                f"Model '{prepared_model}' keeps weights in {', '.join(missing)}, which "
+                "weights_file does not give."
+            )
+    else:
+        location = _single_external_location(source, prepared_model)
+        if location is not None and weights_file is None:
+            raise ValueError(
+                f"Model '{prepared_model}' keeps weights in the external file '{location}', but "
+                "weights_file is None. Pass the path of that file."
+            )
+        if location is not None and weights_file is not None:
+            files = {location: Path(weights_file)}
     if config_entry(sess_options, "session.disable_prepacking") == "1":
         raise ValueError(
             "sess_options sets session.disable_prepacking=1, but the prepacked route exists to "
             "keep prepacking on. Use the shared-raw route, or drop that entry."
         )
     weights_size = 0
-    weights_path = Path(weights_file) if weights_file is not None else None
-    if weights_path is not None:
+    for weights_path in files.values():
         try:
-            weights_size = weights_path.stat().st_size
+            weights_size += weights_path.stat().st_size
         except FileNotFoundError:
             raise ModelNotFoundError(
                 f"Weights file '{weights_path}' of model '{prepared_model}' does not exist."
             ) from None
-        if weights_digest is None:
-            weights_digest = "sha256:" + _host.sha256_file(weights_path)
+    if files and weights_digest is None:
+        weights_digest = "sha256:" + ",".join(
+            _host.sha256_file(files[name]) for name in sorted(files)
+        )
     key_material = _key_material(
         model_bytes, weights_digest, weights_size, sess_options, min_external_bytes
     )
@@ -298,13 +314,14 @@ def build_prepacked_model(
             str(min_external_bytes),
         )
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-        weights_map: Any = None
-        if location is not None and weights_path is not None:
+        weights_maps: list[Any] = []
+        if files:
             import numpy as np
 
-            weights_map = np.memmap(weights_path, dtype=np.uint8, mode="r")
+            names = sorted(files)
+            weights_maps = [np.memmap(files[n], dtype=np.uint8, mode="r") for n in names]
             so.add_external_initializers_from_files_in_memory(
-                [location], [weights_map], [weights_map.nbytes]
+                names, weights_maps, [m.nbytes for m in weights_maps]
             )
             so.add_session_config_entry(
                 "session.use_external_initializer_file_buffers_directly", "1"
@@ -343,7 +360,7 @@ def build_prepacked_model(
                 f"{exc}. Use the shared-raw route for this model."
             ) from exc
         finally:
-            del weights_map
+            del weights_maps
             _host.release_freed_heap()  # the two sessions freed about twice the weights
         return {
             "source": str(prepared_model),

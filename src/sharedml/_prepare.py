@@ -93,6 +93,7 @@ __all__ = [
     "prepared_model_from_bytes",
     "read_manifest",
     "weights_path_for",
+    "SharedWeights",
 ]
 
 DEFAULT_ALIGNMENT_BYTES = 4096  # bytes: one page, so every large tensor is mapped page-aligned
@@ -106,8 +107,11 @@ DEFAULT_SIZE_THRESHOLD_BYTES = 1024  # bytes: what onnx's own external-data help
 MANIFEST_KEY = "sharedml.weights"  # metadata_props key of the prepared model
 # 2: tensors smaller than alignment_bytes start at SMALL_ALIGNMENT_BYTES (1: every tensor at
 # alignment_bytes). Format 1 files still load: their offsets satisfy the format 2 rule.
+# 3: tensors may also sit in other weights files of the folder (``shared``: hard links to the
+# files of other cache entries holding the same tensors). Written only where ``shared`` is used.
 _FORMAT_VERSION = 2
-_READABLE_FORMATS = (1, 2)
+_SHARED_FORMAT_VERSION = 3
+_READABLE_FORMATS = (1, 2, 3)
 _END_ALIGNMENT_BYTES = 4096  # bytes: the file ends on a page, as a mapping does
 _CHUNK_BYTES = 16 * 1024 * 1024  # bytes copied at a time: bounds prepare's peak memory
 _ZEROS = bytes(64 * 1024)  # padding is written from this, so no padding is ever allocated
@@ -130,6 +134,21 @@ def _is_power_of_two(n: object) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedWeights:
+    """Another weights file of the folder that some of a prepared model's tensors sit in.
+
+    Attributes:
+        file: Its name, relative to the model's folder.
+        size_bytes: Its exact size.
+        sha256: Hex SHA-256 of its whole content.
+    """
+
+    file: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
 class WeightsManifest:
     """What a prepared model records about its weights file, to verify it at load.
 
@@ -142,6 +161,10 @@ class WeightsManifest:
         small_alignment_bytes: Where smaller tensors start (see :meth:`alignment_for`).
             Files of format 1, which aligned every tensor to ``alignment_bytes``, read as
             ``alignment_bytes`` here.
+        shared: Other weights files of the folder, laid out by the same rule, that tensors of
+            the graph sit in (format 3): a cache entry's hard links to the files of entries
+            holding the same tensors (:mod:`sharedml._dedupe`). Empty for everything
+            :func:`sharedml.prepare` writes.
     """
 
     file: str
@@ -150,6 +173,12 @@ class WeightsManifest:
     alignment_bytes: int
     tensors: int
     small_alignment_bytes: int = SMALL_ALIGNMENT_BYTES
+    shared: tuple[SharedWeights, ...] = ()
+
+    @property
+    def files(self) -> tuple[SharedWeights, ...]:
+        """Every weights file the graph refers to: ``file`` first, then ``shared``."""
+        return (SharedWeights(self.file, self.size_bytes, self.sha256), *self.shared)
 
     def alignment_for(self, nbytes: int) -> int:
         """The alignment of a tensor of ``nbytes`` in this file: prepare's layout rule.
@@ -167,7 +196,11 @@ class WeightsManifest:
 
     def to_json(self) -> str:
         """Serialize as stored in the model's ``metadata_props``."""
-        return json.dumps({"format": _FORMAT_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if not self.shared:  # readable by every sharedml that reads format 2
+            del fields["shared"]
+        version = _SHARED_FORMAT_VERSION if self.shared else _FORMAT_VERSION
+        return json.dumps({"format": version, **fields}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> WeightsManifest:
@@ -183,6 +216,7 @@ class WeightsManifest:
                 )
             if version == 1:  # every tensor at alignment_bytes
                 raw.setdefault("small_alignment_bytes", raw.get("alignment_bytes"))
+            raw["shared"] = tuple(SharedWeights(**item) for item in raw.get("shared", ()))
             manifest = cls(**raw)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             if isinstance(exc, InvalidModelError):
@@ -196,10 +230,16 @@ class WeightsManifest:
                 f"Malformed {MANIFEST_KEY} metadata: alignments {manifest.alignment_bytes} and "
                 f"{manifest.small_alignment_bytes} are not powers of two. Prepare the model again."
             )
-        if Path(manifest.file).name != manifest.file:
-            raise UnsafePathError(
-                f"The prepared model names weights file {manifest.file!r}, which is not a plain "
-                "file name in the model's folder."
+        names = [f.file for f in manifest.files]
+        for name in names:
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise UnsafePathError(
+                    f"The prepared model names weights file {name!r}, which is not a plain "
+                    "file name in the model's folder."
+                )
+        if len(set(names)) != len(names):
+            raise InvalidModelError(
+                f"Malformed {MANIFEST_KEY} metadata: a weights file is named twice ({names})."
             )
         return manifest
 
@@ -878,7 +918,7 @@ def prepare(
 # --------------------------------------------------------------------------------------------
 # Prepared once per content: the cache's ``models`` entries
 
-_KEY_VERSION = "2"  # bump when prepare's output format, or what the key covers, changes
+_KEY_VERSION = "3"  # bump when prepare's output format, or what the key covers, changes
 _PREPARED_NAME = "model.onnx"
 
 
@@ -980,7 +1020,7 @@ def prepared_model_for(
         entry = ensure_entry(
             "models",
             key,
-            lambda tmp: _prepare_into(path, tmp, size_threshold_bytes),
+            lambda tmp: _prepare_into(path, tmp, size_threshold_bytes, cache_dir),
             cache_dir=cache_dir,
             verify=checked,
         )
@@ -995,13 +1035,18 @@ def prepared_model_for(
         return path
     key, before = _source_key(path, model, model_bytes, before, size_threshold_bytes)
     del model, model_bytes  # the graph can be large; prepare loads its own copy
+    # A source with inline weights was read and parsed whole (twice its size): glibc keeps
+    # those pages in the heap unless trimmed, and every pool's process would carry them.
+    _host.release_freed_heap()
     prepared = entry_for(key)
     # Recorded only if no file changed since `before`: else the build may hold other bytes.
     record_stamp("prepared", before, key, params, cache_dir=cache_dir)
     return prepared
 
 
-def _prepare_into(src: Path, folder: Path, size_threshold_bytes: int) -> Built:
+def _prepare_into(
+    src: Path, folder: Path, size_threshold_bytes: int, cache_dir: CacheDir = None
+) -> Built:
     try:
         result = prepare(src, folder / _PREPARED_NAME, size_threshold_bytes=size_threshold_bytes)
     except OutputError as exc:
@@ -1009,9 +1054,18 @@ def _prepare_into(src: Path, folder: Path, size_threshold_bytes: int) -> Built:
             f"Could not build the cache entry for '{src}': {exc} Or set SHAREDML_CACHE_DIR to a "
             "folder with room."
         ) from exc
+    from sharedml._dedupe import share_with_entries  # it builds on this module
+
+    # Tensors that other entries hold already are linked, not stored again (sharedml._dedupe).
+    dedupe = share_with_entries(folder, _PREPARED_NAME, cache_dir)
     return Built(
-        meta={"source": str(src), "tensors": result.tensors_moved, "bytes": result.bytes_moved},
-        sha256={result.weights_path.name: result.manifest.sha256},
+        meta={
+            "source": str(src),
+            "tensors_moved": result.tensors_moved,
+            "bytes": result.bytes_moved,
+            **dedupe.meta,
+        },
+        sha256=dedupe.sha256,
         key=_key_of(result.source_sha256, size_threshold_bytes),
     )
 
@@ -1061,7 +1115,7 @@ def prepared_model_from_bytes(
         source = folder / "source.onnx"
         source.write_bytes(data)
         try:
-            return _prepare_into(source, folder, size_threshold_bytes)
+            return _prepare_into(source, folder, size_threshold_bytes, cache_dir)
         finally:
             source.unlink()
 

@@ -383,12 +383,15 @@ def _optimized_model(
     """ORT's saved optimized (and prepacked) form of the model: a cache entry, built once."""
     from sharedml import _prepack
 
+    files = weights.manifest.files
     return _prepack.build_prepacked_model(
         weights.model_path,
-        weights.path,
+        weights.path
+        if len(files) == 1
+        else {f.file: weights.model_path.parent / f.file for f in files},
         cache_dir,
         sess_options=sess_options,
-        weights_digest="sha256:" + weights.manifest.sha256,
+        weights_digest="sha256:" + ",".join(f.sha256 for f in sorted(files, key=lambda f: f.file)),
         verify=verify,
     )
 

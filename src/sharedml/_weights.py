@@ -69,27 +69,30 @@ class TensorSlot:
     dims: tuple[int, ...]
     offset: int
     length: int
+    file: str = ""
+    """The weights file it sits in (a name in the model's folder; "" for the only one)."""
 
 
 def _slots(
-    model: onnx.ModelProto, model_path: Path, manifest: WeightsManifest, size: int
+    model: onnx.ModelProto, model_path: Path, manifest: WeightsManifest, sizes: dict[str, int]
 ) -> tuple[TensorSlot, ...]:
-    """Every tensor's place in the weights file, checked against the file as prepare wrote it.
+    """Every tensor's place in its weights file, checked against the file as prepare wrote it.
 
     The graph is not covered by the recorded hash (the hash lives in it), so a changed graph
     must not make the store hand ORT a slice other than the tensor's own bytes.
     """
-    weights_file = manifest.file
     slots = []
     for ref in iter_tensors(model.graph):
         info = ExternalData.of(ref.tensor)
         if ref.placement is not Placement.INITIALIZER or info is None:
             continue
         tensor = ref.tensor
-        if info.location != weights_file:
+        weights_file = info.location
+        size = sizes.get(weights_file)
+        if size is None:
             raise ExternalDataError(
                 f"Tensor '{tensor.name}' of '{model_path}' refers to '{info.location}', not to "
-                f"the prepared weights file '{weights_file}'. Prepare the model again."
+                f"the prepared weights file '{manifest.file}'. Prepare the model again."
             )
         offset, length = info.offset, info.length if info.length is not None else -1
         expected = tensor_nbytes(tensor)
@@ -117,6 +120,7 @@ def _slots(
                 dims=tuple(tensor.dims),
                 offset=offset,
                 length=length,
+                file=weights_file,
             )
         )
     return tuple(slots)
@@ -152,69 +156,105 @@ class WeightStore:
         # ORT refuses external data that resolves outside the model's folder; the store hands
         # ORT the bytes itself, so it must refuse the same (a symlink to another file).
         real_folder = os.path.realpath(model_path.parent)
-        real = os.path.realpath(self.path)
-        if os.path.commonpath([real_folder, real]) != real_folder:
-            raise UnsafePathError(
-                f"Weights file '{self.path}' of prepared model '{model_path}' resolves to "
-                f"'{real}', outside the model's folder '{real_folder}'. Weights are read only "
-                "from the model's own folder: prepare the model again."
-            )
-        if not self.path.is_file():
-            raise WeightsMismatchError(
-                f"Weights file '{self.path}' of prepared model '{model_path}' is missing. "
-                "Prepare the model again."
-            )
-        size = self.path.stat().st_size
-        if size != manifest.size_bytes:
-            raise WeightsMismatchError(
-                f"Weights file '{self.path}' has {size} bytes, but prepare wrote "
-                f"{manifest.size_bytes}: it was truncated or replaced. Prepare the model again."
-            )
+        sizes: dict[str, int] = {}
+        for weights in manifest.files:
+            path = model_path.parent / weights.file
+            real = os.path.realpath(path)
+            if os.path.commonpath([real_folder, real]) != real_folder:
+                raise UnsafePathError(
+                    f"Weights file '{path}' of prepared model '{model_path}' resolves to "
+                    f"'{real}', outside the model's folder '{real_folder}'. Weights are read "
+                    "only from the model's own folder: prepare the model again."
+                )
+            if not path.is_file():
+                raise WeightsMismatchError(
+                    f"Weights file '{path}' of prepared model '{model_path}' is missing. "
+                    "Prepare the model again."
+                )
+            size = path.stat().st_size
+            if size != weights.size_bytes:
+                raise WeightsMismatchError(
+                    f"Weights file '{path}' has {size} bytes, but prepare wrote "
+                    f"{weights.size_bytes}: it was truncated or replaced. Prepare the model "
+                    "again."
+                )
+            sizes[weights.file] = size
         self._cache_dir = cache_dir
         graph = model if model is not None else load_graph(model_path)  # open() parsed it already
-        self.slots = _slots(graph, model_path, manifest, size)
-        # One mapping per weights FILE per process, whichever graph names it: the members of a
-        # family (sharedml.prepare([...])) share it, and so share its pages.
-        self._file: _MappedFile | None = _MappedFile.acquire(self.path, manifest.sha256)
+        self.slots = _slots(graph, model_path, manifest, sizes)
+        # A cache entry is not removed (sharedml cache prune) while a store over it lives; the
+        # files it shares with other entries are held by the mappings too.
+        self._hold = hold_entry(model_path)
+        # One mapping per weights FILE per process, whichever graph (or hard link) names it:
+        # the members of a family (sharedml.prepare([...])) and cache entries that share
+        # tensors (sharedml._dedupe) share it, and so share its pages.
+        self._files: dict[str, _MappedFile] = {}
+        try:
+            for weights in manifest.files:
+                path = model_path.parent / weights.file
+                self._files[weights.file] = _MappedFile.acquire(path, weights.sha256)
+        except BaseException:
+            self._release_all(tuple(self._files.values()), self._hold)
+            raise
         # Released once: by close(), or when the store is collected without it.
-        self._release = weakref.finalize(self, self._file.release)
+        self._release = weakref.finalize(
+            self, self._release_all, tuple(self._files.values()), self._hold
+        )
         if verify:
             self._verify()
-        self.buffer: np.ndarray = self._file.buffer
+        self.buffers: dict[str, np.ndarray] = {n: f.buffer for n, f in self._files.items()}
+        """Each weights file's mapping, by its name in the model's folder."""
+        self.buffer: np.ndarray = self.buffers[manifest.file]
         self._ortvalues: dict[str, Any] = {}
         self._lock = threading.Lock()
 
+    @staticmethod
+    def _release_all(files: tuple[_MappedFile, ...], hold: Any) -> None:
+        for mapped in files:
+            mapped.release()
+        if hold is not None:
+            hold.release()
+
     @property
     def verified(self) -> bool:
-        """Whether the weights file was checked against its SHA-256 in this process."""
-        return self._file is not None and self._file.verified
+        """Whether every weights file was checked against its SHA-256 in this process."""
+        return bool(self._files) and all(f.verified for f in self._files.values())
 
     @property
     def file_key(self) -> tuple[Any, ...]:
-        """The weights file's identity (real path, device, inode, size, mtime, SHA-256)."""
-        assert self._file is not None, "closed"
-        return self._file.key
+        """The main weights file's identity (device, inode, size, mtime, SHA-256)."""
+        return self.file_keys[self.manifest.file]
+
+    @property
+    def file_keys(self) -> dict[str, tuple[Any, ...]]:
+        """Each weights file's identity, by its name in the model's folder."""
+        assert self._files, "closed"
+        return {name: f.key for name, f in self._files.items()}
 
     @property
     def mapping_id(self) -> int:
-        """Identifies the process-wide mapping this store lends (equal: the same pages)."""
-        assert self._file is not None, "closed"
-        return id(self._file)
+        """Identifies the process-wide mapping of the main file (equal: the same pages)."""
+        assert self._files, "closed"
+        return id(self._files[self.manifest.file])
 
     def _verify(self) -> None:
-        assert self._file is not None
-        with self._file.lock:
-            if self._file.verified:
-                return
-            # A stamp from an earlier hash of this very file spares reading it in every process.
-            if not verified_sha256(self.path, self.manifest.sha256, cache_dir=self._cache_dir):
-                self._release()
-                self._file = None
-                raise WeightsMismatchError(
-                    f"Weights file '{self.path}' does not match the SHA-256 that prepare "
-                    f"recorded in '{self.model_path}': it was modified. Prepare the model again."
-                )
-            self._file.verified = True
+        for weights in self.manifest.files:
+            mapped = self._files[weights.file]
+            with mapped.lock:
+                if mapped.verified:
+                    continue
+                # A stamp from an earlier hash of this very file spares reading it in every
+                # process.
+                path = self.model_path.parent / weights.file
+                if not verified_sha256(path, weights.sha256, cache_dir=self._cache_dir):
+                    self._release()
+                    self._files = {}
+                    raise WeightsMismatchError(
+                        f"Weights file '{path}' does not match the SHA-256 that prepare "
+                        f"recorded in '{self.model_path}': it was modified. Prepare the model "
+                        "again."
+                    )
+                mapped.verified = True
 
     @classmethod
     def open(
@@ -276,7 +316,8 @@ class WeightStore:
             value = self._ortvalues.get(slot.name)
             if value is None:
                 dtype = _proto.np_dtype(slot.data_type)
-                view = self.buffer[slot.offset : slot.offset + slot.length].view(dtype)
+                buffer = self.buffers[slot.file]
+                view = buffer[slot.offset : slot.offset + slot.length].view(dtype)
                 value = ort.OrtValue.ortvalue_from_numpy(view.reshape(slot.dims))
                 self._ortvalues[slot.name] = value
             return value
@@ -289,8 +330,10 @@ class WeightStore:
             mechanism: One of :data:`HOST_MECHANISMS`; see the module docstring.
         """
         if mechanism == "in-memory-file":
+            names = list(self.buffers)
+            buffers = [self.buffers[n] for n in names]
             so.add_external_initializers_from_files_in_memory(
-                [self.manifest.file], [self.buffer], [int(self.buffer.size)]
+                names, buffers, [int(b.size) for b in buffers]
             )
             so.add_session_config_entry(_DIRECT_BUFFERS_KEY, "1")
         elif mechanism == "add-initializer":
@@ -310,16 +353,18 @@ class WeightStore:
         """
         self._ortvalues.clear()
         self.buffer = np.empty(0, np.uint8)
+        self.buffers = {}
         self._release()
-        self._file = None
+        self._files = {}
 
 
 class _MappedFile:
     """One weights file, mapped read-only once per process, shared by every store naming it.
 
-    Keyed by the file's identity (real path, device, inode, size, mtime) and the SHA-256 the
-    graphs record: a file replaced by a rename is a new inode, hence a new mapping, while pools
-    over the old one keep theirs. Reference-counted by the stores that use it.
+    Keyed by the file's identity (device, inode, size, mtime: a hard link is the same file) and
+    the SHA-256 the graphs record: a file replaced by a rename is a new inode, hence a new
+    mapping, while pools over the old one keep theirs. Reference-counted by the stores that use
+    it.
     """
 
     _registry: ClassVar[dict[tuple[Any, ...], _MappedFile]] = {}
@@ -331,8 +376,6 @@ class _MappedFile:
         self.users = 0
         self.verified = False
         self.lock = threading.Lock()
-        # A cache entry's weights are not removed (sharedml cache prune) while mapped here.
-        self._hold = hold_entry(path)
         with open(path, "rb") as fh:
             # Read-only and shared: pages come from the page cache, one copy for every session
             # of every pool (and every process) that maps this file.
@@ -344,7 +387,8 @@ class _MappedFile:
     @classmethod
     def acquire(cls, path: Path, sha256: str) -> _MappedFile:
         st = path.stat()
-        key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, sha256)
+        # The inode, not the path: a hard link in another cache entry is the same pages.
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, sha256)
         with cls._registry_lock:
             mapped = cls._registry.get(key)
             if mapped is None:
@@ -360,8 +404,6 @@ class _MappedFile:
                 return
             if self._registry.get(self.key) is self:
                 del self._registry[self.key]
-        if self._hold is not None:
-            self._hold.release()
         self.buffer = np.empty(0, np.uint8)
         if self._mmap is not None:
             # Still exported (a live session's buffer): the OS unmaps it when the process exits.
