@@ -30,6 +30,21 @@ for _name, _value in (
 ):
     os.environ.setdefault(_name, _value)
 
+# onnxruntime_extensions sets PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python in os.environ when it
+# is imported (onnxruntime_extensions/cvt.py). This process keeps its upb backend, but every
+# subprocess a later test starts would inherit the pure-Python one: slower parsing, and a
+# sharedml._proto that (rightly) falls back to importing onnx. Import it here, once, and undo it.
+_saved = os.environ.get("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION")
+try:
+    import onnxruntime_extensions  # noqa: F401
+except ImportError:
+    pass
+finally:
+    if _saved is None:
+        os.environ.pop("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", None)
+    else:
+        os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = _saved
+
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

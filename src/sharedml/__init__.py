@@ -61,6 +61,7 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
     from sharedml._pool import PoolStats, SessionPool
     from sharedml._prepare import (
         PrepareResult,
+        SharedWeights,
         WeightsManifest,
         prepare,
         prepared_model_for,
@@ -92,6 +93,7 @@ __all__ = [
     "FamilyResult",
     "TensorDigest",
     "WeightsManifest",
+    "SharedWeights",
     "weights_path_for",
     "prepared_model_for",
     "cache_dir",
@@ -171,7 +173,7 @@ _HOMES = {
     "_inspect": "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect",
     "_measure": "measure",
     "_pool": "PoolStats SessionPool",
-    "_prepare": "PrepareResult WeightsManifest prepare prepared_model_for weights_path_for",
+    "_prepare": "PrepareResult SharedWeights WeightsManifest prepare prepared_model_for weights_path_for",
     "_providers": "ProviderPlan ProviderSpec",
     "_results": "Measurement MemoryPoint",
     "_route": "Mechanism Prepacking SessionRecipe",
