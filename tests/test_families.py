@@ -450,7 +450,6 @@ def test_raw_pools_over_a_model_and_its_variant_cost_about_one_copy_prepared_or_
     """Raw sharing (prepacking="off"): a prepared family's members map its one weights file;
     unprepared, the variant's cache entry links the model's entry's file (sharedml._dedupe)."""
     base, variant, members, warm = memory_family
-    os.environ["SHAREDML_CACHE_DIR"] = str(tmp_path / "cache")
     alone, _ = _pss_of_pools([members[0]], "off", warm)
     both, mechanisms = _pss_of_pools(members, "off", warm)
     unprepared, _ = _pss_of_pools([base, variant], "off", warm)  # no family named
@@ -477,7 +476,6 @@ def test_pools_over_a_model_and_its_renamed_variant_share_identical_weights_auto
 ) -> None:
     """Pool defaults, no family named: identical weights (packed too) share across entries."""
     base, variant, members, warm = memory_family
-    os.environ["SHAREDML_CACHE_DIR"] = str(tmp_path / "cache")
     alone, _ = _pss_of_pools([base], "auto", warm)
     both, both_mechanisms = _pss_of_pools([base, variant], "auto", warm)
     family, _ = _pss_of_pools(members, "auto", warm)
@@ -513,7 +511,6 @@ def test_the_decoder_pair_costs_about_one_models_weights_on_every_cpu_route(
     from sharedml._family_inspect import measure_family
 
     dec, past, members = decoders
-    os.environ["SHAREDML_CACHE_DIR"] = str(tmp_path / "cache")
     # Pool defaults (packed blobs shared across cache entries): the unprepared pair, no family
     # named. Raw sharing (prepacking off): the pair prepared as a family, or unprepared (the
     # second cache entry links the first's weights file).
