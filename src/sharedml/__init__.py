@@ -173,7 +173,9 @@ _HOMES = {
     "_inspect": "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect",
     "_measure": "measure",
     "_pool": "PoolStats SessionPool",
-    "_prepare": "PrepareResult SharedWeights WeightsManifest prepare prepared_model_for weights_path_for",
+    "_prepare": (
+        "PrepareResult SharedWeights WeightsManifest prepare prepared_model_for weights_path_for"
+    ),
     "_providers": "ProviderPlan ProviderSpec",
     "_results": "Measurement MemoryPoint",
     "_route": "Mechanism Prepacking SessionRecipe",
