@@ -280,6 +280,23 @@ class CacheEntry:
         """Bytes of its files on disk."""
         return sum(size for size, _ in self.files.values())
 
+    def link_file(self, name: str, folder: Path, prefix: str, suffix: str) -> str | None:
+        """Hard-link its file ``name`` into ``folder`` (an entry being built) for sharing.
+
+        The link is named by the file's recorded SHA-256 (``prefix + sha[:16] + suffix``), so
+        one file linked for several tensors, or already linked, is linked once. Returns the
+        link's name, or None where this file system makes no hard link (the caller keeps its
+        own copy). The bytes are not checked here: the recorded hash is another entry's word.
+        """
+        _size, digest = self.files[name]
+        link = f"{prefix}{digest[:16]}{suffix}"
+        if not (folder / link).exists():
+            try:
+                os.link(self.file(name), folder / link)
+            except OSError:
+                return None
+        return link
+
 
 @dataclasses.dataclass(frozen=True)
 class Built:

@@ -189,16 +189,13 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
         name = linked.get((entry.key, theirs["file"]))
         if name is None:
             size, digest = entry.files[theirs["file"]]
-            name = f"{SHARED_PREFIX}{digest[:16]}{_SHARED_SUFFIX}"
-            if not (tmp / name).exists():
-                try:
-                    os.link(entry.path / theirs["file"], tmp / name)
-                except OSError:
-                    continue  # no hard link here: keep this entry's own copy
-                # The whole file, as the new manifest records it (a stamp spares the read).
-                if not verified_sha256(tmp / name, digest, cache_dir=cache_dir):
-                    (tmp / name).unlink()
-                    continue
+            name = entry.link_file(theirs["file"], tmp, SHARED_PREFIX, _SHARED_SUFFIX)
+            if name is None:
+                continue  # no hard link here: keep this entry's own copy
+            # The whole file, as the new manifest records it (a stamp spares the read).
+            if not verified_sha256(tmp / name, digest, cache_dir=cache_dir):
+                (tmp / name).unlink()
+                continue
             linked[(entry.key, theirs["file"])] = name
             uses[name] = entry.key
             sha[name] = digest

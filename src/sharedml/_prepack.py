@@ -486,14 +486,10 @@ def _share_identical(
         entry, tensor = offer
         name = linked.get((entry.key, tensor["file"]))
         if name is None:
-            _size, digest = entry.files[tensor["file"]]
-            name = f"{_SHARED_PREFIX}{digest[:16]}.data"
-            if not (tmp / name).exists():
-                try:
-                    os.link(entry.path / tensor["file"], tmp / name)
-                except OSError:
-                    index.append(item)  # no hard link here: keep this entry's own copy
-                    continue
+            name = entry.link_file(tensor["file"], tmp, _SHARED_PREFIX, ".data")
+            if name is None:
+                index.append(item)  # no hard link here: keep this entry's own copy
+                continue
             linked[(entry.key, tensor["file"])] = name
             files[name] = entry.key
         entries = [[k, name if k == "location" else v] for k, v in tensor["entries"]]
