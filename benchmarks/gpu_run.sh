@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_run.sh levers    # ORT's arena levers on 8 pooled BERT sessions (~1 min)
 #   bash benchmarks/gpu_run.sh bert      # serving figures, BERT-base-like (~5 min)
 #   bash benchmarks/gpu_run.sh resnet    # serving figures, ResNet-50-like (~4 min)
+#   bash benchmarks/gpu_run.sh ceiling   # one BERT-like session, batches of 1..32 back to back (~1 min)
 # Results go to $OUT (the device tool brings them back) and benchmarks/results/ by hand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,11 @@ case "${1:-}" in
     timeout 240 python3 benchmarks/gpu_levers.py --model bert --sessions 8 \
       --duration-s 2 --json "$OUT/gpu-levers-bert.json" 2>&1 | tail -8
     ;;
+  ceiling)
+    export SHAREDML_DEVICE_ROUTE=ort-slab
+    timeout 240 python3 benchmarks/serving.py --providers CUDAExecutionProvider --models bert \
+      --seq 128 --ceiling --duration-s 1 --json "$OUT/gpu-ceiling-{model}.json" 2>&1 | tail -14
+    ;;
   bert|resnet)
     export SHAREDML_DEVICE_ROUTE=ort-slab  # probed by the tests run: children need not again
     configs="$CONFIGS"
@@ -50,5 +56,5 @@ case "${1:-}" in
       --models "$1" --seq 128 --callers 1 8 --configs ${LATENCY_CONFIGS:-pool:1 pool:1:graph pool:8 pool:8:graph} \
       --duration-s 1.5 --warmup-s 0.5 --json "$OUT/gpu-latency-{model}.json" 2>&1 | tail -8
     ;;
-  *) echo "usage: $0 tests|bert|resnet"; exit 2 ;;
+  *) echo "usage: $0 tests|levers|ceiling|bert|resnet"; exit 2 ;;
 esac

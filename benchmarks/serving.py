@@ -379,6 +379,57 @@ def first_result(spec: dict[str, Any]) -> dict[str, Any]:
     return {"first_result_s": first, "all_sessions_s": ready, "mechanism": str(pool.mechanism)}
 
 
+def ceiling(spec: dict[str, Any]) -> dict[str, Any]:
+    """What one session does with batches run back to back: the bound batching can approach.
+
+    One thread, no callers, no queue: ``spec["config"]`` is ``plain`` (an ``InferenceSession``
+    with the provider's defaults) or ``pool`` (a pool of one session, its ``session()`` run
+    directly: the pool's weights and settings without its dispatch). For each batch size the
+    rows of the first requests are stacked and run for ``duration_s``; samples/s is rows x runs
+    over the time. Numpy in, numpy out, as the serving configurations run.
+    """
+    import numpy as np
+    import onnxruntime as ort
+
+    import sharedml
+
+    refs = np.load(spec["references"], allow_pickle=False)
+    names = sorted({k.split("_", 1)[1] for k in refs.files if k.startswith("in0_")})
+    _preload(spec["providers"])
+    pool = None
+    if spec["config"] == "plain":
+        sess = ort.InferenceSession(spec["model"], providers=spec["providers"])
+        run = sess.run
+    else:
+        pool = sharedml.SessionPool(
+            spec["model"], sessions=1, providers=spec["providers"], cache_dir=spec["cache_dir"]
+        )
+        checkout = pool.session()
+        run = checkout.__enter__().run
+    rows_out = []
+    for rows in spec["batch_sizes"]:
+        feed = {
+            n: np.concatenate([refs[f"in{i % INPUTS}_{n}"] for i in range(rows)]) for n in names
+        }
+        for _ in range(3):
+            run(None, feed)  # kernels chosen, arena grown for this shape
+        runs, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < spec["duration_s"]:
+            run(None, feed)
+            runs += 1
+        rows_out.append(
+            {
+                "rows": rows,
+                "ms_per_run": 1000 * elapsed / runs,
+                "samples_per_s": rows * runs / elapsed,
+            }
+        )
+    if pool is not None:
+        checkout.__exit__(None, None, None)
+        pool.close()
+    return {"batches": rows_out}
+
+
 # --------------------------------------------------------------------------------------------
 # The parent
 
@@ -455,7 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         mode, spec = argv[1], json.loads(argv[2])
-        run = {"worker": worker, "references": references, "first-result": first_result}[mode]
+        run = {
+            "worker": worker,
+            "references": references,
+            "first-result": first_result,
+            "ceiling": ceiling,
+        }[mode]
         print("RESULT " + json.dumps(run(spec)), flush=True)
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -474,6 +530,13 @@ def main(argv: list[str] | None = None) -> int:
         "--json", type=Path, help="write results here ('{model}' in the name: a file per model)"
     )
     p.add_argument("--first-result", action="store_true", help="time to first result instead")
+    p.add_argument(
+        "--ceiling",
+        nargs="*",
+        type=int,
+        metavar="ROWS",
+        help="one session's samples/s at these batch sizes, run back to back (default 1..32)",
+    )
     p.add_argument("--sessions", type=int, default=8, help="pool size for --first-result")
     p.add_argument("--repeats", type=int, default=3, help="repeats for --first-result")
     p.add_argument("--timeout-s", type=float, default=900)
@@ -513,7 +576,25 @@ def main(argv: list[str] | None = None) -> int:
                 "onnxruntime": _ort_version(),
                 "configs": [],
             }
-            if args.first_result:
+            if args.ceiling is not None:
+                for config in ("plain", "pool"):
+                    spec = {
+                        **base,
+                        "config": config,
+                        "batch_sizes": args.ceiling or [1, 2, 4, 8, 16, 32],
+                        "duration_s": args.duration_s,
+                    }
+                    result = _child("ceiling", spec, args.timeout_s) | {"name": config}
+                    entry["configs"].append(result)
+                    for b in result.get("batches", []):
+                        print(
+                            f"{meta['name']} {config} one session, {b['rows']} rows: "
+                            f"{b['ms_per_run']:.2f} ms, {b['samples_per_s']:,.0f} samples/s",
+                            flush=True,
+                        )
+                    if "error" in result:
+                        print(f"{meta['name']} {config}: {result['error']}", flush=True)
+            elif args.first_result:
                 for repeat in range(args.repeats):
                     for config in ("plain", "pool"):
                         spec = {**base, "config": config, "sessions": args.sessions}
