@@ -354,7 +354,11 @@ def merge(requests: Sequence[Request], *, rows: int | None = None) -> dict[str, 
 
 
 def split(
-    outputs: Sequence[Any], requests: Sequence[Request], *, rows: int | None = None
+    outputs: Sequence[Any],
+    requests: Sequence[Request],
+    *,
+    rows: int | None = None,
+    copy: bool = True,
 ) -> list[list[Any]] | None:
     """Each request's rows of ``outputs``, as arrays it owns; None if the rows do not add up.
 
@@ -362,6 +366,8 @@ def split(
         outputs: A run's outputs over the merged feed.
         requests: The requests merged, in order.
         rows: The merged feed's rows, padding included (default: the requests' rows).
+        copy: False: views of ``outputs`` instead of copies; :func:`owned` copies them later
+            (the pool does so in each caller's own thread, after the session is free again).
     """
     total = sum(r.rows for r in requests)
     expected = total if rows is None else rows
@@ -372,11 +378,16 @@ def split(
     start = 0
     for request in requests:
         stop = start + request.rows
-        per_request.append(
-            [
-                out[start:stop].copy() if isinstance(out, np.ndarray) else out[start:stop]
-                for out in outputs
-            ]
-        )
+        part = [out[start:stop] for out in outputs]
+        per_request.append(owned(part) if copy else part)
         start = stop
     return per_request
+
+
+def owned(part: Sequence[Any]) -> list[Any]:
+    """A request's outputs from :func:`split` with ``copy=False``, as arrays of its own.
+
+    A view would keep the whole batch's output alive for as long as any caller holds its
+    rows; sequence outputs (lists) are already new lists.
+    """
+    return [out.copy() if isinstance(out, np.ndarray) else out for out in part]

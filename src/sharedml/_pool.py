@@ -53,6 +53,7 @@ from sharedml._batching import (
     Signature,
     bucket_for,
     merge,
+    owned,
     signature_of,
     split,
 )
@@ -262,6 +263,7 @@ class _Ticket:
         "request",
         "result",
         "session",
+        "views",
     )
 
     def __init__(self, request: Request | None = None, future: Future[Any] | None = None) -> None:
@@ -272,8 +274,20 @@ class _Ticket:
         self.session: Any = None
         self.done = False  # a leader ran this request in its batch
         self.result: Any = None
+        self.views = False  # result holds views of a batch's outputs: see owned_result
         self.error: BaseException | None = None
         self.queued_at = 0.0
+
+    def owned_result(self) -> Any:
+        """The result, copied out of the batch's outputs first where it is views of them.
+
+        Called in the thread that hands the result over (the caller's own for ``run``), after
+        the session went back: the copies of a batch's rows are made in parallel and never
+        while the session is held.
+        """
+        if self.views:
+            self.result, self.views = owned(self.result), False
+        return self.result
 
 
 class _SerializedSession:
@@ -933,7 +947,7 @@ class SessionPool:
             self._lead(sess, ticket)
         if ticket.error is not None:
             raise ticket.error
-        result: list[Any] = ticket.result
+        result: list[Any] = ticket.owned_result()
         return result
 
     async def run_async(
@@ -982,7 +996,7 @@ class SessionPool:
         if ticket.error is not None:
             future.set_exception(ticket.error)
         else:
-            future.set_result(ticket.result)
+            future.set_result(ticket.owned_result())
 
     def _lead(self, sess: Any, ticket: _Ticket) -> None:
         """Run ``ticket``'s request (and, batching, compatible queued ones) on ``sess``."""
@@ -1057,10 +1071,14 @@ class SessionPool:
                     return True
                 outputs = None  # rerun each member alone: only the culprit fails
             self._count_batch(merged_rows, padded=rows - merged_rows)
-            parts = split(outputs, requests, rows=rows) if outputs is not None else None  # type: ignore[arg-type]
+            parts = (
+                split(outputs, requests, rows=rows, copy=False)  # type: ignore[arg-type]
+                if outputs is not None
+                else None
+            )
             if parts is not None:
                 for t, part in zip(batch, parts, strict=True):
-                    t.result = part
+                    t.result, t.views = part, True
                 return False
             if outputs is not None:
                 self._stop_merging()  # an output's axis 0 did not add up: not batch-consistent
@@ -1105,7 +1123,7 @@ class SessionPool:
             if ticket.error is not None:
                 ticket.future.set_exception(ticket.error)
             else:
-                ticket.future.set_result(ticket.result)
+                ticket.future.set_result(ticket.owned_result())
         else:
             ticket.event.set()
 
