@@ -19,6 +19,8 @@ as soon as the last one returned):
 ``...:anyshape``       batching with one ORT session per pool session for every batch size
                        (``session_per_bucket=False``; CUDA's default is a session per bucket)
 ``...:fp32``           CUDA with TF32 off (``use_tf32=0``), compared with solo runs without TF32.
+``...:switchX``        the worker process runs with ``sys.setswitchinterval(X / 1000)`` (X ms;
+                       CPython's default is 5 ms): how much of a configuration is GIL hand-off.
 
 Every configuration runs in a fresh process: the server is created (timed), a pool warmed up
 (``pool.warm_up``, timed: graphs captured, buckets run once), every caller runs once (outputs
@@ -81,13 +83,21 @@ def _delay_ms(flag: str) -> float | None:
         return None
 
 
+def _switch_ms(flag: str) -> float | None:
+    """``switchX`` -> X ms (the GIL's switch interval); None for other flags."""
+    try:
+        return float(flag[6:]) if flag.startswith("switch") else None
+    except ValueError:
+        return None
+
+
 def _parse_config(name: str) -> dict[str, Any]:
     parts = name.split(":")
     kind = parts[0]
     sessions = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
     flags = set(parts[2:] if len(parts) > 1 and parts[1].isdigit() else parts[1:])
     known = {"batch", "nopad", "anyshape", "serialized", "threads", "graph", "fp32"}
-    unknown = {f for f in flags - known if not _delay_ms(f)}
+    unknown = {f for f in flags - known if not _delay_ms(f) and not _switch_ms(f)}
     if kind not in ("plain", "pool", "single") or unknown:
         raise SystemExit(f"unknown configuration {name!r}")
     return {"kind": kind, "sessions": sessions, "flags": flags}
@@ -222,6 +232,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         for i in range(INPUTS)
     ]
     cfg = _parse_config(spec["config"])
+    switch = next((x for f in cfg["flags"] if (x := _switch_ms(f))), None)
+    if switch is not None:
+        sys.setswitchinterval(switch / 1000)
     prefix = "fp32out" if "fp32" in cfg["flags"] and "fp32out0" in refs.files else "out"
     expected = [refs[f"{prefix}{i}"] for i in range(INPUTS)]
     me = psutil.Process()
