@@ -250,6 +250,36 @@ def _run_error(exc: BaseException) -> SharedMLError:
     return error
 
 
+class _Signal:
+    """``threading.Event``'s ``set``/``wait``/``clear`` for a single waiter, on one raw lock.
+
+    An Event waits through a Condition: a lock allocated per wait, the Condition's own lock
+    taken and given back around it, each a hand-off of the GIL between the threads of a
+    batch. A pool wakes every caller of a batch, so it pays that per request; here a wait is
+    one acquire of a lock that ``set`` releases. Unlocked means set, as an Event stays set.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        with contextlib.suppress(RuntimeError):  # already set
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            return False
+        with contextlib.suppress(RuntimeError):  # set again meanwhile: it is set either way
+            self._lock.release()
+        return True
+
+    def clear(self) -> None:
+        self._lock.acquire(blocking=False)
+
+
 class _Ticket:
     """A caller in the queue: a checkout, or a request to run (with batching: to merge)."""
 
@@ -269,7 +299,7 @@ class _Ticket:
     def __init__(self, request: Request | None = None, future: Future[Any] | None = None) -> None:
         self.request = request  # None: a checkout, which never merges
         self.future = future  # run_async: the result goes here, no thread waits
-        self.event = threading.Event()  # set when granted, done, or told to give up
+        self.event = _Signal()  # set when granted, done, or told to give up
         self.granted = False  # a session (or a slot to create one) is this ticket's
         self.session: Any = None
         self.done = False  # a leader ran this request in its batch
