@@ -15,7 +15,8 @@ as soon as the last one returned):
 ``...:graph``          CUDA graphs (``enable_cuda_graph=1``), where the pool supports them.
 ``...:nopad``          batching without padding to power-of-two buckets
                        (``Batching(pad_to_buckets=False)``; padding is on by default off the CPU).
-``...:delayX``         batching whose sessions wait up to X ms for more rows (``max_delay_ms``)
+``...:delayX``         batching whose sessions wait up to X ms for more rows (``max_delay_ms``;
+                       ``delay0``: never wait; without: the adaptive default)
 ``...:anyshape``       batching with one ORT session per pool session for every batch size
                        (``session_per_bucket=False``; CUDA's default is a session per bucket)
 ``...:fp32``           CUDA with TF32 off (``use_tf32=0``), compared with solo runs without TF32.
@@ -97,7 +98,7 @@ def _parse_config(name: str) -> dict[str, Any]:
     sessions = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
     flags = set(parts[2:] if len(parts) > 1 and parts[1].isdigit() else parts[1:])
     known = {"batch", "nopad", "anyshape", "serialized", "threads", "graph", "fp32"}
-    unknown = {f for f in flags - known if not _delay_ms(f) and not _switch_ms(f)}
+    unknown = {f for f in flags - known if _delay_ms(f) is None and _switch_ms(f) is None}
     if kind not in ("plain", "pool", "single") or unknown:
         raise SystemExit(f"unknown configuration {name!r}")
     return {"kind": kind, "sessions": sessions, "flags": flags}
@@ -142,7 +143,7 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         batching = sharedml.Batching(
             pad_to_buckets=False if "nopad" in flags else None,
             session_per_bucket=False if "anyshape" in flags else None,
-            max_delay_ms=next((d for f in flags if (d := _delay_ms(f))), 0.0),
+            max_delay_ms=next((d for f in flags if (d := _delay_ms(f)) is not None), None),
         )
         pool = sharedml.SessionPool(
             spec["model"],
@@ -301,6 +302,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "batches": s.batches,
             "mean_batch_rows": s.mean_batch_rows,
             "padded_rows": s.padded_rows,
+            "fill_wait_s": s.fill_wait_seconds,
             "waits": s.waits,
         }
     server.close()

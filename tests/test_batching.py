@@ -303,6 +303,59 @@ def test_max_delay_waits_for_a_second_request_to_fill_the_batch(model: Path) -> 
     assert (stats.batches, stats.max_batch_rows) == (1, 2)
 
 
+def test_adaptive_delay_waits_after_a_batch_and_never_after_a_lone_request(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        pool.run(None, feed(1, 0))
+        pool.run(None, feed(1, 1))  # the latest batch had one row: nothing more is expected
+        assert pool.stats().fill_wait_seconds == 0.0
+        queue_behind_a_checkout(pool, [lambda s=s: pool.run(None, feed(1, s)) for s in range(4)])
+        assert pool.stats().fill_wait_seconds == 0.0  # four were queued: no need to wait
+        pool.run(None, feed(1, 5))  # expects four rows: waits (half a run at most), runs alone
+        waited = pool.stats()
+        pool.run(None, feed(1, 6))  # after a lone request: runs at once
+        stats = pool.stats()
+    assert waited.fill_wait_seconds > 0.0
+    assert stats.fill_wait_seconds == waited.fill_wait_seconds
+    assert (stats.batches, stats.batched_rows) == (5, 8)
+
+
+def test_max_delay_zero_never_waits(model: Path) -> None:
+    batching = sharedml.Batching(max_delay_ms=0)
+    with sharedml.SessionPool(model, sessions=1, batching=batching) as pool:
+        queue_behind_a_checkout(pool, [lambda s=s: pool.run(None, feed(1, s)) for s in range(4)])
+        pool.run(None, feed(1, 5))
+        stats = pool.stats()
+    assert (stats.batches, stats.max_batch_rows, stats.fill_wait_seconds) == (2, 4, 0.0)
+
+
+def test_looping_callers_meet_in_one_batch_instead_of_a_lone_run_and_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pattern the adaptive delay is for: four callers got their rows back from one batch and
+    # come back one by one. The first finds the session free; it waits for the other three
+    # (for at most half a run: 0.5 s here) instead of running alone while they queue.
+    pytest.importorskip("onnxruntime_extensions")
+    import _overlap
+
+    monkeypatch.setattr(_overlap, "SLEEP_S", 1.0)
+    probe = _overlap.probe_model(tmp_path / "probe.onnx")
+    one_row = {"x": np.ones((1, 4), np.float32)}
+    with sharedml.SessionPool(
+        probe, sessions=1, batching=True, prepacking="off", configure=_overlap.register
+    ) as pool:
+        _overlap.DETECTOR.reset()
+        queue_behind_a_checkout(pool, [lambda: pool.run(None, one_row)] * 4)
+        first = threading.Thread(target=pool.run, args=(None, one_row))
+        first.start()
+        wait_until(lambda: pool.stats().busy == 1, what="the first caller to take the session")
+        rest = [threading.Thread(target=pool.run, args=(None, one_row)) for _ in range(3)]
+        for t in rest:
+            t.start()
+        for t in [first, *rest]:
+            t.join(DEADLINE_S)
+    assert _overlap.DETECTOR.rows == [4, 4]
+
+
 def test_run_async_requests_queue_without_threads_and_merge(
     model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
 ) -> None:

@@ -34,6 +34,7 @@ from sharedml import _proto
 from sharedml._errors import InvalidInputError, NotBatchableError
 
 __all__ = [
+    "ADAPTIVE_DELAY_SHARE",
     "ROW_MIXING_OPS",
     "Batching",
     "Request",
@@ -43,6 +44,11 @@ __all__ = [
     "signature_of",
     "split",
 ]
+
+# With Batching(max_delay_ms=None): the most a session waits for the rows it expects, as a share
+# of the latest batch's run time. Waiting costs the rows already there at most this share of a
+# run when the expected rows do not come; when they come, the batch runs them all at once.
+ADAPTIVE_DELAY_SHARE = 0.5
 
 # Ops whose output for one row depends on the other rows of the same tensor.
 ROW_MIXING_OPS = frozenset(
@@ -56,9 +62,15 @@ class Batching:
 
     Attributes:
         max_batch_size: The most rows (summed over axis 0 of the merged requests) in one Run.
-        max_delay_ms: How long a session that found fewer than ``max_batch_size`` rows waiting
-            waits for more before it runs. 0 (default): never wait; a request that finds a free
-            session runs at once, and batches form only from requests that queued meanwhile.
+        max_delay_ms: How long a session that found fewer rows waiting than it could run
+            waits for more before it runs. ``None`` (default): adaptive. A session waits for as
+            many rows as the pool's latest batch had, for at most half that batch's run time
+            (``ADAPTIVE_DELAY_SHARE``); it never waits after a lone request, so an idle pool
+            adds no latency. Callers that loop on the pool (a closed loop: each sends its next
+            request when its result is back) then meet in one batch instead of alternating
+            between a lone run and the rest. A number: wait up to that many milliseconds for
+            ``max_batch_size`` rows. 0: never wait; batches form only from the requests that
+            queued while every session was busy.
         pad_to_buckets: Pad each batch (a lone request too) to the next power of two rows
             (at most ``max_batch_size``), repeating its last row; the padding's outputs are
             dropped. None (default): on for every provider but the CPU's, and always with CUDA
@@ -78,7 +90,7 @@ class Batching:
     """
 
     max_batch_size: int = 32
-    max_delay_ms: float = 0.0
+    max_delay_ms: float | None = None
     pad_to_buckets: bool | None = None
     session_per_bucket: bool | None = None
 
@@ -92,8 +104,15 @@ class Batching:
                 f"max_batch_size must be an integer >= 1, not {self.max_batch_size!r}."
             )
         delay: object = self.max_delay_ms
-        if not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
-            raise ValueError(f"max_delay_ms must be a finite number >= 0, not {delay!r}.")
+        if delay is not None and (
+            not isinstance(delay, (int, float))
+            or isinstance(delay, bool)
+            or not math.isfinite(delay)
+            or delay < 0
+        ):
+            raise ValueError(
+                f"max_delay_ms must be None (adaptive) or a finite number >= 0, not {delay!r}."
+            )
         for name in ("pad_to_buckets", "session_per_bucket"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(

@@ -10,8 +10,11 @@ The oldest ticket gets the next free session and becomes its *leader*: with batc
 the compatible requests queued behind it, oldest first, up to ``max_batch_size`` rows, runs them
 as one ``Run`` and hands each follower its rows. So:
 
-- A request that finds a free session and nobody waiting runs at once, alone: batching adds no
-  latency to an idle pool, and no thread hop to any request.
+- A request that finds a free session becomes its leader at once (no thread hop to any
+  request). It runs alone unless the pool expects more rows: by default a leader waits, for at
+  most half a batch's run time, for as many rows as the latest batch had (the callers of that
+  batch on their way back), so an idle pool adds no latency and looping callers meet in one
+  batch (``Batching.max_delay_ms``).
 - First come, first served across batches: a request that cannot merge with the head of the
   queue is served when it becomes the head; nothing starves.
 - A session is used by one caller at a time: never two ``Run()``s on one session at once
@@ -48,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._batching import (
+    ADAPTIVE_DELAY_SHARE,
     Batching,
     Request,
     Signature,
@@ -202,6 +206,8 @@ class PoolStats:
         batched_rows: Rows those runs processed.
         max_batch_rows: The most rows in one of them.
         padded_rows: Rows of padding those runs added (``Batching.pad_to_buckets``).
+        fill_wait_seconds: Total time sessions waited for more rows before a batch ran
+            (``Batching.max_delay_ms``).
     """
 
     sessions: int
@@ -220,6 +226,7 @@ class PoolStats:
     batched_rows: int = 0
     max_batch_rows: int = 0
     padded_rows: int = 0
+    fill_wait_seconds: float = 0.0
 
     @property
     def idle(self) -> int:
@@ -508,8 +515,9 @@ class SessionPool:
         self._runs = self._failed = self._waits = self._created = self._replaced = 0
         self._creation_failures = self._batches = self._batched_rows = self._max_rows = 0
         self._padded_rows = 0
-        self._wait_s = self._create_s = 0.0
-        self._filling = 0  # leaders waiting up to max_delay_ms for more rows
+        self._wait_s = self._create_s = self._fill_s = 0.0
+        self._filling = 0  # leaders waiting for more rows (Batching.max_delay_ms)
+        self._last_batch = (0, 0.0)  # rows and run seconds of the latest batch (adaptive delay)
         self._executor: ThreadPoolExecutor | None = None
         self._meta: dict[str, Any] | None = None  # inputs, outputs, providers, modelmeta
         self._serialize_creation = serialize_creation
@@ -1056,8 +1064,15 @@ class SessionPool:
         limit = self.batching.max_batch_size
         rows = leader.request.rows
         taken: list[_Ticket] = []
-        deadline = time.monotonic() + self.batching.max_delay_ms / 1000
         with self._cond:
+            if self.batching.max_delay_ms is None:
+                # Adaptive: the callers of the latest batch are likely on their way back; wait
+                # for as many rows, for a bounded share of that batch's run time.
+                expected, run_s = self._last_batch
+                target, wait_s = min(limit, expected), run_s * ADAPTIVE_DELAY_SHARE
+            else:
+                target, wait_s = limit, self.batching.max_delay_ms / 1000
+            deadline = time.monotonic() + wait_s
             while True:
                 for other in list(self._queue):
                     request = other.request
@@ -1069,14 +1084,16 @@ class SessionPool:
                     self._wait_s += time.monotonic() - other.queued_at
                     taken.append(other)
                     rows += request.rows
-                remaining = deadline - time.monotonic()
-                if rows >= limit or remaining <= 0 or self._state is not _State.OPEN:
+                now = time.monotonic()
+                remaining = deadline - now
+                if rows >= target or remaining <= 0 or self._state is not _State.OPEN:
                     return taken
                 self._filling += 1
                 try:
                     self._cond.wait(remaining)
                 finally:
                     self._filling -= 1
+                    self._fill_s += time.monotonic() - now
 
     def _run_batch(self, sess: Any, batch: list[_Ticket]) -> bool:
         """Run ``batch`` on ``sess`` and fill in every ticket's result or error.
@@ -1091,6 +1108,7 @@ class SessionPool:
         if self._pads and self.batching is not None and batch[0].request.key is not None:  # type: ignore[union-attr]
             rows = bucket_for(merged_rows, self.batching.max_batch_size)
         if len(batch) > 1 or rows != merged_rows:
+            start = time.perf_counter()
             try:
                 feed = merge(requests, rows=rows)  # type: ignore[arg-type]
                 outputs = self._ort_run(sess, batch[0].request, feed)  # type: ignore[arg-type]
@@ -1100,7 +1118,7 @@ class SessionPool:
                         t.error = _run_error(exc)
                     return True
                 outputs = None  # rerun each member alone: only the culprit fails
-            self._count_batch(merged_rows, padded=rows - merged_rows)
+            self._count_batch(merged_rows, time.perf_counter() - start, padded=rows - merged_rows)
             parts = (
                 split(outputs, requests, rows=rows, copy=False)  # type: ignore[arg-type]
                 if outputs is not None
@@ -1113,6 +1131,7 @@ class SessionPool:
             if outputs is not None:
                 self._stop_merging()  # an output's axis 0 did not add up: not batch-consistent
         for t in batch:
+            start = time.perf_counter()
             try:
                 t.result = self._ort_run(sess, t.request)  # type: ignore[arg-type]
             except Exception as exc:
@@ -1124,11 +1143,15 @@ class SessionPool:
                     return True
             finally:
                 if self.batching is not None:
-                    self._count_batch(t.request.rows if t.request is not None else 0)
+                    self._count_batch(
+                        t.request.rows if t.request is not None else 0,
+                        time.perf_counter() - start,
+                    )
         return False
 
-    def _count_batch(self, rows: int, *, padded: int = 0) -> None:
+    def _count_batch(self, rows: int, seconds: float, *, padded: int = 0) -> None:
         with self._cond:
+            self._last_batch = (rows, seconds)
             self._batches += 1
             self._batched_rows += rows
             self._padded_rows += padded
@@ -1240,6 +1263,7 @@ class SessionPool:
                 batched_rows=self._batched_rows,
                 max_batch_rows=self._max_rows,
                 padded_rows=self._padded_rows,
+                fill_wait_seconds=self._fill_s,
             )
 
     def close(self, timeout_s: float | None = None) -> None:
