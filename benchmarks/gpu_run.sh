@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_run.sh levers    # ORT's arena levers on 8 pooled BERT sessions (~1 min)
 #   bash benchmarks/gpu_run.sh bert      # serving figures, BERT-base-like (~5 min)
 #   bash benchmarks/gpu_run.sh resnet    # serving figures, ResNet-50-like (~4 min)
-#   bash benchmarks/gpu_run.sh ceiling   # one BERT-like session, batches of 1..32 back to back (~1 min)
+#   bash benchmarks/gpu_run.sh ceiling   # one BERT-like session, batches of 1..32 back to back,
+#                                        # without and with CUDA graphs (~2 min)
 # Results go to $OUT (the device tool brings them back) and benchmarks/results/ by hand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +42,8 @@ case "${1:-}" in
   ceiling)
     export SHAREDML_DEVICE_ROUTE=ort-slab
     timeout 240 python3 benchmarks/serving.py --providers CUDAExecutionProvider --models bert \
-      --seq 128 --ceiling --duration-s 1 --json "$OUT/gpu-ceiling-{model}.json" 2>&1 | tail -14
+      --seq 128 --ceiling --ceiling-configs plain pool graph graph-replay --duration-s 1 \
+      --json "$OUT/gpu-ceiling-{model}.json" 2>&1 | tail -26
     ;;
   bert|resnet)
     export SHAREDML_DEVICE_ROUTE=ort-slab  # probed by the tests run: children need not again

@@ -398,8 +398,11 @@ def ceiling(spec: dict[str, Any]) -> dict[str, Any]:
     """What one session does with batches run back to back: the bound batching can approach.
 
     One thread, no callers, no queue: ``spec["config"]`` is ``plain`` (an ``InferenceSession``
-    with the provider's defaults) or ``pool`` (a pool of one session, its ``session()`` run
-    directly: the pool's weights and settings without its dispatch). For each batch size the
+    with the provider's defaults), ``pool`` (a pool of one session, its ``session()`` run
+    directly: the pool's weights and settings without its dispatch), ``graph`` (the same with
+    CUDA graphs: the graph session's ``run``, feeds copied in and outputs out) or
+    ``graph-replay`` (its ``slot``/``replay``: the data stays on the device, nothing is
+    copied; what a graph costs with the thread hop but without the copies). For each batch size the
     rows of the first requests are stacked and run for ``duration_s``; samples/s is rows x runs
     over the time. Numpy in, numpy out, as the serving configurations run.
     """
@@ -416,11 +419,23 @@ def ceiling(spec: dict[str, Any]) -> dict[str, Any]:
         sess = ort.InferenceSession(spec["model"], providers=spec["providers"])
         run = sess.run
     else:
+        graphs = spec["config"].startswith("graph")
+        providers = _with_options(spec["providers"], {"graph"} if graphs else set())
         pool = sharedml.SessionPool(
-            spec["model"], sessions=1, providers=spec["providers"], cache_dir=spec["cache_dir"]
+            spec["model"], sessions=1, providers=providers, cache_dir=spec["cache_dir"]
         )
         checkout = pool.session()
-        run = checkout.__enter__().run
+        sess = checkout.__enter__()
+        run = sess.run
+        if spec["config"] == "graph-replay":
+            slots: dict[int, Any] = {}
+
+            def run(_names: Any, feed: dict[str, Any]) -> None:
+                rows = len(next(iter(feed.values())))
+                if rows not in slots:
+                    slots[rows] = sess.slot(feed)  # captured once; its buffers hold this feed
+                sess.replay(slots[rows])
+
     rows_out = []
     for rows in spec["batch_sizes"]:
         feed = {
@@ -552,6 +567,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ROWS",
         help="one session's samples/s at these batch sizes, run back to back (default 1..32)",
     )
+    p.add_argument(
+        "--ceiling-configs",
+        nargs="+",
+        default=["plain", "pool"],
+        choices=("plain", "pool", "graph", "graph-replay"),
+        help="what --ceiling runs (graph, graph-replay: CUDA graphs; see ceiling())",
+    )
     p.add_argument("--sessions", type=int, default=8, help="pool size for --first-result")
     p.add_argument("--repeats", type=int, default=3, help="repeats for --first-result")
     p.add_argument("--timeout-s", type=float, default=900)
@@ -592,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                 "configs": [],
             }
             if args.ceiling is not None:
-                for config in ("plain", "pool"):
+                for config in args.ceiling_configs:
                     spec = {
                         **base,
                         "config": config,

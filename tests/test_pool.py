@@ -126,6 +126,21 @@ def test_never_two_runs_on_one_session_at_once(model: Path, fast_switching: None
         assert stats.waits > 0 and stats.wait_seconds > 0
 
 
+def test_the_session_used_last_is_the_next_one_handed_out(model: Path) -> None:
+    # Its threads are the ones still spinning and its buffers the ones in cache; handing out
+    # the others in turn keeps every session's intra-op threads awake on a lightly used pool.
+    with sharedml.SessionPool(model, sessions=3) as pool:
+        pool.wait_ready()
+        with pool.session() as first, pool.session() as second:
+            pass
+        used = []
+        for _ in range(4):
+            with pool.session() as sess:
+                used.append(sess)
+    assert first is not second
+    assert used == [first] * 4  # released last (the outer block), so handed out first
+
+
 def test_bad_feeds_raise_and_return_the_session(model: Path, fast_switching: None) -> None:
     bad_feeds = [
         {"x": np.zeros((1, DIM + 1), np.float32), "flag": np.array(True)},  # wrong shape

@@ -17,6 +17,9 @@ as one ``Run`` and hands each follower its rows. So:
   batch (``Batching.max_delay_ms``).
 - First come, first served across batches: a request that cannot merge with the head of the
   queue is served when it becomes the head; nothing starves.
+- The session released last is handed out first: on a lightly used pool one session does the
+  work, with its intra-op threads still spinning and its buffers in cache, while the others'
+  threads sleep (handing them out in turn keeps all of them awake, competing for the cores).
 - A session is used by one caller at a time: never two ``Run()``s on one session at once
   (DirectML crashes otherwise; CUDA graphs and stateful kernels need it too).
 - Every checked-out session comes back: a run that raises returns its session; a session whose
@@ -792,7 +795,7 @@ class SessionPool:
         ):
             ticket = self._queue.popleft()
             if self._idle:
-                ticket.session = self._idle.popleft()
+                ticket.session = self._idle.pop()
             else:
                 self._count += 1  # the ticket's owner creates it
             ticket.granted = True
@@ -813,7 +816,7 @@ class SessionPool:
             # First come, first served: nobody may take a session while others wait, or a
             # caller that loops on the pool starves the ones already waiting.
             if self._idle:
-                ticket.session = self._idle.popleft()
+                ticket.session = self._idle.pop()
                 ticket.granted = True
                 self._busy += 1
                 return True
