@@ -303,6 +303,20 @@ def test_max_delay_waits_for_a_second_request_to_fill_the_batch(model: Path) -> 
     assert (stats.batches, stats.max_batch_rows) == (1, 2)
 
 
+def test_a_leader_stops_waiting_when_the_next_request_cannot_fit(model: Path) -> None:
+    # First come, first served: the 4-row request cannot join a batch of 1 + 4 > 4 rows, and
+    # nothing behind it may pass it, so waiting for more rows could only add latency.
+    batching = sharedml.Batching(max_batch_size=4, max_delay_ms=2000)
+    with sharedml.SessionPool(model, sessions=1, batching=batching) as pool:
+        results = queue_behind_a_checkout(
+            pool, [lambda: pool.run(None, feed(1, 0)), lambda: pool.run(None, feed(4, 1))]
+        )
+        stats = pool.stats()
+    assert [r[0].shape for r in results] == [(1, DIM), (4, DIM)]
+    assert stats.batches == 2
+    assert stats.fill_wait_seconds < 1.0  # the first leader did not wait the 2 s out
+
+
 def test_adaptive_delay_waits_after_a_batch_and_never_after_a_lone_request(model: Path) -> None:
     with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
         pool.run(None, feed(1, 0))

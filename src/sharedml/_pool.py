@@ -1077,19 +1077,21 @@ class SessionPool:
                 target, wait_s = limit, self.batching.max_delay_ms / 1000
             deadline = time.monotonic() + wait_s
             while True:
+                full = False
                 for other in list(self._queue):
                     request = other.request
                     if request is None or request.key != key:
                         continue
                     if rows + request.rows > limit:
-                        break  # the oldest that does not fit goes first in the next batch
+                        full = True  # the oldest that does not fit goes first in the next batch
+                        break
                     self._queue.remove(other)
                     self._wait_s += time.monotonic() - other.queued_at
                     taken.append(other)
                     rows += request.rows
                 now = time.monotonic()
                 remaining = deadline - now
-                if rows >= target or remaining <= 0 or self._state is not _State.OPEN:
+                if full or rows >= target or remaining <= 0 or self._state is not _State.OPEN:
                     return taken
                 self._filling += 1
                 try:
