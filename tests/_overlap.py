@@ -25,6 +25,8 @@ from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
 DOMAIN = "ai.onnx.contrib"
 SLEEP_S = 0.002  # seconds inside the op: the window in which another Run could overlap
+SLOW = 7.0  # a Run with a row whose x[i, 0] is SLOW sleeps SLOW_S instead
+SLOW_S = 3.0
 BIAS = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
 
 
@@ -62,7 +64,8 @@ DETECTOR = Detector()
 def overlap_probe(x: np.ndarray) -> np.ndarray:
     start = DETECTOR.enter(int(x.shape[0]))
     try:
-        time.sleep(SLEEP_S)  # releases the GIL: other threads' Runs can enter meanwhile
+        slow = x.size and (x[:, 0] == SLOW).any()
+        time.sleep(SLOW_S if slow else SLEEP_S)  # releases the GIL: other Runs can enter
         if x.size and (x[:, 0] == -1.0).any():  # per row: a bad row fails any Run it is in
             return np.zeros((x.shape[0], 3), np.float32)  # the Add below fails the Run
         return x * np.float32(2.0)

@@ -93,6 +93,25 @@ def test_requests_that_queue_merge_into_one_run_and_get_their_own_rows(
         np.testing.assert_allclose(y, solo(f), rtol=1e-5, atol=1e-6)
 
 
+def test_copy_outputs_false_hands_each_caller_a_view_of_its_own_rows(
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+) -> None:
+    batching = sharedml.Batching(copy_outputs=False)
+    with sharedml.SessionPool(model, sessions=1, batching=batching) as pool:
+        feeds = [feed(rows, seed) for seed, rows in enumerate([2, 1, 3])]
+        outs = queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, f) for f in feeds])
+        assert pool.stats().batches == 1
+    ys = [out[0] for out in outs]
+    assert all(y.base is not None and y.base.shape[0] == 6 for y in ys)  # rows of one batch
+    assert np.shares_memory(ys[0].base, ys[2])
+    expected = [solo(f) for f in feeds]
+    ys[1][:] = np.nan  # a caller's writes stay in its own rows
+    for y, want in zip([ys[0], ys[2]], [expected[0], expected[2]], strict=True):
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="copy_outputs must be True or False"):
+        sharedml.Batching(copy_outputs=None)  # type: ignore[arg-type]
+
+
 def test_dims_exported_as_minus_one_are_dynamic_as_ort_treats_them(tmp_path: Path) -> None:
     """Paddle's exporter writes dim_value -1 for dynamic dims (PP-OCR's classifier, PicoDet)."""
     import onnx
@@ -368,6 +387,49 @@ def test_looping_callers_meet_in_one_batch_instead_of_a_lone_run_and_the_rest(
         for t in [first, *rest]:
             t.join(DEADLINE_S)
     assert _overlap.DETECTOR.rows == [4, 4]
+
+
+def test_sessions_that_share_rows_split_the_queue_instead_of_one_taking_it_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Session A runs a lone request for a second, session B a slow one for three, while four
+    # more queue. When A is back, the rows in play are its leader's, three queued and B's one:
+    # A takes its share, three (not all four), and the fourth is left for the next session
+    # free (A again, as B is still busy), which runs it alone.
+    pytest.importorskip("onnxruntime_extensions")
+    import _overlap
+
+    monkeypatch.setattr(_overlap, "SLEEP_S", 1.0)
+    probe = _overlap.probe_model(tmp_path / "probe.onnx")
+    one_row = {"x": np.ones((1, 4), np.float32)}
+    slow_row = {"x": np.full((1, 4), _overlap.SLOW, np.float32)}
+    batching = sharedml.Batching(share_rows=True)
+    with sharedml.SessionPool(
+        probe, sessions=2, batching=batching, prepacking="off", configure=_overlap.register
+    ) as pool:
+        _overlap.DETECTOR.reset()
+        threads = []
+        for i, f in enumerate([one_row, slow_row, one_row, one_row, one_row, one_row]):
+            threads.append(threading.Thread(target=pool.run, args=(None, f)))
+            threads[-1].start()
+            if i < 2:
+                wait_until(lambda i=i: pool.stats().busy == i + 1, what=f"lone run {i}")
+            else:
+                wait_until(lambda i=i: pool.stats().waiting == i - 1, what=f"request {i}")
+        for t in threads:
+            t.join(DEADLINE_S)
+    assert _overlap.DETECTOR.rows == [1, 1, 3, 1]
+
+
+def test_rows_are_shared_on_gpus_and_never_on_the_cpu_or_when_runs_are_serialized() -> None:
+    default = sharedml.Batching()
+    assert default.shares_rows("CUDAExecutionProvider")
+    assert default.shares_rows("DmlExecutionProvider") is True
+    assert not default.shares_rows("DmlExecutionProvider", serialized=True)
+    assert not default.shares_rows("CPUExecutionProvider")
+    assert sharedml.Batching(share_rows=True).shares_rows("CPUExecutionProvider")
+    assert not sharedml.Batching(share_rows=False).shares_rows("CUDAExecutionProvider")
+    assert not sharedml.Batching(max_delay_ms=1).shares_rows("CUDAExecutionProvider")
 
 
 def test_run_async_requests_queue_without_threads_and_merge(

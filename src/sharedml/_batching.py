@@ -87,12 +87,33 @@ class Batching:
             ResNet-50-like model served 46 requests/s instead of 2,000 on an H200). Costs
             each extra session's activation memory; needs the batch dim to be named
             (``dim_param``), else the pool's own sessions run every shape.
+        share_rows: With several sessions and the adaptive delay, split the rows in play
+            evenly over the sessions that batch (the rows their latest batches had, or more
+            where more are held and queued), so that their batches run side by side instead
+            of one session taking every waiting row while the others idle. None (default): on
+            for every provider but the CPU's, never when runs are serialized. A GPU runs each
+            session's batch in a stream of its own: 16 callers of one row on a BERT-like model
+            on an H200, two sessions: 2,530 requests/s (2.0x the 8 plain sessions of that run)
+            with one session taking every waiting row, 2,854 (2.4x) with the rows shared
+            (``benchmarks/results/gpu-serving-bert-allrows.json``, ``-share.json``). On the
+            CPU the sessions' batches compete for the same cores, and one batch of all the
+            rows measured faster (two sessions, 16 callers, MLP, one run each: 1,751 against
+            1,612 requests/s).
+        copy_outputs: Give each caller arrays of its own, copied out of the batch's outputs
+            (in the caller's thread, after the session went back). False: each caller's
+            outputs are views of the batch's output arrays (its own rows only, so writes
+            never reach another caller), which saves copying every output once; a view
+            keeps the whole batch's output (``max_batch_size`` times a request's bytes at
+            most) alive for as long as the caller holds it. A run that was not merged returns
+            ORT's arrays either way.
     """
 
     max_batch_size: int = 32
     max_delay_ms: float | None = None
     pad_to_buckets: bool | None = None
     session_per_bucket: bool | None = None
+    share_rows: bool | None = None
+    copy_outputs: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -113,11 +134,13 @@ class Batching:
             raise ValueError(
                 f"max_delay_ms must be None (adaptive) or a finite number >= 0, not {delay!r}."
             )
-        for name in ("pad_to_buckets", "session_per_bucket"):
+        for name in ("pad_to_buckets", "session_per_bucket", "share_rows"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(
                     f"{name} must be True, False or None, not {getattr(self, name)!r}."
                 )
+        if self.copy_outputs not in (True, False):
+            raise ValueError(f"copy_outputs must be True or False, not {self.copy_outputs!r}.")
 
     def pads(self, provider: str, *, cuda_graphs: bool = False) -> bool:
         """Whether batches on ``provider`` are padded to buckets (see ``pad_to_buckets``)."""
@@ -126,6 +149,14 @@ class Batching:
         if self.pad_to_buckets is None:
             return provider != "CPUExecutionProvider"
         return self.pad_to_buckets
+
+    def shares_rows(self, provider: str, *, serialized: bool = False) -> bool:
+        """Whether sessions split the rows in play under the adaptive delay (``share_rows``)."""
+        if self.max_delay_ms is not None or serialized:
+            return False
+        if self.share_rows is None:
+            return provider != "CPUExecutionProvider"
+        return self.share_rows
 
     def sessions_per_bucket(self, provider: str, *, cuda_graphs: bool = False) -> bool:
         """Whether each bucket gets a session of its own (see ``session_per_bucket``).

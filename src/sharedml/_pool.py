@@ -303,7 +303,7 @@ class _Ticket:
         "request",
         "result",
         "session",
-        "views",
+        "to_copy",
     )
 
     def __init__(self, request: Request | None = None, future: Future[Any] | None = None) -> None:
@@ -314,19 +314,19 @@ class _Ticket:
         self.session: Any = None
         self.done = False  # a leader ran this request in its batch
         self.result: Any = None
-        self.views = False  # result holds views of a batch's outputs: see owned_result
+        self.to_copy = False  # result is views of a batch's outputs, to copy: see owned_result
         self.error: BaseException | None = None
         self.queued_at = 0.0
 
     def owned_result(self) -> Any:
-        """The result, copied out of the batch's outputs first where it is views of them.
+        """The result, copied out of the batch's outputs first where it is views of them to copy.
 
         Called in the thread that hands the result over (the caller's own for ``run``), after
         the session went back: the copies of a batch's rows are made in parallel and never
         while the session is held.
         """
-        if self.views:
-            self.result, self.views = owned(self.result), False
+        if self.to_copy:
+            self.result, self.to_copy = owned(self.result), False
         return self.result
 
 
@@ -520,7 +520,11 @@ class SessionPool:
         self._padded_rows = 0
         self._wait_s = self._create_s = self._fill_s = 0.0
         self._filling = 0  # leaders waiting for more rows (Batching.max_delay_ms)
-        self._last_batch = (0, 0.0)  # rows and run seconds of the latest batch (adaptive delay)
+        # Adaptive delay: rows and run seconds of the latest batches (newest last), the leaders
+        # forming or running a batch, and the rows they hold.
+        self._recent: deque[tuple[int, float]] = deque([(0, 0.0)], maxlen=max(1, self._max))
+        self._leading = 0
+        self._held_rows = 0
         self._executor: ThreadPoolExecutor | None = None
         self._meta: dict[str, Any] | None = None  # inputs, outputs, providers, modelmeta
         self._serialize_creation = serialize_creation
@@ -562,6 +566,9 @@ class SessionPool:
         )
         self._per_bucket = self.batching is not None and self.batching.sessions_per_bucket(
             self.plan.primary, cuda_graphs=self._graphs
+        )
+        self._shares = self.batching is not None and self.batching.shares_rows(
+            self.plan.primary, serialized=serialized
         )
 
         initial = (
@@ -897,8 +904,13 @@ class SessionPool:
                 raise
         return ticket.session
 
-    def _release(self, sess: Any, *, requests: int, failed: int, broken: bool) -> None:
+    def _release(
+        self, sess: Any, *, requests: int, failed: int, broken: bool, held: int | None = None
+    ) -> None:
         with self._cond:
+            if held is not None:
+                self._leading -= 1
+                self._held_rows -= held
             self._busy -= 1
             self._runs += requests
             self._failed += failed
@@ -1042,8 +1054,10 @@ class SessionPool:
     def _lead(self, sess: Any, ticket: _Ticket) -> None:
         """Run ``ticket``'s request (and, batching, compatible queued ones) on ``sess``."""
         batch = [ticket]
+        held: int | None = None
         if self.batching is not None and ticket.request is not None:
-            batch += self._followers(ticket)
+            followers, held = self._followers(ticket)
+            batch += followers
         broken = False
         try:
             broken = self._run_batch(sess, batch)
@@ -1054,51 +1068,80 @@ class SessionPool:
             raise
         finally:
             failed = sum(t.error is not None for t in batch)
-            self._release(sess, requests=len(batch), failed=failed, broken=broken)
+            self._release(sess, requests=len(batch), failed=failed, broken=broken, held=held)
             for follower in batch[1:]:
                 self._finish(follower)
 
-    def _followers(self, leader: _Ticket) -> list[_Ticket]:
-        """Take the queued requests that merge with ``leader``'s, oldest first."""
+    def _followers(self, leader: _Ticket) -> tuple[list[_Ticket], int | None]:
+        """Take the queued requests that merge with ``leader``'s, oldest first.
+
+        Returns:
+            The requests taken, and the rows the batch holds in the adaptive delay's count
+            (None where it is not counted), which ``_release`` gives back.
+        """
         assert self.batching is not None and leader.request is not None
         key = leader.request.key
         if key is None:
-            return []
-        limit = self.batching.max_batch_size
+            return [], None
+        adaptive = self.batching.max_delay_ms is None
+        limit = cap = target = self.batching.max_batch_size
         rows = leader.request.rows
         taken: list[_Ticket] = []
         with self._cond:
-            if self.batching.max_delay_ms is None:
-                # Adaptive: the callers of the latest batch are likely on their way back; wait
-                # for as many rows, for a bounded share of that batch's run time.
-                expected, run_s = self._last_batch
-                target, wait_s = min(limit, expected), run_s * ADAPTIVE_DELAY_SHARE
+            if adaptive:
+                # The callers of the latest batches are likely on their way back: wait for
+                # this session's share of them, for a bounded share of a batch's run time.
+                self._leading += 1
+                self._held_rows += rows
+                wait_s = self._recent[-1][1] * ADAPTIVE_DELAY_SHARE
             else:
-                target, wait_s = limit, self.batching.max_delay_ms / 1000
+                wait_s = self.batching.max_delay_ms / 1000  # type: ignore[operator]
             deadline = time.monotonic() + wait_s
             while True:
+                if adaptive and self._shares:
+                    cap = target = self._share(key, limit)
+                elif adaptive:
+                    target = min(limit, self._recent[-1][0])  # the latest batch's rows
                 full = False
                 for other in list(self._queue):
                     request = other.request
                     if request is None or request.key != key:
                         continue
-                    if rows + request.rows > limit:
+                    if rows + request.rows > cap:
                         full = True  # the oldest that does not fit goes first in the next batch
                         break
                     self._queue.remove(other)
                     self._wait_s += time.monotonic() - other.queued_at
                     taken.append(other)
                     rows += request.rows
+                    if adaptive:
+                        self._held_rows += request.rows
                 now = time.monotonic()
                 remaining = deadline - now
                 if full or rows >= target or remaining <= 0 or self._state is not _State.OPEN:
-                    return taken
+                    return taken, rows if adaptive else None
                 self._filling += 1
                 try:
                     self._cond.wait(remaining)
                 finally:
                     self._filling -= 1
                     self._fill_s += time.monotonic() - now
+
+    def _share(self, key: Any, limit: int) -> int:
+        """The rows a leader runs under the adaptive delay (``self._cond`` held).
+
+        The sessions that batch (idle ones and those whose leaders form or run a batch) share
+        the rows in play evenly: the rows their latest batches had (the callers on their way
+        back) or, where more, the rows held and queued now. One session: its latest batch's
+        rows. Several: each its part, so that their batches run side by side (on a GPU, in
+        streams of their own) instead of one session taking every row while the others idle.
+        """
+        sessions = max(1, len(self._idle) + self._leading)
+        expected = sum(rows for rows, _ in list(self._recent)[-sessions:])
+        queued = sum(
+            t.request.rows for t in self._queue if t.request is not None and t.request.key == key
+        )
+        return min(limit, -(-max(expected, self._held_rows + queued) // sessions))
 
     def _run_batch(self, sess: Any, batch: list[_Ticket]) -> bool:
         """Run ``batch`` on ``sess`` and fill in every ticket's result or error.
@@ -1130,8 +1173,9 @@ class SessionPool:
                 else None
             )
             if parts is not None:
+                copy = self.batching is None or self.batching.copy_outputs
                 for t, part in zip(batch, parts, strict=True):
-                    t.result, t.views = part, True
+                    t.result, t.to_copy = part, copy
                 return False
             if outputs is not None:
                 self._stop_merging()  # an output's axis 0 did not add up: not batch-consistent
@@ -1156,7 +1200,7 @@ class SessionPool:
 
     def _count_batch(self, rows: int, seconds: float, *, padded: int = 0) -> None:
         with self._cond:
-            self._last_batch = (rows, seconds)
+            self._recent.append((rows, seconds))
             self._batches += 1
             self._batched_rows += rows
             self._padded_rows += padded
