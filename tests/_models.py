@@ -272,3 +272,25 @@ def batchable_model(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 8
     return save_model(model, path)
+
+
+def conv_model(path: Path, *, channels: int = 4, size: int = 8, seed: int = 0) -> Path:
+    """A 3x3 convolution and a ReLU on ``x: float32[batch, channels, size, size]``."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((channels, channels, 3, 3)) / (3 * np.sqrt(channels))).astype(
+        np.float32
+    )
+    shape = ["batch", channels, size, size]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["c"], ["y"]),
+        ],
+        "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        initializer=[numpy_helper.from_array(w, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    return save_model(model, path)

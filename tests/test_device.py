@@ -520,21 +520,31 @@ def test_a_cuda_graph_pool_batches_into_captured_buckets(cuda_ready: None, tmp_p
 
 @gpu
 @needs_cuda
-def test_cuda_batching_gives_every_bucket_its_own_session(cuda_ready: None, tmp_path: Path) -> None:
+def test_cuda_batching_gives_every_bucket_of_a_conv_model_its_own_session(
+    cuda_ready: None, tmp_path: Path
+) -> None:
+    from _models import conv_model
+
     from sharedml import _graphs
 
-    model = _graph_model(tmp_path)
+    model = conv_model(tmp_path / "conv.onnx")
     plain = ort.InferenceSession(str(model), providers=[CUDA, CPU])
     batching = sharedml.Batching(max_batch_size=8)
+    images = np.random.default_rng(0).standard_normal((8, 4, 8, 8)).astype(np.float32)
     with sharedml.SessionPool(model, sessions=1, providers=[CUDA], batching=batching) as pool:
-        pool.warm_up({"x": _rows(1, 0)})
+        pool.warm_up({"x": images[:1]})
         with pool.session() as sess:
             assert isinstance(sess, _graphs.ShapeSessions)
             assert sess.shapes == [{"batch": n} for n in (1, 2, 4, 8)]
         for n in (1, 3, 5, 8):
-            out = pool.run(None, {"x": _rows(n, n)})[0]
-            expected = plain.run(None, {"x": _rows(n, n)})[0]
+            out = pool.run(None, {"x": images[:n]})[0]
+            expected = plain.run(None, {"x": images[:n]})[0]
             np.testing.assert_allclose(out, expected, rtol=1e-3, atol=1e-3)  # TF32 on
+    mlp = _graph_model(tmp_path)  # no convolution: one session runs every bucket
+    with sharedml.SessionPool(mlp, sessions=1, providers=[CUDA], batching=batching) as pool:
+        pool.warm_up({"x": _rows(1, 0)})
+        with pool.session() as sess:
+            assert not isinstance(sess, _graphs.ShapeSessions)
 
 
 def _bert_feed(rows: int, seed: int) -> dict[str, np.ndarray]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from _models import batchable_model
+from _models import batchable_model, conv_model
 from _waiting import DEADLINE_S
 
 import sharedml
@@ -222,6 +222,8 @@ PER_BUCKET = sharedml.Batching(max_batch_size=8, pad_to_buckets=True, session_pe
 def test_session_per_bucket_defaults_to_cuda_batches_that_are_padded_without_graphs() -> None:
     default = sharedml.Batching()
     assert default.sessions_per_bucket("CUDAExecutionProvider")
+    assert not default.sessions_per_bucket("CUDAExecutionProvider", convolutions=False)
+    assert PER_BUCKET.sessions_per_bucket("CUDAExecutionProvider", convolutions=False)  # asked
     assert not default.sessions_per_bucket("CUDAExecutionProvider", cuda_graphs=True)
     assert not default.sessions_per_bucket("CPUExecutionProvider")  # not padded there
     assert not default.sessions_per_bucket("DmlExecutionProvider")
@@ -230,6 +232,15 @@ def test_session_per_bucket_defaults_to_cuda_batches_that_are_padded_without_gra
     assert PER_BUCKET.sessions_per_bucket("CPUExecutionProvider")
     with pytest.raises(ValueError, match="session_per_bucket must be True, False or None"):
         sharedml.Batching(session_per_bucket="yes")  # type: ignore[arg-type]
+
+
+def test_the_signature_says_whether_a_model_has_convolutions(model: Path, tmp_path: Path) -> None:
+    from sharedml._batching import signature_of
+    from sharedml._onnx import load_graph
+
+    conv = conv_model(tmp_path / "conv.onnx")
+    assert signature_of(load_graph(conv), name="conv").convolutions
+    assert not signature_of(load_graph(model), name="mlp").convolutions
 
 
 def test_every_bucket_gets_a_session_with_its_batch_dim_fixed(model: Path) -> None:

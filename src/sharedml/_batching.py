@@ -35,6 +35,7 @@ from sharedml._errors import InvalidInputError, NotBatchableError
 
 __all__ = [
     "ADAPTIVE_DELAY_SHARE",
+    "CONVOLUTION_OPS",
     "ROW_MIXING_OPS",
     "Batching",
     "Request",
@@ -54,6 +55,10 @@ ADAPTIVE_DELAY_SHARE = 0.5
 ROW_MIXING_OPS = frozenset(
     ("DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM")
 )
+
+# Ops whose CUDA kernels keep cuDNN plans for the last input shape only (conv.cc,
+# conv_transpose.cc, contrib FusedConv/NhwcConv): a new batch size rebuilds them.
+CONVOLUTION_OPS = frozenset(("Conv", "ConvTranspose", "FusedConv", "NhwcConv"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +86,15 @@ class Batching:
         session_per_bucket: Give every bucket an ONNX Runtime session of its own, with the
             batch dim fixed (the pool's sessions then hold one per bucket, all lent the same
             weights). None (default): on where batches are padded on a CUDA device without
-            CUDA graphs. ORT's CUDA ``Conv`` keeps the cuDNN plans of the last input shape
-            only and rebuilds them whenever the shape changes, so one session fed batches of
-            alternating sizes rebuilds every convolution's plans at almost every batch (a
-            ResNet-50-like model served 46 requests/s instead of 2,000 on an H200). Costs
-            each extra session's activation memory; needs the batch dim to be named
-            (``dim_param``), else the pool's own sessions run every shape.
+            CUDA graphs, for models with convolutions. ORT's CUDA ``Conv`` keeps the cuDNN
+            plans of the last input shape only and rebuilds them whenever the shape changes,
+            so one session fed batches of alternating sizes rebuilds every convolution's
+            plans at almost every batch (a ResNet-50-like model served 46 requests/s instead
+            of 2,000 on an H200). Each extra session costs its activation memory, so models
+            without convolutions keep one session for every batch size (BERT-like on an H200,
+            two sessions, 16 callers: 3,021 requests/s in 1,248 MiB of device memory, against
+            3,032 in 3,038 MiB with a session per bucket, one run). Needs the batch dim to be
+            named (``dim_param``), else the pool's own sessions run every shape.
         share_rows: With several sessions and the adaptive delay, split the rows in play
             evenly over the sessions that batch (the rows their latest batches had, or more
             where more are held and queued), so that their batches run side by side instead
@@ -158,16 +166,19 @@ class Batching:
             return provider != "CPUExecutionProvider"
         return self.share_rows
 
-    def sessions_per_bucket(self, provider: str, *, cuda_graphs: bool = False) -> bool:
+    def sessions_per_bucket(
+        self, provider: str, *, cuda_graphs: bool = False, convolutions: bool = True
+    ) -> bool:
         """Whether each bucket gets a session of its own (see ``session_per_bucket``).
 
         Never with CUDA graphs, which fix the dims per graph already; only where batches are
-        padded (else every batch size would be a session).
+        padded (else every batch size would be a session). ``convolutions``: whether the
+        model has any (``Signature.convolutions``); the default needs them.
         """
         if cuda_graphs or not self.pads(provider):
             return False
         if self.session_per_bucket is None:
-            return provider == "CUDAExecutionProvider"
+            return provider == "CUDAExecutionProvider" and convolutions
         return self.session_per_bucket
 
     def buckets(self) -> list[int]:
@@ -205,10 +216,13 @@ class Signature:
     Attributes:
         inputs: By name, in the model's order.
         outputs: Output names, in order.
+        convolutions: Whether any graph of the model has a convolution (``CONVOLUTION_OPS``),
+            which decides ``Batching.session_per_bucket``'s default.
     """
 
     inputs: Mapping[str, _Input]
     outputs: tuple[str, ...]
+    convolutions: bool = False
 
     def request(
         self,
@@ -373,7 +387,11 @@ def signature_of(model: Any, *, name: str) -> Signature:
                 )
             if kind == "Input":
                 inputs[value.name] = _Input(value.name, type_text, dtype, dims)
-    return Signature(inputs, tuple(o.name for o in model.graph.output))
+    return Signature(
+        inputs,
+        tuple(o.name for o in model.graph.output),
+        convolutions=bool(op_types & CONVOLUTION_OPS),
+    )
 
 
 def bucket_for(rows: int, limit: int) -> int:

@@ -565,7 +565,9 @@ class SessionPool:
             self.plan.primary, cuda_graphs=self._graphs
         )
         self._per_bucket = self.batching is not None and self.batching.sessions_per_bucket(
-            self.plan.primary, cuda_graphs=self._graphs
+            self.plan.primary,
+            cuda_graphs=self._graphs,
+            convolutions=self._signature is None or self._signature.convolutions,
         )
         self._shares = self.batching is not None and self.batching.shares_rows(
             self.plan.primary, serialized=serialized
