@@ -28,7 +28,7 @@ python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.ge
 assert 'CUDAExecutionProvider' in o.get_available_providers(), 'not the GPU build'" || exit 3
 # The image's CPU onnxruntime stays installed; /tmp/site comes first on sys.path, in a folder of
 # its own, so that the GPU build is the one imported (and sharedml does not warn of a mixed one).
-CONFIGS="plain:8 single pool:8 pool:1:batch pool:2:batch pool:4:batch pool:2:batch:fp32 pool:8:graph pool:2:batch:graph plain:8:serialized pool:1:batch:serialized"
+CONFIGS="plain:8 single pool:8 pool:1:batch pool:2:batch pool:4:batch pool:1:batch:views pool:2:batch:views pool:4:batch:views pool:2:batch:views:buckets pool:8:graph pool:2:batch:graph:views plain:8:serialized pool:1:batch:serialized"
 case "${1:-}" in
   tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -48,7 +48,7 @@ case "${1:-}" in
   bert|resnet)
     export SHAREDML_DEVICE_ROUTE=ort-slab  # probed by the tests run: children need not again
     configs="$CONFIGS"
-    [ "$1" = resnet ] && configs="plain:8 single pool:8 pool:1:batch pool:1:batch:nopad pool:2:batch pool:8:graph pool:2:batch:graph plain:8:serialized pool:1:batch:serialized"
+    [ "$1" = resnet ] && configs="plain:8 single pool:8 pool:1:batch pool:1:batch:nopad pool:2:batch pool:2:batch:views pool:4:batch:views pool:8:graph pool:2:batch:graph:views plain:8:serialized pool:1:batch:serialized"
     configs="${2:-$configs}"  # a second argument: these configs instead
     timeout 420 python3 benchmarks/serving.py --providers CUDAExecutionProvider \
       --models "$1" --seq 128 --callers 16 64 --configs $configs --duration-s 1.5 --warmup-s 0.5 \

@@ -17,8 +17,13 @@ as soon as the last one returned):
                        (``Batching(pad_to_buckets=False)``; padding is on by default off the CPU).
 ``...:delayX``         batching whose sessions wait up to X ms for more rows (``max_delay_ms``;
                        ``delay0``: never wait; without: the adaptive default)
+``...:maxN``           batching with at most N rows a batch (``max_batch_size``; default 32)
+``...:views``          batching that hands callers views of the batch's outputs
+                       (``copy_outputs=False``) instead of copies of their rows
 ``...:anyshape``       batching with one ORT session per pool session for every batch size
-                       (``session_per_bucket=False``; CUDA's default is a session per bucket)
+                       (``session_per_bucket=False``)
+``...:buckets``        batching with an ORT session per batch bucket (``session_per_bucket=True``;
+                       CUDA's default for models with convolutions)
 ``...:fp32``           CUDA with TF32 off (``use_tf32=0``), compared with solo runs without TF32.
 ``...:switchX``        the worker process runs with ``sys.setswitchinterval(X / 1000)`` (X ms;
                        CPython's default is 5 ms): how much of a configuration is GIL hand-off.
@@ -92,13 +97,32 @@ def _switch_ms(flag: str) -> float | None:
         return None
 
 
+def _max_rows(flag: str) -> int | None:
+    """``maxN`` -> N rows (``Batching.max_batch_size``); None for other flags."""
+    return int(flag[3:]) if flag.startswith("max") and flag[3:].isdigit() else None
+
+
 def _parse_config(name: str) -> dict[str, Any]:
     parts = name.split(":")
     kind = parts[0]
     sessions = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
     flags = set(parts[2:] if len(parts) > 1 and parts[1].isdigit() else parts[1:])
-    known = {"batch", "nopad", "anyshape", "serialized", "threads", "graph", "fp32"}
-    unknown = {f for f in flags - known if _delay_ms(f) is None and _switch_ms(f) is None}
+    known = {
+        "batch",
+        "nopad",
+        "anyshape",
+        "serialized",
+        "threads",
+        "graph",
+        "fp32",
+        "views",
+        "buckets",
+    }
+    unknown = {
+        f
+        for f in flags - known
+        if _delay_ms(f) is None and _switch_ms(f) is None and _max_rows(f) is None
+    }
     if kind not in ("plain", "pool", "single") or unknown:
         raise SystemExit(f"unknown configuration {name!r}")
     return {"kind": kind, "sessions": sessions, "flags": flags}
@@ -142,8 +166,12 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     if cfg["kind"] == "pool":
         batching = sharedml.Batching(
             pad_to_buckets=False if "nopad" in flags else None,
-            session_per_bucket=False if "anyshape" in flags else None,
+            session_per_bucket=(
+                True if "buckets" in flags else False if "anyshape" in flags else None
+            ),
             max_delay_ms=next((d for f in flags if (d := _delay_ms(f)) is not None), None),
+            max_batch_size=next((m for f in flags if (m := _max_rows(f)) is not None), 32),
+            copy_outputs="views" not in flags,
         )
         pool = sharedml.SessionPool(
             spec["model"],

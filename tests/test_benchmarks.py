@@ -177,6 +177,7 @@ def test_the_serving_sweep_runs_through_run_py_and_checks_every_output(tmp_path:
             "--models", "mlp",
             "--callers", "3",
             "--configs", "plain:2", "pool:1:batch", "pool:1:batch:serialized",
+            "pool:2:batch:views:max4:buckets",
             "--warmup-s", "0.05",
             "--duration-s", "0.2",
             "--out-dir", str(tmp_path / "out"),
@@ -189,7 +190,12 @@ def test_the_serving_sweep_runs_through_run_py_and_checks_every_output(tmp_path:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (model,) = json.loads(out.read_text())["models"]
     configs = {c["name"]: c for c in model["configs"]}
-    assert set(configs) == {"plain:2", "pool:1:batch", "pool:1:batch:serialized"}
+    assert set(configs) == {
+        "plain:2",
+        "pool:1:batch",
+        "pool:1:batch:serialized",
+        "pool:2:batch:views:max4:buckets",
+    }
     for c in configs.values():
         assert c["callers"] == 3 and c["requests"] > 0 and c["outputs_equal"], c
         assert c["p50_ms"] <= c["p99_ms"]
