@@ -407,6 +407,7 @@ def test_sessions_that_share_rows_split_the_queue_instead_of_one_taking_it_all(
     with sharedml.SessionPool(
         probe, sessions=2, batching=batching, prepacking="off", configure=_overlap.register
     ) as pool:
+        pool.wait_ready()  # B exists before the slow row comes: its run starts at once
         _overlap.DETECTOR.reset()
         threads = []
         for i, f in enumerate([one_row, slow_row, one_row, one_row, one_row, one_row]):
