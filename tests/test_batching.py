@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -361,31 +361,48 @@ def test_max_delay_zero_never_waits(model: Path) -> None:
     assert (stats.batches, stats.max_batch_rows, stats.fill_wait_seconds) == (2, 4, 0.0)
 
 
+ONE_ROW = {"x": np.ones((1, 4), np.float32)}
+
+
+@contextlib.contextmanager
+def probe_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **options: Any
+) -> Iterator[sharedml.SessionPool]:
+    """A pool over ``_overlap``'s probe model: each run takes a second (a SLOW row: SLOW_S).
+
+    Every session exists before it is handed over, and the detector's batch record is empty.
+    """
+    pytest.importorskip("onnxruntime_extensions")
+    import _overlap
+
+    monkeypatch.setattr(_overlap, "SLEEP_S", 1.0)
+    probe = _overlap.probe_model(tmp_path / "probe.onnx")
+    with sharedml.SessionPool(
+        probe, prepacking="off", configure=_overlap.register, **options
+    ) as pool:
+        pool.wait_ready()
+        _overlap.DETECTOR.reset()
+        yield pool
+
+
 def test_looping_callers_meet_in_one_batch_instead_of_a_lone_run_and_the_rest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The pattern the adaptive delay is for: four callers got their rows back from one batch and
     # come back one by one. The first finds the session free; it waits for the other three
     # (for at most half a run: 0.5 s here) instead of running alone while they queue.
-    pytest.importorskip("onnxruntime_extensions")
-    import _overlap
-
-    monkeypatch.setattr(_overlap, "SLEEP_S", 1.0)
-    probe = _overlap.probe_model(tmp_path / "probe.onnx")
-    one_row = {"x": np.ones((1, 4), np.float32)}
-    with sharedml.SessionPool(
-        probe, sessions=1, batching=True, prepacking="off", configure=_overlap.register
-    ) as pool:
-        _overlap.DETECTOR.reset()
-        queue_behind_a_checkout(pool, [lambda: pool.run(None, one_row)] * 4)
-        first = threading.Thread(target=pool.run, args=(None, one_row))
+    with probe_pool(tmp_path, monkeypatch, sessions=1, batching=True) as pool:
+        queue_behind_a_checkout(pool, [lambda: pool.run(None, ONE_ROW)] * 4)
+        first = threading.Thread(target=pool.run, args=(None, ONE_ROW))
         first.start()
         wait_until(lambda: pool.stats().busy == 1, what="the first caller to take the session")
-        rest = [threading.Thread(target=pool.run, args=(None, one_row)) for _ in range(3)]
+        rest = [threading.Thread(target=pool.run, args=(None, ONE_ROW)) for _ in range(3)]
         for t in rest:
             t.start()
         for t in [first, *rest]:
             t.join(DEADLINE_S)
+    import _overlap
+
     assert _overlap.DETECTOR.rows == [4, 4]
 
 
@@ -395,22 +412,15 @@ def test_sessions_that_share_rows_split_the_queue_instead_of_one_taking_it_all(
     # Session A runs a lone request for a second, session B a slow one for three, while four
     # more queue. When A is back, the rows in play are its leader's, three queued and B's one:
     # A takes its share, three (not all four), and the fourth is left for the next session
-    # free (A again, as B is still busy), which runs it alone.
-    pytest.importorskip("onnxruntime_extensions")
-    import _overlap
-
-    monkeypatch.setattr(_overlap, "SLEEP_S", 1.0)
-    probe = _overlap.probe_model(tmp_path / "probe.onnx")
-    one_row = {"x": np.ones((1, 4), np.float32)}
-    slow_row = {"x": np.full((1, 4), _overlap.SLOW, np.float32)}
+    # free (A again, as B is still busy), which runs it alone. Both sessions exist before the
+    # first request (probe_pool): B's run of the slow row starts at once.
     batching = sharedml.Batching(share_rows=True)
-    with sharedml.SessionPool(
-        probe, sessions=2, batching=batching, prepacking="off", configure=_overlap.register
-    ) as pool:
-        pool.wait_ready()  # B exists before the slow row comes: its run starts at once
-        _overlap.DETECTOR.reset()
+    with probe_pool(tmp_path, monkeypatch, sessions=2, batching=batching) as pool:
+        import _overlap
+
+        slow_row = {"x": np.full((1, 4), _overlap.SLOW, np.float32)}
         threads = []
-        for i, f in enumerate([one_row, slow_row, one_row, one_row, one_row, one_row]):
+        for i, f in enumerate([ONE_ROW, slow_row, ONE_ROW, ONE_ROW, ONE_ROW, ONE_ROW]):
             threads.append(threading.Thread(target=pool.run, args=(None, f)))
             threads[-1].start()
             if i < 2:
