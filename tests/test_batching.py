@@ -12,6 +12,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -367,10 +368,11 @@ ONE_ROW = {"x": np.ones((1, 4), np.float32)}
 @contextlib.contextmanager
 def probe_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **options: Any
-) -> Iterator[sharedml.SessionPool]:
-    """A pool over ``_overlap``'s probe model: each run takes a second (a SLOW row: SLOW_S).
+) -> Iterator[tuple[sharedml.SessionPool, ModuleType]]:
+    """A pool over ``_overlap``'s probe model (each run takes a second; a SLOW row: SLOW_S),
+    and the ``_overlap`` module, whose ``DETECTOR`` records the rows of every run.
 
-    Every session exists before it is handed over, and the detector's batch record is empty.
+    Every session exists before the pool is handed over, and the record is empty.
     """
     pytest.importorskip("onnxruntime_extensions")
     import _overlap
@@ -382,7 +384,7 @@ def probe_pool(
     ) as pool:
         pool.wait_ready()
         _overlap.DETECTOR.reset()
-        yield pool
+        yield pool, _overlap
 
 
 def test_looping_callers_meet_in_one_batch_instead_of_a_lone_run_and_the_rest(
@@ -391,7 +393,7 @@ def test_looping_callers_meet_in_one_batch_instead_of_a_lone_run_and_the_rest(
     # The pattern the adaptive delay is for: four callers got their rows back from one batch and
     # come back one by one. The first finds the session free; it waits for the other three
     # (for at most half a run: 0.5 s here) instead of running alone while they queue.
-    with probe_pool(tmp_path, monkeypatch, sessions=1, batching=True) as pool:
+    with probe_pool(tmp_path, monkeypatch, sessions=1, batching=True) as (pool, overlap):
         queue_behind_a_checkout(pool, [lambda: pool.run(None, ONE_ROW)] * 4)
         first = threading.Thread(target=pool.run, args=(None, ONE_ROW))
         first.start()
@@ -401,9 +403,7 @@ def test_looping_callers_meet_in_one_batch_instead_of_a_lone_run_and_the_rest(
             t.start()
         for t in [first, *rest]:
             t.join(DEADLINE_S)
-    import _overlap
-
-    assert _overlap.DETECTOR.rows == [4, 4]
+    assert overlap.DETECTOR.rows == [4, 4]
 
 
 def test_sessions_that_share_rows_split_the_queue_instead_of_one_taking_it_all(
@@ -415,10 +415,8 @@ def test_sessions_that_share_rows_split_the_queue_instead_of_one_taking_it_all(
     # free (A again, as B is still busy), which runs it alone. Both sessions exist before the
     # first request (probe_pool): B's run of the slow row starts at once.
     batching = sharedml.Batching(share_rows=True)
-    with probe_pool(tmp_path, monkeypatch, sessions=2, batching=batching) as pool:
-        import _overlap
-
-        slow_row = {"x": np.full((1, 4), _overlap.SLOW, np.float32)}
+    with probe_pool(tmp_path, monkeypatch, sessions=2, batching=batching) as (pool, overlap):
+        slow_row = {"x": np.full((1, 4), overlap.SLOW, np.float32)}
         threads = []
         for i, f in enumerate([ONE_ROW, slow_row, ONE_ROW, ONE_ROW, ONE_ROW, ONE_ROW]):
             threads.append(threading.Thread(target=pool.run, args=(None, f)))
@@ -429,7 +427,7 @@ def test_sessions_that_share_rows_split_the_queue_instead_of_one_taking_it_all(
                 wait_until(lambda i=i: pool.stats().waiting == i - 1, what=f"request {i}")
         for t in threads:
             t.join(DEADLINE_S)
-    assert _overlap.DETECTOR.rows == [1, 1, 3, 1]
+    assert overlap.DETECTOR.rows == [1, 1, 3, 1]
 
 
 def test_rows_are_shared_on_gpus_and_never_on_the_cpu_or_when_runs_are_serialized() -> None:

@@ -520,8 +520,8 @@ class SessionPool:
         self._padded_rows = 0
         self._wait_s = self._create_s = self._fill_s = 0.0
         self._filling = 0  # leaders waiting for more rows (Batching.max_delay_ms)
-        # Adaptive delay: rows and run seconds of the latest batches (newest last), the leaders
-        # forming or running a batch, and the rows they hold.
+        # Adaptive delay: rows and run seconds of the latest batches (newest last); with
+        # Batching.share_rows, the leaders forming or running a batch and the rows they hold.
         self._recent: deque[tuple[int, float]] = deque([(0, 0.0)], maxlen=max(1, self._max))
         self._leading = 0
         self._held_rows = 0
@@ -572,6 +572,7 @@ class SessionPool:
         self._shares = self.batching is not None and self.batching.shares_rows(
             self.plan.primary, serialized=serialized
         )
+        self._copies = self.batching is None or self.batching.copy_outputs
 
         initial = (
             self._min if not (serialize_creation and create_in_background) else min(self._min, 1)
@@ -1078,8 +1079,8 @@ class SessionPool:
         """Take the queued requests that merge with ``leader``'s, oldest first.
 
         Returns:
-            The requests taken, and the rows the batch holds in the adaptive delay's count
-            (None where it is not counted), which ``_release`` gives back.
+            The requests taken, and the rows the batch holds in ``share_rows``'s count (None
+            where rows are not shared), which ``_release`` gives back.
         """
         assert self.batching is not None and leader.request is not None
         key = leader.request.key
@@ -1093,14 +1094,15 @@ class SessionPool:
             if adaptive:
                 # The callers of the latest batches are likely on their way back: wait for
                 # this session's share of them, for a bounded share of a batch's run time.
-                self._leading += 1
-                self._held_rows += rows
+                if self._shares:
+                    self._leading += 1
+                    self._held_rows += rows
                 wait_s = self._recent[-1][1] * ADAPTIVE_DELAY_SHARE
             else:
                 wait_s = self.batching.max_delay_ms / 1000  # type: ignore[operator]
             deadline = time.monotonic() + wait_s
             while True:
-                if adaptive and self._shares:
+                if self._shares:  # adaptive only
                     cap = target = self._share(key, limit)
                 elif adaptive:
                     target = min(limit, self._recent[-1][0])  # the latest batch's rows
@@ -1116,12 +1118,12 @@ class SessionPool:
                     self._wait_s += time.monotonic() - other.queued_at
                     taken.append(other)
                     rows += request.rows
-                    if adaptive:
+                    if self._shares:
                         self._held_rows += request.rows
                 now = time.monotonic()
                 remaining = deadline - now
                 if full or rows >= target or remaining <= 0 or self._state is not _State.OPEN:
-                    return taken, rows if adaptive else None
+                    return taken, rows if self._shares else None
                 self._filling += 1
                 try:
                     self._cond.wait(remaining)
@@ -1175,9 +1177,8 @@ class SessionPool:
                 else None
             )
             if parts is not None:
-                copy = self.batching is None or self.batching.copy_outputs
                 for t, part in zip(batch, parts, strict=True):
-                    t.result, t.to_copy = part, copy
+                    t.result, t.to_copy = part, self._copies
                 return False
             if outputs is not None:
                 self._stop_merging()  # an output's axis 0 did not add up: not batch-consistent
