@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -321,6 +322,52 @@ def test_max_delay_waits_for_a_second_request_to_fill_the_batch(model: Path) -> 
         stats = pool.stats()
     assert len(results) == 1 and second[0].shape == (1, DIM)
     assert (stats.batches, stats.max_batch_rows) == (1, 2)
+
+
+def test_ctrl_c_in_a_leader_filling_its_batch_fails_only_its_own_request(
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+) -> None:
+    # The main thread leads a batch that is still filling (1 row of 3, a long delay) and has
+    # taken a second caller's row when Ctrl-C arrives. The KeyboardInterrupt is the main
+    # thread's alone: the row it took goes back to the queue, the session comes back, and the
+    # next request fills a batch with that row.
+    batching = sharedml.Batching(max_batch_size=3, max_delay_ms=DEADLINE_S * 1000)
+    pool = sharedml.SessionPool(model, sessions=1, batching=batching)
+    feeds = [feed(1, 0), feed(1, 1), feed(2, 2)]
+    results: dict[int, Any] = {}
+
+    def run(i: int) -> threading.Thread:
+        def call() -> None:
+            results[i] = pool.run(None, feeds[i])
+
+        thread = threading.Thread(target=call, daemon=True)  # broken code leaves it hanging
+        thread.start()
+        return thread
+
+    def interrupt_the_leader() -> None:
+        wait_until(lambda: pool.stats().busy == 1, what="the main thread to lead")
+        run(1)
+        wait_until(
+            lambda: (pool.stats().waits, pool.stats().waiting) == (1, 0),
+            what="the leader to take the second request",
+        )
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+
+    interrupter = threading.Thread(target=interrupt_the_leader)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(None, feeds[0])
+        interrupter.join(DEADLINE_S)
+        run(2)
+        wait_until(lambda: len(results) == 2, what="both other requests to finish")
+        stats = pool.stats()
+    finally:
+        pool.close(timeout_s=1)
+    for i in (1, 2):
+        np.testing.assert_array_equal(results[i][0], solo(feeds[i]))
+    assert (stats.busy, stats.waiting, stats.runs, stats.failed_runs) == (0, 0, 3, 1)
+    assert (stats.batches, stats.max_batch_rows) == (1, 3)
 
 
 def test_a_leader_stops_waiting_when_the_next_request_cannot_fit(model: Path) -> None:

@@ -260,6 +260,10 @@ def _run_error(exc: BaseException) -> SharedMLError:
     return error
 
 
+def _closed() -> PoolClosedError:
+    return PoolClosedError("This SessionPool is closed; create a new pool to run more work.")
+
+
 class _Signal:
     """``threading.Event``'s ``set``/``wait``/``clear`` for a single waiter, on one raw lock.
 
@@ -644,7 +648,7 @@ class SessionPool:
                 "not survive fork(): create the pool in the child (after the fork)."
             )
         if self._state is not _State.OPEN:
-            raise PoolClosedError("This SessionPool is closed; create a new pool to run more work.")
+            raise _closed()
 
     def _create_initial_sessions(self, n: int) -> list[Any]:
         """Create ``n`` sessions, on up to one thread per core unless creation is serialized.
@@ -865,9 +869,7 @@ class SessionPool:
                     if ticket.done:
                         return  # a leader ran this request in its batch
                     if self._state is not _State.OPEN:
-                        raise PoolClosedError(
-                            "This SessionPool is closed; create a new pool to run more work."
-                        )
+                        raise _closed()
                     ticket.event.clear()
             except BaseException:
                 # Timeout, close, or KeyboardInterrupt while waiting: leave the queue, and pass
@@ -1058,11 +1060,11 @@ class SessionPool:
         """Run ``ticket``'s request (and, batching, compatible queued ones) on ``sess``."""
         batch = [ticket]
         held: int | None = None
-        if self.batching is not None and ticket.request is not None:
-            followers, held = self._followers(ticket)
-            batch += followers
         broken = False
         try:
+            if self.batching is not None and ticket.request is not None:
+                followers, held = self._followers(ticket)
+                batch += followers
             broken = self._run_batch(sess, batch)
         except BaseException as exc:  # KeyboardInterrupt in the leader: nobody is left hanging
             for t in batch:
@@ -1081,6 +1083,12 @@ class SessionPool:
         Returns:
             The requests taken, and the rows the batch holds in ``share_rows``'s count (None
             where rows are not shared), which ``_release`` gives back.
+
+        Raises:
+            BaseException: whatever interrupts the wait for more rows (a ``KeyboardInterrupt``
+                in the leader's thread). The requests taken so far go back to the front of the
+                queue, in their order, for the session the leader gives back (or, where the
+                pool is closing, get ``PoolClosedError``); the count is given back too.
         """
         assert self.batching is not None and leader.request is not None
         key = leader.request.key
@@ -1091,45 +1099,57 @@ class SessionPool:
         rows = leader.request.rows
         taken: list[_Ticket] = []
         with self._cond:
+            counted = adaptive and self._shares
             if adaptive:
                 # The callers of the latest batches are likely on their way back: wait for
                 # this session's share of them, for a bounded share of a batch's run time.
-                if self._shares:
-                    self._leading += 1
-                    self._held_rows += rows
                 wait_s = self._recent[-1][1] * ADAPTIVE_DELAY_SHARE
             else:
                 wait_s = self.batching.max_delay_ms / 1000  # type: ignore[operator]
+            if counted:
+                self._leading += 1
+                self._held_rows += rows
             deadline = time.monotonic() + wait_s
-            while True:
-                if self._shares:  # adaptive only
-                    cap = target = self._share(key, limit)
-                elif adaptive:
-                    target = min(limit, self._recent[-1][0])  # the latest batch's rows
-                full = False
-                for other in list(self._queue):
-                    request = other.request
-                    if request is None or request.key != key:
-                        continue
-                    if rows + request.rows > cap:
-                        full = True  # the oldest that does not fit goes first in the next batch
-                        break
-                    self._queue.remove(other)
-                    self._wait_s += time.monotonic() - other.queued_at
-                    taken.append(other)
-                    rows += request.rows
-                    if self._shares:
-                        self._held_rows += request.rows
-                now = time.monotonic()
-                remaining = deadline - now
-                if full or rows >= target or remaining <= 0 or self._state is not _State.OPEN:
-                    return taken, rows if self._shares else None
-                self._filling += 1
-                try:
-                    self._cond.wait(remaining)
-                finally:
-                    self._filling -= 1
-                    self._fill_s += time.monotonic() - now
+            try:
+                while True:
+                    if counted:
+                        cap = target = self._share(key, limit)
+                    elif adaptive:
+                        target = min(limit, self._recent[-1][0])  # the latest batch's rows
+                    full = False
+                    for other in list(self._queue):
+                        request = other.request
+                        if request is None or request.key != key:
+                            continue
+                        if rows + request.rows > cap:
+                            full = True  # the oldest that does not fit goes first next time
+                            break
+                        self._queue.remove(other)
+                        taken.append(other)
+                        rows += request.rows
+                        if counted:
+                            self._held_rows += request.rows
+                    now = time.monotonic()
+                    remaining = deadline - now
+                    if full or rows >= target or remaining <= 0 or self._state is not _State.OPEN:
+                        self._wait_s += sum(now - t.queued_at for t in taken)
+                        return taken, rows if counted else None
+                    self._filling += 1
+                    try:
+                        self._cond.wait(remaining)
+                    finally:
+                        self._filling -= 1
+                        self._fill_s += time.monotonic() - now
+            except BaseException:
+                if counted:
+                    self._leading -= 1
+                    self._held_rows -= rows
+                if self._state is _State.OPEN:
+                    self._queue.extendleft(reversed(taken))
+                else:  # close() already failed the queue; these were out of it
+                    for t in taken:
+                        self._finish(t, error=_closed())
+                raise
 
     def _share(self, key: Any, limit: int) -> int:
         """The rows a leader runs under the adaptive delay (``self._cond`` held).
@@ -1337,12 +1357,7 @@ class SessionPool:
             self._stopping.set()
             waiting, self._queue = list(self._queue), deque()
             for ticket in waiting:
-                self._finish(
-                    ticket,
-                    error=PoolClosedError(
-                        "This SessionPool is closed; create a new pool to run more work."
-                    ),
-                )
+                self._finish(ticket, error=_closed())
             self._cond.notify_all()
             while self._busy:
                 remaining = None if deadline is None else deadline - time.monotonic()
