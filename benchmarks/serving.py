@@ -314,28 +314,37 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     window["start"] = float("inf")
     barrier.wait()
     time.sleep(spec["warmup_s"])
+    pooled = hasattr(server, "stats")
+    before = server.stats() if pooled else None
     window["start"] = time.perf_counter()
     time.sleep(spec["duration_s"])
     window["end"] = time.perf_counter()
+    after = server.stats() if pooled else None
     stop.set()
     for t in threads:
         t.join()
     done = [x for per in latencies for x in per]
     pss = me.memory_full_info().pss - base_pss
     device = _device_bytes(spec["providers"])
+    elapsed = window["end"] - window["start"]
     stats: dict[str, Any] = {}
-    if hasattr(server, "stats"):
+    if before is not None and after is not None:
         s = server.stats()
+        # The window's share of the sessions' time in Run; the rest went to waiting for rows
+        # (window_fill_wait_s), handing results back and taking new requests, and idling.
+        run_s = after.run_seconds - before.run_seconds
         stats = {
             "batches": s.batches,
             "mean_batch_rows": s.mean_batch_rows,
             "padded_rows": s.padded_rows,
             "fill_wait_s": s.fill_wait_seconds,
             "waits": s.waits,
+            "window_run_s": run_s,
+            "window_fill_wait_s": after.fill_wait_seconds - before.fill_wait_seconds,
+            "busy_share": run_s / (after.sessions * elapsed),
         }
     server.close()
     done.sort()
-    elapsed = window["end"] - window["start"]
     return {
         "config": spec["config"],
         "callers": callers,
@@ -709,6 +718,8 @@ def _line(model: str, r: dict[str, Any]) -> str:
     if r.get("p50_ms") is None:
         return f"{model} {r['name']:<24} x{r['callers']:<3} no request finished in the window"
     batch = f", {r['mean_batch_rows']:.1f} rows/batch" if r.get("batches") else ""
+    if r.get("busy_share") is not None:
+        batch += f", sessions {100 * r['busy_share']:.0f}% in Run"
     device = f", device {r['device_bytes'] / MIB:.0f} MiB" if r.get("device_bytes") else ""
     return (
         f"{model} {r['name']:<24} x{r['callers']:<3} {r['requests_per_s']:8.1f} req/s  "

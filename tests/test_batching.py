@@ -453,6 +453,23 @@ def test_looping_callers_meet_in_one_batch_instead_of_a_lone_run_and_the_rest(
     assert overlap.DETECTOR.rows == [4, 4]
 
 
+@pytest.mark.parametrize(("batching", "rows"), [(False, [1, 1, 1, 1]), (True, [1, 3])])
+def test_run_seconds_are_the_pools_runs_and_not_a_checkouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batching: bool, rows: list[int]
+) -> None:
+    # Every Run here spends a second in the probe op. A checkout's Run is the caller's own
+    # work; the three requests after it are the pool's (merged, or one after another).
+    with probe_pool(tmp_path, monkeypatch, sessions=1, batching=batching) as (pool, overlap):
+        with pool.session() as sess:
+            sess.run(None, ONE_ROW)
+        queue_behind_a_checkout(pool, [lambda: pool.run(None, ONE_ROW)] * 3)
+        stats = pool.stats()
+    runs = overlap.DETECTOR.runs
+    assert [r[1] for r in runs] == rows
+    in_op = sum(end - start for _, _, start, end in runs[1:])
+    assert in_op <= stats.run_seconds < in_op + 0.5
+
+
 def test_sessions_that_share_rows_split_the_queue_instead_of_one_taking_it_all(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -362,7 +362,7 @@ def test_pool_metrics_add_each_difference_once(monkeypatch: pytest.MonkeyPatch) 
     calls.clear()
     later = sharedml.PoolStats(
         runs=5, failed_runs=1, waits=2, wait_seconds=0.25, batches=3, batched_rows=7,
-        max_batch_rows=4, **base
+        max_batch_rows=4, run_seconds=0.5, **base
     )  # fmt: skip
     exporter.record(later, latency_s=0.01)
     incs = {name: value for kind, name, value in calls if kind == "inc"}
@@ -373,6 +373,7 @@ def test_pool_metrics_add_each_difference_once(monkeypatch: pytest.MonkeyPatch) 
         "sharedml_queue_seconds": 0.25,
         "sharedml_batches": 3,
         "sharedml_batched_rows": 7,
+        "sharedml_run_seconds": 0.5,
     }
     gauges = {name: value for kind, name, value in calls if kind == "set"}
     assert gauges["sharedml_sessions"] == 2 and gauges["sharedml_max_batch_rows"] == 4

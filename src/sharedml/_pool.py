@@ -211,6 +211,11 @@ class PoolStats:
         padded_rows: Rows of padding those runs added (``Batching.pad_to_buckets``).
         fill_wait_seconds: Total time sessions waited for more rows before a batch ran
             (``Batching.max_delay_ms``).
+        run_seconds: Total time sessions spent running the requests of ``run`` and
+            ``run_async`` (each ``Run`` call, a merged batch's merge of its feeds included;
+            checkouts through ``session()`` are the caller's own). Over a window, divided by
+            the window and the sessions, it is how busy they were: the rest went to waiting
+            for rows, handing results back, and idling.
     """
 
     sessions: int
@@ -230,6 +235,7 @@ class PoolStats:
     max_batch_rows: int = 0
     padded_rows: int = 0
     fill_wait_seconds: float = 0.0
+    run_seconds: float = 0.0
 
     @property
     def idle(self) -> int:
@@ -522,7 +528,7 @@ class SessionPool:
         self._runs = self._failed = self._waits = self._created = self._replaced = 0
         self._creation_failures = self._batches = self._batched_rows = self._max_rows = 0
         self._padded_rows = 0
-        self._wait_s = self._create_s = self._fill_s = 0.0
+        self._wait_s = self._create_s = self._fill_s = self._run_s = 0.0
         self._filling = 0  # leaders waiting for more rows (Batching.max_delay_ms)
         # Adaptive delay: rows and run seconds of the latest batches (newest last); with
         # Batching.share_rows, the leaders forming or running a batch and the rows they hold.
@@ -1190,7 +1196,7 @@ class SessionPool:
                         t.error = _run_error(exc)
                     return True
                 outputs = None  # rerun each member alone: only the culprit fails
-            self._count_batch(merged_rows, time.perf_counter() - start, padded=rows - merged_rows)
+            self._count_run(merged_rows, time.perf_counter() - start, padded=rows - merged_rows)
             parts = (
                 split(outputs, requests, rows=rows, copy=False)  # type: ignore[arg-type]
                 if outputs is not None
@@ -1214,15 +1220,14 @@ class SessionPool:
                             rest.error = t.error
                     return True
             finally:
-                if self.batching is not None:
-                    self._count_batch(
-                        t.request.rows if t.request is not None else 0,
-                        time.perf_counter() - start,
-                    )
+                self._count_run(t.request.rows, time.perf_counter() - start)  # type: ignore[union-attr]
         return False
 
-    def _count_batch(self, rows: int, seconds: float, *, padded: int = 0) -> None:
+    def _count_run(self, rows: int, seconds: float, *, padded: int = 0) -> None:
         with self._cond:
+            self._run_s += seconds
+            if self.batching is None:
+                return
             self._recent.append((rows, seconds))
             self._batches += 1
             self._batched_rows += rows
@@ -1336,6 +1341,7 @@ class SessionPool:
                 max_batch_rows=self._max_rows,
                 padded_rows=self._padded_rows,
                 fill_wait_seconds=self._fill_s,
+                run_seconds=self._run_s,
             )
 
     def close(self, timeout_s: float | None = None) -> None:

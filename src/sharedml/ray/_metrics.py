@@ -37,6 +37,7 @@ _COUNTERS = {
     "wait_seconds": ("sharedml_queue_seconds", "Seconds requests spent queued for a session."),
     "batches": ("sharedml_batches", "Runs the pool made for requests while batching."),
     "batched_rows": ("sharedml_batched_rows", "Rows those runs processed."),
+    "run_seconds": ("sharedml_run_seconds", "Seconds the pool's sessions spent running requests."),
 }
 # PoolStats field -> (gauge name, description): the state now.
 _GAUGES = {
