@@ -1131,6 +1131,7 @@ class SessionPool:
                             full = True  # the oldest that does not fit goes first next time
                             break
                         self._queue.remove(other)
+                        self._wait_s += time.monotonic() - other.queued_at
                         taken.append(other)
                         rows += request.rows
                         if counted:
@@ -1138,7 +1139,6 @@ class SessionPool:
                     now = time.monotonic()
                     remaining = deadline - now
                     if full or rows >= target or remaining <= 0 or self._state is not _State.OPEN:
-                        self._wait_s += sum(now - t.queued_at for t in taken)
                         return taken, rows if counted else None
                     self._filling += 1
                     try:
@@ -1151,6 +1151,9 @@ class SessionPool:
                     self._leading -= 1
                     self._held_rows -= rows
                 if self._state is _State.OPEN:
+                    requeued_at = time.monotonic()
+                    for t in taken:
+                        t.queued_at = requeued_at  # queued again from now: see _dispatch
                     self._queue.extendleft(reversed(taken))
                 else:  # close() already failed the queue; these were out of it
                     for t in taken:
