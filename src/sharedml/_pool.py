@@ -212,10 +212,10 @@ class PoolStats:
         fill_wait_seconds: Total time sessions waited for more rows before a batch ran
             (``Batching.max_delay_ms``).
         run_seconds: Total time sessions spent running the requests of ``run`` and
-            ``run_async`` (each ``Run`` call, a merged batch's merge of its feeds included;
-            checkouts through ``session()`` are the caller's own). Over a window, divided by
-            the window and the sessions, it is how busy they were: the rest went to waiting
-            for rows, handing results back, and idling.
+            ``run_async`` (their ``Run`` calls, with a merged batch's merge of its feeds and
+            split of its outputs; checkouts through ``session()`` are the caller's own). Over
+            a window, divided by the window and the sessions, it is how busy they were: the
+            rest went to waiting for rows, handing results back, and idling.
     """
 
     sessions: int
@@ -916,9 +916,17 @@ class SessionPool:
         return ticket.session
 
     def _release(
-        self, sess: Any, *, requests: int, failed: int, broken: bool, held: int | None = None
+        self,
+        sess: Any,
+        *,
+        requests: int,
+        failed: int,
+        broken: bool,
+        held: int | None = None,
+        run_s: float = 0.0,
     ) -> None:
         with self._cond:
+            self._run_s += run_s
             if held is not None:
                 self._leading -= 1
                 self._held_rows -= held
@@ -1067,11 +1075,14 @@ class SessionPool:
         batch = [ticket]
         held: int | None = None
         broken = False
+        run_s = 0.0
         try:
             if self.batching is not None and ticket.request is not None:
                 followers, held = self._followers(ticket)
                 batch += followers
+            start = time.perf_counter()
             broken = self._run_batch(sess, batch)
+            run_s = time.perf_counter() - start
         except BaseException as exc:  # KeyboardInterrupt in the leader: nobody is left hanging
             for t in batch:
                 if t.result is None and t.error is None:
@@ -1079,7 +1090,9 @@ class SessionPool:
             raise
         finally:
             failed = sum(t.error is not None for t in batch)
-            self._release(sess, requests=len(batch), failed=failed, broken=broken, held=held)
+            self._release(
+                sess, requests=len(batch), failed=failed, broken=broken, held=held, run_s=run_s
+            )
             for follower in batch[1:]:
                 self._finish(follower)
 
@@ -1105,7 +1118,7 @@ class SessionPool:
         rows = leader.request.rows
         taken: list[_Ticket] = []
         with self._cond:
-            counted = adaptive and self._shares
+            counted = self._shares  # adaptive only (Batching.shares_rows)
             if adaptive:
                 # The callers of the latest batches are likely on their way back: wait for
                 # this session's share of them, for a bounded share of a batch's run time.
@@ -1199,7 +1212,7 @@ class SessionPool:
                         t.error = _run_error(exc)
                     return True
                 outputs = None  # rerun each member alone: only the culprit fails
-            self._count_run(merged_rows, time.perf_counter() - start, padded=rows - merged_rows)
+            self._count_batch(merged_rows, time.perf_counter() - start, padded=rows - merged_rows)
             parts = (
                 split(outputs, requests, rows=rows, copy=False)  # type: ignore[arg-type]
                 if outputs is not None
@@ -1223,14 +1236,12 @@ class SessionPool:
                             rest.error = t.error
                     return True
             finally:
-                self._count_run(t.request.rows, time.perf_counter() - start)  # type: ignore[union-attr]
+                if self.batching is not None:
+                    self._count_batch(t.request.rows, time.perf_counter() - start)  # type: ignore[union-attr]
         return False
 
-    def _count_run(self, rows: int, seconds: float, *, padded: int = 0) -> None:
+    def _count_batch(self, rows: int, seconds: float, *, padded: int = 0) -> None:
         with self._cond:
-            self._run_s += seconds
-            if self.batching is None:
-                return
             self._recent.append((rows, seconds))
             self._batches += 1
             self._batched_rows += rows
