@@ -61,7 +61,7 @@ def weight(name: str, *shape: int, seed: int = 0) -> TensorProto:
 
 
 def refusal(m: ModelProto) -> str | None:
-    found = RowAnalysis(m).refusal()
+    found = RowAnalysis(m, max_rows=sharedml.Batching().max_batch_size).refusal()
     return None if found is None else found.describe()
 
 
@@ -204,6 +204,15 @@ MIXING: dict[str, tuple[Callable[[], ModelProto], list[dict[str, np.ndarray]]]] 
             [ints("s", [-1]), ints("e", [-(2**62)]), ints("a", [0]), ints("st", [-1])],
         ),
         x_feeds(),
+    ),
+    "Slice of the rows' axis to an end below a merged batch (x[:8])": (
+        lambda: model(
+            [helper.make_node("Slice", ["x", "s", "e", "a"], ["y"])],
+            X,
+            Y,
+            [ints("s", [0]), ints("e", [8]), ints("a", [0])],
+        ),
+        x_feeds(rows=(5, 5)),
     ),
     "Gather on axis 0 by the caller's indices": (
         lambda: model(
@@ -760,7 +769,36 @@ def _zero_state_rnn() -> ModelProto:
     )
 
 
+def _reshape_to_a_dim_the_graph_cannot_prove() -> ModelProto:
+    # PP-OCR's recognizer: [N, 1, W, C] from a conv output whose height (1 at 48 px input) the
+    # graph cannot prove; Reshape's own element count check makes it so at run time.
+    return model(
+        [helper.make_node("Reshape", ["x", "s"], ["y"])],
+        [("x", F, ["N", "h", 4])],
+        Y,
+        [ints("s", [0, 1, 4])],
+    )
+
+
+def _slice_to_a_large_end() -> ModelProto:
+    # tf2onnx writes a strided slice's "to the end" as an end of 10**9.
+    return model(
+        [helper.make_node("Slice", ["x", "s", "e", "a"], ["y"])],
+        [("x", F, ["N", 4])],
+        Y,
+        [ints("s", [0, 1]), ints("e", [10**9, 3]), ints("a", [0, 1])],
+    )
+
+
 NORMAL: dict[str, tuple[Callable[[], ModelProto], list[dict[str, np.ndarray]]]] = {
+    "a Reshape fixing a dim the graph cannot prove": (
+        _reshape_to_a_dim_the_graph_cannot_prove,
+        [
+            {"x": np.random.default_rng(r).standard_normal((r, 1, 4)).astype(np.float32)}
+            for r in (1, 2)
+        ],
+    ),
+    "a Slice of the rows' axis to 10**9 (to the end)": (_slice_to_a_large_end, x_feeds()),
     "MLP": (_mlp, x_feeds(rows=(1, 3, 2))),
     "CNN with BatchNorm (inference)": (
         _cnn,
@@ -993,7 +1031,7 @@ def test_any_graph_the_analysis_accepts_gives_every_caller_its_solo_outputs(
         solo = [run(m, f) for f in feeds]
     except Exception:
         assume(False)  # the generator built a graph ORT refuses for these sizes
-    if RowAnalysis(m).refusal() is not None:
+    if refusal(m) is not None:
         event("refused")
         return
     event("accepted")

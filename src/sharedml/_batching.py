@@ -357,7 +357,9 @@ class Request:
     key: Any
 
 
-def signature_of(model: Any, *, name: str, rows_independent: bool = False) -> Signature:
+def signature_of(
+    model: Any, *, name: str, rows_independent: bool = False, max_rows: int | None = None
+) -> Signature:
     """The batching signature of a model, or why it cannot be batched.
 
     Args:
@@ -365,6 +367,8 @@ def signature_of(model: Any, *, name: str, rows_independent: bool = False) -> Si
         name: How messages name the model.
         rows_independent: Skip the row-independence analysis (the caller's word,
             ``Batching.rows_independent``); inputs are still checked.
+        max_rows: The most rows a merged run will hold (default: ``Batching``'s default
+            ``max_batch_size``).
 
     Raises:
         NotBatchableError: an input whose axis 0 is fixed (or that is a scalar), or a node
@@ -391,7 +395,8 @@ def signature_of(model: Any, *, name: str, rows_independent: bool = False) -> Si
         # The outputs' declared shapes are not trusted (exporters declare [] for unknown
         # shapes, and a declared [N, ...] proves nothing about the rows): the analysis derives
         # every output's layout from the inputs.
-        refusal = RowAnalysis(model).refusal()
+        bound = Batching.max_batch_size if max_rows is None else max_rows
+        refusal = RowAnalysis(model, max_rows=bound).refusal()
         if refusal is not None:
             raise NotBatchableError(
                 f"{name} cannot merge requests: {refusal.describe()}, so merged requests could "

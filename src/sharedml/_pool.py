@@ -605,6 +605,7 @@ class SessionPool:
                     load_graph(self.recipe.model_path),
                     name=f"model '{self.source_path}'",
                     rows_independent=chosen.rows_independent,
+                    max_rows=chosen.max_batch_size,
                 )
                 self.batching = chosen
                 self._batching_reason = (

@@ -795,22 +795,26 @@ def _constant_of_shape(n: _Node) -> Fact:
 
 
 def _reshape_rows(n: _Node, f: Fact, out: list[Dim]) -> Fact:
-    """Rows of ``f`` reinterpreted in ``out``'s shape (row-major, as Reshape does)."""
+    """Rows of ``f`` reinterpreted in ``out``'s shape (row-major, as Reshape does).
+
+    Row-major, the input is ``[P, N, R]`` (``P``: the entries before the rows' axis, ``R``:
+    those of a row after it); the rows stay whole where an output axis ``b`` has ``N * F``
+    entries (``F`` free of ``N``) and the axes before it hold ``P`` entries. The entries after
+    it then hold ``R / F`` each: a Reshape keeps the element count, or fails the run.
+    """
     assert f.shape is not None
-    a = f.axis
-    prefix = product(f.shape[:a])
-    rest = f.fold * product(f.shape[a + 1 :])
+    prefix = product(f.shape[: f.axis])
     for b in range(len(out)):
         fold = out[b].batch_factor()
         if fold is None:
             if out[b].has_batch:
                 break
             continue
-        if product(out[:b]) == prefix and fold * product(out[b + 1 :]) == rest:
+        if product(out[:b]) == prefix:
             return n.rows(out, b, fold)
         break
     raise _Refused(
-        f"reshapes {list(f.shape)} (rows on axis {a}) to {out}: the rows would not stay whole "
+        f"reshapes {list(f.shape)} (rows on axis {f.axis}) to {out}: the rows would not stay whole "
         "on one axis"
     )
 
@@ -1041,8 +1045,9 @@ def _slice(n: _Node) -> Fact:
     out = list(shape)
     for a, start, end, step in zip(axes, starts_v, ends_v, steps, strict=True):
         if f.rows and a == f.axis:
+            # A merged run holds at most max_rows rows: an end beyond them keeps them all.
             whole = isinstance(end, Dim) and (
-                (end.const is not None and end.const >= _TO_THE_END) or end == shape[a]
+                (end.const is not None and end.const >= n.analysis.max_rows) or end == shape[a]
             )
             if not (start == ZERO and step == 1 and whole):
                 raise _Refused("takes part of the rows' axis, or reorders it")
@@ -2542,10 +2547,14 @@ class RowAnalysis:
 
     Args:
         model: The model (external data need not be loaded: only small inline tensors are read).
+        max_rows: The most rows a merged run holds (``Batching.max_batch_size``): a Slice of
+            the rows' axis up to at least that many keeps them all (exporters write "to the
+            end" as 2**31 - 1, 10**9, ...). Default: no bound below 2**31 - 1.
     """
 
-    def __init__(self, model: ModelProto) -> None:
+    def __init__(self, model: ModelProto, *, max_rows: int = _TO_THE_END) -> None:
         self.model = model
+        self.max_rows = max_rows
         self._opsets: dict[str, int] = {o.domain or "": int(o.version) for o in model.opset_import}
         self._declared: dict[str, tuple[Dim, ...]] = {}
         self._batch_params: set[str] = set()
@@ -2690,16 +2699,9 @@ class RowAnalysis:
             result = entry[0](n)
         except _Refused as refused:
             return [self._mixed(n, refused.reason)] * count
-        except (
-            ArithmeticError,
-            IndexError,
-            KeyError,
-            TypeError,
-            ValueError,
-            AttributeError,
-        ) as exc:
+        except Exception as exc:
             # A node the rule did not expect (an attribute out of range, a malformed graph):
-            # nothing is proven about it.
+            # nothing is proven about it, and refusing is the safe answer.
             return [self._mixed(n, f"could not be analyzed ({type(exc).__name__}: {exc})")] * count
         outs = result if isinstance(result, list) else [result]
         if len(outs) < count:
