@@ -543,48 +543,11 @@ def _where(columns: list[tuple[Value, ...]]) -> list[Value] | None:
 # ----------------------------------------------------------------------------------------------
 # Elementwise
 
-_UNARY = [
-    "Abs",
-    "Acos",
-    "Acosh",
-    "Asin",
-    "Asinh",
-    "Atan",
-    "Atanh",
-    "BitwiseNot",
-    "Ceil",
-    "Celu",
-    "Cos",
-    "Cosh",
-    "Elu",
-    "Erf",
-    "Exp",
-    "Floor",
-    "Gelu",
-    "HardSigmoid",
-    "HardSwish",
-    "IsInf",
-    "IsNaN",
-    "LeakyRelu",
-    "Log",
-    "Mish",
-    "Reciprocal",
-    "Relu",
-    "Round",
-    "Selu",
-    "Shrink",
-    "Sigmoid",
-    "Sign",
-    "Sin",
-    "Sinh",
-    "Softplus",
-    "Softsign",
-    "Sqrt",
-    "Swish",
-    "Tan",
-    "Tanh",
-    "ThresholdedRelu",
-]
+_UNARY = (  # noqa: SIM905 (a table: one name each, compact)
+    "Abs Acos Acosh Asin Asinh Atan Atanh BitwiseNot Ceil Celu Cos Cosh Elu Erf Exp Floor "
+    "Gelu HardSigmoid HardSwish IsInf IsNaN LeakyRelu Log Mish Reciprocal Relu Round Selu "
+    "Shrink Sigmoid Sign Sin Sinh Softplus Softsign Sqrt Swish Tan Tanh ThresholdedRelu"
+).split()
 
 
 @_rule(*_UNARY, summary="elementwise: the rows stay where they are")
@@ -664,33 +627,10 @@ _COMPARE = {
 }
 
 
-_BINARY = [
-    "Add",
-    "Sub",
-    "Mul",
-    "Div",
-    "Pow",
-    "Mod",
-    "And",
-    "Or",
-    "Xor",
-    "Equal",
-    "Greater",
-    "Less",
-    "GreaterOrEqual",
-    "LessOrEqual",
-    "BitShift",
-    "BitwiseAnd",
-    "BitwiseOr",
-    "BitwiseXor",
-    "PRelu",
-    "Max",
-    "Min",
-    "Sum",
-    "Mean",
-    "Where",
-    "Clip",
-]
+_BINARY = (  # noqa: SIM905 (a table: one name each, compact)
+    "Add Sub Mul Div Pow Mod And Or Xor Equal Greater Less GreaterOrEqual LessOrEqual "
+    "BitShift BitwiseAnd BitwiseOr BitwiseXor PRelu Max Min Sum Mean Where Clip"
+).split()
 
 
 @_rule(
@@ -771,23 +711,14 @@ def _constant_of_shape(n: _Node) -> Fact:
         vals = _tensor_values(t)
         if vals:
             fill = vals[0]
-    batched = [k for k, d in enumerate(dims) if d.has_batch]
-    if not batched:
+    if not any(d.has_batch for d in dims):
         value = None
         if len(dims) <= 1:
             count = product(dims).const
             if count is not None and count <= _MAX_VALUES:
                 value = [fill] * count
         return n.plain(dims, value, sized=False)
-    if len(batched) > 1:
-        raise _Refused("makes a tensor sized by the row count on several axes")
-    k = batched[0]
-    fold = dims[k].batch_factor()
-    if fold is None:
-        raise _Refused(
-            f"makes a tensor of {dims[k]} entries on an axis: not a whole number of rows"
-        )
-    return n.rows(dims, k, fold)
+    return _spread(n, Fact(Kind.STATIC, ()), dims, [ONE] * len(dims), dims)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1260,17 +1191,27 @@ def _expand(n: _Node) -> Fact:
                 raise _Refused("expands another axis to a size that depends on the row count")
         out[pos] = shape[f.axis]
         return n.rows(out, pos, f.fold)
-    batched = [k for k, t in enumerate(padded_t) if t.has_batch]
+    return _spread(n, f, padded_t, padded_in, out)
+
+
+def _spread(n: _Node, f: Fact, sizes: Sequence[Dim], base: Sequence[Dim], out: list[Dim]) -> Fact:
+    """A tensor without rows (dims ``base``) repeated to ``sizes``, which may hold the row count.
+
+    Repeated along one axis of size 1 to ``N`` (times an ``N``-free fold), a static tensor holds
+    rows, all alike (an initial state of zeros sized by the batch); anything else sized by the
+    row count pairs entries with rows by position.
+    """
+    batched = [k for k, d in enumerate(sizes) if d.has_batch]
     if not batched:
         return n.plain(out, sized=False if f.kind is Kind.STATIC else None)
-    if f.kind is Kind.SIZED:
-        raise _Refused("broadcasts row-count-dependent values over the rows")
-    if len(batched) > 1 or padded_in[batched[0]] != ONE:
-        raise _Refused("expands a static tensor to a size that depends on the row count")
+    if f.kind is not Kind.STATIC:
+        raise _Refused("spreads values that depend on the row count over the rows")
+    if len(batched) > 1 or base[batched[0]] != ONE:
+        raise _Refused("spreads a static tensor to a size that depends on the row count")
     k = batched[0]
-    fold = padded_t[k].batch_factor()
+    fold = sizes[k].batch_factor()
     if fold is None:
-        raise _Refused("expands to a size that is not a whole number of rows")
+        raise _Refused("spreads a tensor to a size that is not a whole number of rows")
     return n.rows(out, k, fold)
 
 
@@ -1289,16 +1230,7 @@ def _tile(n: _Node) -> Fact:
             if k != f.axis and r.has_batch:
                 raise _Refused("repeats another axis by the row count")
         return n.rows(out, f.axis, f.fold)
-    batched = [k for k, r in enumerate(reps) if r.has_batch]
-    if not batched:
-        return n.plain(out)
-    if f.kind is not Kind.STATIC or len(batched) > 1 or shape[batched[0]] != ONE:
-        raise _Refused("tiles a tensor by the row count")
-    k = batched[0]
-    fold = reps[k].batch_factor()
-    if fold is None:
-        raise _Refused("tiles to a size that is not a whole number of rows")
-    return n.rows(out, k, fold)
+    return _spread(n, f, reps, shape, out)
 
 
 @_rule("Pad", summary="pads other axes; never the rows'")
@@ -1835,18 +1767,10 @@ def _qlinear_softmax(n: _Node) -> Fact:
     return _softmax(n)
 
 
-_REDUCE = [
-    "ReduceSum",
-    "ReduceMean",
-    "ReduceMax",
-    "ReduceMin",
-    "ReduceProd",
-    "ReduceL1",
-    "ReduceL2",
-    "ReduceLogSum",
-    "ReduceLogSumExp",
-    "ReduceSumSquare",
-]
+_REDUCE = (  # noqa: SIM905 (a table: one name each, compact)
+    "ReduceSum ReduceMean ReduceMax ReduceMin ReduceProd ReduceL1 ReduceL2 ReduceLogSum "
+    "ReduceLogSumExp ReduceSumSquare"
+).split()
 
 
 @_rule(*_REDUCE, summary="reduces axes other than the rows' (no axes: all of them)")
@@ -2007,14 +1931,9 @@ def _quantize(n: _Node) -> Fact:
     return n.like(f)
 
 
-_RANDOM = [
-    "RandomNormal",
-    "RandomNormalLike",
-    "RandomUniform",
-    "RandomUniformLike",
-    "Bernoulli",
-    "Multinomial",
-]
+_RANDOM = (  # noqa: SIM905 (a table: one name each, compact)
+    "RandomNormal RandomNormalLike RandomUniform RandomUniformLike Bernoulli Multinomial"
+).split()
 
 
 @_rule(*_RANDOM, summary="random: refused (a merged run draws other numbers for every row)")
@@ -2241,25 +2160,11 @@ def _scan(n: _Node) -> list[Fact]:
 # ONNX-ML: one result per row of a [N, features] input
 
 
-_ML_ROWWISE = [
-    "LinearClassifier",
-    "LinearRegressor",
-    "SVMClassifier",
-    "SVMRegressor",
-    "TreeEnsembleClassifier",
-    "TreeEnsembleRegressor",
-    "TreeEnsemble",
-    "Normalizer",
-    "Scaler",
-    "Binarizer",
-    "Imputer",
-    "LabelEncoder",
-    "OneHotEncoder",
-    "ZipMap",
-    "ArrayFeatureExtractor",
-    "FeatureVectorizer",
-    "CategoryMapper",
-]
+_ML_ROWWISE = (  # noqa: SIM905 (a table: one name each, compact)
+    "LinearClassifier LinearRegressor SVMClassifier SVMRegressor TreeEnsembleClassifier "
+    "TreeEnsembleRegressor TreeEnsemble Normalizer Scaler Binarizer Imputer LabelEncoder "
+    "OneHotEncoder ZipMap ArrayFeatureExtractor FeatureVectorizer CategoryMapper"
+).split()
 
 
 @_rule(*_ML_ROWWISE, domain=_ML, summary="one result row per input row: rows on axis 0 of a matrix")
