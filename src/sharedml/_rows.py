@@ -1725,13 +1725,17 @@ def _skip_layer_norm(n: _Node) -> list[Fact]:
     return outs
 
 
+def _along(n: _Node, axis: int, why: str) -> Fact:
+    """An operator along one ``axis`` of input 0, which must not be the rows'; same layout out."""
+    f = n.need(0)
+    if f.rows and _axis(axis, len(n.shape(0))) == f.axis:
+        raise _Refused(why)
+    return n.like(f)
+
+
 @_rule("LpNormalization", summary="normalizes one axis: not the rows'")
 def _lp_norm(n: _Node) -> Fact:
-    f = n.need(0)
-    shape = n.shape(0)
-    if f.rows and _axis(n.attr("axis", -1), len(shape)) == f.axis:
-        raise _Refused("normalizes along the rows' axis")
-    return n.like(f)
+    return _along(n, n.attr("axis", -1), "normalizes along the rows' axis")
 
 
 @_rule("MeanVarianceNormalization", summary="normalizes its axes (default 0, 2, 3): not the rows'")
@@ -1751,13 +1755,10 @@ def _mvn(n: _Node) -> Fact:
     summary="over one axis (opset 13+) or the axes from it: not the rows'",
 )
 def _softmax(n: _Node) -> Fact:
-    f = n.need(0)
-    shape = n.shape(0)
     if n.opset >= 13:
-        if f.rows and _axis(n.attr("axis", -1), len(shape)) == f.axis:
-            raise _Refused("normalizes along the rows' axis")
-    else:
-        _normalized_from(n, f, _axis(n.attr("axis", 1), len(shape)))
+        return _along(n, n.attr("axis", -1), "normalizes along the rows' axis")
+    f = n.need(0)
+    _normalized_from(n, f, _axis(n.attr("axis", 1), len(n.shape(0))))
     return n.like(f)
 
 
@@ -1849,14 +1850,10 @@ def _topk(n: _Node) -> list[Fact]:
 
 @_rule("CumSum", summary="along an axis other than the rows'")
 def _cumsum(n: _Node) -> Fact:
-    f = n.need(0)
-    shape = n.shape(0)
     axis = n.ints(1, "axis")
     if not axis:
         raise _Refused("has no axis")
-    if f.rows and _axis(axis[0], len(shape)) == f.axis:
-        raise _Refused("accumulates along the rows' axis")
-    return n.like(f)
+    return _along(n, axis[0], "accumulates along the rows' axis")
 
 
 @_rule("Trilu", summary="on the last two axes: not the rows'")
