@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -235,7 +236,12 @@ def test_a_merged_run_that_fails_is_rerun_one_by_one_so_only_the_culprit_fails(
     ("inputs", "outputs", "nodes", "match"),
     [
         ([("x", [1, 4])], [("y", ["n", 4])], [("Relu", ["x"], ["y"])], "Input 'x'.*fixed at 1"),
-        ([("x", ["n", 4])], [("y", [2, 4])], [("Relu", ["x"], ["y"])], "Output 'y'.*fixed at 2"),
+        (
+            [("x", ["n", 4])],
+            [("y", ["n", 4])],
+            [("ReduceSum", ["x"], ["y"])],
+            r"\(ReduceSum\) \(on the rows of input 'x'\) reduces over the rows' axis",
+        ),
         (
             [("x", ["n", 4]), ("sr", [])],
             [("y", ["n", 4])],
@@ -272,6 +278,28 @@ def test_a_model_that_cannot_batch_is_refused_naming_why(
         assert pool.batching is None
 
 
+def test_a_declared_output_shape_is_not_trusted_over_the_graph(tmp_path: Path) -> None:
+    # Declared [2, 4] (or [] by Paddle's exporter): the graph says Relu keeps x's rows.
+    for declared in ([2, 4], []):
+        graph = helper.make_graph(
+            [helper.make_node("Relu", ["x"], ["y"])],
+            "relu",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, declared)],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+        model.ir_version = 8
+        path = save_model(model, tmp_path / f"relu{len(declared)}.onnx")
+        feeds = [np.full((2, 4), i - 1, np.float32) for i in range(3)]
+        with sharedml.SessionPool(path, sessions=1, batching=True) as pool:
+            outs = queue_behind_a_checkout(
+                pool, [lambda f=f: pool.run(None, {"x": f}) for f in feeds]
+            )
+            assert pool.stats().batched_rows == 6 and pool.stats().batches == 1
+        for f, out in zip(feeds, outs, strict=True):
+            np.testing.assert_array_equal(out[0], np.maximum(f, 0))
+
+
 def test_dynamic_quantization_is_refused_because_it_mixes_rows(tmp_path: Path) -> None:
     graph = helper.make_graph(
         [helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"])],
@@ -286,7 +314,7 @@ def test_dynamic_quantization_is_refused_because_it_mixes_rows(tmp_path: Path) -
         sharedml.SessionPool(path, sessions=1, batching=True)
 
 
-def test_outputs_whose_rows_do_not_add_up_stop_merging_and_stay_right(tmp_path: Path) -> None:
+def _sum_over_rows(tmp_path: Path) -> Path:
     # Declared [n, 4], but ReduceSum over axis 0 gives one row whatever the batch.
     graph = helper.make_graph(
         [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1)],
@@ -297,16 +325,105 @@ def test_outputs_whose_rows_do_not_add_up_stop_merging_and_stay_right(tmp_path: 
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 8
-    path = save_model(model, tmp_path / "sum.onnx")
-    feeds = [np.full((2, 4), i, np.float32) for i in range(3)]
-    with sharedml.SessionPool(path, sessions=1, batching=True) as pool:
-        with pytest.warns(RuntimeWarning, match="stops merging"):
+    return save_model(model, tmp_path / "sum.onnx")
+
+
+def test_outputs_whose_rows_never_add_up_stop_merging_after_repeated_evidence(
+    tmp_path: Path,
+) -> None:
+    # The analysis refuses this model; a caller who insists (rows_independent=True) gets the
+    # runtime fallback: each merged run that does not split is rerun one by one, and after
+    # a few such runs the pool stops merging.
+    path = _sum_over_rows(tmp_path)
+    with pytest.raises(sharedml.NotBatchableError, match="ReduceSum"):
+        sharedml.SessionPool(path, sessions=1, batching=True)
+    batching = sharedml.Batching(rows_independent=True)
+    with sharedml.SessionPool(path, sessions=1, batching=batching) as pool:
+        for round_ in range(3):
+            feeds = [np.full((2, 4), 3 * round_ + i, np.float32) for i in range(3)]
+            calls = [lambda f=f: pool.run(None, {"x": f}) for f in feeds]
+            if round_ < 2:
+                outs = queue_behind_a_checkout(pool, calls)
+                assert pool.batching is not None, "one odd batch must not stop merging"
+            else:
+                with pytest.warns(RuntimeWarning, match="stops merging"):
+                    outs = queue_behind_a_checkout(pool, calls)
+                assert pool.batching is None and not pool.stats().batching
+                assert "stopped merging" in pool.batching_reason
+            for f, out in zip(feeds, outs, strict=True):
+                np.testing.assert_array_equal(out[0], f.sum(axis=0, keepdims=True))
+
+
+def test_a_model_that_mixes_rows_despite_the_callers_word_is_caught_by_the_first_merge(
+    tmp_path: Path,
+) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["x"], ["y"], axis=0)],
+        "softmax0",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    path = save_model(model, tmp_path / "softmax0.onnx")
+    batching = sharedml.Batching(rows_independent=True)
+    same = [np.ones((1, 4), np.float32)] * 2
+    distinct = [np.zeros((1, 4), np.float32), np.full((1, 4), 3, np.float32)]
+    with sharedml.SessionPool(path, sessions=1, batching=batching) as pool:
+        # Equal rows prove nothing (softmax over two equal rows is 0.5 both ways): not checked.
+        queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, {"x": f}) for f in same])
+        assert pool.stats().batch_checks == 0 and pool.batching is not None
+        with pytest.warns(RuntimeWarning, match="other values than running its request alone"):
             outs = queue_behind_a_checkout(
-                pool, [lambda f=f: pool.run(None, {"x": f}) for f in feeds]
+                pool, [lambda f=f: pool.run(None, {"x": f}) for f in distinct]
             )
-        assert pool.batching is None
-    for f, out in zip(feeds, outs, strict=True):
-        np.testing.assert_array_equal(out[0], f.sum(axis=0, keepdims=True))
+        stats = pool.stats()
+        assert pool.batching is None and "stopped merging" in pool.batching_reason
+        assert stats.batch_checks == 1 and stats.batch_mismatches == 1
+        # Every caller got its own solo result: softmax over its one row.
+        for out in outs:
+            np.testing.assert_array_equal(out[0], np.ones((1, 4), np.float32))
+        # From then on requests run alone.
+        outs = queue_behind_a_checkout(
+            pool, [lambda f=f: pool.run(None, {"x": f}) for f in distinct]
+        )
+        for out in outs:
+            np.testing.assert_array_equal(out[0], np.ones((1, 4), np.float32))
+        assert pool.stats().batches == stats.batches
+
+
+def test_the_first_merge_of_different_rows_is_checked_once_against_solo_runs(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        assert "analysis proved" in pool.batching_reason
+        for seed in range(3):
+            outs = queue_behind_a_checkout(
+                pool,
+                [lambda s=s: pool.run(None, feed(2, s)) for s in range(10 * seed, 10 * seed + 3)],
+            )
+            assert all(not isinstance(o, BaseException) for o in outs)
+        stats = pool.stats()
+        assert stats.batch_checks == 1 and stats.batch_mismatches == 0
+        assert stats.batches == 3 and pool.batching is not None
+
+
+def test_a_request_of_zero_rows_runs_alone_and_never_stops_merging(model: Path) -> None:
+    # Padding on (the GPU default): a zero-row request once made the pool pad an empty batch,
+    # see outputs that did not split, and stop merging for good.
+    batching = sharedml.Batching(pad_to_buckets=True, max_batch_size=8)
+    empty = {k: v[:0] for k, v in feed(1, 0).items()}
+    with sharedml.SessionPool(model, sessions=1, batching=batching) as pool:
+        for round_ in range(4):
+            assert pool.run(None, empty)[0].shape == (0, DIM)  # alone, on an idle pool
+            calls = [
+                lambda: pool.run(None, empty),
+                *(lambda s=s: pool.run(None, feed(1, s)) for s in range(3)),
+            ]
+            outs = queue_behind_a_checkout(pool, calls)
+            assert outs[0][0].shape == (0, DIM), round_
+            assert all(out[0].shape == (1, DIM) for out in outs[1:]), round_
+        stats = pool.stats()
+        assert pool.batching is not None and stats.batching
+        assert stats.padded_rows == 4  # the 3 real rows of each batch padded to 4, nothing else
 
 
 def test_max_delay_waits_for_a_second_request_to_fill_the_batch(model: Path) -> None:
@@ -426,6 +543,12 @@ def probe_pool(
 
     monkeypatch.setattr(_overlap, "SLEEP_S", 1.0)
     probe = _overlap.probe_model(tmp_path / "probe.onnx")
+    batching = options.pop("batching", None)
+    if batching is True:
+        batching = _overlap.BATCHING
+    elif isinstance(batching, sharedml.Batching):
+        batching = dataclasses.replace(batching, rows_independent=True)
+    options["batching"] = batching
     with sharedml.SessionPool(
         probe, prepacking="off", configure=_overlap.register, **options
     ) as pool:
@@ -684,7 +807,7 @@ def test_warm_up_runs_every_bucket_when_batches_are_padded(tmp_path: Path) -> No
     from _overlap import DETECTOR, probe_model, register
 
     probe = probe_model(tmp_path / "probe.onnx")
-    batching = sharedml.Batching(max_batch_size=8, pad_to_buckets=True)
+    batching = sharedml.Batching(max_batch_size=8, pad_to_buckets=True, rows_independent=True)
     with sharedml.SessionPool(
         probe, sessions=2, batching=batching, prepacking="off", configure=register
     ) as pool:

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("onnxruntime_extensions")
 
-from _overlap import BIAS, DETECTOR, probe_model, register
+from _overlap import BATCHING, BIAS, DETECTOR, probe_model, register
 from _waiting import DEADLINE_S, wait_until
 
 import sharedml
@@ -43,7 +43,7 @@ def pools(
                     sessions=sessions,
                     serialize_runs=serialize,
                     per_session_state=True,
-                    batching=batching,
+                    batching=BATCHING if batching else False,
                     prepacking="off",  # the prepacked build cannot load the custom op library
                     configure=register,
                 )

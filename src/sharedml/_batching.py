@@ -3,18 +3,23 @@
 The pool (:mod:`sharedml._pool`) decides *when* requests merge (the ones queued while every
 session was busy, oldest first); this module decides *whether* they may and *how*:
 
-- A model is batchable when axis 0 of every input and every output is dynamic (symbolic or
-  unknown) and no node mixes rows: ORT's dynamic quantization picks one scale for the whole
-  tensor (``DynamicQuantizeLinear`` and the fused ops ORT makes from it), so merging would
-  change every member's numbers. :func:`signature_of` refuses other models with
-  :class:`~sharedml.NotBatchableError`, naming the input, output or node and why.
+- A model is batchable when axis 0 of every input is dynamic and the row-independence
+  analysis (:mod:`sharedml._rows`) proves that every output's axis 0 holds one entry per input
+  row, computed from that row alone: no node combines values across rows (a batch statistic,
+  a Softmax over axis 0, a time-major RNN, dynamic quantization's one scale per tensor, ...).
+  :func:`signature_of` refuses other models with :class:`~sharedml.NotBatchableError`, naming
+  the node, its op type, the input its rows came from and why, and the opt-in
+  (``Batching(rows_independent=True)``) for a caller who knows better.
 - Every request is validated against the signature before it is merged (names, dtype, rank,
   fixed dimensions), so a bad request fails alone, with :class:`~sharedml.InvalidInputError`.
 - Requests merge when they have the same input names, dtypes and non-batch dimensions, the same
-  ``output_names``, and no ``run_options`` (or the very same ``RunOptions`` object).
+  ``output_names``, and no ``run_options`` (or the very same ``RunOptions`` object). A request
+  of zero rows never merges and is never padded: it runs alone, as an unbatched run would.
 - Outputs are split back by rows into arrays each caller owns. An output whose axis 0 does not
   have the merged row count at run time means the model is not batch-consistent after all: the
-  members are run one by one instead, and the pool stops merging.
+  members are run one by one instead (and the pool stops merging after repeated evidence).
+- :func:`same_results` compares a merged run's rows with solo runs of the same requests: the
+  pool's check of its first merged batches (defence in depth behind the analysis).
 
 What merging costs in accuracy: kernels may pick another blocking for another batch size, so
 outputs can differ from a solo run in the last bits of float precision (``docs/batching.md``).
@@ -36,12 +41,12 @@ from sharedml._errors import InvalidInputError, NotBatchableError
 __all__ = [
     "ADAPTIVE_DELAY_SHARE",
     "CONVOLUTION_OPS",
-    "ROW_MIXING_OPS",
     "Batching",
     "Request",
     "Signature",
     "bucket_for",
     "merge",
+    "same_results",
     "signature_of",
     "split",
 ]
@@ -50,11 +55,6 @@ __all__ = [
 # of the latest batch's run time. Waiting costs the rows already there at most this share of a
 # run when the expected rows do not come; when they come, the batch runs them all at once.
 ADAPTIVE_DELAY_SHARE = 0.5
-
-# Ops whose output for one row depends on the other rows of the same tensor.
-ROW_MIXING_OPS = frozenset(
-    ("DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM")
-)
 
 # Ops whose CUDA kernels keep cuDNN plans for the last input shape only (conv.cc,
 # conv_transpose.cc, contrib FusedConv/NhwcConv): a new batch size rebuilds them.
@@ -114,6 +114,11 @@ class Batching:
             keeps the whole batch's output (``max_batch_size`` times a request's bytes at
             most) alive for as long as the caller holds it. A run that was not merged returns
             ORT's arrays either way.
+        rows_independent: Take the caller's word that every output row depends only on its own
+            input row, and merge without the row-independence analysis (for a model it cannot
+            prove, e.g. one with a custom operator). The pool still checks its first merged
+            batches against solo runs and stops merging on a mismatch. False (default): merge
+            only models the analysis proves.
     """
 
     max_batch_size: int = 32
@@ -122,6 +127,7 @@ class Batching:
     session_per_bucket: bool | None = None
     share_rows: bool | None = None
     copy_outputs: bool = True
+    rows_independent: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -147,8 +153,9 @@ class Batching:
                 raise ValueError(
                     f"{name} must be True, False or None, not {getattr(self, name)!r}."
                 )
-        if self.copy_outputs not in (True, False):
-            raise ValueError(f"copy_outputs must be True or False, not {self.copy_outputs!r}.")
+        for name in ("copy_outputs", "rows_independent"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}.")
 
     def pads(self, provider: str, *, cuda_graphs: bool = False) -> bool:
         """Whether batches on ``provider`` are padded to buckets (see ``pad_to_buckets``)."""
@@ -198,7 +205,9 @@ class Batching:
             return cls()
         if isinstance(value, cls):
             return value
-        raise ValueError(f"batching must be True, False or a sharedml.Batching, not {value!r}.")
+        raise ValueError(
+            f"batching must be True, False, 'auto' or a sharedml.Batching, not {value!r}."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +284,8 @@ class Signature:
         key: Any = None
         if mergeable and rows is not None:
             key = (tuple(key_parts), outputs, id(run_options) if run_options is not None else None)
+        if not rows:
+            key = None  # zero rows: nothing to merge or pad; it runs alone, as ORT would
         return Request(outputs, arrays, run_options, rows or 0, key)
 
     @staticmethod
@@ -346,47 +357,54 @@ class Request:
     key: Any
 
 
-def signature_of(model: Any, *, name: str) -> Signature:
+def signature_of(
+    model: Any, *, name: str, rows_independent: bool = False, max_rows: int | None = None
+) -> Signature:
     """The batching signature of a model, or why it cannot be batched.
 
     Args:
         model: The model's ``onnx.ModelProto`` (external data not loaded).
         name: How messages name the model.
+        rows_independent: Skip the row-independence analysis (the caller's word,
+            ``Batching.rows_independent``); inputs are still checked.
+        max_rows: The most rows a merged run will hold (default: ``Batching``'s default
+            ``max_batch_size``).
 
     Raises:
-        NotBatchableError: an input or output whose axis 0 is fixed (or that is a scalar),
-            or a node that mixes rows.
+        NotBatchableError: an input whose axis 0 is fixed (or that is a scalar), or a node
+            that combines rows or that the analysis cannot prove keeps them apart.
     """
     from sharedml._onnx import iter_graphs
+    from sharedml._rows import RowAnalysis
 
-    op_types = {node.op_type for g, _ in iter_graphs(model.graph) for node in g.node}
-    mixing = sorted(op_types & ROW_MIXING_OPS)
-    if mixing:
-        raise NotBatchableError(
-            f"{name} uses {', '.join(mixing)}, which quantizes with one scale for the whole "
-            "tensor: merged requests would change each other's results. Run it without "
-            "batching (batching=False)."
-        )
     initializers = {t.name for t in model.graph.initializer}
     inputs: dict[str, _Input] = {}
-    for kind, values in (("Input", model.graph.input), ("Output", model.graph.output)):
-        for value in values:
-            if kind == "Input" and value.name in initializers:
-                continue  # IR < 4: an initializer listed as an input with a default
-            type_text, dtype, dims = _value_info(value)
-            if dims is not None and (len(dims) == 0 or dims[0] is not None):
-                what = "a scalar" if len(dims) == 0 else f"fixed at {dims[0]} on axis 0"
-                why = (
-                    "batching merges requests along a dynamic axis 0 of every input"
-                    if kind == "Input"
-                    else "its rows could not be told apart after a merged run"
-                )
-                raise NotBatchableError(
-                    f"{kind} '{value.name}' of {name} is {what} (shape {_shape_text(dims)}): "
-                    f"{why}. Run it without batching (batching=False)."
-                )
-            if kind == "Input":
-                inputs[value.name] = _Input(value.name, type_text, dtype, dims)
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue  # IR < 4: an initializer listed as an input with a default
+        type_text, dtype, dims = _value_info(value)
+        if dims is not None and (len(dims) == 0 or dims[0] is not None):
+            what = "a scalar" if len(dims) == 0 else f"fixed at {dims[0]} on axis 0"
+            raise NotBatchableError(
+                f"Input '{value.name}' of {name} is {what} (shape {_shape_text(dims)}): batching "
+                "merges requests along a dynamic axis 0 of every input. Run it without batching "
+                "(batching=False)."
+            )
+        inputs[value.name] = _Input(value.name, type_text, dtype, dims)
+    if not rows_independent:
+        # The outputs' declared shapes are not trusted (exporters declare [] for unknown
+        # shapes, and a declared [N, ...] proves nothing about the rows): the analysis derives
+        # every output's layout from the inputs.
+        bound = Batching.max_batch_size if max_rows is None else max_rows
+        refusal = RowAnalysis(model, max_rows=bound).refusal()
+        if refusal is not None:
+            raise NotBatchableError(
+                f"{name} cannot merge requests: {refusal.describe()}, so merged requests could "
+                "hand one caller values computed from another caller's rows. Run it without "
+                "batching (batching=False); if you know that every output row depends only on "
+                "its own input row, say so with batching=sharedml.Batching(rows_independent=True)."
+            )
+    op_types = {node.op_type for g, _ in iter_graphs(model.graph) for node in g.node}
     return Signature(
         inputs,
         tuple(o.name for o in model.graph.output),
@@ -450,6 +468,40 @@ def split(
         per_request.append(owned(part) if copy else part)
         start = stop
     return per_request
+
+
+def same_results(merged: Sequence[Any], solo: Sequence[Any], *, rtol: float) -> bool:
+    """Whether a request's rows of a merged run equal its solo run, up to float rounding.
+
+    A merged run may pick other kernel blockings than a solo one, so floats may differ in their
+    last bits; a row that took another caller's values differs by far more. Floats compare
+    within ``rtol`` of the output's largest finite magnitude (NaN and inf where the solo run
+    has them); everything else exactly.
+    """
+    if len(merged) != len(solo):
+        return False
+    for m, s in zip(merged, solo, strict=True):
+        if not isinstance(m, np.ndarray) or not isinstance(s, np.ndarray):
+            if m != s:
+                return False
+            continue
+        if m.shape != s.shape or m.dtype != s.dtype:
+            return False
+        if m.dtype.kind not in "fc":
+            if not np.array_equal(m, s):
+                return False
+            continue
+        finite = np.isfinite(s)
+        if not np.array_equal(finite, np.isfinite(m)) or not np.array_equal(
+            m[~finite], s[~finite], equal_nan=True
+        ):
+            return False
+        if finite.any():
+            scale = float(np.max(np.abs(s[finite])))
+            diff = float(np.max(np.abs(m[finite].astype(np.float64) - s[finite])))
+            if diff > rtol * max(scale, np.finfo(s.dtype).tiny):
+                return False
+    return True
 
 
 def owned(part: Sequence[Any]) -> list[Any]:

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import logging
 import math
 import operator
 import os
@@ -61,6 +62,7 @@ from sharedml._batching import (
     bucket_for,
     merge,
     owned,
+    same_results,
     signature_of,
     split,
 )
@@ -100,6 +102,14 @@ _CREATION_RETRIES = 5  # background attempts per session before the pool stops g
 _RETRY_BASE_S = 0.1  # seconds before the first retry; doubles each time
 _DEFAULT_SESSIONS = 4
 _SERIALIZED_SESSIONS = 1  # where Runs cannot overlap, more sessions buy no concurrency
+# Merged runs whose outputs did not split back into the requests' rows before the pool stops
+# merging: one odd request (rows that ORT broadcasts, a shape the model special-cases) must
+# not turn batching off for everyone; a model that never splits shows it again at once.
+_SPLIT_FAILURES_TO_STOP = 3
+_CHECK_RTOL_CPU = 1e-3  # merged vs solo, relative to an output's largest magnitude
+_CHECK_RTOL_DEVICE = 2e-2  # GPUs may use TF32 and pick other kernels per batch size
+
+_log = logging.getLogger("sharedml")
 
 
 class _FairLock:
@@ -216,6 +226,11 @@ class PoolStats:
             split of its outputs; checkouts through ``session()`` are the caller's own). Over
             a window, divided by the window and the sessions, it is how busy they were: the
             rest went to waiting for rows, handing results back, and idling.
+        batching: Whether the pool merges requests now (see ``SessionPool.batching_reason``).
+        batch_checks: Merged batches checked against solo runs of their requests (the pool
+            checks its first merged batches, until one of requests with different rows passed).
+        batch_mismatches: Checks whose merged rows differed from the solo runs: the pool then
+            gave every caller its solo result and stopped merging.
     """
 
     sessions: int
@@ -236,6 +251,9 @@ class PoolStats:
     padded_rows: int = 0
     fill_wait_seconds: float = 0.0
     run_seconds: float = 0.0
+    batching: bool = False
+    batch_checks: int = 0
+    batch_mismatches: int = 0
 
     @property
     def idle(self) -> int:
@@ -377,6 +395,13 @@ def _discard(sess: Any) -> None:
         sess.close()
 
 
+def _same_feed(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two requests' feeds hold the same values (a check of them proves nothing)."""
+    import numpy as np
+
+    return all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def _count_argument(name: str, value: object, *, minimum: int) -> int:
     try:
         count = operator.index(value)  # type: ignore[arg-type]
@@ -438,8 +463,11 @@ class SessionPool:
             copy of every packed weight.
         batching: Merge the requests that queue while every session is busy into one ``Run``
             (see :class:`~sharedml.Batching` and ``docs/batching.md``): ``True`` (defaults), a
-            ``Batching``, or ``False``. ``None`` (default): on where the provider runs one
-            ``Run`` at a time and the model can be batched, else off.
+            ``Batching``, or ``False``. Only models whose rows the row-independence analysis
+            proves apart are merged (or with ``Batching(rows_independent=True)``, the caller's
+            word). ``"auto"``: on wherever the analysis proves the model batchable, else off.
+            ``None`` (default): as ``"auto"`` where the provider runs one ``Run`` at a time,
+            else off. :attr:`batching_reason` says which and why.
         per_session_state: Say that each caller needs a session of its own (state kept in the
             session, CUDA or DML graph capture): no warning for extra sessions where runs are
             serialized.
@@ -462,7 +490,8 @@ class SessionPool:
 
     Raises:
         SharedMLError: see :mod:`sharedml._errors`; the model, provider or first session failed.
-        NotBatchableError: ``batching`` was asked for a model whose requests cannot merge.
+        NotBatchableError: ``batching`` was asked for a model whose requests cannot merge
+            (or whose rows the analysis cannot prove apart).
 
     Thread safety: every method may be called from any thread; ``run_async`` from event loops.
     A pool cannot be used in a child process made by ``fork()``: create it in the child.
@@ -481,7 +510,7 @@ class SessionPool:
         configure: Callable[[Any], None] | None = None,
         mechanism: str = "auto",
         prepacking: str | bool | None = "auto",
-        batching: bool | Batching | None = None,
+        batching: bool | Batching | str | None = None,
         per_session_state: bool = False,
         create_in_background: bool = True,
         cache_dir: CacheDir = None,
@@ -518,7 +547,8 @@ class SessionPool:
             raise ValueError(f"min_sessions ({self._min}) is more than max_sessions ({self._max}).")
         if serialized and self._max > 1 and not per_session_state:
             self._warn_serialized_sessions()
-        wanted = Batching.parse(batching)
+        auto = batching == "auto"
+        wanted = None if auto else Batching.parse(batching)
 
         self._cond = threading.Condition()
         self._idle: deque[Any] = deque()
@@ -562,15 +592,38 @@ class SessionPool:
         )
         self.batching: Batching | None = None
         self._signature: Signature | None = None
-        if wanted is not None or (batching is None and serialized):
+        self._batching_reason = "batching was not asked for (batching=False)"
+        if batching is None and not serialized:
+            self._batching_reason = (
+                "batching is on by default only where the provider runs one Run at a time; "
+                "pass batching=True to merge requests"
+            )
+        if wanted is not None or auto or (batching is None and serialized):
+            chosen = wanted or Batching()
             try:
                 self._signature = signature_of(
-                    load_graph(self.recipe.model_path), name=f"model '{self.source_path}'"
+                    load_graph(self.recipe.model_path),
+                    name=f"model '{self.source_path}'",
+                    rows_independent=chosen.rows_independent,
+                    max_rows=chosen.max_batch_size,
                 )
-                self.batching = wanted or Batching()
-            except NotBatchableError:
+                self.batching = chosen
+                self._batching_reason = (
+                    "merging requests: the caller said each output row depends only on its own "
+                    "input row (Batching(rows_independent=True))"
+                    if chosen.rows_independent
+                    else "merging requests: the row-independence analysis proved that every "
+                    "output row depends only on its own input row"
+                )
+            except NotBatchableError as exc:
                 if wanted is not None:
-                    raise  # asked for: say why not; by default: run unbatched
+                    raise  # asked for: say why not; by default: run unbatched, and say why
+                self._batching_reason = f"not merging requests: {exc}"
+                _log.info("sharedml: %s", self._batching_reason)
+        # Defence in depth behind the analysis: merged batches are checked against solo runs of
+        # their requests until one with requests of different rows has passed.
+        self._checked = False
+        self._checks = self._mismatches = self._split_failures = 0
         self._pads = self.batching is not None and self.batching.pads(
             self.plan.primary, cuda_graphs=self._graphs
         )
@@ -642,6 +695,11 @@ class SessionPool:
     def mechanism_reason(self) -> str:
         """Why the route planner chose :attr:`mechanism`."""
         return self.recipe.reason
+
+    @property
+    def batching_reason(self) -> str:
+        """Whether the pool merges requests, and why (or why not)."""
+        return self._batching_reason
 
     # ----------------------------------------------------------------------------------------
     # Sessions
@@ -1218,12 +1276,16 @@ class SessionPool:
                 if outputs is not None
                 else None
             )
+            if parts is not None and len(batch) > 1 and not self._checked:
+                parts = self._check_merged(sess, batch, parts)
+                if parts is None:
+                    return False  # each request got its solo outcome
             if parts is not None:
                 for t, part in zip(batch, parts, strict=True):
                     t.result, t.to_copy = part, self._copies
                 return False
             if outputs is not None:
-                self._stop_merging()  # an output's axis 0 did not add up: not batch-consistent
+                self._split_failed()  # an output's axis 0 did not add up: rerun one by one
         for t in batch:
             start = time.perf_counter()
             try:
@@ -1248,15 +1310,72 @@ class SessionPool:
             self._padded_rows += padded
             self._max_rows = max(self._max_rows, rows)
 
-    def _stop_merging(self) -> None:
-        warnings.warn(
-            f"sharedml: a merged run of '{self.source_path}' returned outputs whose axis 0 is "
-            "not the merged row count, so its rows cannot be told apart: the pool stops "
-            "merging requests (each runs alone).",
-            RuntimeWarning,
-            stacklevel=2,
+    def _check_merged(
+        self, sess: Any, batch: list[_Ticket], parts: list[list[Any]]
+    ) -> list[list[Any]] | None:
+        """Compare a merged batch's rows with each request run alone (until one check passed).
+
+        Only batches whose requests hold different values are checked (equal rows would hide a
+        model that mixes them). Returns ``parts`` where every request's rows match its solo
+        run; else None, after giving every request its solo outcome (a result, or the error
+        its run alone raised): the pool then stops merging.
+        """
+        requests = [t.request for t in batch]
+        first = requests[0].feed  # type: ignore[union-attr]
+        if all(_same_feed(first, r.feed) for r in requests[1:]):  # type: ignore[union-attr]
+            return parts
+        outcomes: list[Any] = []
+        for t in batch:
+            try:
+                outcomes.append(self._ort_run(sess, t.request))  # type: ignore[arg-type]
+            except Exception as exc:
+                outcomes.append(_run_error(exc))
+        rtol = (
+            _CHECK_RTOL_CPU if self.plan.primary == "CPUExecutionProvider" else _CHECK_RTOL_DEVICE
         )
+        same = all(
+            not isinstance(solo, BaseException) and same_results(part, solo, rtol=rtol)
+            for part, solo in zip(parts, outcomes, strict=True)
+        )
+        with self._cond:
+            self._checks += 1
+            self._checked = self._checked or same
+            if not same:
+                self._mismatches += 1
+        if same:
+            return parts
+        for t, solo in zip(batch, outcomes, strict=True):
+            if isinstance(solo, BaseException):
+                t.error = solo
+            else:
+                t.result, t.to_copy = solo, False
+        self._stop_merging(
+            "a merged batch gave a caller other values than running its request alone (its "
+            "outputs depend on other callers' rows)"
+        )
+        return None
+
+    def _split_failed(self) -> None:
+        with self._cond:
+            self._split_failures += 1
+            stop = self._split_failures >= _SPLIT_FAILURES_TO_STOP
+        if stop:
+            self._stop_merging(
+                f"{self._split_failures} merged runs returned outputs whose axis 0 is not the "
+                "merged row count, so their rows cannot be told apart"
+            )
+
+    def _stop_merging(self, why: str) -> None:
+        if self.batching is None:
+            return
         self.batching = None
+        self._batching_reason = f"stopped merging requests: {why}"
+        warnings.warn(
+            f"sharedml: model '{self.source_path}': {why}. The pool stops merging requests "
+            "(each runs alone).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _finish(self, ticket: _Ticket, *, error: BaseException | None = None) -> None:
         """Settle a follower (or a waiter given up on): its result or error is final."""
@@ -1356,6 +1475,9 @@ class SessionPool:
                 padded_rows=self._padded_rows,
                 fill_wait_seconds=self._fill_s,
                 run_seconds=self._run_s,
+                batching=self.batching is not None,
+                batch_checks=self._checks,
+                batch_mismatches=self._mismatches,
             )
 
     def close(self, timeout_s: float | None = None) -> None:

@@ -45,6 +45,11 @@ _GAUGES = {
     "busy": ("sharedml_busy_sessions", "Sessions running a request now."),
     "waiting": ("sharedml_waiting_requests", "Requests queued for a session now."),
     "max_batch_rows": ("sharedml_max_batch_rows", "The most rows one batched run has held."),
+    "batching": (
+        "sharedml_batching",
+        "1 where the replica's pool merges requests, 0 where each runs alone (the replica's "
+        "log and info() say why).",
+    ),
 }
 
 

@@ -33,11 +33,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from sharedml._batching import Batching, signature_of
+from sharedml._batching import Batching
 from sharedml._cache import CacheDir, cache_dir, held_lock, kind_folder
-from sharedml._errors import NotBatchableError
 from sharedml._host import filesystem_type, is_remote_filesystem
-from sharedml._onnx import load_graph
 from sharedml._pool import _DEFAULT_SESSIONS, SessionPool
 from sharedml._prepare import prepared_model_for, prepared_model_from_bytes, weights_path_for
 
@@ -52,7 +50,9 @@ __all__ = [
 _BUILT_KINDS = ("models", "prepacked")  # the cache entries a pool may build on first use
 
 BatchingSetting = bool | Batching | Literal["auto"]
-"""``"auto"``: on wherever the model can be batched; else as ``SessionPool(batching=...)``."""
+"""``"auto"``: on wherever the row-independence analysis proves the model batchable (the
+pool's ``batching="auto"``: ``pool.batching_reason`` says why not); else as
+``SessionPool(batching=...)``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,16 +247,6 @@ def prepare_on_node(
     return turn.node
 
 
-def _resolve_batching(setting: BatchingSetting, path: Path) -> bool | Batching:
-    if setting != "auto":
-        return setting
-    try:
-        signature_of(load_graph(path), name=f"model '{path}'")
-    except NotBatchableError:
-        return False
-    return True
-
-
 def _replica_cpus() -> float | None:
     """The CPUs Ray assigned to this process (a replica's ``num_cpus``), or None outside Ray."""
     ray = sys.modules.get("ray")
@@ -299,7 +289,7 @@ def create_pool(
     Args:
         model: Path of any ONNX model (local disk or shared storage), or its bytes.
         sessions: Sessions in the pool (default: the pool's).
-        batching: ``"auto"`` (default): merge waiting requests wherever the model can be batched;
+        batching: ``"auto"`` (default): merge waiting requests wherever the analysis proves it;
             else as ``SessionPool(batching=...)``.
         providers: As for ``SessionPool``.
         cache_dir: This node's cache folder (default: ``$SHAREDML_CACHE_DIR``, then the user's).
@@ -332,7 +322,7 @@ def create_pool(
         pool = SessionPool(
             turn.path,
             sessions=sessions,
-            batching=_resolve_batching(batching, turn.path),
+            batching=batching,
             providers=providers,
             cache_dir=cache_dir,
             **pool_options,

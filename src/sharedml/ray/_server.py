@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import re
 import time
@@ -53,6 +54,7 @@ __all__ = ["ModelServer", "deployment"]
 
 _MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/[^/]+)?(/ready|/infer)?$")
 _CLOSE_TIMEOUT_S = 30.0  # seconds a stopping replica waits for its runs in flight
+_log = logging.getLogger("ray.serve")  # a replica's log: Serve keeps and shows it
 
 
 def _model_name(model: str | os.PathLike[str] | bytes) -> str:
@@ -123,6 +125,7 @@ class ModelServer:
             }
         )
         self.metrics.record(self.pool.stats())
+        _log.info("sharedml: model '%s': %s", self.model_name, self.pool.batching_reason)
 
     # ----------------------------------------------------------------------------------------
     # Handle API
@@ -173,6 +176,7 @@ class ModelServer:
             "start_seconds": self.start_seconds,
             "mechanism": str(self.pool.mechanism),
             "batching": dataclasses.asdict(self.pool.batching) if self.pool.batching else None,
+            "batching_reason": self.pool.batching_reason,
             "mapped": [str(p) for p in mapped_files() if p.is_relative_to(cache)],
             "stats": dataclasses.asdict(self.pool.stats()),
         }
