@@ -424,6 +424,7 @@ def test_open_inference_protocol_shapes_are_checked_before_the_data() -> None:
 
     assert "has 1000000000000000000000000000000 rows" in refused(413, v2([10**30, 3]))
     assert "must have 3 on axis 1" in refused(400, v2([1, 10**30]))
+    assert "unknown input(s) 'nope'" in refused(400, v2([10**30, 3], name="nope"))
     dynamic = _http.tensor_infos([_Arg("t", "tensor(float)", ["a", "b", "c"])])
     huge = v2([2, 2**62, 0], name="t")  # zero values, but dimensions far past 64 bits
     assert "shapes declare" in refused(413, huge, inputs=dynamic)

@@ -458,8 +458,9 @@ def _kserve_header(
     if not isinstance(datatype, str) or datatype not in _DATATYPES:
         shown = repr(datatype[:80]) if isinstance(datatype, str) else _show(datatype)
         raise _bad(f"{what}: datatype {shown} is not one of {', '.join(sorted(_DATATYPES))}.")
-    model = inputs.get(name)
-    if model is not None and model.datatype is not None and model.datatype != datatype:
+    _check_names([name], inputs, "The request")
+    model = inputs[name]
+    if model.datatype is not None and model.datatype != datatype:
         raise _bad(f"{what} is {model.datatype} in the model; the request sends {datatype}.")
     nbytes = _check_tensor(name, np.dtype(_DATATYPES[datatype]), shape, inputs, limits)
     return name, shape, datatype, nbytes
@@ -476,7 +477,6 @@ def _parse_kserve(
     for name in names:
         if names.count(name) > 1:
             raise _bad(f"Input '{name[:80]}' is given twice.")
-    _check_names(names, inputs, "The request")
     _check_request_bytes(sum(h[3] for h in headers), limits, "The request's shapes declare")
     feed: dict[str, np.ndarray] = {}
     for item, (name, shape, datatype, _) in zip(items, headers, strict=True):
