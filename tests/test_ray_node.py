@@ -6,7 +6,9 @@ start at the same moment, which is what Serve does when it places several replic
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import ipaddress
 import json
 import multiprocessing
 import os
@@ -18,15 +20,17 @@ import threading
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 from _models import build_model, save_model
 
 import sharedml
+import sharedml.ray
 from sharedml import _cache, _host
 from sharedml.ray import NodeModel, create_pool, prepare_on_node
 from sharedml.ray import _node as node_module
@@ -330,6 +334,71 @@ def test_node_model_is_a_frozen_record() -> None:
     assert not node.built and node.to_dict()["published"] == []
     with pytest.raises(AttributeError):
         node.built = True  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------------------------
+# Where a replica's internal gRPC server listens
+
+
+@pytest.fixture
+def replica_grpc(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
+    """Ray's replica module and a real gRPC server; Ray's helper is restored afterwards."""
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+    grpc = pytest.importorskip("grpc")
+    import ray._common.tls_utils as tls_utils
+    import ray.serve._private.replica as replica
+
+    for module in (tls_utils, replica):
+        monkeypatch.setattr(module, "add_port_to_grpc_server", module.add_port_to_grpc_server)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    yield replica, server
+    server.stop(0)
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The addresses this process listens on at ``port`` (IPv4-mapped IPv6 ones as IPv4)."""
+    found = set()
+    for c in psutil.Process().net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port:
+            address = ipaddress.ip_address(c.laddr.ip)
+            mapped = getattr(address, "ipv4_mapped", None)
+            found.add(str(mapped or address))
+    return found
+
+
+def test_replica_grpc_server_listens_on_the_node_address_only(
+    replica_grpc: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray.util
+
+    replica, server = replica_grpc
+    # A node started on loopback: Ray records 127.0.0.1 for it, and its routers dial that.
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    assert sharedml.ray.restrict_replica_grpc() == "127.0.0.1"
+    port = replica.add_port_to_grpc_server(server, "[::]:0")  # the call Serve's replica makes
+    server.start()
+    assert listening_addresses(port) == {"127.0.0.1"}
+
+
+def test_replica_grpc_keeps_rays_default_where_the_node_address_is_not_this_hosts(
+    replica_grpc: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray.util
+
+    replica, server = replica_grpc
+    ray_default = replica.add_port_to_grpc_server
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "203.0.113.7")  # TEST-NET-3
+    with pytest.warns(RuntimeWarning, match=r"cannot listen on '203\.0\.113\.7'"):
+        assert sharedml.ray.restrict_replica_grpc() is None
+    assert replica.add_port_to_grpc_server is ray_default
+    assert sharedml.ray.restrict_replica_grpc(None) is None  # asked for Ray's default
+    assert replica.add_port_to_grpc_server is ray_default
+    # The worker setup hook is the user's explicit choice: a replica keeps it.
+    sharedml.ray.bind_to_loopback()
+    assert sharedml.ray.restrict_replica_grpc() == "127.0.0.1"
+    port = replica.add_port_to_grpc_server(server, "[::]:0")
+    server.start()
+    assert listening_addresses(port) == {"127.0.0.1"}
 
 
 # --------------------------------------------------------------------------------------------

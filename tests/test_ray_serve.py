@@ -144,11 +144,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             resources={"node_b": 1000},
             env_vars={"SHAREDML_CACHE_DIR": str(caches["node_b"])},
         )
-        ray.init(
-            address=head.address,
-            runtime_env={"worker_process_setup_hook": "sharedml.ray.bind_to_loopback"},
-            log_to_driver=False,
-        )
+        # No worker setup hook: sharedml's replicas keep their gRPC servers on the nodes'
+        # address (127.0.0.1) by themselves; only the plain deployments below need the hook.
+        ray.init(address=head.address, log_to_driver=False)
         head.wait_for_nodes()
         ids = {
             n["NodeID"]: next(name for name in NODES if name in n["Resources"])
@@ -277,6 +275,15 @@ def npy(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def npy_header(shape: tuple[int, ...]) -> bytes:
+    """The header of an ``.npy`` of float32 ``shape``, with none of its data."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": "<f4", "fortran_order": False, "shape": shape}
+    )
+    return buf.getvalue()
+
+
 def infer(client: int, x: np.ndarray, handle: Any, cluster: LocalCluster) -> np.ndarray:
     """One request, the way client ``client`` sends them: 8 clients use the handle, 8 HTTP."""
     kind = client % 8 if client >= 8 else -1
@@ -374,6 +381,7 @@ def test_every_node_prepares_once_and_its_replicas_map_that_file(
             assert node["cache_dir"] == str(cache)
             assert Path(node["path"]).parent == entries["models"][0]
             assert info["mechanism"] == "prepacked-file"
+            assert info["internal_grpc_host"] == "127.0.0.1"  # the node's address
             # Every replica maps its own node's files, and nothing from the other node's cache.
             assert set(info["mapped"]) == {
                 node["weights_path"],
@@ -427,6 +435,9 @@ BAD_REQUESTS = [
     ("/", npy(np.ones((1, WIDTH), np.float64)), "application/x-npy", 400, "must be tensor(float)"),
     ("/v2/models/bert/infer", b"{}", JS, 404, "'bert' is not served here"),
     ("/", b"hello", "text/plain", 415, "Unsupported Content-Type"),
+    ("/", b"[" * 100_000 + b"]" * 100_000, JS, 400, "too deeply"),
+    ("/", npy(np.ones((1, WIDTH + 1), np.float32)), "application/x-npy", 400, "on axis 1"),
+    ("/", npy_header((2**40, WIDTH)), "application/x-npy", 413, "rows"),  # declares 8 PiB
 ]
 
 
@@ -518,9 +529,13 @@ def test_replicas_on_a_node_hold_at_most_half_the_memory_of_plain_ort(
     this_module = sys.modules[__name__]
     ray.cloudpickle.register_pickle_by_value(this_module)
     try:
+        # Plain Serve replicas listen on every interface unless this hook rebinds them.
+        hook = {"worker_process_setup_hook": "sharedml.ray.bind_to_loopback"}
+        actor = {**SERVE_OPTIONS["ray_actor_options"], "runtime_env": hook}
+        options = {**SERVE_OPTIONS, "ray_actor_options": actor}
         handles = {
             name: serve.run(
-                serve.deployment(PlainOrt, name=name, **SERVE_OPTIONS).bind(str(model), count),
+                serve.deployment(PlainOrt, name=name, **options).bind(str(model), count),
                 name=name,
                 route_prefix=None,
             )

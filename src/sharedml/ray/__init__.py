@@ -1,7 +1,7 @@
 """sharedml on Ray Serve: replicas that share one copy of a model's weights per node.
 
-``pip install "sharedml[ray]"``. Nothing here imports Ray until it is used (``import sharedml``
-never does), so the node and pool pieces also work in plain processes.
+``pip install '.[ray]'`` in a checkout. Nothing here imports Ray until it is used
+(``import sharedml`` never does), so the node and pool pieces also work in plain processes.
 
 - :func:`deployment`: a ready Ray Serve application for one model (handle calls with numpy,
   HTTP JSON / ``.npy`` / ``.npz``, the Open Inference Protocol), each replica's pool stats
@@ -9,20 +9,24 @@ never does), so the node and pool pieces also work in plain processes.
 - For your own deployment class: :func:`prepare_on_node` (the model prepared once per node into
   the node's local cache), :func:`create_pool` (the replica's pool over it), :class:`PoolMetrics`
   (pool stats as Ray metrics), or subclass :class:`ModelServer`.
-- :func:`bind_to_loopback`: a Ray worker setup hook keeping replicas' internal gRPC servers on
-  127.0.0.1.
+- :class:`HttpLimits`: what a replica accepts from HTTP bodies (``deployment(http_limits=...)``).
+- :func:`restrict_replica_grpc`: a replica's internal gRPC server on the node's address only
+  (what :class:`ModelServer` does); :func:`bind_to_loopback`: a Ray worker setup hook keeping
+  every replica's internal gRPC server on 127.0.0.1.
 
 Details, figures and the deployment recipes: ``docs/ray.md``.
 """
 
 from __future__ import annotations
 
-from sharedml.ray._loopback import bind_to_loopback
+from sharedml.ray._http import HttpLimits
+from sharedml.ray._loopback import bind_to_loopback, restrict_replica_grpc
 from sharedml.ray._metrics import PoolMetrics
 from sharedml.ray._node import NodeModel, create_pool, prepare_on_node
 from sharedml.ray._server import ModelServer, deployment
 
 __all__ = [
+    "HttpLimits",
     "ModelServer",
     "NodeModel",
     "PoolMetrics",
@@ -30,4 +34,5 @@ __all__ = [
     "create_pool",
     "deployment",
     "prepare_on_node",
+    "restrict_replica_grpc",
 ]

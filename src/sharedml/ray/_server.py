@@ -18,6 +18,11 @@ Decisions:
   A replica that dies is Serve's to replace; its in-flight requests fail (``ActorDiedError``
   through a handle, 500 through HTTP), and the replacement maps the node's prepared file.
 - Serve's health check fails once the pool is closed, so Serve replaces such a replica.
+- Bodies are parsed off the replica's event loop (where Serve also runs its health checks), after
+  their size and declared arrays are checked against the replica's :class:`HttpLimits`: see
+  :mod:`sharedml.ray._http`. A request's bytes stay reserved until its reply is written.
+- The replica's internal gRPC server listens on the node's address only (127.0.0.1 on a node
+  started on loopback), not on every interface: :func:`sharedml.ray.restrict_replica_grpc`.
 """
 
 from __future__ import annotations
@@ -38,15 +43,19 @@ import numpy as np
 from sharedml._batching import Batching
 from sharedml._errors import InvalidInputError, PoolClosedError, RunError
 from sharedml._pool import _DEFAULT_SESSIONS
+from sharedml.ray import _http
 from sharedml.ray._http import (
     JSON,
     HttpError,
+    HttpLimits,
+    InflightBytes,
     encode_outputs,
     error_body,
+    max_body_bytes,
     model_metadata,
-    parse_request,
     tensor_infos,
 )
+from sharedml.ray._loopback import restrict_replica_grpc
 from sharedml.ray._metrics import PoolMetrics
 from sharedml.ray._node import BatchingSetting, create_pool, mapped_files
 
@@ -87,6 +96,10 @@ class ModelServer:
         cache_dir: The node's cache folder (default: ``$SHAREDML_CACHE_DIR`` on the node, then
             the user's cache folder).
         pool_options: Any other ``SessionPool`` argument (picklable).
+        http_limits: What HTTP bodies may hold (default: :class:`HttpLimits`'s defaults).
+        internal_grpc_host: Where the replica's internal gRPC server listens, inside Serve:
+            ``"node"`` (default), an address, or None for Ray's default (every interface);
+            see :func:`sharedml.ray.restrict_replica_grpc`.
     """
 
     def __init__(
@@ -100,8 +113,17 @@ class ModelServer:
         local_copy: bool | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         pool_options: Mapping[str, Any] | None = None,
+        http_limits: HttpLimits | None = None,
+        internal_grpc_host: str | None = "node",
     ) -> None:
         start = time.perf_counter()
+        self.http_limits = http_limits or HttpLimits()
+        self.inflight = InflightBytes(self.http_limits.max_inflight_bytes)
+        self._identity = _replica_identity()
+        # Serve starts the replica's gRPC server once this constructor returns.
+        self.internal_grpc_host = (
+            restrict_replica_grpc(internal_grpc_host) if self._identity else None
+        )
         self.pool, self.node = create_pool(
             model,
             sessions=sessions,
@@ -115,7 +137,6 @@ class ModelServer:
         self.model_name = model_name or _model_name(model)
         self.inputs = tensor_infos(self.pool.get_inputs())
         self.outputs = tensor_infos(self.pool.get_outputs())
-        self._identity = _replica_identity()
         self.metrics = PoolMetrics(
             {
                 "model": self.model_name,
@@ -179,6 +200,8 @@ class ModelServer:
             "batching_reason": self.pool.batching_reason,
             "mapped": [str(p) for p in mapped_files() if p.is_relative_to(cache)],
             "stats": dataclasses.asdict(self.pool.stats()),
+            "internal_grpc_host": self.internal_grpc_host,
+            "inflight_bytes": self.inflight.used_bytes,
         }
 
     def check_health(self) -> None:
@@ -197,17 +220,19 @@ class ModelServer:
     async def _http(self, request: Any) -> Any:
         from starlette.responses import Response
 
+        headers: dict[str, str] = {}
         try:
             body, media, status = await self._route(request)
         except HttpError as exc:
             body, media, status = error_body(exc.message), JSON, exc.status
+            headers = exc.headers
         except InvalidInputError as exc:
             body, media, status = error_body(str(exc)), JSON, 400
         except PoolClosedError as exc:
             body, media, status = error_body(str(exc)), JSON, 503
         except RunError as exc:
             body, media, status = error_body(str(exc)), JSON, 500
-        return Response(body, status_code=status, media_type=media)
+        return Response(body, status_code=status, media_type=media, headers=headers)
 
     async def _route(self, request: Any) -> tuple[bytes, str, int]:
         root = request.scope.get("root_path", "")
@@ -243,24 +268,55 @@ class ModelServer:
         return json.dumps(metadata).encode(), JSON, 200
 
     async def _infer_http(self, request: Any, *, kserve: bool) -> tuple[bytes, str, int]:
-        body = await request.body()
-        parsed = parse_request(
+        content_type = request.headers.get("content-type", "")
+        body = await _read_body(request, max_body_bytes(content_type, self.http_limits))
+        # Parsing is CPU work proportional to the body: off the event loop, where Serve runs
+        # health checks and every other request of the replica.
+        parsed = await asyncio.to_thread(
+            _http.parse_request,
             body,
-            request.headers.get("content-type", ""),
+            content_type,
             self.inputs,
             kserve=kserve,
             output_names=request.query_params.getlist("output") or None,
+            limits=self.http_limits,
+            budget=self.inflight,
         )
-        outputs = await self.infer(parsed.feed, parsed.output_names)
-        # Encoding a large reply is CPU work: off the event loop, like the run itself.
-        reply, media = await asyncio.to_thread(
-            encode_outputs,
-            outputs,
-            parsed,
-            accept=request.headers.get("accept", ""),
-            model_name=self.model_name,
-        )
+        del body  # the request holds what it needs (an .npy body: its array)
+        try:
+            outputs = await self.infer(parsed.feed, parsed.output_names)
+            # Encoding a large reply is CPU work too.
+            reply, media = await asyncio.to_thread(
+                encode_outputs,
+                outputs,
+                parsed,
+                accept=request.headers.get("accept", ""),
+                model_name=self.model_name,
+            )
+        finally:
+            parsed.release()
         return reply, media, 200
+
+
+async def _read_body(request: Any, max_bytes: int) -> bytes:
+    """The request's body, refused (413) as soon as it is longer than ``max_bytes``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise HttpError(413, _too_long(int(declared), max_bytes))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise HttpError(413, _too_long(size, max_bytes))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_long(size: int, max_bytes: int) -> str:
+    return (
+        f"The body has {size} bytes or more, and this server takes at most {max_bytes}: send "
+        "smaller requests (HttpLimits.max_request_bytes and max_json_bytes)."
+    )
 
 
 def _allow(method: str, allowed: str) -> None:
@@ -295,6 +351,8 @@ def deployment(
     local_copy: bool | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     pool_options: Mapping[str, Any] | None = None,
+    http_limits: HttpLimits | None = None,
+    internal_grpc_host: str | None = "node",
     **serve_options: Any,
 ) -> Any:
     """A Ray Serve application serving ``model``, for ``serve.run``.
@@ -318,6 +376,13 @@ def deployment(
         local_copy: See :func:`sharedml.ray.prepare_on_node`.
         cache_dir: The nodes' cache folder (default: ``$SHAREDML_CACHE_DIR`` on each node).
         pool_options: Any other ``SessionPool`` argument.
+        http_limits: What each replica accepts from HTTP bodies: the bytes one request's
+            arrays may take, the bytes of all requests a replica holds, the largest JSON body,
+            the most rows (default: :class:`HttpLimits`'s defaults, see ``docs/ray.md``).
+        internal_grpc_host: Where each replica's internal gRPC server listens: ``"node"``
+            (default: the node's address, 127.0.0.1 on a node started on loopback), an address,
+            or None for Ray's default (every interface). See
+            :func:`sharedml.ray.restrict_replica_grpc`.
         **serve_options: Passed to ``serve.deployment(...).options()``: ``num_replicas``,
             ``max_replicas_per_node``, ``ray_actor_options``, ``autoscaling_config``,
             ``max_ongoing_requests`` (default: see :mod:`sharedml.ray._server`), ``name``...
@@ -346,5 +411,7 @@ def deployment(
             local_copy=local_copy,
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             pool_options=dict(pool_options or {}),
+            http_limits=http_limits,
+            internal_grpc_host=internal_grpc_host,
         )
     )
