@@ -879,3 +879,62 @@ def test_where_runs_are_serialized_the_recommendation_is_one_batched_session(
     assert "Use one session" in text and "cannot be batched" in text
     # and on the CPU, nothing of the kind
     assert _serialized_for(plan_providers(None), model, "'b.onnx'") is None
+
+
+# --------------------------------------------------------------------------------------------
+# Real traffic: NaN outputs, guessed sizes, tables read where inputs touch them
+
+
+def masked_attention(path: Path) -> Path:
+    """x[batch, seq, 8], keep bool[batch, seq] -> softmax over positions masked by ``keep``.
+
+    Where ``keep`` is all False (what inspect generates for booleans), every score is -inf and
+    softmax gives NaN everywhere, whatever the weights.
+    """
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    ninf = numpy_helper.from_array(np.array(-np.inf, np.float32), "ninf")
+    nodes = [
+        onnx.helper.make_node("MatMul", ["x", "w"], ["h"]),
+        onnx.helper.make_node("ReduceSum", ["h"], ["scores"], axes=[2], keepdims=0),
+        onnx.helper.make_node("Where", ["keep", "scores", "ninf"], ["masked"]),
+        onnx.helper.make_node("Softmax", ["masked"], ["y"], axis=-1),
+    ]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "attn",
+        [
+            onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", "seq", 8]),
+            onnx.helper.make_tensor_value_info("keep", onnx.TensorProto.BOOL, ["batch", "seq"]),
+        ],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", "seq"])],
+        [w, ninf],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 12)])
+    model.ir_version = 7
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.slow
+def test_nan_outputs_are_a_finding_and_never_called_bitwise_equal(tmp_path: Path) -> None:
+    model = masked_attention(tmp_path / "attn.onnx")
+    report = inspect(model, sessions=2, strategies=["naive", "shared"], dims={"seq": 4})
+    assert report.trial is not None and report.trial["outputs"][0]["nonfinite"] == 4
+    for m in report.measurements:
+        assert m.matches_plain is None and m.plain_outputs_nonfinite == 4
+        assert "NaN or infinite" in (m.matches_plain_reason or "")
+    kinds = {f.kind: f for f in report.findings}
+    assert "numerics" not in kinds  # nothing compared: no "bitwise equal"
+    text = kinds["nonfinite-outputs"].text
+    assert "hold NaN or infinite values (y: 4 of 4)" in text
+    assert "boolean inputs (keep) all False" in text and "--inputs feeds.npz" in text
+    assert "bitwise equal" not in report.recommendation
+    d = report.to_dict()["strategies"]["shared"]
+    assert d["matches_plain"] is None and "NaN" in d["matches_plain_reason"]
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    render_text(report, console=Console(file=buffer, width=100))
+    rows = [line for line in buffer.getvalue().splitlines() if line.startswith("  shared ")]
+    assert rows and rows[0].rstrip().endswith("NaN/inf")  # the 'vs plain' column says so

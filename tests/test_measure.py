@@ -435,3 +435,59 @@ def test_measuring_stops_before_memory_runs_out_and_says_so(tmp_path: Path) -> N
     assert m.measured_sessions == 1
     assert m.stopped_reason is not None and "stopped after 1 of 3" in m.stopped_reason
     assert m.to_dict()["total_is_projected"]
+
+
+# --------------------------------------------------------------------------------------------
+# Memory read where PSS cannot be
+
+
+def test_without_a_full_memory_reading_rss_is_read_and_the_reason_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sharedml._memory import metric_of, read_memory
+
+    def refuse(self: psutil.Process) -> None:
+        raise psutil.AccessDenied(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "memory_full_info", refuse)
+    reading = read_memory()
+    assert reading["pss"] is None and reading["uss"] is None
+    assert isinstance(reading["rss"], int) and reading["rss"] > 0
+    assert "memory_full_info() failed: AccessDenied" in reading["error"]
+    assert metric_of(reading) == "rss"
+
+    def refuse_all(self: psutil.Process) -> None:
+        raise NotImplementedError("not under this emulator")
+
+    monkeypatch.setattr(psutil.Process, "memory_info", refuse_all)
+    nothing = read_memory()  # never raises: says what it could not read
+    assert metric_of(nothing) is None and "memory_info() failed too" in nothing["error"]
+
+
+SITECUSTOMIZE = """
+import psutil
+
+def _refuse(self):
+    raise OSError(38, "QueryWorkingSetEx is not implemented")  # as under Wine
+
+psutil.Process.memory_full_info = _refuse
+"""
+
+
+@pytest.mark.slow
+def test_a_child_that_cannot_read_pss_measures_rss_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """psutil's working-set query refused in the measuring child, through Python's startup hook."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    path = tmp_path / "m.onnx"
+    onnx.save(embedding_model(vocab=4096), path)
+    m = measure(path, "naive", sessions=2)
+    assert m.metric == "rss" and m.total_bytes is not None and m.total_bytes > 0
+    assert m.points[-1].pss_bytes is None
+    assert m.metric_note is not None and m.metric_note.startswith("RSS, because psutil's")
+    assert "OSError" in m.metric_note and "counts every resident page" in m.metric_note
+    assert m.to_dict()["metric_note"] == m.metric_note

@@ -307,6 +307,8 @@ def _mib(n: float | None) -> str:
 
 def _vs_plain(m: Any) -> str:
     """The numerics column: '=' bitwise equal to a default plain session, else the largest gap."""
+    if m.plain_outputs_nonfinite:
+        return "NaN/inf"  # not compared: NaN in the same places proves nothing
     if m.matches_plain is None:
         return "n/a"
     if m.matches_plain:
@@ -505,6 +507,8 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         "largest absolute difference)."
         + (f" Left out to fit this width (in --json): {', '.join(left_out)}." if left_out else "")
     )
+    for note in sorted({m.metric_note for m in measurements if m.metric_note}):
+        para(f"Memory is read as {note}.")
     for note in sorted({m.device_note for m in measurements if m.device_note}):
         para(f"Device memory {note}.")
     for m in measurements:

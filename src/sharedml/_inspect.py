@@ -482,13 +482,23 @@ def findings(
     weights_bytes: int,
     unshared: tuple[int, int] = (0, 0),
     serialized: SerializedRuns | None = None,
+    fixed_bytes: int | None = None,
+    trial: Mapping[str, Any] | None = None,
+    inputs: Sequence[InputSpec] = (),
 ) -> tuple[Finding, ...]:
     """The recommendation, computed from the measurements: one :class:`Finding` per statement.
 
     Comparisons are relative (:data:`SAME_WITHIN`), never absolute: "less", "more" and "about
     the same" say what the figures beside them show, and the advice names the strategy that
-    took the least memory. Nothing is said about run speed, which inspect does not measure,
+    took the least memory, or one that took about as little by the rule README states
+    (:data:`_ADVICE_ORDER`). Nothing is said about run speed, which inspect does not measure,
     except as a pointer to the documented figures.
+
+    Where every compared strategy was measured after running over the rows of the tables that
+    inputs index (:attr:`Measurement.traffic_bytes`), those figures are compared: traffic reads
+    such tables whole over time. Where ``fixed_bytes`` is given, a pool's figures count it when
+    they are compared with plain sessions: a process that uses plain onnxruntime does not pay
+    for sharedml's imports and threads.
 
     Args:
         measurements: By strategy name.
@@ -497,6 +507,9 @@ def findings(
         unshared: ``(tensors, bytes)`` of weights that stay in the graph
             (:attr:`WeightsSummary.unshared`).
         serialized: Where the provider runs one ``Run`` at a time across the process.
+        fixed_bytes: sharedml's own cost per process (:class:`FixedCost`), or None.
+        trial: The trial run (:attr:`InspectReport.trial`): its outputs' NaN counts.
+        inputs: The inputs measured, to name generated masks and guessed sizes.
     """
     out: list[Finding] = []
     if serialized is not None:
@@ -511,45 +524,62 @@ def findings(
     metric = next(iter(measurements.values())).metric.upper() if measurements else "PSS"
     hb = human_bytes
 
-    naive_total = naive.total_bytes if naive is not None else None
-    shared_total = shared.total_bytes if shared is not None else None
-    if naive is not None and shared is not None and naive_total and shared_total is not None:
+    traffic = _use_traffic(measurements)
+    fixed = fixed_bytes or 0
+    naive_total = _total(naive, traffic)
+    shared_total = _total(shared, traffic)
+    pool_cost = shared_total + fixed if shared_total is not None else None
+    if naive is not None and shared is not None and naive_total and pool_cost is not None:
         if sessions == 1:
+            itself = f" and sharedml's own {hb(fixed)} once per process" if fixed else ""
             out.append(
                 Finding(
                     "one-session",
                     f"With one session there is nothing to share: the pool takes "
-                    f"{hb(shared_total)} ({metric}), a plain session {hb(naive_total)}. Measure "
-                    "with --sessions 2 or more (sessions=2) to see what each extra session costs.",
-                    {"pool_bytes": shared_total, "plain_bytes": naive_total},
+                    f"{hb(shared_total)} ({metric}){itself}, a plain session {hb(naive_total)}. "
+                    "Measure with --sessions 2 or more (sessions=2) to see what each extra "
+                    "session costs.",
+                    {"pool_bytes": shared_total, "plain_bytes": naive_total, "fixed_bytes": fixed},
                 )
             )
         else:
-            out.append(_pool_vs_plain(naive, shared, sessions, big, metric))
-    if single is not None and shared_total and sessions > 1:
-        single_total = single.total_bytes
-        if single_total is not None:
-            verdict = _compare(single_total, shared_total)
-            text = (
-                f"One plain session shared by all {sessions} threads takes {hb(single_total)}, "
-                + _than(single_total, shared_total, f"the pool's {hb(shared_total)}")
+            out.append(_pool_vs_plain(naive, shared, sessions, big, metric, traffic, fixed))
+    single_total = _total(single, traffic)
+    if single_total is not None and pool_cost and sessions > 1:
+        verdict = _compare(single_total, pool_cost)
+        pool_what = f"the pool's {hb(pool_cost)}" + (
+            f" (sharedml's own {hb(fixed)} included)" if fixed else ""
+        )
+        text = (
+            f"One plain session shared by all {sessions} threads takes {hb(single_total)}, "
+            + _than(single_total, pool_cost, pool_what)
+        )
+        text += (
+            ": ORT lets several threads run one CPU session at once, so on the CPU that is "
+            "the smaller choice; the pool is for threads that each need a session of their "
+            "own (DirectML, CUDA graphs, per-thread state)."
+            if verdict == "less"
+            else "; its threads share that one session's intra-op thread pool, where the "
+            "pool gives each thread a session of its own."
+        )
+        out.append(
+            Finding(
+                "single-vs-pool",
+                text,
+                {
+                    "single_bytes": single_total,
+                    "pool_bytes": pool_cost,
+                    "fixed_bytes": fixed,
+                    "verdict": verdict,
+                },
             )
-            text += (
-                ": ORT lets several threads run one CPU session at once, so on the CPU that is "
-                "the smaller choice; the pool is for threads that each need a session of their "
-                "own (DirectML, CUDA graphs, per-thread state)."
-                if verdict == "less"
-                else "; its threads share that one session's intra-op thread pool, where the "
-                "pool gives each thread a session of its own."
-            )
-            out.append(
-                Finding(
-                    "single-vs-pool",
-                    text,
-                    {"single_bytes": single_total, "pool_bytes": shared_total, "verdict": verdict},
-                )
-            )
-    advice = _advice(measurements, sessions)
+        )
+    known = {
+        name: cost
+        for name, cost in ((SHARED, pool_cost), (SINGLE, single_total), (NAIVE, naive_total))
+        if cost is not None
+    }
+    advice = _advice(known, sessions)
     if advice is not None:
         out.append(advice)
     if raw is not None and shared is not None and shared_total and raw.total_bytes is not None:
@@ -625,6 +655,9 @@ def findings(
                 {"tensors": unshared[0], "bytes": unshared[1]},
             )
         )
+    nonfinite = _nonfinite_outputs(trial, inputs)
+    if nonfinite is not None:
+        out.append(nonfinite)
     numerics = _numerics(measurements, sessions)
     if numerics is not None:
         out.append(numerics)
@@ -680,86 +713,163 @@ def _serialized_runs(serialized: SerializedRuns, sessions: int) -> Finding:
     )
 
 
+def _use_traffic(measurements: Mapping[str, Measurement]) -> bool:
+    """Compare figures after the table-covering runs: only where every compared one has them."""
+    compared = [measurements[n] for n in (NAIVE, SHARED, SINGLE) if n in measurements]
+    return bool(compared) and all(m.traffic_bytes is not None for m in compared)
+
+
+def _total(m: Measurement | None, traffic: bool) -> int | None:
+    if m is None:
+        return None
+    return m.traffic_bytes if traffic else m.total_bytes
+
+
+def _per_session(m: Measurement, traffic: bool) -> int | None:
+    return m.traffic_per_session_bytes if traffic else m.per_session_bytes
+
+
+def _projected(m: Measurement, sessions: int, traffic: bool) -> int | None:
+    return m.traffic_projected_bytes(sessions) if traffic else m.projected_bytes(sessions)
+
+
 def _pool_vs_plain(
-    naive: Measurement, shared: Measurement, sessions: int, big: int, metric: str
+    naive: Measurement,
+    shared: Measurement,
+    sessions: int,
+    big: int,
+    metric: str,
+    traffic: bool = False,
+    fixed: int = 0,
 ) -> Finding:
     hb = human_bytes
-    naive_total, shared_total = naive.total_bytes or 0, shared.total_bytes or 0
-    verdict = _compare(shared_total, naive_total)
+    naive_total, shared_total = _total(naive, traffic) or 0, _total(shared, traffic) or 0
+    pool = shared_total + fixed
+    verdict = _compare(pool, naive_total)
     figures: dict[str, Any] = {
         "sessions": sessions,
         "pool_bytes": shared_total,
+        "fixed_bytes": fixed,
         "plain_bytes": naive_total,
-        "ratio": shared_total / naive_total if naive_total else None,
+        "ratio": pool / naive_total if naive_total else None,
         "verdict": verdict,
-        "plain_per_session_bytes": naive.per_session_bytes,
-        "pool_per_session_bytes": shared.per_session_bytes,
+        "after_traffic": traffic,
+        "plain_per_session_bytes": _per_session(naive, traffic),
+        "pool_per_session_bytes": _per_session(shared, traffic),
     }
+    when = (
+        "After runs over every row of the tables the inputs index (as traffic reads them over "
+        "time), with"
+        if traffic
+        else "With"
+    )
+    takes = (
+        f"sharedml's pool takes {hb(shared_total)} ({metric}) and sharedml itself {hb(fixed)} "
+        f"once per process (its imports and threads), {hb(pool)} in all,"
+        if fixed
+        else f"sharedml's pool takes {hb(shared_total)} ({metric})"
+    )
     if verdict == "less":
         text = (
-            f"With {sessions} sessions, sharedml's pool takes {hb(shared_total)} ({metric}) "
-            f"where {sessions} plain sessions take {hb(naive_total)}: "
-            f"{hb(naive_total - shared_total)} ({_pct(naive_total - shared_total, naive_total)}) "
-            "less."
+            f"{when} {sessions} sessions, {takes} where {sessions} plain sessions take "
+            f"{hb(naive_total)}: {hb(naive_total - pool)} "
+            f"({_pct(naive_total - pool, naive_total)}) less."
         )
     elif verdict == "same":
         text = (
-            f"With {sessions} sessions the pool takes {hb(shared_total)} ({metric}) and "
-            f"{sessions} plain sessions {hb(naive_total)}: within {SAME_WITHIN:.0%} of each "
-            "other, so sharing saves nothing material here."
+            f"{when} {sessions} sessions, {takes} and {sessions} plain sessions "
+            f"{hb(naive_total)}: within {SAME_WITHIN:.0%} of each other, so sharing saves "
+            "nothing material here."
         )
     else:
         text = (
-            f"The pool takes more than {sessions} plain sessions here: {hb(shared_total)}, "
-            + _than(shared_total, naive_total, f"their {hb(naive_total)}")
+            f"{when} {sessions} sessions, {takes}: more than {sessions} plain sessions, "
+            + _than(pool, naive_total, f"their {hb(naive_total)}")
             + "."
         )
-    if naive.per_session_bytes is not None and shared.per_session_bytes is not None:
+    per_naive, per_shared = _per_session(naive, traffic), _per_session(shared, traffic)
+    if per_naive is not None and per_shared is not None:
         text += (
-            f" Each extra plain session adds {hb(naive.per_session_bytes)}, each extra pooled "
-            f"session {hb(shared.per_session_bytes)}"
+            f" Each extra plain session adds {hb(per_naive)}, each extra pooled "
+            f"session {hb(per_shared)}"
         )
-        far_naive, far_shared = naive.projected_bytes(big), shared.projected_bytes(big)
+        far_naive, far_shared = _projected(naive, big, traffic), _projected(shared, big, traffic)
         if far_naive is not None and far_shared is not None:
+            far_pool = far_shared + fixed
             text += (
                 f"; at {big} sessions that would be about {hb(far_naive)} against "
-                f"{hb(far_shared)} (projected)."
+                f"{hb(far_pool)} (projected)."
             )
             figures |= {"projected_sessions": big, "plain_projected_bytes": far_naive}
-            figures["pool_projected_bytes"] = far_shared
+            figures["pool_projected_bytes"] = far_pool
         else:
             text += "."
     return Finding("pool-vs-plain", text, figures)
 
 
-def _advice(measurements: Mapping[str, Measurement], sessions: int) -> Finding | None:
-    """Name the strategy that took the least memory, and what to use."""
-    known: dict[str, int] = {}
-    for name in (SHARED, SINGLE, NAIVE):
-        m = measurements.get(name)
-        if m is not None and m.total_bytes is not None:
-            known[name] = m.total_bytes
+# What the advice calls each strategy, and the order it prefers them in where their figures
+# are within SAME_WITHIN of the least (README, `sharedml inspect`): the pool gives every thread a
+# session of its own and is at least as good where both work; one shared session needs no
+# dependency; plain sessions last.
+_ADVICE_ORDER = (SHARED, SINGLE, NAIVE)
+
+
+def _called(name: str, sessions: int) -> str:
+    return {
+        SHARED: f"sharedml's pool of {sessions}",
+        SINGLE: "one plain session shared by the threads",
+        NAIVE: f"{sessions} plain sessions",
+    }[name]
+
+
+def _advice(known: Mapping[str, int], sessions: int) -> Finding | None:
+    """Name the strategy to use, by the rule README states, from the totals compared.
+
+    The least total is "the least memory"; a strategy within :data:`SAME_WITHIN` of it took
+    "about as little", never "the least". Among those, :data:`_ADVICE_ORDER` decides.
+
+    Args:
+        known: Bytes by strategy (shared, single, naive), as the comparison counts them.
+        sessions: N.
+    """
     if sessions < 2 or SHARED not in known or len(known) < 2:
         return None
-    least = min(known, key=lambda name: known[name])
-    figures = {"least": least, "least_bytes": known[least], "totals": known}
-    if least == SHARED or _compare(known[SHARED], known[least]) == "same":
-        close = "" if least == SHARED else f" (within {SAME_WITHIN:.0%} of {least})"
-        text = (
-            f"Use sharedml.SessionPool(model, sessions={sessions}): of the strategies measured "
-            f"it took the least memory{close}."
+    least = min(known, key=lambda name: (known[name], _ADVICE_ORDER.index(name)))
+    tied = [n for n in _ADVICE_ORDER if n in known and _compare(known[n], known[least]) == "same"]
+    chosen = tied[0]
+    figures: dict[str, Any] = {
+        "least": least,
+        "least_bytes": known[least],
+        "chosen": chosen,
+        "about_as_little": [n for n in tied if n != least],
+        "totals": dict(known),
+    }
+    hb = human_bytes
+    if chosen == least:
+        measured = ", ".join(
+            f"{_called(n, sessions)} {hb(known[n])}" for n in _ADVICE_ORDER if n in known
         )
-    elif least == SINGLE:
+        claim = f"of the strategies measured it took the least memory ({measured})"
+    else:
+        claim = (
+            f"it took {hb(known[chosen])}, about as little as the least measured "
+            f"({_called(least, sessions)}: {hb(known[least])}, within {SAME_WITHIN:.0%})"
+        )
+    if chosen == SHARED:
+        text = f"Use sharedml.SessionPool(model, sessions={sessions}): {claim}."
+        if chosen != least:
+            text += " Where figures are that close, README's rule prefers the pool: it gives "
+            text += "each thread a session of its own."
+    elif chosen == SINGLE:
         text = (
-            f"Least memory measured: one plain session shared by the threads "
-            f"({human_bytes(known[SINGLE])}); use it where the provider runs concurrent Run "
-            f"calls on one session (CPU), and sharedml.SessionPool(model, sessions={sessions}) "
-            "where each thread needs a session of its own."
+            f"Use one plain session shared by the threads where the provider runs concurrent "
+            f"Run calls on one session (CPU): {claim}. Use sharedml.SessionPool(model, "
+            f"sessions={sessions}) where each thread needs a session of its own."
         )
     else:
         text = (
-            f"Least memory measured: {sessions} plain sessions ({human_bytes(known[NAIVE])}); "
-            "sharing does not pay for this model at this session count."
+            f"Use {sessions} plain sessions: {claim}; sharing does not pay for this model at "
+            "this session count."
         )
     return Finding("advice", text, figures)
 
@@ -836,6 +946,41 @@ def _runtime_weights(
     return Finding("runtime-weights", text, figures)
 
 
+def _nonfinite_outputs(
+    trial: Mapping[str, Any] | None, inputs: Sequence[InputSpec]
+) -> Finding | None:
+    """Say that the trial run's outputs hold NaN or infinite values, and what may cause it."""
+    outputs = list(trial.get("outputs") or ()) if trial is not None else []
+    bad = [o for o in outputs if o.get("nonfinite")]
+    if not bad:
+        return None
+
+    def size(o: Mapping[str, Any]) -> int:
+        count = 1
+        for d in o.get("shape") or ():
+            count *= int(d)
+        return count
+
+    listed = ", ".join(f"{o['name']}: {o['nonfinite']} of {size(o)}" for o in bad)
+    text = (
+        f"The outputs of a plain session on these inputs hold NaN or infinite values ({listed}): "
+        "a finding in itself, and no strategy's outputs are called equal to a plain session's "
+        "where they hold any."
+    )
+    masks = [i.name for i in inputs if i.dtype == "bool" and i.source != "file"]
+    if masks:
+        text += (
+            f" inspect generated the boolean inputs ({', '.join(masks)}) all False: a mask "
+            "that hides every position makes attention divide by zero."
+        )
+    text += " Give real inputs with --inputs feeds.npz (feeds= in Python)."
+    figures = {
+        "outputs": {o["name"]: {"nonfinite": o["nonfinite"], "size": size(o)} for o in bad},
+        "generated_bool_inputs": masks,
+    }
+    return Finding("nonfinite-outputs", text, figures)
+
+
 def _numerics(measurements: Mapping[str, Measurement], sessions: int) -> Finding | None:
     """Compare every strategy's outputs with a default plain session's (the trial run)."""
     compared = {n: m for n, m in measurements.items() if m.matches_plain is not None}
@@ -846,12 +991,16 @@ def _numerics(measurements: Mapping[str, Measurement], sessions: int) -> Finding
         n: {"max_abs_diff": m.plain_max_abs_diff, "comparable": m.plain_outputs_comparable}
         for n, m in compared.items()
     }
+    unknown = [n for n in measurements if n not in compared]
     if not differ:
-        return Finding(
-            "numerics",
-            "Every strategy's outputs were bitwise equal to a default plain session's.",
-            figures,
-        )
+        if unknown:
+            text = (
+                f"The outputs of {', '.join(compared)} were bitwise equal to a default plain "
+                f"session's; those of {', '.join(unknown)} were not compared."
+            )
+        else:
+            text = "Every strategy's outputs were bitwise equal to a default plain session's."
+        return Finding("numerics", text, figures)
     parts = [
         f"{n} by up to {m.plain_max_abs_diff:.3g}"
         if m.plain_max_abs_diff is not None
@@ -1066,6 +1215,8 @@ def inspect(
         weights_bytes=weights.total_bytes,
         unshared=weights.unshared,
         serialized=serialized,
+        trial=trial.to_dict(),
+        inputs=inputs,
     )
     return report(measurements, found, trial.to_dict())
 
