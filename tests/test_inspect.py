@@ -651,23 +651,36 @@ def detector(path: Path) -> Path:
     return path
 
 
+def rigid_detector(path: Path) -> Path:
+    """:func:`detector`, then a Reshape to 4x5x5 values: runs only at height = width = 7."""
+    model = onnx.load(str(detector(path)))
+    shape = numpy_helper.from_array(np.array([0, 100], np.int64), "flat")
+    model.graph.initializer.append(shape)
+    model.graph.node[0].output[0] = "conv"
+    model.graph.node.append(onnx.helper.make_node("Reshape", ["conv", "flat"], ["y"]))
+    onnx.save(model, path)
+    return path
+
+
 def test_a_model_the_generated_inputs_do_not_fit_fails_in_the_trial_naming_the_dims(
     tmp_path: Path, children_before: set[int]
 ) -> None:
-    model = detector(tmp_path / "det.onnx")
+    model = rigid_detector(tmp_path / "det.onnx")
     out = cli("inspect", str(model))
     assert out.returncode == 1
-    assert "Weights in the file" in out.stdout and "432 B in 1 tensors" in out.stdout
+    assert "Weights in the file" in out.stdout and "448 B in 2 tensors" in out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("sharedml: error: One plain onnxruntime session of")
-    assert "set to 1 (images: batch, height, width)" in last
+    assert "symbolic dimensions (images: batch=1, height=224, width=224)" in last
+    assert "Also tried images float32[batch=1, 3, height=1, width=1]" in last  # both sizes tried
     assert "--dim height=SIZE" in last and "--shape NAME=AxBxC" in last and "--inputs" in last
     assert "sharedml inspect: naive" not in out.stderr  # nothing was measured
     out = cli("inspect", str(model), "--json")
     assert out.returncode == 1
     partial = json.loads(out.stdout)  # the partial report, as one JSON object
-    assert partial["strategies"] == {} and partial["weights_bytes"] == 432
-    assert "height, width" in partial["error"] and partial["trial"]["error"]
+    assert partial["strategies"] == {} and partial["weights_bytes"] == 448
+    assert "height=224, width=224" in partial["error"] and partial["trial"]["error"]
+    assert len(partial["trial"]["rejected_sizes"]) == 2
     assert children() <= children_before
 
 
@@ -938,3 +951,93 @@ def test_nan_outputs_are_a_finding_and_never_called_bitwise_equal(tmp_path: Path
     render_text(report, console=Console(file=buffer, width=100))
     rows = [line for line in buffer.getvalue().splitlines() if line.startswith("  shared ")]
     assert rows and rows[0].rstrip().endswith("NaN/inf")  # the 'vs plain' column says so
+
+
+def strided_detector(path: Path) -> Path:
+    """images[batch, 3, height, width] -> three 3x3 stride-2 Convs (padded) -> global pool.
+
+    Runs at any size, 1x1 included: nothing fails where inspect would have measured a
+    degenerate input.
+    """
+    rng = np.random.default_rng(0)
+    inits, nodes, x = [], [], "images"
+    for i, (cin, cout) in enumerate([(3, 8), (8, 16), (16, 16)]):
+        inits.append(
+            numpy_helper.from_array(
+                rng.standard_normal((cout, cin, 3, 3)).astype(np.float32), f"w{i}"
+            )
+        )
+        nodes.append(
+            onnx.helper.make_node("Conv", [x, f"w{i}"], [f"c{i}"], strides=[2, 2], pads=[1] * 4)
+        )
+        x = f"c{i}"
+    nodes.append(onnx.helper.make_node("GlobalAveragePool", [x], ["y"]))
+    graph = onnx.helper.make_graph(
+        nodes,
+        "strided",
+        [
+            onnx.helper.make_tensor_value_info(
+                "images", onnx.TensorProto.FLOAT, ["batch", 3, "height", "width"]
+            )
+        ],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_detector_with_symbolic_height_and_width_runs_at_a_plausible_size_and_says_so(
+    tmp_path: Path,
+) -> None:
+    model = strided_detector(tmp_path / "det.onnx")
+    report = inspect(model, sessions=1, strategies=["naive"])
+    (spec,) = report.inputs
+    assert spec.shape == (1, 3, 224, 224)  # a multiple of 8, what three stride-2 Convs reach
+    finding = next(f for f in report.findings if f.kind == "input-sizes")
+    text = finding.text
+    assert text.startswith("inspect chose sizes nobody gave: images: height=224 (a multiple of 8")
+    assert "--dim height=SIZE --dim width=SIZE" in text and "--shape images=1x3xHxW" in text
+    assert report.findings[0] is finding  # first: every figure after it depends on it
+    d = report.to_dict()
+    assert [c["size"] for c in d["inputs"][0]["chosen"]] == [1, 224, 224]
+    # Given sizes are the caller's: nothing to warn about.
+    given = inspect(model, sessions=1, strategies=["naive"], shapes={"images": (1, 3, 64, 64)})
+    assert not any(f.kind in ("input-sizes", "degenerate-inputs") for f in given.findings)
+
+
+def only_one_pixel(path: Path) -> Path:
+    """x[batch, 3, height, width] -> Reshape to [batch, 3] -> MatMul: runs only at 1x1."""
+    w = numpy_helper.from_array(np.eye(3, dtype=np.float32), "w")
+    flat = numpy_helper.from_array(np.array([0, 3], np.int64), "flat")
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Reshape", ["x", "flat"], ["v"]),
+            onnx.helper.make_node("MatMul", ["v", "w"], ["y"]),
+        ],
+        "pixel",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 3, "h", "w"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [w, flat],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_model_that_runs_only_at_1x1_is_measured_there_and_called_degenerate(
+    tmp_path: Path,
+) -> None:
+    model = only_one_pixel(tmp_path / "pixel.onnx")
+    report = inspect(model, sessions=1, strategies=["naive"])
+    assert report.inputs[0].shape == (1, 3, 1, 1)
+    finding = report.findings[0]
+    assert finding.kind == "degenerate-inputs"
+    assert finding.text.startswith("These inputs are degenerate: x: h=1, x: w=1.")
+    assert "refused the sizes tried first (x float32[batch=1, 3, h=224, w=224]" in finding.text
+    assert "--dim h=SIZE --dim w=SIZE" in finding.text

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from sharedml._errors import MeasurementError, ProviderError
-from sharedml._inputs import InputSpec, generate, input_specs
+from sharedml._inputs import generate, input_specs
 from sharedml._measure import measure
 from sharedml._measure_child import _DeviceMemory
 from sharedml._results import Measurement, MemoryPoint, _fit
@@ -78,12 +78,17 @@ def failing_model() -> onnx.ModelProto:
 # Generated inputs
 
 
-def test_symbolic_dims_default_to_one_and_can_be_overridden() -> None:
+def test_symbolic_dims_get_a_batch_of_one_and_a_plausible_length_and_can_be_overridden() -> None:
     specs = input_specs(embedding_model())
     assert [(s.name, s.dtype, s.shape) for s in specs] == [
-        ("ids", "int64", (1, 1)),
-        ("keep", "bool", (1, 1)),
+        ("ids", "int64", (1, 128)),
+        ("keep", "bool", (1, 128)),
     ]
+    assert [(c.dim, c.size, c.role) for c in specs[0].chosen] == [
+        ("batch", 1, "batch"),
+        ("seq", 128, "length"),
+    ]
+    assert [s.shape for s in input_specs(embedding_model(), guess="ones")] == [(1, 1), (1, 1)]
     specs = input_specs(embedding_model(), {"batch": 3, "seq": 7})
     assert specs[0].shape == (3, 7)
     assert specs[0].describe() == "ids int64[batch=3, seq=7]"
@@ -97,7 +102,8 @@ def test_paddle_dims_minus_one_and_question_mark_are_unnamed_dynamic_axes() -> N
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "paddle", [x], [y])
     model = helper.make_model(graph)
-    assert input_specs(model)[0].shape == (1, 3, 1, 1)
+    assert input_specs(model)[0].shape == (1, 3, 224, 224)  # no Conv: no stride to align to
+    assert input_specs(model, guess="ones")[0].shape == (1, 3, 1, 1)
     (spec,) = input_specs(model, shapes={"x": (1, 3, 48, 192)})  # '?' need not agree with '?'
     assert spec.shape == (1, 3, 48, 192)
 
@@ -140,12 +146,12 @@ def test_a_whole_shape_sets_the_input_and_the_dimensions_it_shares() -> None:
         ("scale", (2, 2), "generated"),  # batch=2 follows from the images shape
     ]
     assert defaulted_dims(input_specs(detector_model())) == {
-        "images": ["batch", "height", "width"],
-        "scale": ["batch"],
+        "images": ["batch=1", "height=224", "width=224"],
+        "scale": ["batch=1"],
     }
-    assert defaulted_dims(specs, {}) == {"scale": ["batch"]}
+    assert defaulted_dims(specs, {}) == {"scale": ["batch=2"]}
     assert defaulted_dims(input_specs(detector_model(), {"batch": 1}), {"batch": 1}) == {
-        "images": ["height", "width"]
+        "images": ["height=224", "width=224"]
     }
 
 
@@ -173,7 +179,7 @@ def test_a_shape_that_does_not_fit_the_model_is_refused(
 def test_given_inputs_must_have_the_models_dtype() -> None:
     specs = input_specs(detector_model(), given={"scale": ("float32", (5, 2))})
     assert [(s.name, s.shape, s.source) for s in specs] == [
-        ("images", (5, 3, 1, 1), "generated"),
+        ("images", (5, 3, 224, 224), "generated"),
         ("scale", (5, 2), "file"),
     ]
     with pytest.raises(ValueError, match="is float32, but --inputs gives int64"):
@@ -189,7 +195,12 @@ def test_unnamed_dynamic_axes_are_one_and_fixed_axes_kept() -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [None, 5])],
     )
     (spec,) = input_specs(helper.make_model(graph))
-    assert spec == InputSpec("x", "float16", (1, 5), ("?", None))
+    assert (spec.name, spec.dtype, spec.shape, spec.dim_names) == (
+        "x",
+        "float16",
+        (1, 5),
+        ("?", None),
+    )
 
 
 def test_initializers_listed_as_inputs_are_not_generated() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._format import human_bytes, human_seconds
-from sharedml._inputs import InputSpec, input_specs
+from sharedml._inputs import SIZE_CHOICES, InputSpec, chosen_sizes, input_specs
 from sharedml._measure import measure
 from sharedml._onnx import (
     ExternalData,
@@ -512,6 +512,9 @@ def findings(
         inputs: The inputs measured, to name generated masks and guessed sizes.
     """
     out: list[Finding] = []
+    sizes = _input_sizes(inputs, trial)
+    if sizes is not None:
+        out.append(sizes)
     if serialized is not None:
         out.append(_serialized_runs(serialized, sessions))
     stats = _runtime_stats(measurements)
@@ -847,7 +850,7 @@ def _advice(known: Mapping[str, int], sessions: int) -> Finding | None:
     hb = human_bytes
     if chosen == least:
         measured = ", ".join(
-            f"{_called(n, sessions)} {hb(known[n])}" for n in _ADVICE_ORDER if n in known
+            f"{_called(n, sessions)}: {hb(known[n])}" for n in _ADVICE_ORDER if n in known
         )
         claim = f"of the strategies measured it took the least memory ({measured})"
     else:
@@ -944,6 +947,71 @@ def _runtime_weights(
         "prepacked_bytes": packed,
     }
     return Finding("runtime-weights", text, figures)
+
+
+def _input_sizes(inputs: Sequence[InputSpec], trial: Mapping[str, Any] | None) -> Finding | None:
+    """Name the sizes inspect chose for symbolic heights, widths and lengths, and how to set them.
+
+    A model's memory depends on them; a size of 1 is degenerate (a detector at 1x1 holds a
+    fraction of what it holds at 320x320) and is said so loudly, never passed silently.
+    """
+    chosen = [c for c in chosen_sizes(inputs) if c.role != "batch"]
+    if not chosen:
+        return None
+    degenerate = [c for c in chosen if c.degenerate]
+    listed = "; ".join(f"{c.describe()} ({c.why})" for c in chosen)
+    rejected = list(trial.get("rejected_sizes") or ()) if trial is not None else []
+    if degenerate:
+        text = (
+            f"These inputs are degenerate: {', '.join(c.describe() for c in degenerate)}. "
+            "inspect set them to 1"
+        )
+        if rejected:
+            text += (
+                " because a plain session refused the sizes tried first ("
+                + "; ".join(
+                    f"{', '.join(r['inputs'])}: {str(r['error']).rstrip('.')}" for r in rejected
+                )
+                + ")"
+            )
+        text += (
+            ", and every figure below is for that size, not for the sizes traffic has: "
+            "activations, and what the inputs read of the weights, grow with them."
+        )
+    else:
+        text = (
+            f"inspect chose sizes nobody gave: {listed}. Memory depends on them (activations, "
+            "and what the inputs read of the weights)"
+        )
+        if rejected:
+            text += (
+                "; a plain session refused the sizes tried first ("
+                + "; ".join(
+                    f"{', '.join(r['inputs'])}: {str(r['error']).rstrip('.')}" for r in rejected
+                )
+                + ")"
+            )
+        text += "."
+    named = sorted({c.dim for c in chosen if c.dim != "?"})
+    ways = [f"--dim {' --dim '.join(f'{d}=SIZE' for d in named)}"] if named else []
+    for spec in inputs:
+        images = sorted(c.axis for c in spec.chosen if c.role == "image")
+        letters = {axis: "HW"[i] if i < 2 else "S" for i, axis in enumerate(images)}
+        letters |= {c.axis: "L" for c in spec.chosen if c.role == "length"}
+        if letters:
+            shape = "x".join(letters.get(axis, str(size)) for axis, size in enumerate(spec.shape))
+            ways.append(f"--shape {spec.name}={shape}")
+    text += (
+        " Measure at the sizes your traffic has: "
+        + ", ".join(ways)
+        + " (dims=/shapes= in Python), or real inputs with --inputs feeds.npz."
+    )
+    figures = {
+        "chosen": [c.to_dict() for c in chosen],
+        "degenerate": [c.describe() for c in degenerate],
+        "rejected": rejected,
+    }
+    return Finding("degenerate-inputs" if degenerate else "input-sizes", text, figures)
 
 
 def _nonfinite_outputs(
@@ -1128,7 +1196,14 @@ def inspect(
     given = None
     if feeds is not None:
         given = described(load_feeds(feeds))
-    inputs = input_specs(proto, dims, shapes=shapes, given=given, model_name=label)
+    # Sizes for the symbolic dimensions nobody gave, most plausible first: the trial run tries
+    # them in turn until a plain session runs (a recognizer refuses a height of 224).
+    candidates: list[tuple[InputSpec, ...]] = []
+    for guess in SIZE_CHOICES:
+        specs = input_specs(proto, dims, shapes=shapes, given=given, model_name=label, guess=guess)
+        if specs not in candidates:
+            candidates.append(specs)
+    inputs = candidates[0]
     weights = summarize_weights(proto, path)
     serialized = _serialized_for(plan, proto, label)
     del proto  # a model with inline weights is as large as they are: not kept while measuring
@@ -1164,19 +1239,26 @@ def inspect(
     with tempfile.TemporaryDirectory(prefix="sharedml-inspect-") as scratch:
         if progress is not None:
             progress("trial run: one plain session, ORT defaults", 0, total_steps)
-        trial = trial_run(
-            path,
-            inputs=inputs,
-            reference=Path(scratch) / "plain-outputs.npz",
-            providers=plan.providers,
-            provider_options=plan.provider_options,
-            feeds=feeds,
-            timeout_s=timeout_s,
-        )
+        rejected: list[dict[str, Any]] = []
+        for inputs in candidates:
+            trial = trial_run(
+                path,
+                inputs=inputs,
+                reference=Path(scratch) / "plain-outputs.npz",
+                providers=plan.providers,
+                provider_options=plan.provider_options,
+                feeds=feeds,
+                timeout_s=timeout_s,
+            )
+            if trial.error is None:
+                break
+            rejected.append({"inputs": [i.describe() for i in inputs], "error": trial.error})
+        trial_dict = trial.to_dict() | {"rejected_sizes": rejected}
         if trial.error is not None:
-            message = _trial_failed(label, trial.error, defaulted_dims(inputs, dims))
+            inputs = candidates[0]
+            message = _trial_failed(label, rejected, defaulted_dims(inputs, dims))
             exc = MeasurementError(message)
-            exc.report = report((), (), trial.to_dict(), message)
+            exc.report = report((), (), trial_dict, message)
             raise exc
         for index, strategy in enumerate(chosen):
             done_before = index * sessions
@@ -1215,10 +1297,10 @@ def inspect(
         weights_bytes=weights.total_bytes,
         unshared=weights.unshared,
         serialized=serialized,
-        trial=trial.to_dict(),
+        trial=trial_dict,
         inputs=inputs,
     )
-    return report(measurements, found, trial.to_dict())
+    return report(measurements, found, trial_dict)
 
 
 def _serialized_for(plan: Any, proto: Any, label: str) -> SerializedRuns | None:
@@ -1239,21 +1321,29 @@ def _serialized_for(plan: Any, proto: Any, label: str) -> SerializedRuns | None:
     return SerializedRuns(plan.primary, ort.__version__, why)
 
 
-def _trial_failed(label: str, error: str, defaulted: Mapping[str, Sequence[str]]) -> str:
-    """The message for a trial run that failed: ORT's error, and the dims that were guessed."""
+def _trial_failed(
+    label: str, rejected: Sequence[Mapping[str, Any]], defaulted: Mapping[str, Sequence[str]]
+) -> str:
+    """The message for a trial run that failed at every size tried: ORT's errors, the dims."""
+    first = rejected[0]
     text = (
         f"One plain onnxruntime session of {label} could not run on the inputs inspect made "
-        f"(nothing was measured): {error.rstrip('.')}."
+        f"(nothing was measured): {str(first['error']).rstrip('.')}."
     )
+    if len(rejected) > 1:
+        others = "; ".join(
+            f"{', '.join(r['inputs'])}: {str(r['error']).rstrip('.')}" for r in rejected[1:]
+        )
+        text += f" Also tried {others}."
     if defaulted:
-        set_to_one = "; ".join(f"{name}: {', '.join(d)}" for name, d in defaulted.items())
-        every = [d for dims in defaulted.values() for d in dims]
+        chose = "; ".join(f"{name}: {', '.join(d)}" for name, d in defaulted.items())
+        every = [d.split("=")[0] for dims in defaulted.values() for d in dims]
         # Batch sizes of 1 rarely break a model; heights, widths and lengths do.
-        first = next((d for d in every if "batch" not in d.lower()), every[0])
+        named = next((d for d in every if "batch" not in d.lower() and d != "?"), None)
         text += (
-            f" These symbolic dimensions were set to 1 ({set_to_one}): give real sizes with "
-            f"--dim {first}=SIZE (dims= in Python), a whole input with --shape NAME=AxBxC, or "
-            "real inputs with --inputs feeds.npz."
+            f" inspect chose the sizes of these symbolic dimensions ({chose}): give real sizes "
+            + (f"with --dim {named}=SIZE (dims= in Python), " if named else "")
+            + "a whole input with --shape NAME=AxBxC, or real inputs with --inputs feeds.npz."
         )
     else:
         text += " Give real inputs with --inputs feeds.npz (feeds= in Python)."
