@@ -29,6 +29,7 @@ from onnx import numpy_helper
 
 import sharedml
 from sharedml._cli_inspect import render_text, write_plot
+from sharedml._format import human_bytes
 from sharedml._inputs import InputSpec
 from sharedml._inspect import InspectReport, inspect, recommend, summarize_weights
 from sharedml._onnx import load_graph
@@ -1041,3 +1042,68 @@ def test_a_model_that_runs_only_at_1x1_is_measured_there_and_called_degenerate(
     assert finding.text.startswith("These inputs are degenerate: x: h=1, x: w=1.")
     assert "refused the sizes tried first (x float32[batch=1, 3, h=224, w=224]" in finding.text
     assert "--dim h=SIZE --dim w=SIZE" in finding.text
+
+
+FROM_PLAIN = r"""
+import ctypes, gc, json, sys, threading
+import numpy as np, onnxruntime as ort, psutil
+
+model, n, warmup = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+ort.InferenceSession(warmup, providers=["CPUExecutionProvider"]).run(
+    None, {"a": np.zeros(1, np.float32)})
+libc = ctypes.CDLL("libc.so.6")
+def pss():
+    gc.collect(); libc.malloc_trim(0); return psutil.Process().memory_full_info().pss
+base = pss()  # a process that runs onnxruntime, and nothing of sharedml yet
+import sharedml
+with sharedml.SessionPool(model, sessions=n) as pool:  # as README shows it
+    pool.wait_ready()
+    barrier = threading.Barrier(n)
+    def work():
+        barrier.wait()
+        pool.run(None, {"x": np.full((1, 256), 0.5, np.float32)})
+    threads = [threading.Thread(target=work) for _ in range(n)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    print(json.dumps({"pss": pss() - base}))
+"""
+
+
+@linux_only
+@pytest.mark.slow
+def test_sharedmls_own_cost_is_its_own_line_and_counted_against_plain_sessions(
+    tmp_path: Path,
+) -> None:
+    """A small model: what a pool adds to a plain-ORT process is the pool plus sharedml itself."""
+    from sharedml._measure_child import warmup_model_bytes
+
+    model = save_model(build_model(["initializer"] * 2, dim=256), tmp_path / "small.onnx")
+    report = inspect(model, sessions=2, strategies=["naive", "shared"])
+    fixed = report.fixed_bytes
+    shared = report.strategies["shared"].total_bytes
+    assert fixed is not None and shared is not None and fixed > 0
+    assert report.fixed_cost is not None
+    imports = report.fixed_cost.imports_bytes("pss")
+    assert imports is not None and 0 < imports <= fixed
+    out = subprocess.run(
+        [sys.executable, "-c", FROM_PLAIN, str(model), "2", warmup_model_bytes().hex()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    independent = int(json.loads(out.stdout.strip().splitlines()[-1])["pss"])
+    ratio = (shared + fixed) / independent
+    print(f"pool {shared / MiB:.1f} + own {fixed / MiB:.1f}; from plain {independent / MiB:.1f}")
+    # Without sharedml's own cost the pool's figure is 0.15x of this; with it, about 1x.
+    assert 0.75 <= ratio <= 1.35, ratio
+    vs = next(f for f in report.findings if f.kind == "pool-vs-plain")
+    assert vs.figures["fixed_bytes"] == fixed
+    assert f"sharedml itself {human_bytes(fixed)} once per process" in vs.text
+    assert report.to_dict()["sharedml_fixed_bytes"] == fixed
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    render_text(report, console=Console(file=buffer, width=100))
+    assert "sharedml itself: " in buffer.getvalue()

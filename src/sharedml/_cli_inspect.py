@@ -507,6 +507,18 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         "largest absolute difference)."
         + (f" Left out to fit this width (in --json): {', '.join(left_out)}." if left_out else "")
     )
+    fixed = report.fixed_cost
+    if fixed is not None and fixed.error is None:
+        total, imports = fixed.bytes(report.metric), fixed.imports_bytes(report.metric)
+        para(
+            f"sharedml itself: {human_bytes(total)} ({metric}) once per process, whatever its "
+            f"pools hold: its imports ({human_bytes(imports)}), its session-creation thread and "
+            "what outlives a pool, measured in a fresh process that had run onnxruntime alone. "
+            "The pooled rows leave it out; the recommendation counts it wherever a pool is "
+            "compared with plain sessions."
+        )
+    elif fixed is not None:
+        para(f"sharedml's own per-process cost could not be measured: {fixed.error}")
     for note in sorted({m.metric_note for m in measurements if m.metric_note}):
         para(f"Memory is read as {note}.")
     for note in sorted({m.device_note for m in measurements if m.device_note}):

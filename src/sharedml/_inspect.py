@@ -21,7 +21,7 @@ from typing import Any
 
 from sharedml._format import human_bytes, human_seconds
 from sharedml._inputs import SIZE_CHOICES, InputSpec, chosen_sizes, input_specs
-from sharedml._measure import measure
+from sharedml._measure import FixedCost, measure
 from sharedml._onnx import (
     ExternalData,
     Placement,
@@ -324,6 +324,8 @@ class InspectReport:
         trial: The trial run (one plain session, ORT's defaults, run once before measuring):
             ``error``, ``outputs``, ``run_seconds``; None where it was not made.
         error: Why the report is partial (the trial run failed), else None.
+        fixed_cost: sharedml's own cost per process (imports, its creation thread), measured
+            in a fresh process where the pool was measured; None otherwise.
     """
 
     model_path: Path
@@ -340,6 +342,14 @@ class InspectReport:
     findings: tuple[Finding, ...] = ()
     trial: Mapping[str, Any] | None = None
     error: str | None = None
+    fixed_cost: FixedCost | None = None
+
+    @property
+    def fixed_bytes(self) -> int | None:
+        """:attr:`fixed_cost` in the headline metric, or None where it was not measured."""
+        if self.fixed_cost is None or self.fixed_cost.error is not None:
+            return None
+        return self.fixed_cost.bytes(self.metric)
 
     @property
     def weights_bytes(self) -> int:
@@ -417,6 +427,8 @@ class InspectReport:
             "weights": self.weights.to_dict(),
             "error": self.error,
             "trial": dict(self.trial) if self.trial is not None else None,
+            "sharedml_fixed_bytes": self.fixed_bytes,
+            "sharedml_fixed": self.fixed_cost.to_dict() if self.fixed_cost is not None else None,
             "memory_metric": self.metric,
             "strategies": {
                 m.strategy: m.to_dict()
@@ -1216,6 +1228,7 @@ def inspect(
         found: tuple[Finding, ...],
         trial: Mapping[str, Any],
         error: str | None = None,
+        fixed: FixedCost | None = None,
     ) -> InspectReport:
         return InspectReport(
             model_path=path,
@@ -1233,6 +1246,7 @@ def inspect(
             findings=found,
             trial=trial,
             error=error,
+            fixed_cost=fixed,
         )
 
     measurements: list[Measurement] = []
@@ -1290,7 +1304,28 @@ def inspect(
                     reference=trial.reference,
                 )
             )
+        fixed: FixedCost | None = None
+        if SHARED in {m.strategy for m in measurements}:
+            from sharedml._measure import fixed_cost
+
+            if progress is not None:
+                progress(
+                    "sharedml's own cost: a fresh process imports it, opens and closes a pool",
+                    total_steps,
+                    total_steps,
+                )
+            fixed = fixed_cost(
+                path,
+                inputs=inputs,
+                sessions=sessions,
+                providers=plan.providers,
+                provider_options=plan.provider_options,
+                feeds=feeds,
+                timeout_s=timeout_s,
+            )
     by_name = {m.strategy: m for m in measurements}
+    metric = measurements[0].metric if measurements else "pss"
+    fixed_bytes = fixed.bytes(metric) if fixed is not None and fixed.error is None else None
     found = findings(
         by_name,
         sessions=sessions,
@@ -1299,8 +1334,9 @@ def inspect(
         serialized=serialized,
         trial=trial_dict,
         inputs=inputs,
+        fixed_bytes=fixed_bytes,
     )
-    return report(measurements, found, trial_dict)
+    return report(measurements, found, trial_dict, fixed=fixed)
 
 
 def _serialized_for(plan: Any, proto: Any, label: str) -> SerializedRuns | None:
