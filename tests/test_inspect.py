@@ -34,6 +34,7 @@ from sharedml._inputs import InputSpec
 from sharedml._inspect import InspectReport, inspect, recommend, summarize_weights
 from sharedml._onnx import load_graph
 from sharedml._results import Measurement, MemoryPoint
+from sharedml._tables import indexed_tables
 from sharedml.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1107,3 +1108,61 @@ def test_sharedmls_own_cost_is_its_own_line_and_counted_against_plain_sessions(
     buffer = io.StringIO()
     render_text(report, console=Console(file=buffer, width=100))
     assert "sharedml itself: " in buffer.getvalue()
+
+
+def embedding_lookup(path: Path, *, vocab: int = 16384, width: int = 256) -> Path:
+    """ids int64[batch, seq] -> Gather from a [vocab, width] float table -> ReduceMean.
+
+    The table is most of the weights (16 MiB), and a run reads only the rows ``ids`` name.
+    """
+    table = np.random.default_rng(0).standard_normal((vocab, width)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Gather", ["table", "ids"], ["emb"]),
+            onnx.helper.make_node("ReduceMean", ["emb"], ["y"], axes=[1], keepdims=0),
+        ],
+        "lookup",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["batch", "seq"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", width])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@linux_only
+@pytest.mark.slow
+def test_a_table_indexed_by_input_ids_is_measured_after_runs_that_read_every_row(
+    tmp_path: Path,
+) -> None:
+    model = embedding_lookup(tmp_path / "lookup.onnx")
+    (table,) = indexed_tables(onnx.load(str(model)))
+    assert (table.name, table.rows, table.input, table.op) == ("table", 16384, "ids", "Gather")
+    report = inspect(model, sessions=2, strategies=["naive", "shared", "single"])
+    assert report.after_traffic and [t.name for t in report.tables] == ["table"]
+    shared = report.strategies["shared"]
+    assert shared.traffic["rows"] == {"table": 16384} and not shared.traffic["partial"]
+    assert shared.total_bytes is not None and shared.traffic_bytes is not None
+    # The pool maps the table from its weights file: the generated ids (all 1) read one row;
+    # traffic reads every row, and the pool then holds the table once.
+    print(f"pool {shared.total_bytes / MiB:.1f} -> {shared.traffic_bytes / MiB:.1f} MiB")
+    assert shared.total_bytes < 0.3 * table.nbytes
+    assert shared.traffic_bytes > 0.8 * table.nbytes
+    naive = report.strategies["naive"]
+    assert naive.traffic_bytes is not None and naive.traffic_bytes >= 0.9 * naive.total_bytes
+    # Every comparison uses the figures after traffic, and says so.
+    vs = next(f for f in report.findings if f.kind == "pool-vs-plain")
+    assert vs.figures["pool_bytes"] == shared.traffic_bytes and vs.figures["after_traffic"]
+    assert vs.text.startswith("After runs over every row of the tables the inputs index")
+    advice = next(f for f in report.findings if f.kind == "advice")
+    assert advice.figures["totals"]["single"] == report.strategies["single"].traffic_bytes
+    read = next(f for f in report.findings if f.kind == "indexed-tables")
+    assert "'table' float[16384x256] 16.0 MiB by input 'ids'" in read.text
+    assert "16384 of 16384 rows of 'table'" in read.text and "use these figures" in read.text
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    render_text(report, console=Console(file=buffer, width=100))
+    assert "traffic MiB" in buffer.getvalue() and "indexed by input 'ids'" in buffer.getvalue()

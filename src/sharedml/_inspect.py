@@ -39,6 +39,7 @@ from sharedml._strategies import (
     get_strategy,
     registered_strategies,
 )
+from sharedml._tables import IndexedTable, indexed_tables
 
 __all__ = [
     "DEFAULT_PROJECTION_SESSIONS",
@@ -326,6 +327,9 @@ class InspectReport:
         error: Why the report is partial (the trial run failed), else None.
         fixed_cost: sharedml's own cost per process (imports, its creation thread), measured
             in a fresh process where the pool was measured; None otherwise.
+        tables: Weights that inputs index (embeddings), read only where they point: every
+            strategy ran over inputs covering their rows after its points
+            (:attr:`Measurement.traffic_points`).
     """
 
     model_path: Path
@@ -343,6 +347,12 @@ class InspectReport:
     trial: Mapping[str, Any] | None = None
     error: str | None = None
     fixed_cost: FixedCost | None = None
+    tables: tuple[IndexedTable, ...] = ()
+
+    @property
+    def after_traffic(self) -> bool:
+        """Whether the comparisons use figures after runs over the indexed tables' rows."""
+        return _use_traffic(self.strategies)
 
     @property
     def fixed_bytes(self) -> int | None:
@@ -367,9 +377,13 @@ class InspectReport:
         return {m.strategy: m for m in self.measurements}
 
     def projection(self, strategy: str) -> dict[int, int | None]:
-        """Projected memory of ``strategy`` at each of :attr:`projection_sessions` (fit)."""
+        """Projected memory of ``strategy`` at each of :attr:`projection_sessions` (fit).
+
+        After runs over the indexed tables' rows where :attr:`after_traffic`.
+        """
         m = self.strategies[strategy]
-        return {n: m.projected_bytes(n) for n in self.projection_sessions}
+        traffic = self.after_traffic
+        return {n: _projected(m, n, traffic) for n in self.projection_sessions}
 
     @property
     def runtime_weights(self) -> dict[str, dict[str, Any]]:
@@ -428,6 +442,8 @@ class InspectReport:
             "error": self.error,
             "trial": dict(self.trial) if self.trial is not None else None,
             "sharedml_fixed_bytes": self.fixed_bytes,
+            "indexed_tables": [t.to_dict() for t in self.tables],
+            "after_traffic": self.after_traffic,
             "sharedml_fixed": self.fixed_cost.to_dict() if self.fixed_cost is not None else None,
             "memory_metric": self.metric,
             "strategies": {
@@ -497,6 +513,7 @@ def findings(
     fixed_bytes: int | None = None,
     trial: Mapping[str, Any] | None = None,
     inputs: Sequence[InputSpec] = (),
+    tables: Sequence[IndexedTable] = (),
 ) -> tuple[Finding, ...]:
     """The recommendation, computed from the measurements: one :class:`Finding` per statement.
 
@@ -522,6 +539,7 @@ def findings(
         fixed_bytes: sharedml's own cost per process (:class:`FixedCost`), or None.
         trial: The trial run (:attr:`InspectReport.trial`): its outputs' NaN counts.
         inputs: The inputs measured, to name generated masks and guessed sizes.
+        tables: The tables inputs index, for what traffic reads of them.
     """
     out: list[Finding] = []
     sizes = _input_sizes(inputs, trial)
@@ -529,6 +547,9 @@ def findings(
         out.append(sizes)
     if serialized is not None:
         out.append(_serialized_runs(serialized, sessions))
+    read = _tables_read(tables, measurements, sessions)
+    if read is not None:
+        out.append(read)
     stats = _runtime_stats(measurements)
     naive = measurements.get(NAIVE)
     shared = measurements.get(SHARED)
@@ -780,19 +801,21 @@ def _pool_vs_plain(
     )
     takes = (
         f"sharedml's pool takes {hb(shared_total)} ({metric}) and sharedml itself {hb(fixed)} "
-        f"once per process (its imports and threads), {hb(pool)} in all,"
+        f"once per process (its imports and threads), {hb(pool)} in all"
         if fixed
         else f"sharedml's pool takes {hb(shared_total)} ({metric})"
     )
     if verdict == "less":
         text = (
-            f"{when} {sessions} sessions, {takes} where {sessions} plain sessions take "
+            f"{when} {sessions} sessions, {takes}{',' if fixed else ''} where {sessions} plain "
+            "sessions take "
             f"{hb(naive_total)}: {hb(naive_total - pool)} "
             f"({_pct(naive_total - pool, naive_total)}) less."
         )
     elif verdict == "same":
         text = (
-            f"{when} {sessions} sessions, {takes} and {sessions} plain sessions "
+            f"{when} {sessions} sessions, {takes}{',' if fixed else ''} and {sessions} plain "
+            "sessions "
             f"{hb(naive_total)}: within {SAME_WITHIN:.0%} of each other, so sharing saves "
             "nothing material here."
         )
@@ -959,6 +982,67 @@ def _runtime_weights(
         "prepacked_bytes": packed,
     }
     return Finding("runtime-weights", text, figures)
+
+
+def _tables_read(
+    tables: Sequence[IndexedTable], measurements: Mapping[str, Measurement], sessions: int
+) -> Finding | None:
+    """Say which tables inputs index, what running over their rows added, and what is compared."""
+    if not tables:
+        return None
+    hb = human_bytes
+    total = sum(t.nbytes for t in tables)
+    shown = sorted(tables, key=lambda t: t.nbytes, reverse=True)[:3]
+    named = ", ".join(
+        f"'{t.name}' {t.dtype}[{'x'.join(map(str, t.shape))}] {hb(t.nbytes)}"
+        + (f" by input '{t.input}'" if t.input else " by indices the graph computes")
+        for t in shown
+    ) + (f" and {len(tables) - len(shown)} more" if len(tables) > len(shown) else "")
+    text = (
+        f"{len(tables)} weight table{'s' if len(tables) > 1 else ''} ({hb(total)}) "
+        f"{'are' if len(tables) > 1 else 'is'} read only at the rows the inputs index "
+        f"({named}): a mapped weights file holds only the pages read, so a run on generated "
+        "inputs counts a few rows, and traffic reads every row over time."
+    )
+    figures: dict[str, Any] = {"tables": [t.to_dict() for t in tables], "total_bytes": total}
+    measured = {n: m for n, m in measurements.items() if m.traffic_points}
+    traffic = _use_traffic(measurements)
+    if traffic:
+        info = next(iter(measured.values())).traffic
+        rows = dict(info.get("rows") or {})
+        covered = ", ".join(
+            f"{rows[t.name]} of {t.rows} rows of '{t.name}'" for t in shown if t.name in rows
+        )
+        changes = "; ".join(
+            f"{n} {hb(m.total_bytes)} -> {hb(m.traffic_bytes)}"
+            for n, m in measured.items()
+            if n in (NAIVE, SHARED, SINGLE)
+        )
+        text += (
+            f" Each session then ran {info.get('runs')} times on inputs whose ids covered "
+            f"{covered}"
+            + (" (stopped early: the time for it ran out)" if info.get("partial") else "")
+            + f", and memory grew ({sessions} sessions): {changes}. The comparisons and the "
+            "advice below use these figures after traffic."
+        )
+        figures |= {"runs": info.get("runs"), "rows": rows, "partial": bool(info.get("partial"))}
+    else:
+        errors = sorted(
+            {str(m.traffic.get("error")) for m in measurements.values() if m.traffic.get("error")}
+        )
+        why = (
+            f"running over their rows failed ({errors[0]})"
+            if errors
+            else "no input's values reach them unchanged, so inspect cannot choose ids that "
+            "cover their rows"
+        )
+        text += (
+            f" The figures below count only what the generated inputs read: {why}. Under "
+            f"traffic, up to {hb(total)} more may become resident for each copy of the tables "
+            "a strategy keeps."
+        )
+    figures["after_traffic"] = traffic
+    return Finding("indexed-tables", text, figures)
 
 
 def _input_sizes(inputs: Sequence[InputSpec], trial: Mapping[str, Any] | None) -> Finding | None:
@@ -1216,6 +1300,7 @@ def inspect(
         if specs not in candidates:
             candidates.append(specs)
     inputs = candidates[0]
+    tables = indexed_tables(proto)
     weights = summarize_weights(proto, path)
     serialized = _serialized_for(plan, proto, label)
     del proto  # a model with inline weights is as large as they are: not kept while measuring
@@ -1247,6 +1332,7 @@ def inspect(
             trial=trial,
             error=error,
             fixed_cost=fixed,
+            tables=tables,
         )
 
     measurements: list[Measurement] = []
@@ -1302,6 +1388,7 @@ def inspect(
                     progress=step,
                     feeds=feeds,
                     reference=trial.reference,
+                    tables=tables,
                 )
             )
         fixed: FixedCost | None = None
@@ -1335,6 +1422,7 @@ def inspect(
         trial=trial_dict,
         inputs=inputs,
         fixed_bytes=fixed_bytes,
+        tables=tables,
     )
     return report(measurements, found, trial_dict, fixed=fixed)
 

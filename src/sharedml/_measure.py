@@ -27,6 +27,7 @@ from sharedml._inputs import InputSpec, input_specs
 from sharedml._measure_child import PROGRESS_PREFIX, RESULT_PREFIX, SPEC_VERSION
 from sharedml._results import Measurement
 from sharedml._strategies import get_strategy
+from sharedml._tables import IndexedTable
 
 __all__ = [
     "DEFAULT_MEMORY_RESERVE_BYTES",
@@ -106,6 +107,8 @@ def measure(
     progress: ProgressCallback | None = None,
     feeds: str | os.PathLike[str] | None = None,
     reference: str | os.PathLike[str] | None = None,
+    tables: Sequence[IndexedTable] = (),
+    traffic_seconds: float | None = None,
 ) -> Measurement:
     """Measure one strategy at ``sessions`` sessions in a fresh subprocess.
 
@@ -128,6 +131,11 @@ def measure(
             ``"file"`` (``sharedml inspect --inputs``).
         reference: Outputs of a default plain session to compare the first run with
             (:func:`trial_run` writes them); see :attr:`Measurement.plain_max_abs_diff`.
+        tables: Tables the inputs index (:func:`sharedml._tables.indexed_tables`): after
+            the points, each session runs over inputs whose ids cover their rows, and memory
+            is read after each (:attr:`Measurement.traffic_points`).
+        traffic_seconds: Time those runs may take in all (default 60 s); where it runs out,
+            fewer rows are covered and :attr:`Measurement.traffic` says so.
 
     Returns:
         The :class:`Measurement`.
@@ -162,6 +170,8 @@ def measure(
         "sessions": sessions,
         "memory_reserve_bytes": int(memory_reserve_bytes),
         "reference_file": str(reference) if reference is not None else None,
+        "tables": [t.to_dict() for t in tables],
+        "traffic_seconds": traffic_seconds,
     }
     try:
         raw = _run_child(spec, timeout_s=timeout_s, progress=progress)

@@ -318,6 +318,94 @@ def _growth(now: Mapping[str, Any], base: Mapping[str, Any], key: str) -> int | 
     return None if a is None or b is None else a - b
 
 
+DEFAULT_TRAFFIC_SECONDS = 60.0  # per strategy: runs over the tables stop there, partly covered
+
+
+def _traffic_point(
+    base: Mapping[str, Any], base_untrimmed: Mapping[str, Any], metric: str
+) -> dict[str, Any]:
+    """Memory now against the baseline, as a point (no creation, no timed run)."""
+    gc.collect()
+    untrimmed = _memory()
+    release_freed_heap()
+    now = _memory()
+    return {
+        "sessions": 0,
+        "pss_bytes": _growth(now, base, "pss"),
+        "uss_bytes": _growth(now, base, "uss"),
+        "rss_bytes": _growth(now, base, "rss"),
+        "private_bytes": _growth(now, base, "private"),
+        "untrimmed_bytes": _growth(untrimmed, base_untrimmed, metric),
+        "device_bytes": None,
+        "create_seconds": 0.0,
+        "run_seconds": 0.0,
+        "outputs_agree": True,
+    }
+
+
+def _run_over_tables(
+    spec: Mapping[str, Any],
+    runners: Sequence[Runner],
+    feeds: Mapping[str, Any],
+    reading: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run each session over inputs whose ids cover the indexed tables' rows, one at a time.
+
+    After session k has run over them, memory is read: point k. The first session runs
+    until every row is covered or its share of the time (``traffic_seconds`` / N) is up;
+    the others run as many, so that every session read the same rows.
+
+    Returns:
+        The points, and what was done (``runs``, ``runs_needed``, ``rows`` covered per
+        table, ``seconds``, ``partial``, ``error``); no points where there is nothing to run.
+    """
+    from sharedml._tables import covering_feeds, runs_to_cover
+
+    tables = list(spec.get("tables") or ())
+    needed = runs_to_cover(tables, spec["inputs"]) if tables else 0
+    if not needed or not runners:
+        return [], {}
+    budget = float(spec.get("traffic_seconds") or DEFAULT_TRAFFIC_SECONDS) / len(runners)
+    points: list[dict[str, Any]] = []
+    allowed = needed
+    start = time.perf_counter()
+    try:
+        for k, run in enumerate(runners, start=1):
+            began = time.perf_counter()
+            done = 0
+            for feed in covering_feeds(tables, spec["inputs"], feeds):
+                if done >= allowed or (k == 1 and time.perf_counter() - began > budget):
+                    break
+                run(feed)
+                done += 1
+            allowed = done
+            point = reading()
+            point["sessions"] = k
+            point["run_seconds"] = time.perf_counter() - began
+            points.append(point)
+    except Exception as exc:  # the model refuses the ids: say so, measure nothing of it
+        text = " ".join((str(exc).strip() or type(exc).__name__).split())
+        return [], {"error": f"{type(exc).__name__}: {text}", "runs_needed": needed}
+    shapes = {str(i["name"]): i["shape"] for i in spec["inputs"]}
+    rows: dict[str, int] = {}
+    for t in tables:
+        if t.get("input") is None or t["input"] not in shapes:
+            continue
+        per_run = 1
+        for axis, d in enumerate(shapes[t["input"]]):
+            if t.get("block") is None or axis != t["block"][0] % len(shapes[t["input"]]):
+                per_run *= int(d)
+        rows[t["name"]] = min(int(t["rows"]), allowed * per_run)
+    return points, {
+        "runs": allowed,
+        "runs_needed": needed,
+        "rows": rows,
+        "seconds": time.perf_counter() - start,
+        "partial": allowed < needed,
+        "error": None,
+    }
+
+
 def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     import onnxruntime as ort
 
@@ -428,6 +516,9 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
                 }
             )
             print(f"{PROGRESS_PREFIX}{k} {ctx.sessions}", flush=True)
+        traffic_points, traffic = _run_over_tables(
+            spec, runners, feeds, lambda: _traffic_point(base, base_untrimmed, metric)
+        )
         describe = getattr(sessions, "details", None)
         details = dict(describe()) if callable(describe) else {}
     finally:
@@ -454,6 +545,8 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         "plain_outputs_compared": plain_compared,
         "plain_outputs_comparable": plain_comparable,
         "plain_outputs_nonfinite": plain_nonfinite,
+        "traffic_points": traffic_points,
+        "traffic": traffic,
     }
 
 
