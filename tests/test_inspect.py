@@ -114,7 +114,22 @@ def test_the_demo_reports_the_documented_fields(demo_json: dict[str, Any]) -> No
         assert s["init_seconds"] > 0 and s["first_run_seconds"] > 0
         assert s["projection"]["32"] >= s["projection"]["1"]
     assert demo_json["inputs"] == [
-        {"name": "x", "dtype": "float32", "shape": [1, 1024], "source": "generated"}
+        {
+            "name": "x",
+            "dtype": "float32",
+            "shape": [1, 1024],
+            "source": "generated",
+            "chosen": [
+                {
+                    "input": "x",
+                    "axis": 0,
+                    "dim": "batch",
+                    "size": 1,
+                    "role": "batch",
+                    "why": "a batch of one",
+                }
+            ],
+        }
     ]
     assert "SessionPool" in demo_json["recommendation"]
     kinds = [f["kind"] for f in demo_json["findings"]]
@@ -707,7 +722,13 @@ def test_shapes_and_real_inputs_make_it_run_and_are_reported(
     assert code == 0, err
     report = json.loads(out)
     assert report["inputs"] == [
-        {"name": "images", "dtype": "float32", "shape": [1, 3, 8, 8], "source": "shape"}
+        {
+            "name": "images",
+            "dtype": "float32",
+            "shape": [1, 3, 8, 8],
+            "source": "shape",
+            "chosen": [],
+        }
     ]
     assert all(s["matches_plain"] for s in report["strategies"].values())
     # Not a terminal: one line per stage, no bar.

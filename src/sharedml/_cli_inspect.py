@@ -524,13 +524,13 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
     )
     fixed = report.fixed_cost
     if fixed is not None and fixed.error is None:
-        total, imports = fixed.bytes(report.metric), fixed.imports_bytes(report.metric)
+        total, imports = report.fixed_bytes, fixed.imports_bytes(report.metric)
         para(
             f"sharedml itself: {human_bytes(total)} ({metric}) once per process, whatever its "
-            f"pools hold: its imports ({human_bytes(imports)}), its session-creation thread and "
-            "what outlives a pool, measured in a fresh process that had run onnxruntime alone. "
-            "The pooled rows leave it out; the recommendation counts it wherever a pool is "
-            "compared with plain sessions."
+            f"pools hold: its imports ({human_bytes(imports)}) and its session-creation thread. "
+            "A fresh process that had run onnxruntime alone grew by the pool's figure plus "
+            "this when it opened the same pool. The pooled rows leave it out; the "
+            "recommendation counts it wherever a pool is compared with plain sessions."
         )
     elif fixed is not None:
         para(f"sharedml's own per-process cost could not be measured: {fixed.error}")

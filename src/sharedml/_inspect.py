@@ -359,7 +359,8 @@ class InspectReport:
         """:attr:`fixed_cost` in the headline metric, or None where it was not measured."""
         if self.fixed_cost is None or self.fixed_cost.error is not None:
             return None
-        return self.fixed_cost.bytes(self.metric)
+        shared = self.strategies.get(SHARED)
+        return self.fixed_cost.bytes(self.metric, shared.total_bytes if shared else None)
 
     @property
     def weights_bytes(self) -> int:
@@ -1412,7 +1413,11 @@ def inspect(
             )
     by_name = {m.strategy: m for m in measurements}
     metric = measurements[0].metric if measurements else "pss"
-    fixed_bytes = fixed.bytes(metric) if fixed is not None and fixed.error is None else None
+    fixed_bytes = (
+        fixed.bytes(metric, by_name[SHARED].total_bytes)
+        if fixed is not None and fixed.error is None and SHARED in by_name
+        else None
+    )
     found = findings(
         by_name,
         sessions=sessions,

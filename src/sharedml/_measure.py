@@ -48,8 +48,11 @@ _CHILD_CODE = (
 
 # sharedml's own cost in a process: this child reads its memory with sharedml._memory run as a
 # file (runpy), so that nothing of sharedml is imported before its first reading; then it imports
-# sharedml, opens a pool as README shows (sessions created in the background), runs it, closes
-# it, and reads again. What stays is what any process pays once for using sharedml.
+# sharedml, opens a pool as README shows (sessions created in the background), runs its N
+# sessions at once as the measuring child does, and reads again: the pool as a process that used
+# plain onnxruntime before sees it. Less the pooled strategy's own figure, that is sharedml's
+# fixed cost. (A pool closed and read after would count twice what ORT sets up for the first
+# session of a model, which the strategy's figure holds too.)
 _FIXED_COST_CODE = r"""
 import gc, json, runpy, sys
 spec = json.loads(sys.argv[1])
@@ -75,17 +78,27 @@ from sharedml._inputs import generate, load_feeds
 given = load_feeds(spec["feeds_file"]) if spec.get("feeds_file") else {}
 feeds = {i["name"]: given[i["name"]] if i.get("source") == "file" else generate(i)
          for i in spec["inputs"]}
-pool = sharedml.SessionPool(spec["model"], sessions=spec["sessions"], providers=providers,
+import threading
+n = spec["sessions"]
+pool = sharedml.SessionPool(spec["model"], sessions=n, providers=providers,
                             provider_options=options)
 pool.wait_ready()
-pool.run(None, feeds)
-pool.close()
-del pool
-after = reading()
+held = [pool.session() for _ in range(n)]
+sessions = [h.__enter__() for h in held]
+barrier = threading.Barrier(n)
+def work(sess):
+    barrier.wait()
+    sess.run(None, feeds)
+threads = [threading.Thread(target=work, args=(s,)) for s in sessions]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+opened = reading()
 keys = ("pss", "uss", "rss", "private")
 def growth(a, b):
     return {k: None if a[k] is None or b[k] is None else a[k] - b[k] for k in keys}
-print("RESULT " + json.dumps({"imports": growth(imported, before), "fixed": growth(after, before)}),
+print("RESULT " + json.dumps({"imports": growth(imported, before), "pool": growth(opened, before)}),
       flush=True)
 """
 
@@ -271,27 +284,36 @@ def trial_run(
 class FixedCost:
     """What sharedml itself costs a process, once, whatever its pools hold.
 
-    Measured in a fresh process that has onnxruntime loaded and has run a session: the
-    growth after importing sharedml, and after opening a pool of the model as README shows
-    (its other sessions created on sharedml's background thread), running it once and
-    closing it: the imports, the creation thread and what its heap keeps, and anything else
-    that outlives a pool. Growth per metric (``pss``, ``uss``, ``rss``, ``private``), None
-    where the platform does not give it.
+    A fresh process that has onnxruntime loaded and has run a session reads its memory, imports
+    sharedml, opens a pool of N of the model as README shows (its other sessions created on
+    sharedml's background thread) and runs all N at once: ``pool`` is that growth, what a pool
+    costs a process that used plain onnxruntime before. Less the pooled strategy's own figure
+    (measured over a baseline that had sharedml imported), what remains is sharedml's: its
+    imports, its creation thread and what that thread's heap keeps. Growth per metric (``pss``,
+    ``uss``, ``rss``, ``private``), None where the platform does not give it.
 
     Attributes:
         imports: Growth after ``import sharedml`` and loading ``sharedml.SessionPool``.
-        fixed: Growth after a pool was opened, run and closed: the whole fixed cost.
+        pool: Growth with the pool open and every session run once.
         error: Why it could not be measured (the child's last line), else None.
     """
 
     imports: Mapping[str, int | None]
-    fixed: Mapping[str, int | None]
+    pool: Mapping[str, int | None]
     error: str | None = None
 
-    def bytes(self, metric: str) -> int | None:
-        """The fixed cost in ``metric`` (never below zero: less is noise)."""
-        value = self.fixed.get(metric)
-        return None if value is None else max(0, int(value))
+    def bytes(self, metric: str, pooled: int | None) -> int | None:
+        """Sharedml's own cost in ``metric``: :attr:`pool` less ``pooled``, at least 0.
+
+        Args:
+            metric: The metric.
+            pooled: The pooled strategy's total at the same session count, over a baseline
+                that had sharedml imported (:attr:`Measurement.total_bytes`).
+        """
+        value = self.pool.get(metric)
+        if value is None or pooled is None:
+            return None
+        return max(0, int(value) - int(pooled))
 
     def imports_bytes(self, metric: str) -> int | None:
         """What importing sharedml added, in ``metric``."""
@@ -300,7 +322,7 @@ class FixedCost:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {"imports": dict(self.imports), "fixed": dict(self.fixed), "error": self.error}
+        return {"imports": dict(self.imports), "pool": dict(self.pool), "error": self.error}
 
 
 def fixed_cost(
@@ -333,7 +355,7 @@ def fixed_cost(
         raw = _run_child(spec, timeout_s=timeout_s, progress=None, code=_FIXED_COST_CODE)
     except _ChildFailed as exc:
         return FixedCost({}, {}, error=exc.last)
-    return FixedCost(dict(raw["imports"]), dict(raw["fixed"]))
+    return FixedCost(dict(raw["imports"]), dict(raw["pool"]))
 
 
 class _ChildFailed(Exception):
