@@ -733,7 +733,12 @@ def test_shapes_and_real_inputs_make_it_run_and_are_reported(
     assert all(s["matches_plain"] for s in report["strategies"].values())
     # Not a terminal: one line per stage, no bar.
     lines = err.strip().splitlines()
-    assert [line.split(":")[1].strip() for line in lines] == ["trial run", "naive", "shared"]
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "trial run",
+        "naive",
+        "shared",
+        "sharedml's own cost",
+    ]
     feeds = tmp_path / "feeds.npz"
     np.savez(feeds, images=np.full((2, 3, 6, 5), 0.5, np.float32))
     code, out, err = run_main(capsys, str(model), "--inputs", str(feeds), "--sessions", "1",
@@ -741,7 +746,9 @@ def test_shapes_and_real_inputs_make_it_run_and_are_reported(
     assert code == 0, err
     report = json.loads(out)
     assert report["inputs"][0]["source"] == "file" and report["inputs"][0]["shape"] == [2, 3, 6, 5]
-    assert report["trial"]["outputs"] == [{"name": "y", "dtype": "float32", "shape": [2, 4, 4, 3]}]
+    assert report["trial"]["outputs"] == [
+        {"name": "y", "dtype": "float32", "shape": [2, 4, 4, 3], "nonfinite": 0}
+    ]
 
 
 def test_the_numerics_check_catches_outputs_that_differ_from_a_plain_session(
