@@ -7,8 +7,10 @@ not "saves little", and nothing is called the least memory or the fastest unless
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import pytest
 from test_inspect import MiB, fake_measurement, fake_report
 
 from sharedml._inspect import SAME_WITHIN, Finding, findings
@@ -47,7 +49,7 @@ def test_a_pool_46_percent_smaller_is_less_however_small_the_model() -> None:
 
 def test_a_pool_larger_than_plain_sessions_says_so_and_is_not_recommended() -> None:
     found = verdicts(4, MiB, naive=(5, 0), shared=(5, 4))
-    assert found["pool-vs-plain"].text.startswith("The pool takes more than 4 plain sessions")
+    assert "takes 24.0 MiB (PSS): more than 4 plain sessions" in found["pool-vs-plain"].text
     assert "20% more than their 20.0 MiB" in found["pool-vs-plain"].text
     assert "sharing does not pay" in found["advice"].text
     assert "SessionPool(model" not in found["advice"].text
@@ -64,7 +66,8 @@ def test_one_plain_session_smaller_than_the_pool_is_the_advice_not_the_pool() ->
     found = verdicts(4, 100 * MiB, naive=(100, 0), shared=(10, 60), single=(0, 60))
     assert "60.0 MiB, 40% less than the pool's 100.0 MiB" in found["single-vs-pool"].text
     assert found["advice"].figures["least"] == "single"
-    assert found["advice"].text.startswith("Least memory measured: one plain session")
+    assert found["advice"].text.startswith("Use one plain session shared by the threads")
+    assert "it took the least memory" in found["advice"].text
     assert "sharedml.SessionPool(model, sessions=4) where each thread needs" in found["advice"].text
 
 
@@ -72,7 +75,65 @@ def test_one_plain_session_about_as_large_as_the_pool_is_about_as_much() -> None
     found = verdicts(4, 100 * MiB, naive=(100, 0), shared=(1, 100), single=(0, 100))
     assert "about as much as the pool's 104.0 MiB (within 10%)" in found["single-vs-pool"].text
     assert found["advice"].figures["least"] == "single"
-    assert "Use sharedml.SessionPool(model, sessions=4)" in found["advice"].text  # a tie
+    advice = found["advice"].text
+    assert advice.startswith("Use sharedml.SessionPool(model, sessions=4)")  # a tie: the rule
+    assert "about as little as the least measured" in advice and "the least memory" not in advice
+    assert "(one plain session shared by the threads: 100.0 MiB, within 10%)" in advice
+
+
+def advice_for(shared: float, single: float | None, naive: float) -> tuple[Finding, dict[str, int]]:
+    """The advice of 4 sessions whose totals are these MiB (flat: no per-session growth)."""
+    named: dict[str, tuple[float, float]] = {"naive": (0, naive), "shared": (0, shared)}
+    if single is not None:
+        named["single"] = (0, single)
+    found = verdicts(4, 10 * MiB, **named)
+    known = {name.replace("_", "-"): int(base * MiB) for name, (_per, base) in named.items()}
+    return found["advice"], known
+
+
+def test_the_demo_figures_of_a_pool_about_as_large_as_one_session_are_about_as_little() -> None:
+    """The demo: shared 50.6 MiB, single 49.2; the advice said the pool took "the least"."""
+    advice, _known = advice_for(50.6, 49.2, 194)
+    assert "the least memory" not in advice.text
+    assert "50.6 MiB, about as little as the least measured" in advice.text
+    assert "49.2 MiB, within 10%" in advice.text
+    assert advice.figures["least"] == "single" and advice.figures["chosen"] == "shared"
+
+
+_MIB_FIGURE = re.compile(r"(\d+\.\d) MiB")
+_USE = {
+    "shared": "Use sharedml.SessionPool(model, sessions=4)",
+    "single": "Use one plain session shared by the threads",
+    "naive": "Use 4 plain sessions",
+}
+
+
+@pytest.mark.parametrize("shared", [40.0, 47.0, 49.2, 50.6, 54.0, 60.0, 100.0])
+@pytest.mark.parametrize("single", [None, 30.0, 49.2, 52.0, 80.0])
+@pytest.mark.parametrize("naive", [20.0, 45.0, 55.0, 194.0])
+def test_advice_sentences_hold_against_their_figures(
+    shared: float, single: float | None, naive: float
+) -> None:
+    """Whatever the figures: "the least" names the minimum; "about as little" one within 10%.
+
+    Every MiB figure in the sentence is one of the totals compared, and the strategy
+    recommended is the rule's (README): the least, or the first of pool, one session, plain
+    sessions within 10% of it.
+    """
+    advice, known = advice_for(shared, single, naive)
+    text, least = advice.text, min(known.values())
+    chosen = [name for name, start in _USE.items() if text.startswith(start)]
+    assert len(chosen) == 1, text
+    mine = known[chosen[0]]
+    quoted = {float(f) for f in _MIB_FIGURE.findall(text)}
+    assert quoted <= {round(v / MiB, 1) for v in known.values()}, (text, known)
+    if "the least memory" in text:
+        assert mine == least and "about as little" not in text
+    else:
+        assert "about as little as the least measured" in text
+        assert least < mine <= (1 + SAME_WITHIN) * least
+    order = [n for n in ("shared", "single", "naive") if n in known]
+    assert chosen[0] == next(n for n in order if known[n] - least <= SAME_WITHIN * least)
 
 
 def test_prepacking_off_is_never_called_least_memory_or_fastest_unless_measured_so() -> None:

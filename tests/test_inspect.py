@@ -29,10 +29,12 @@ from onnx import numpy_helper
 
 import sharedml
 from sharedml._cli_inspect import render_text, write_plot
+from sharedml._format import human_bytes
 from sharedml._inputs import InputSpec
 from sharedml._inspect import InspectReport, inspect, recommend, summarize_weights
 from sharedml._onnx import load_graph
 from sharedml._results import Measurement, MemoryPoint
+from sharedml._tables import indexed_tables
 from sharedml.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +114,22 @@ def test_the_demo_reports_the_documented_fields(demo_json: dict[str, Any]) -> No
         assert s["init_seconds"] > 0 and s["first_run_seconds"] > 0
         assert s["projection"]["32"] >= s["projection"]["1"]
     assert demo_json["inputs"] == [
-        {"name": "x", "dtype": "float32", "shape": [1, 1024], "source": "generated"}
+        {
+            "name": "x",
+            "dtype": "float32",
+            "shape": [1, 1024],
+            "source": "generated",
+            "chosen": [
+                {
+                    "input": "x",
+                    "axis": 0,
+                    "dim": "batch",
+                    "size": 1,
+                    "role": "batch",
+                    "why": "a batch of one",
+                }
+            ],
+        }
     ]
     assert "SessionPool" in demo_json["recommendation"]
     kinds = [f["kind"] for f in demo_json["findings"]]
@@ -651,23 +668,36 @@ def detector(path: Path) -> Path:
     return path
 
 
+def rigid_detector(path: Path) -> Path:
+    """:func:`detector`, then a Reshape to 4x5x5 values: runs only at height = width = 7."""
+    model = onnx.load(str(detector(path)))
+    shape = numpy_helper.from_array(np.array([0, 100], np.int64), "flat")
+    model.graph.initializer.append(shape)
+    model.graph.node[0].output[0] = "conv"
+    model.graph.node.append(onnx.helper.make_node("Reshape", ["conv", "flat"], ["y"]))
+    onnx.save(model, path)
+    return path
+
+
 def test_a_model_the_generated_inputs_do_not_fit_fails_in_the_trial_naming_the_dims(
     tmp_path: Path, children_before: set[int]
 ) -> None:
-    model = detector(tmp_path / "det.onnx")
+    model = rigid_detector(tmp_path / "det.onnx")
     out = cli("inspect", str(model))
     assert out.returncode == 1
-    assert "Weights in the file" in out.stdout and "432 B in 1 tensors" in out.stdout
+    assert "Weights in the file" in out.stdout and "448 B in 2 tensors" in out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("sharedml: error: One plain onnxruntime session of")
-    assert "set to 1 (images: batch, height, width)" in last
+    assert "symbolic dimensions (images: batch=1, height=224, width=224)" in last
+    assert "Also tried images float32[batch=1, 3, height=1, width=1]" in last  # both sizes tried
     assert "--dim height=SIZE" in last and "--shape NAME=AxBxC" in last and "--inputs" in last
     assert "sharedml inspect: naive" not in out.stderr  # nothing was measured
     out = cli("inspect", str(model), "--json")
     assert out.returncode == 1
     partial = json.loads(out.stdout)  # the partial report, as one JSON object
-    assert partial["strategies"] == {} and partial["weights_bytes"] == 432
-    assert "height, width" in partial["error"] and partial["trial"]["error"]
+    assert partial["strategies"] == {} and partial["weights_bytes"] == 448
+    assert "height=224, width=224" in partial["error"] and partial["trial"]["error"]
+    assert len(partial["trial"]["rejected_sizes"]) == 2
     assert children() <= children_before
 
 
@@ -692,12 +722,23 @@ def test_shapes_and_real_inputs_make_it_run_and_are_reported(
     assert code == 0, err
     report = json.loads(out)
     assert report["inputs"] == [
-        {"name": "images", "dtype": "float32", "shape": [1, 3, 8, 8], "source": "shape"}
+        {
+            "name": "images",
+            "dtype": "float32",
+            "shape": [1, 3, 8, 8],
+            "source": "shape",
+            "chosen": [],
+        }
     ]
     assert all(s["matches_plain"] for s in report["strategies"].values())
     # Not a terminal: one line per stage, no bar.
     lines = err.strip().splitlines()
-    assert [line.split(":")[1].strip() for line in lines] == ["trial run", "naive", "shared"]
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "trial run",
+        "naive",
+        "shared",
+        "sharedml's own cost",
+    ]
     feeds = tmp_path / "feeds.npz"
     np.savez(feeds, images=np.full((2, 3, 6, 5), 0.5, np.float32))
     code, out, err = run_main(capsys, str(model), "--inputs", str(feeds), "--sessions", "1",
@@ -705,7 +746,9 @@ def test_shapes_and_real_inputs_make_it_run_and_are_reported(
     assert code == 0, err
     report = json.loads(out)
     assert report["inputs"][0]["source"] == "file" and report["inputs"][0]["shape"] == [2, 3, 6, 5]
-    assert report["trial"]["outputs"] == [{"name": "y", "dtype": "float32", "shape": [2, 4, 4, 3]}]
+    assert report["trial"]["outputs"] == [
+        {"name": "y", "dtype": "float32", "shape": [2, 4, 4, 3], "nonfinite": 0}
+    ]
 
 
 def test_the_numerics_check_catches_outputs_that_differ_from_a_plain_session(
@@ -879,3 +922,275 @@ def test_where_runs_are_serialized_the_recommendation_is_one_batched_session(
     assert "Use one session" in text and "cannot be batched" in text
     # and on the CPU, nothing of the kind
     assert _serialized_for(plan_providers(None), model, "'b.onnx'") is None
+
+
+# --------------------------------------------------------------------------------------------
+# Real traffic: NaN outputs, guessed sizes, tables read where inputs touch them
+
+
+def masked_attention(path: Path) -> Path:
+    """x[batch, seq, 8], keep bool[batch, seq] -> softmax over positions masked by ``keep``.
+
+    Where ``keep`` is all False (what inspect generates for booleans), every score is -inf and
+    softmax gives NaN everywhere, whatever the weights.
+    """
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    ninf = numpy_helper.from_array(np.array(-np.inf, np.float32), "ninf")
+    nodes = [
+        onnx.helper.make_node("MatMul", ["x", "w"], ["h"]),
+        onnx.helper.make_node("ReduceSum", ["h"], ["scores"], axes=[2], keepdims=0),
+        onnx.helper.make_node("Where", ["keep", "scores", "ninf"], ["masked"]),
+        onnx.helper.make_node("Softmax", ["masked"], ["y"], axis=-1),
+    ]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "attn",
+        [
+            onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", "seq", 8]),
+            onnx.helper.make_tensor_value_info("keep", onnx.TensorProto.BOOL, ["batch", "seq"]),
+        ],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", "seq"])],
+        [w, ninf],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 12)])
+    model.ir_version = 7
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.slow
+def test_nan_outputs_are_a_finding_and_never_called_bitwise_equal(tmp_path: Path) -> None:
+    model = masked_attention(tmp_path / "attn.onnx")
+    report = inspect(model, sessions=2, strategies=["naive", "shared"], dims={"seq": 4})
+    assert report.trial is not None and report.trial["outputs"][0]["nonfinite"] == 4
+    for m in report.measurements:
+        assert m.matches_plain is None and m.plain_outputs_nonfinite == 4
+        assert "NaN or infinite" in (m.matches_plain_reason or "")
+    kinds = {f.kind: f for f in report.findings}
+    assert "numerics" not in kinds  # nothing compared: no "bitwise equal"
+    text = kinds["nonfinite-outputs"].text
+    assert "hold NaN or infinite values (y: 4 of 4)" in text
+    assert "boolean inputs (keep) all False" in text and "--inputs feeds.npz" in text
+    assert "bitwise equal" not in report.recommendation
+    d = report.to_dict()["strategies"]["shared"]
+    assert d["matches_plain"] is None and "NaN" in d["matches_plain_reason"]
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    render_text(report, console=Console(file=buffer, width=100))
+    rows = [line for line in buffer.getvalue().splitlines() if line.startswith("  shared ")]
+    assert rows and rows[0].rstrip().endswith("NaN/inf")  # the 'vs plain' column says so
+
+
+def strided_detector(path: Path) -> Path:
+    """images[batch, 3, height, width] -> three 3x3 stride-2 Convs (padded) -> global pool.
+
+    Runs at any size, 1x1 included: nothing fails where inspect would have measured a
+    degenerate input.
+    """
+    rng = np.random.default_rng(0)
+    inits, nodes, x = [], [], "images"
+    for i, (cin, cout) in enumerate([(3, 8), (8, 16), (16, 16)]):
+        inits.append(
+            numpy_helper.from_array(
+                rng.standard_normal((cout, cin, 3, 3)).astype(np.float32), f"w{i}"
+            )
+        )
+        nodes.append(
+            onnx.helper.make_node("Conv", [x, f"w{i}"], [f"c{i}"], strides=[2, 2], pads=[1] * 4)
+        )
+        x = f"c{i}"
+    nodes.append(onnx.helper.make_node("GlobalAveragePool", [x], ["y"]))
+    graph = onnx.helper.make_graph(
+        nodes,
+        "strided",
+        [
+            onnx.helper.make_tensor_value_info(
+                "images", onnx.TensorProto.FLOAT, ["batch", 3, "height", "width"]
+            )
+        ],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_detector_with_symbolic_height_and_width_runs_at_a_plausible_size_and_says_so(
+    tmp_path: Path,
+) -> None:
+    model = strided_detector(tmp_path / "det.onnx")
+    report = inspect(model, sessions=1, strategies=["naive"])
+    (spec,) = report.inputs
+    assert spec.shape == (1, 3, 224, 224)  # a multiple of 8, what three stride-2 Convs reach
+    finding = next(f for f in report.findings if f.kind == "input-sizes")
+    text = finding.text
+    assert text.startswith("inspect chose sizes nobody gave: images: height=224 (a multiple of 8")
+    assert "--dim height=SIZE --dim width=SIZE" in text and "--shape images=1x3xHxW" in text
+    assert report.findings[0] is finding  # first: every figure after it depends on it
+    d = report.to_dict()
+    assert [c["size"] for c in d["inputs"][0]["chosen"]] == [1, 224, 224]
+    # Given sizes are the caller's: nothing to warn about.
+    given = inspect(model, sessions=1, strategies=["naive"], shapes={"images": (1, 3, 64, 64)})
+    assert not any(f.kind in ("input-sizes", "degenerate-inputs") for f in given.findings)
+
+
+def only_one_pixel(path: Path) -> Path:
+    """x[batch, 3, height, width] -> Reshape to [batch, 3] -> MatMul: runs only at 1x1."""
+    w = numpy_helper.from_array(np.eye(3, dtype=np.float32), "w")
+    flat = numpy_helper.from_array(np.array([0, 3], np.int64), "flat")
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Reshape", ["x", "flat"], ["v"]),
+            onnx.helper.make_node("MatMul", ["v", "w"], ["y"]),
+        ],
+        "pixel",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 3, "h", "w"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [w, flat],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_model_that_runs_only_at_1x1_is_measured_there_and_called_degenerate(
+    tmp_path: Path,
+) -> None:
+    model = only_one_pixel(tmp_path / "pixel.onnx")
+    report = inspect(model, sessions=1, strategies=["naive"])
+    assert report.inputs[0].shape == (1, 3, 1, 1)
+    finding = report.findings[0]
+    assert finding.kind == "degenerate-inputs"
+    assert finding.text.startswith("These inputs are degenerate: x: h=1, x: w=1.")
+    assert "refused the sizes tried first (x float32[batch=1, 3, h=224, w=224]" in finding.text
+    assert "--dim h=SIZE --dim w=SIZE" in finding.text
+
+
+FROM_PLAIN = r"""
+import ctypes, gc, json, sys, threading
+import numpy as np, onnxruntime as ort, psutil
+
+model, n, warmup = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+ort.InferenceSession(warmup, providers=["CPUExecutionProvider"]).run(
+    None, {"a": np.zeros(1, np.float32)})
+libc = ctypes.CDLL("libc.so.6")
+def pss():
+    gc.collect(); libc.malloc_trim(0); return psutil.Process().memory_full_info().pss
+base = pss()  # a process that runs onnxruntime, and nothing of sharedml yet
+import sharedml
+with sharedml.SessionPool(model, sessions=n) as pool:  # as README shows it
+    pool.wait_ready()
+    barrier = threading.Barrier(n)
+    def work():
+        barrier.wait()
+        pool.run(None, {"x": np.full((1, 256), 0.5, np.float32)})
+    threads = [threading.Thread(target=work) for _ in range(n)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    print(json.dumps({"pss": pss() - base}))
+"""
+
+
+@linux_only
+@pytest.mark.slow
+def test_sharedmls_own_cost_is_its_own_line_and_counted_against_plain_sessions(
+    tmp_path: Path,
+) -> None:
+    """A small model: what a pool adds to a plain-ORT process is the pool plus sharedml itself."""
+    from sharedml._measure_child import warmup_model_bytes
+
+    model = save_model(build_model(["initializer"] * 2, dim=256), tmp_path / "small.onnx")
+    report = inspect(model, sessions=2, strategies=["naive", "shared"])
+    fixed = report.fixed_bytes
+    shared = report.strategies["shared"].total_bytes
+    assert fixed is not None and shared is not None and fixed > 0
+    assert report.fixed_cost is not None
+    imports = report.fixed_cost.imports_bytes("pss")
+    assert imports is not None and 0 < imports <= fixed
+    out = subprocess.run(
+        [sys.executable, "-c", FROM_PLAIN, str(model), "2", warmup_model_bytes().hex()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    independent = int(json.loads(out.stdout.strip().splitlines()[-1])["pss"])
+    ratio = (shared + fixed) / independent
+    print(f"pool {shared / MiB:.1f} + own {fixed / MiB:.1f}; from plain {independent / MiB:.1f}")
+    # Without sharedml's own cost the pool's figure is 0.15x of this; with it, about 1x.
+    assert 0.75 <= ratio <= 1.35, ratio
+    vs = next(f for f in report.findings if f.kind == "pool-vs-plain")
+    assert vs.figures["fixed_bytes"] == fixed
+    assert f"sharedml itself {human_bytes(fixed)} once per process" in vs.text
+    assert report.to_dict()["sharedml_fixed_bytes"] == fixed
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    render_text(report, console=Console(file=buffer, width=100))
+    assert "sharedml itself: " in buffer.getvalue()
+
+
+def embedding_lookup(path: Path, *, vocab: int = 16384, width: int = 256) -> Path:
+    """ids int64[batch, seq] -> Gather from a [vocab, width] float table -> ReduceMean.
+
+    The table is most of the weights (16 MiB), and a run reads only the rows ``ids`` name.
+    """
+    table = np.random.default_rng(0).standard_normal((vocab, width)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Gather", ["table", "ids"], ["emb"]),
+            onnx.helper.make_node("ReduceMean", ["emb"], ["y"], axes=[1], keepdims=0),
+        ],
+        "lookup",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["batch", "seq"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", width])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@linux_only
+@pytest.mark.slow
+def test_a_table_indexed_by_input_ids_is_measured_after_runs_that_read_every_row(
+    tmp_path: Path,
+) -> None:
+    model = embedding_lookup(tmp_path / "lookup.onnx")
+    (table,) = indexed_tables(onnx.load(str(model)))
+    assert (table.name, table.rows, table.input, table.op) == ("table", 16384, "ids", "Gather")
+    report = inspect(model, sessions=2, strategies=["naive", "shared", "single"])
+    assert report.after_traffic and [t.name for t in report.tables] == ["table"]
+    shared = report.strategies["shared"]
+    assert shared.traffic["rows"] == {"table": 16384} and not shared.traffic["partial"]
+    assert shared.total_bytes is not None and shared.traffic_bytes is not None
+    # The pool maps the table from its weights file: the generated ids (all 1) read one row;
+    # traffic reads every row, and the pool then holds the table once.
+    print(f"pool {shared.total_bytes / MiB:.1f} -> {shared.traffic_bytes / MiB:.1f} MiB")
+    assert shared.total_bytes < 0.3 * table.nbytes
+    assert shared.traffic_bytes > 0.8 * table.nbytes
+    naive = report.strategies["naive"]
+    assert naive.traffic_bytes is not None and naive.traffic_bytes >= 0.9 * naive.total_bytes
+    # Every comparison uses the figures after traffic, and says so.
+    vs = next(f for f in report.findings if f.kind == "pool-vs-plain")
+    assert vs.figures["pool_bytes"] == shared.traffic_bytes and vs.figures["after_traffic"]
+    assert vs.text.startswith("After runs over every row of the tables the inputs index")
+    advice = next(f for f in report.findings if f.kind == "advice")
+    assert advice.figures["totals"]["single"] == report.strategies["single"].traffic_bytes
+    read = next(f for f in report.findings if f.kind == "indexed-tables")
+    assert "'table' float[16384x256] 16.0 MiB by input 'ids'" in read.text
+    assert "16384 of 16384 rows of 'table'" in read.text and "use these figures" in read.text
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    render_text(report, console=Console(file=buffer, width=100))
+    assert "traffic MiB" in buffer.getvalue() and "indexed by input 'ids'" in buffer.getvalue()

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from sharedml._errors import MeasurementError, ProviderError
-from sharedml._inputs import InputSpec, generate, input_specs
+from sharedml._inputs import generate, input_specs
 from sharedml._measure import measure
 from sharedml._measure_child import _DeviceMemory
 from sharedml._results import Measurement, MemoryPoint, _fit
@@ -78,12 +78,17 @@ def failing_model() -> onnx.ModelProto:
 # Generated inputs
 
 
-def test_symbolic_dims_default_to_one_and_can_be_overridden() -> None:
+def test_symbolic_dims_get_a_batch_of_one_and_a_plausible_length_and_can_be_overridden() -> None:
     specs = input_specs(embedding_model())
     assert [(s.name, s.dtype, s.shape) for s in specs] == [
-        ("ids", "int64", (1, 1)),
-        ("keep", "bool", (1, 1)),
+        ("ids", "int64", (1, 128)),
+        ("keep", "bool", (1, 128)),
     ]
+    assert [(c.dim, c.size, c.role) for c in specs[0].chosen] == [
+        ("batch", 1, "batch"),
+        ("seq", 128, "length"),
+    ]
+    assert [s.shape for s in input_specs(embedding_model(), guess="ones")] == [(1, 1), (1, 1)]
     specs = input_specs(embedding_model(), {"batch": 3, "seq": 7})
     assert specs[0].shape == (3, 7)
     assert specs[0].describe() == "ids int64[batch=3, seq=7]"
@@ -97,7 +102,8 @@ def test_paddle_dims_minus_one_and_question_mark_are_unnamed_dynamic_axes() -> N
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "paddle", [x], [y])
     model = helper.make_model(graph)
-    assert input_specs(model)[0].shape == (1, 3, 1, 1)
+    assert input_specs(model)[0].shape == (1, 3, 224, 224)  # no Conv: no stride to align to
+    assert input_specs(model, guess="ones")[0].shape == (1, 3, 1, 1)
     (spec,) = input_specs(model, shapes={"x": (1, 3, 48, 192)})  # '?' need not agree with '?'
     assert spec.shape == (1, 3, 48, 192)
 
@@ -140,12 +146,12 @@ def test_a_whole_shape_sets_the_input_and_the_dimensions_it_shares() -> None:
         ("scale", (2, 2), "generated"),  # batch=2 follows from the images shape
     ]
     assert defaulted_dims(input_specs(detector_model())) == {
-        "images": ["batch", "height", "width"],
-        "scale": ["batch"],
+        "images": ["batch=1", "height=224", "width=224"],
+        "scale": ["batch=1"],
     }
-    assert defaulted_dims(specs, {}) == {"scale": ["batch"]}
+    assert defaulted_dims(specs, {}) == {"scale": ["batch=2"]}
     assert defaulted_dims(input_specs(detector_model(), {"batch": 1}), {"batch": 1}) == {
-        "images": ["height", "width"]
+        "images": ["height=224", "width=224"]
     }
 
 
@@ -173,7 +179,7 @@ def test_a_shape_that_does_not_fit_the_model_is_refused(
 def test_given_inputs_must_have_the_models_dtype() -> None:
     specs = input_specs(detector_model(), given={"scale": ("float32", (5, 2))})
     assert [(s.name, s.shape, s.source) for s in specs] == [
-        ("images", (5, 3, 1, 1), "generated"),
+        ("images", (5, 3, 224, 224), "generated"),
         ("scale", (5, 2), "file"),
     ]
     with pytest.raises(ValueError, match="is float32, but --inputs gives int64"):
@@ -189,7 +195,12 @@ def test_unnamed_dynamic_axes_are_one_and_fixed_axes_kept() -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [None, 5])],
     )
     (spec,) = input_specs(helper.make_model(graph))
-    assert spec == InputSpec("x", "float16", (1, 5), ("?", None))
+    assert (spec.name, spec.dtype, spec.shape, spec.dim_names) == (
+        "x",
+        "float16",
+        (1, 5),
+        ("?", None),
+    )
 
 
 def test_initializers_listed_as_inputs_are_not_generated() -> None:
@@ -435,3 +446,59 @@ def test_measuring_stops_before_memory_runs_out_and_says_so(tmp_path: Path) -> N
     assert m.measured_sessions == 1
     assert m.stopped_reason is not None and "stopped after 1 of 3" in m.stopped_reason
     assert m.to_dict()["total_is_projected"]
+
+
+# --------------------------------------------------------------------------------------------
+# Memory read where PSS cannot be
+
+
+def test_without_a_full_memory_reading_rss_is_read_and_the_reason_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sharedml._memory import metric_of, read_memory
+
+    def refuse(self: psutil.Process) -> None:
+        raise psutil.AccessDenied(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "memory_full_info", refuse)
+    reading = read_memory()
+    assert reading["pss"] is None and reading["uss"] is None
+    assert isinstance(reading["rss"], int) and reading["rss"] > 0
+    assert "memory_full_info() failed: AccessDenied" in reading["error"]
+    assert metric_of(reading) == "rss"
+
+    def refuse_all(self: psutil.Process) -> None:
+        raise NotImplementedError("not under this emulator")
+
+    monkeypatch.setattr(psutil.Process, "memory_info", refuse_all)
+    nothing = read_memory()  # never raises: says what it could not read
+    assert metric_of(nothing) is None and "memory_info() failed too" in nothing["error"]
+
+
+SITECUSTOMIZE = """
+import psutil
+
+def _refuse(self):
+    raise OSError(38, "QueryWorkingSetEx is not implemented")  # as under Wine
+
+psutil.Process.memory_full_info = _refuse
+"""
+
+
+@pytest.mark.slow
+def test_a_child_that_cannot_read_pss_measures_rss_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """psutil's working-set query refused in the measuring child, through Python's startup hook."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    path = tmp_path / "m.onnx"
+    onnx.save(embedding_model(vocab=4096), path)
+    m = measure(path, "naive", sessions=2)
+    assert m.metric == "rss" and m.total_bytes is not None and m.total_bytes > 0
+    assert m.points[-1].pss_bytes is None
+    assert m.metric_note is not None and m.metric_note.startswith("RSS, because psutil's")
+    assert "OSError" in m.metric_note and "counts every resident page" in m.metric_note
+    assert m.to_dict()["metric_note"] == m.metric_note

@@ -307,6 +307,8 @@ def _mib(n: float | None) -> str:
 
 def _vs_plain(m: Any) -> str:
     """The numerics column: '=' bitwise equal to a default plain session, else the largest gap."""
+    if m.plain_outputs_nonfinite:
+        return "NaN/inf"  # not compared: NaN in the same places proves nothing
     if m.matches_plain is None:
         return "n/a"
     if m.matches_plain:
@@ -319,6 +321,7 @@ def _vs_plain(m: Any) -> str:
 # Columns of the memory table that give way, in this order, when the console is narrow (the
 # JSON has them all): a header cut to "sess…" helps nobody.
 _OPTIONAL = ("RSS", "USS", "untrimmed")
+_TABLES_SHOWN = 3
 
 
 def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
@@ -334,6 +337,11 @@ def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
         ("total", f"{metric}\nMiB", lambda m: _mib(m.total_bytes) + projected(m)),
         ("per", "per extra\nsession MiB", lambda m: _mib(m.per_session_bytes)),
     ]
+    if any(m.traffic_points for m in measurements):
+        # What the sessions hold once traffic has read the tables the inputs index.
+        columns.append(
+            ("traffic", "after\ntraffic MiB", lambda m: _mib(m.traffic_bytes) + projected(m))
+        )
     if trimmed:
         columns.append(("untrimmed", "before\ntrim MiB", lambda m: _mib(m.total("untrimmed"))))
     for other, key in (("USS", "uss"), ("RSS", "rss")):
@@ -436,6 +444,15 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
             "largest" if i == 0 else "", t.name, f"{t.dtype}[{shape}]{where}", human_bytes(t.nbytes)
         )
     out.print(Padding(grid, (0, 0, 0, 2), expand=False))
+    for t in report.tables[:_TABLES_SHOWN]:
+        para(
+            f"indexed by {'input ' + repr(t.input) if t.input else 'computed indices'} "
+            f"({t.op}): {t.name} {t.dtype}[{'x'.join(map(str, t.shape))}] "
+            f"{human_bytes(t.nbytes)}, read only at the rows indexed",
+            indent=2,
+        )
+    if len(report.tables) > _TABLES_SHOWN:
+        para(f"and {len(report.tables) - _TABLES_SHOWN} more tables indexed by inputs")
     if w.already_prepared:
         para("Already prepared by sharedml: the pool maps its weights file as it is.")
     else:
@@ -505,6 +522,20 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         "largest absolute difference)."
         + (f" Left out to fit this width (in --json): {', '.join(left_out)}." if left_out else "")
     )
+    fixed = report.fixed_cost
+    if fixed is not None and fixed.error is None:
+        total, imports = report.fixed_bytes, fixed.imports_bytes(report.metric)
+        para(
+            f"sharedml itself: {human_bytes(total)} ({metric}) once per process, whatever its "
+            f"pools hold: its imports ({human_bytes(imports)}) and its session-creation thread. "
+            "A fresh process that had run onnxruntime alone grew by the pool's figure plus "
+            "this when it opened the same pool. The pooled rows leave it out; the "
+            "recommendation counts it wherever a pool is compared with plain sessions."
+        )
+    elif fixed is not None:
+        para(f"sharedml's own per-process cost could not be measured: {fixed.error}")
+    for note in sorted({m.metric_note for m in measurements if m.metric_note}):
+        para(f"Memory is read as {note}.")
     for note in sorted({m.device_note for m in measurements if m.device_note}):
         para(f"Device memory {note}.")
     for m in measurements:
@@ -545,7 +576,8 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
     if any(m.fit() is not None for m in measurements):
         heading(
             f"Projected {metric} by session count, MiB",
-            f"  (least-squares line through the measured 1..{n})",
+            f"  (least-squares line through the measured 1..{n}"
+            + (", after runs over the tables' rows)" if report.after_traffic else ")"),
         )
         proj = Table(show_edge=False, pad_edge=False)
         proj.add_column("strategy", no_wrap=True)

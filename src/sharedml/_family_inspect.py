@@ -120,7 +120,10 @@ for m in models:
     shapes = {k: v for k, v in sizes["shapes"].items() if k in names}
     values = {k: v for k, v in (load_feeds(sizes["inputs"]) if sizes["inputs"] else {}).items()
               if k in names}
-    specs = input_specs(graph, dims, shapes=shapes, given=described(values), model_name=m)
+    # Symbolic dims nobody gave stay 1 here (the family's members must agree on one size);
+    # single-model inspect chooses plausible sizes and reports them.
+    specs = input_specs(graph, dims, shapes=shapes, given=described(values), model_name=m,
+                        guess="ones")
     feeds.append({s.name: values[s.name] if s.name in values else
                   generate({"name": s.name, "dtype": s.dtype, "shape": s.shape}) for s in specs})
 sharedml.SessionPool  # the modules load lazily: before the baseline

@@ -3,6 +3,13 @@
 Integers are 1 rather than random: a valid row of any embedding table of at least 2 rows
 (Gather), a non-zero divisor, and an attention mask that keeps every position. Floats are in
 [0, 1) from a fixed seed, so every strategy runs the same numbers.
+
+Symbolic dimensions nobody gave a size get one from the model (:class:`ChosenSize`): a batch
+is 1; an image's height and width come from the model's metadata (``imgsz``) or are the
+smallest multiple of the stride its Conv and pooling layers reach that is at least
+:data:`PLAUSIBLE_IMAGE_SIZE`; any other dimension (a sequence, a number of samples) is
+:data:`PLAUSIBLE_LENGTH`. A model's memory depends on them (a detector at 1x1 holds a fraction
+of what it holds at 320x320), so every size chosen is reported, never passed silently.
 """
 
 from __future__ import annotations
@@ -18,10 +25,16 @@ from sharedml import _proto
 from sharedml._errors import MeasurementError
 
 __all__ = [
+    "PLAUSIBLE_IMAGE_SIZE",
+    "PLAUSIBLE_LENGTH",
+    "SIZE_CHOICES",
     "UNNAMED_DIM",
+    "ChosenSize",
     "InputSpec",
+    "chosen_sizes",
     "defaulted_dims",
     "described",
+    "downsampling",
     "generate",
     "input_specs",
     "load_feeds",
@@ -47,6 +60,56 @@ _GENERATED_DTYPES = frozenset(
 )
 
 
+PLAUSIBLE_IMAGE_SIZE = 224  # pixels: what image models are most often trained and served at
+PLAUSIBLE_LENGTH = 128  # positions: a sentence of tokens, a short window of frames
+_MAX_STRIDE = 64  # downsampling beyond this is a model's quirk, not a size constraint
+# Metadata keys exporters use for an image model's input size (Ultralytics writes "imgsz").
+_SIZE_KEYS = ("imgsz", "img_size", "image_size", "input_size", "inputsize")
+# A stride this large on one axis often collapses it to 1 (a text recognizer's height of 48):
+# where the plausible size fails, guess="strides" tries exactly the stride on such axes.
+_COLLAPSING_STRIDE = 16
+SIZE_CHOICES = ("plausible", "strides", "ones")
+"""How :func:`input_specs` sizes symbolic dimensions nobody gave: tried in this order by
+``inspect`` until a plain session runs (see :class:`ChosenSize`)."""
+_STRIDED = frozenset(("Conv", "ConvInteger", "QLinearConv", "MaxPool", "AveragePool", "LpPool"))
+_BATCH_NAMES = ("batch", "n", "b", "bs", "batch_size", "batchsize", "num_images")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChosenSize:
+    """A symbolic dimension that inspect gave a size, because nobody else did.
+
+    Attributes:
+        input: The input it was first seen in.
+        axis: Its axis there.
+        dim: Its symbolic name (``"?"`` for an unnamed axis).
+        size: The size generated.
+        role: ``"batch"``, ``"image"`` (a height or width) or ``"length"`` (anything else).
+        why: Where the size comes from, for the report.
+    """
+
+    input: str
+    axis: int
+    dim: str
+    size: int
+    role: str
+    why: str
+
+    @property
+    def degenerate(self) -> bool:
+        """A height, width or length of 1: a model measured at a size traffic never has."""
+        return self.role != "batch" and self.size == 1
+
+    def describe(self) -> str:
+        """``x: height=224`` (an unnamed axis: ``x axis 2=224``)."""
+        name = self.dim if self.dim != UNNAMED_DIM else f"axis {self.axis}"
+        return f"{self.input}: {name}={self.size}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
     """One model input as the measuring child generates it.
@@ -60,6 +123,7 @@ class InputSpec:
         source: ``"generated"`` (from the model's signature, symbolic dims from ``dims``),
             ``"shape"`` (generated at a shape the caller gave, ``--shape``) or ``"file"``
             (the caller's values, ``--inputs feeds.npz``).
+        chosen: The symbolic axes of this input whose size inspect chose (nobody gave one).
     """
 
     name: str
@@ -67,6 +131,7 @@ class InputSpec:
     shape: tuple[int, ...]
     dim_names: tuple[str | None, ...]
     source: str = "generated"
+    chosen: tuple[ChosenSize, ...] = ()
 
     def describe(self) -> str:
         """``x float32[batch=1, 1024]``: the input as generated, symbolic axes named."""
@@ -84,6 +149,7 @@ class InputSpec:
             "dtype": self.dtype,
             "shape": list(self.shape),
             "source": self.source,
+            "chosen": [c.to_dict() for c in self.chosen],
         }
 
 
@@ -95,7 +161,9 @@ UNNAMED_DIM = "?"
 def defaulted_dims(
     specs: Sequence[InputSpec], dims: Mapping[str, int] | None = None
 ) -> dict[str, list[str]]:
-    """The symbolic dimensions set to 1 because no size was given, by input name.
+    """The symbolic dimensions whose size inspect chose because none was given, by input name.
+
+    Each is ``name=size`` (``height=224``, ``batch=1``).
 
     Args:
         specs: From :func:`input_specs`.
@@ -107,10 +175,130 @@ def defaulted_dims(
     for spec in specs:
         if spec.source != "generated":
             continue
-        for dim in spec.dim_names:
+        for dim, size in zip(spec.dim_names, spec.shape, strict=True):
             if dim is not None and dim not in named:
-                out.setdefault(spec.name, []).append(dim)
+                out.setdefault(spec.name, []).append(f"{dim}={size}")
     return out
+
+
+def chosen_sizes(specs: Sequence[InputSpec]) -> tuple[ChosenSize, ...]:
+    """Every size inspect chose, each dimension once (a named one shared by inputs too)."""
+    seen: set[tuple[str, ...]] = set()
+    out: list[ChosenSize] = []
+    for spec in specs:
+        for c in spec.chosen:
+            key = (c.dim,) if c.dim != UNNAMED_DIM else (c.input, str(c.axis))
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
+    return tuple(out)
+
+
+def _image_axes(dtype: str, axes: Sequence[Any]) -> tuple[int, ...]:
+    """The height and width axes of an image input (NCHW or NHWC), else ()."""
+    if len(axes) != 4 or dtype not in ("float16", "float32", "float64", "uint8"):
+        return ()
+    if isinstance(axes[1], int) and axes[1] in (1, 2, 3, 4):
+        return (2, 3)
+    if isinstance(axes[3], int) and axes[3] in (1, 2, 3, 4) and not isinstance(axes[1], int):
+        return (1, 2)
+    return ()
+
+
+def _metadata_size(model: Any) -> tuple[int, int] | None:
+    """An image size the exporter wrote into the model's metadata (``imgsz: [640, 640]``)."""
+    import re
+
+    for prop in getattr(model, "metadata_props", ()):
+        if prop.key.lower() in _SIZE_KEYS:
+            numbers = [int(n) for n in re.findall(r"\d+", prop.value)]
+            if len(numbers) == 1 and numbers[0] > 0:
+                return numbers[0], numbers[0]
+            if len(numbers) >= 2 and numbers[-2] > 0 and numbers[-1] > 0:
+                return numbers[-2], numbers[-1]
+    return None
+
+
+def downsampling(model: Any, input_name: str) -> tuple[int, int]:
+    """The largest strides (height, width) the Conv and pooling layers fed by an input reach.
+
+    Strides multiply along a path (three stride-2 convolutions: 8), each spatial axis on its
+    own (a text recognizer's ``strides=[2, 1]`` halves the height only); an input whose
+    height or width is not a multiple of its stride is cropped or padded somewhere, and one
+    smaller than it is degenerate. Upsampling does not divide it back: the deepest level
+    bounds the size. Each is at most 64.
+    """
+    reach: dict[str, tuple[int, int]] = {input_name: (1, 1)}
+    deepest = (1, 1)
+    for node in model.graph.node:
+        known = [reach[i] for i in node.input if i in reach]
+        if not known:
+            continue
+        h, w = max(k[0] for k in known), max(k[1] for k in known)
+        if node.op_type in _STRIDED:
+            for attr in node.attribute:
+                if attr.name == "strides" and len(attr.ints) >= 2:
+                    h, w = h * int(attr.ints[-2]), w * int(attr.ints[-1])
+        h, w = min(h, _MAX_STRIDE), min(w, _MAX_STRIDE)
+        deepest = (max(deepest[0], h), max(deepest[1], w))
+        for out in node.output:
+            reach[out] = (h, w)
+    return deepest
+
+
+def _is_batch(dim: str | None, axis: int, rank: int) -> bool:
+    if (dim and dim.lower().replace("-", "_") in _BATCH_NAMES) or (dim and "batch" in dim.lower()):
+        return True
+    return axis == 0 and (rank >= 2 or not dim or dim == UNNAMED_DIM)
+
+
+def _choose(
+    model: Any, raw: Sequence[tuple[Any, str, list[Any]]], fixed: Mapping[str, Any], sizes: str
+) -> dict[tuple[str, ...], ChosenSize]:
+    """A size for every symbolic axis of the generated inputs that nobody gave one."""
+    if sizes not in SIZE_CHOICES:
+        raise ValueError(f"sizes must be one of {', '.join(SIZE_CHOICES)}, not {sizes!r}.")
+    chosen: dict[tuple[str, ...], ChosenSize] = {}
+    guess = sizes != "ones"
+    from_metadata = _metadata_size(model) if guess else None
+    for value, dtype, axes in raw:
+        if value.name in fixed:
+            continue
+        image = _image_axes(dtype, axes)
+        for axis, a in enumerate(axes):
+            if isinstance(a, int):
+                continue
+            dim = a or UNNAMED_DIM
+            key = (dim,) if a else (value.name, str(axis))
+            if key in chosen:
+                continue
+            if _is_batch(a, axis, len(axes)):
+                role, size, why = "batch", 1, "a batch of one"
+            elif not guess:
+                role = "image" if axis in image else "length"
+                size, why = 1, "set to 1"
+            elif axis in image:
+                role = "image"
+                if from_metadata is not None:
+                    size = from_metadata[image.index(axis)]
+                    why = "from the model's metadata"
+                else:
+                    step = downsampling(model, value.name)[image.index(axis)]
+                    if sizes == "strides" and step >= _COLLAPSING_STRIDE:
+                        size = step
+                        why = f"the stride of {step} the model's Conv and pooling layers reach"
+                    else:
+                        size = -(-PLAUSIBLE_IMAGE_SIZE // step) * step
+                        why = (
+                            f"a multiple of {step}, the stride the model's Conv and pooling "
+                            "layers reach"
+                            if step > 1
+                            else "a common image size"
+                        )
+            else:
+                role, size, why = "length", PLAUSIBLE_LENGTH, "a plausible length"
+            chosen[key] = ChosenSize(value.name, axis, dim, size, role, why)
+    return chosen
 
 
 def input_specs(
@@ -120,12 +308,14 @@ def input_specs(
     shapes: Mapping[str, Sequence[int]] | None = None,
     given: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
     model_name: str = "the model",
+    guess: str = "plausible",
 ) -> tuple[InputSpec, ...]:
     """The inputs to generate for ``model`` (an ``onnx.ModelProto``).
 
-    Symbolic dimensions are 1 unless ``dims`` names them, or an input they appear in has a
-    shape from ``shapes`` or ``given`` (its sizes then hold for every input that shares the
-    dimension's name, as ORT requires).
+    A symbolic dimension has the size ``dims`` gives it, or that an input it appears in has
+    from ``shapes`` or ``given`` (its sizes then hold for every input that shares the
+    dimension's name, as ORT requires); else a size chosen from the model (see the module's
+    docstring), recorded in :attr:`InputSpec.chosen`.
 
     Args:
         model: The model's protobuf (``sharedml._prepare.load_graph`` gives it without data).
@@ -133,6 +323,10 @@ def input_specs(
         shapes: Whole shapes of inputs, by input name (``--shape images=1x3x320x320``).
         given: ``(dtype, shape)`` of inputs whose values the caller gives (``--inputs``).
         model_name: How error messages name the model.
+        guess: ``"plausible"`` heights, widths and lengths; ``"strides"``: image axes whose
+            stride is 16 or more exactly at it (a recognizer's height), the rest plausible;
+            ``"ones"``: all of them 1 (degenerate, what a model that refuses the others may
+            still run at). Batches are 1 in every case.
 
     Returns:
         One spec per graph input that is not an initializer, in graph order.
@@ -252,15 +446,26 @@ def input_specs(
                     )
                 implied[axis] = (size, f"input '{value.name}'")
     sizes = dims | {axis: size for axis, (size, _where) in implied.items()}
+    choices = _choose(model, raw, fixed, guess)
     specs: list[InputSpec] = []
     for value, dtype_name, axes in raw:
+        mine: list[ChosenSize] = []
         if value.name in fixed:
             shape, source = fixed[value.name]
         else:
-            shape = tuple(a if isinstance(a, int) else sizes.get(a, 1) if a else 1 for a in axes)
-            source = "generated"
+            shape_list = []
+            for axis, a in enumerate(axes):
+                if isinstance(a, int):
+                    shape_list.append(a)
+                elif a and a in sizes:
+                    shape_list.append(sizes[a])
+                else:
+                    choice = choices[(a,) if a else (value.name, str(axis))]
+                    mine.append(dataclasses.replace(choice, input=value.name, axis=axis))
+                    shape_list.append(choice.size)
+            shape, source = tuple(shape_list), "generated"
         names = tuple(None if isinstance(a, int) else (a or "?") for a in axes)
-        specs.append(InputSpec(value.name, dtype_name, tuple(shape), names, source))
+        specs.append(InputSpec(value.name, dtype_name, tuple(shape), names, source, tuple(mine)))
     return tuple(specs)
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._format import human_bytes, human_seconds
-from sharedml._inputs import InputSpec, input_specs
-from sharedml._measure import measure
+from sharedml._inputs import SIZE_CHOICES, InputSpec, chosen_sizes, input_specs
+from sharedml._measure import FixedCost, measure
 from sharedml._onnx import (
     ExternalData,
     Placement,
@@ -39,6 +39,7 @@ from sharedml._strategies import (
     get_strategy,
     registered_strategies,
 )
+from sharedml._tables import IndexedTable, indexed_tables
 
 __all__ = [
     "DEFAULT_PROJECTION_SESSIONS",
@@ -324,6 +325,11 @@ class InspectReport:
         trial: The trial run (one plain session, ORT's defaults, run once before measuring):
             ``error``, ``outputs``, ``run_seconds``; None where it was not made.
         error: Why the report is partial (the trial run failed), else None.
+        fixed_cost: sharedml's own cost per process (imports, its creation thread), measured
+            in a fresh process where the pool was measured; None otherwise.
+        tables: Weights that inputs index (embeddings), read only where they point: every
+            strategy ran over inputs covering their rows after its points
+            (:attr:`Measurement.traffic_points`).
     """
 
     model_path: Path
@@ -340,6 +346,21 @@ class InspectReport:
     findings: tuple[Finding, ...] = ()
     trial: Mapping[str, Any] | None = None
     error: str | None = None
+    fixed_cost: FixedCost | None = None
+    tables: tuple[IndexedTable, ...] = ()
+
+    @property
+    def after_traffic(self) -> bool:
+        """Whether the comparisons use figures after runs over the indexed tables' rows."""
+        return _use_traffic(self.strategies)
+
+    @property
+    def fixed_bytes(self) -> int | None:
+        """:attr:`fixed_cost` in the headline metric, or None where it was not measured."""
+        if self.fixed_cost is None or self.fixed_cost.error is not None:
+            return None
+        shared = self.strategies.get(SHARED)
+        return self.fixed_cost.bytes(self.metric, shared.total_bytes if shared else None)
 
     @property
     def weights_bytes(self) -> int:
@@ -357,9 +378,13 @@ class InspectReport:
         return {m.strategy: m for m in self.measurements}
 
     def projection(self, strategy: str) -> dict[int, int | None]:
-        """Projected memory of ``strategy`` at each of :attr:`projection_sessions` (fit)."""
+        """Projected memory of ``strategy`` at each of :attr:`projection_sessions` (fit).
+
+        After runs over the indexed tables' rows where :attr:`after_traffic`.
+        """
         m = self.strategies[strategy]
-        return {n: m.projected_bytes(n) for n in self.projection_sessions}
+        traffic = self.after_traffic
+        return {n: _projected(m, n, traffic) for n in self.projection_sessions}
 
     @property
     def runtime_weights(self) -> dict[str, dict[str, Any]]:
@@ -417,6 +442,10 @@ class InspectReport:
             "weights": self.weights.to_dict(),
             "error": self.error,
             "trial": dict(self.trial) if self.trial is not None else None,
+            "sharedml_fixed_bytes": self.fixed_bytes,
+            "indexed_tables": [t.to_dict() for t in self.tables],
+            "after_traffic": self.after_traffic,
+            "sharedml_fixed": self.fixed_cost.to_dict() if self.fixed_cost is not None else None,
             "memory_metric": self.metric,
             "strategies": {
                 m.strategy: m.to_dict()
@@ -482,13 +511,24 @@ def findings(
     weights_bytes: int,
     unshared: tuple[int, int] = (0, 0),
     serialized: SerializedRuns | None = None,
+    fixed_bytes: int | None = None,
+    trial: Mapping[str, Any] | None = None,
+    inputs: Sequence[InputSpec] = (),
+    tables: Sequence[IndexedTable] = (),
 ) -> tuple[Finding, ...]:
     """The recommendation, computed from the measurements: one :class:`Finding` per statement.
 
     Comparisons are relative (:data:`SAME_WITHIN`), never absolute: "less", "more" and "about
     the same" say what the figures beside them show, and the advice names the strategy that
-    took the least memory. Nothing is said about run speed, which inspect does not measure,
+    took the least memory, or one that took about as little by the rule README states
+    (:data:`_ADVICE_ORDER`). Nothing is said about run speed, which inspect does not measure,
     except as a pointer to the documented figures.
+
+    Where every compared strategy was measured after running over the rows of the tables that
+    inputs index (:attr:`Measurement.traffic_bytes`), those figures are compared: traffic reads
+    such tables whole over time. Where ``fixed_bytes`` is given, a pool's figures count it when
+    they are compared with plain sessions: a process that uses plain onnxruntime does not pay
+    for sharedml's imports and threads.
 
     Args:
         measurements: By strategy name.
@@ -497,10 +537,20 @@ def findings(
         unshared: ``(tensors, bytes)`` of weights that stay in the graph
             (:attr:`WeightsSummary.unshared`).
         serialized: Where the provider runs one ``Run`` at a time across the process.
+        fixed_bytes: sharedml's own cost per process (:class:`FixedCost`), or None.
+        trial: The trial run (:attr:`InspectReport.trial`): its outputs' NaN counts.
+        inputs: The inputs measured, to name generated masks and guessed sizes.
+        tables: The tables inputs index, for what traffic reads of them.
     """
     out: list[Finding] = []
+    sizes = _input_sizes(inputs, trial)
+    if sizes is not None:
+        out.append(sizes)
     if serialized is not None:
         out.append(_serialized_runs(serialized, sessions))
+    read = _tables_read(tables, measurements, sessions)
+    if read is not None:
+        out.append(read)
     stats = _runtime_stats(measurements)
     naive = measurements.get(NAIVE)
     shared = measurements.get(SHARED)
@@ -511,45 +561,62 @@ def findings(
     metric = next(iter(measurements.values())).metric.upper() if measurements else "PSS"
     hb = human_bytes
 
-    naive_total = naive.total_bytes if naive is not None else None
-    shared_total = shared.total_bytes if shared is not None else None
-    if naive is not None and shared is not None and naive_total and shared_total is not None:
+    traffic = _use_traffic(measurements)
+    fixed = fixed_bytes or 0
+    naive_total = _total(naive, traffic)
+    shared_total = _total(shared, traffic)
+    pool_cost = shared_total + fixed if shared_total is not None else None
+    if naive is not None and shared is not None and naive_total and pool_cost is not None:
         if sessions == 1:
+            itself = f" and sharedml's own {hb(fixed)} once per process" if fixed else ""
             out.append(
                 Finding(
                     "one-session",
                     f"With one session there is nothing to share: the pool takes "
-                    f"{hb(shared_total)} ({metric}), a plain session {hb(naive_total)}. Measure "
-                    "with --sessions 2 or more (sessions=2) to see what each extra session costs.",
-                    {"pool_bytes": shared_total, "plain_bytes": naive_total},
+                    f"{hb(shared_total)} ({metric}){itself}, a plain session {hb(naive_total)}. "
+                    "Measure with --sessions 2 or more (sessions=2) to see what each extra "
+                    "session costs.",
+                    {"pool_bytes": shared_total, "plain_bytes": naive_total, "fixed_bytes": fixed},
                 )
             )
         else:
-            out.append(_pool_vs_plain(naive, shared, sessions, big, metric))
-    if single is not None and shared_total and sessions > 1:
-        single_total = single.total_bytes
-        if single_total is not None:
-            verdict = _compare(single_total, shared_total)
-            text = (
-                f"One plain session shared by all {sessions} threads takes {hb(single_total)}, "
-                + _than(single_total, shared_total, f"the pool's {hb(shared_total)}")
+            out.append(_pool_vs_plain(naive, shared, sessions, big, metric, traffic, fixed))
+    single_total = _total(single, traffic)
+    if single_total is not None and pool_cost and sessions > 1:
+        verdict = _compare(single_total, pool_cost)
+        pool_what = f"the pool's {hb(pool_cost)}" + (
+            f" (sharedml's own {hb(fixed)} included)" if fixed else ""
+        )
+        text = (
+            f"One plain session shared by all {sessions} threads takes {hb(single_total)}, "
+            + _than(single_total, pool_cost, pool_what)
+        )
+        text += (
+            ": ORT lets several threads run one CPU session at once, so on the CPU that is "
+            "the smaller choice; the pool is for threads that each need a session of their "
+            "own (DirectML, CUDA graphs, per-thread state)."
+            if verdict == "less"
+            else "; its threads share that one session's intra-op thread pool, where the "
+            "pool gives each thread a session of its own."
+        )
+        out.append(
+            Finding(
+                "single-vs-pool",
+                text,
+                {
+                    "single_bytes": single_total,
+                    "pool_bytes": pool_cost,
+                    "fixed_bytes": fixed,
+                    "verdict": verdict,
+                },
             )
-            text += (
-                ": ORT lets several threads run one CPU session at once, so on the CPU that is "
-                "the smaller choice; the pool is for threads that each need a session of their "
-                "own (DirectML, CUDA graphs, per-thread state)."
-                if verdict == "less"
-                else "; its threads share that one session's intra-op thread pool, where the "
-                "pool gives each thread a session of its own."
-            )
-            out.append(
-                Finding(
-                    "single-vs-pool",
-                    text,
-                    {"single_bytes": single_total, "pool_bytes": shared_total, "verdict": verdict},
-                )
-            )
-    advice = _advice(measurements, sessions)
+        )
+    known = {
+        name: cost
+        for name, cost in ((SHARED, pool_cost), (SINGLE, single_total), (NAIVE, naive_total))
+        if cost is not None
+    }
+    advice = _advice(known, sessions)
     if advice is not None:
         out.append(advice)
     if raw is not None and shared is not None and shared_total and raw.total_bytes is not None:
@@ -625,6 +692,9 @@ def findings(
                 {"tensors": unshared[0], "bytes": unshared[1]},
             )
         )
+    nonfinite = _nonfinite_outputs(trial, inputs)
+    if nonfinite is not None:
+        out.append(nonfinite)
     numerics = _numerics(measurements, sessions)
     if numerics is not None:
         out.append(numerics)
@@ -680,86 +750,165 @@ def _serialized_runs(serialized: SerializedRuns, sessions: int) -> Finding:
     )
 
 
+def _use_traffic(measurements: Mapping[str, Measurement]) -> bool:
+    """Compare figures after the table-covering runs: only where every compared one has them."""
+    compared = [measurements[n] for n in (NAIVE, SHARED, SINGLE) if n in measurements]
+    return bool(compared) and all(m.traffic_bytes is not None for m in compared)
+
+
+def _total(m: Measurement | None, traffic: bool) -> int | None:
+    if m is None:
+        return None
+    return m.traffic_bytes if traffic else m.total_bytes
+
+
+def _per_session(m: Measurement, traffic: bool) -> int | None:
+    return m.traffic_per_session_bytes if traffic else m.per_session_bytes
+
+
+def _projected(m: Measurement, sessions: int, traffic: bool) -> int | None:
+    return m.traffic_projected_bytes(sessions) if traffic else m.projected_bytes(sessions)
+
+
 def _pool_vs_plain(
-    naive: Measurement, shared: Measurement, sessions: int, big: int, metric: str
+    naive: Measurement,
+    shared: Measurement,
+    sessions: int,
+    big: int,
+    metric: str,
+    traffic: bool = False,
+    fixed: int = 0,
 ) -> Finding:
     hb = human_bytes
-    naive_total, shared_total = naive.total_bytes or 0, shared.total_bytes or 0
-    verdict = _compare(shared_total, naive_total)
+    naive_total, shared_total = _total(naive, traffic) or 0, _total(shared, traffic) or 0
+    pool = shared_total + fixed
+    verdict = _compare(pool, naive_total)
     figures: dict[str, Any] = {
         "sessions": sessions,
         "pool_bytes": shared_total,
+        "fixed_bytes": fixed,
         "plain_bytes": naive_total,
-        "ratio": shared_total / naive_total if naive_total else None,
+        "ratio": pool / naive_total if naive_total else None,
         "verdict": verdict,
-        "plain_per_session_bytes": naive.per_session_bytes,
-        "pool_per_session_bytes": shared.per_session_bytes,
+        "after_traffic": traffic,
+        "plain_per_session_bytes": _per_session(naive, traffic),
+        "pool_per_session_bytes": _per_session(shared, traffic),
     }
+    when = (
+        "After runs over every row of the tables the inputs index (as traffic reads them over "
+        "time), with"
+        if traffic
+        else "With"
+    )
+    takes = (
+        f"sharedml's pool takes {hb(shared_total)} ({metric}) and sharedml itself {hb(fixed)} "
+        f"once per process (its imports and threads), {hb(pool)} in all"
+        if fixed
+        else f"sharedml's pool takes {hb(shared_total)} ({metric})"
+    )
     if verdict == "less":
         text = (
-            f"With {sessions} sessions, sharedml's pool takes {hb(shared_total)} ({metric}) "
-            f"where {sessions} plain sessions take {hb(naive_total)}: "
-            f"{hb(naive_total - shared_total)} ({_pct(naive_total - shared_total, naive_total)}) "
-            "less."
+            f"{when} {sessions} sessions, {takes}{',' if fixed else ''} where {sessions} plain "
+            "sessions take "
+            f"{hb(naive_total)}: {hb(naive_total - pool)} "
+            f"({_pct(naive_total - pool, naive_total)}) less."
         )
     elif verdict == "same":
         text = (
-            f"With {sessions} sessions the pool takes {hb(shared_total)} ({metric}) and "
-            f"{sessions} plain sessions {hb(naive_total)}: within {SAME_WITHIN:.0%} of each "
-            "other, so sharing saves nothing material here."
+            f"{when} {sessions} sessions, {takes}{',' if fixed else ''} and {sessions} plain "
+            "sessions "
+            f"{hb(naive_total)}: within {SAME_WITHIN:.0%} of each other, so sharing saves "
+            "nothing material here."
         )
     else:
         text = (
-            f"The pool takes more than {sessions} plain sessions here: {hb(shared_total)}, "
-            + _than(shared_total, naive_total, f"their {hb(naive_total)}")
+            f"{when} {sessions} sessions, {takes}: more than {sessions} plain sessions, "
+            + _than(pool, naive_total, f"their {hb(naive_total)}")
             + "."
         )
-    if naive.per_session_bytes is not None and shared.per_session_bytes is not None:
+    per_naive, per_shared = _per_session(naive, traffic), _per_session(shared, traffic)
+    if per_naive is not None and per_shared is not None:
         text += (
-            f" Each extra plain session adds {hb(naive.per_session_bytes)}, each extra pooled "
-            f"session {hb(shared.per_session_bytes)}"
+            f" Each extra plain session adds {hb(per_naive)}, each extra pooled "
+            f"session {hb(per_shared)}"
         )
-        far_naive, far_shared = naive.projected_bytes(big), shared.projected_bytes(big)
+        far_naive, far_shared = _projected(naive, big, traffic), _projected(shared, big, traffic)
         if far_naive is not None and far_shared is not None:
+            far_pool = far_shared + fixed
             text += (
                 f"; at {big} sessions that would be about {hb(far_naive)} against "
-                f"{hb(far_shared)} (projected)."
+                f"{hb(far_pool)} (projected)."
             )
             figures |= {"projected_sessions": big, "plain_projected_bytes": far_naive}
-            figures["pool_projected_bytes"] = far_shared
+            figures["pool_projected_bytes"] = far_pool
         else:
             text += "."
     return Finding("pool-vs-plain", text, figures)
 
 
-def _advice(measurements: Mapping[str, Measurement], sessions: int) -> Finding | None:
-    """Name the strategy that took the least memory, and what to use."""
-    known: dict[str, int] = {}
-    for name in (SHARED, SINGLE, NAIVE):
-        m = measurements.get(name)
-        if m is not None and m.total_bytes is not None:
-            known[name] = m.total_bytes
+# What the advice calls each strategy, and the order it prefers them in where their figures
+# are within SAME_WITHIN of the least (README, `sharedml inspect`): the pool gives every thread a
+# session of its own and is at least as good where both work; one shared session needs no
+# dependency; plain sessions last.
+_ADVICE_ORDER = (SHARED, SINGLE, NAIVE)
+
+
+def _called(name: str, sessions: int) -> str:
+    return {
+        SHARED: f"sharedml's pool of {sessions}",
+        SINGLE: "one plain session shared by the threads",
+        NAIVE: f"{sessions} plain sessions",
+    }[name]
+
+
+def _advice(known: Mapping[str, int], sessions: int) -> Finding | None:
+    """Name the strategy to use, by the rule README states, from the totals compared.
+
+    The least total is "the least memory"; a strategy within :data:`SAME_WITHIN` of it took
+    "about as little", never "the least". Among those, :data:`_ADVICE_ORDER` decides.
+
+    Args:
+        known: Bytes by strategy (shared, single, naive), as the comparison counts them.
+        sessions: N.
+    """
     if sessions < 2 or SHARED not in known or len(known) < 2:
         return None
-    least = min(known, key=lambda name: known[name])
-    figures = {"least": least, "least_bytes": known[least], "totals": known}
-    if least == SHARED or _compare(known[SHARED], known[least]) == "same":
-        close = "" if least == SHARED else f" (within {SAME_WITHIN:.0%} of {least})"
-        text = (
-            f"Use sharedml.SessionPool(model, sessions={sessions}): of the strategies measured "
-            f"it took the least memory{close}."
+    least = min(known, key=lambda name: (known[name], _ADVICE_ORDER.index(name)))
+    tied = [n for n in _ADVICE_ORDER if n in known and _compare(known[n], known[least]) == "same"]
+    chosen = tied[0]
+    figures: dict[str, Any] = {
+        "least": least,
+        "least_bytes": known[least],
+        "chosen": chosen,
+        "about_as_little": [n for n in tied if n != least],
+        "totals": dict(known),
+    }
+    hb = human_bytes
+    if chosen == least:
+        measured = ", ".join(
+            f"{_called(n, sessions)}: {hb(known[n])}" for n in _ADVICE_ORDER if n in known
         )
-    elif least == SINGLE:
+        claim = f"of the strategies measured it took the least memory ({measured})"
+    else:
+        claim = (
+            f"it took {hb(known[chosen])}, about as little as the least measured "
+            f"({_called(least, sessions)}: {hb(known[least])}, within {SAME_WITHIN:.0%})"
+        )
+    if chosen == SHARED:
+        text = f"Use sharedml.SessionPool(model, sessions={sessions}): {claim}."
+        if chosen != least:
+            text += " Where figures are that close, README's rule prefers the pool: it gives "
+            text += "each thread a session of its own."
+    elif chosen == SINGLE:
         text = (
-            f"Least memory measured: one plain session shared by the threads "
-            f"({human_bytes(known[SINGLE])}); use it where the provider runs concurrent Run "
-            f"calls on one session (CPU), and sharedml.SessionPool(model, sessions={sessions}) "
-            "where each thread needs a session of its own."
+            f"Use one plain session shared by the threads where the provider runs concurrent "
+            f"Run calls on one session (CPU): {claim}. Use sharedml.SessionPool(model, "
+            f"sessions={sessions}) where each thread needs a session of its own."
         )
     else:
         text = (
-            f"Least memory measured: {sessions} plain sessions ({human_bytes(known[NAIVE])}); "
-            "sharing does not pay for this model at this session count."
+            f"Use {sessions} plain sessions: {claim}; sharing does not pay for this model at "
+            "this session count."
         )
     return Finding("advice", text, figures)
 
@@ -836,6 +985,167 @@ def _runtime_weights(
     return Finding("runtime-weights", text, figures)
 
 
+def _tables_read(
+    tables: Sequence[IndexedTable], measurements: Mapping[str, Measurement], sessions: int
+) -> Finding | None:
+    """Say which tables inputs index, what running over their rows added, and what is compared."""
+    if not tables:
+        return None
+    hb = human_bytes
+    total = sum(t.nbytes for t in tables)
+    shown = sorted(tables, key=lambda t: t.nbytes, reverse=True)[:3]
+    named = ", ".join(
+        f"'{t.name}' {t.dtype}[{'x'.join(map(str, t.shape))}] {hb(t.nbytes)}"
+        + (f" by input '{t.input}'" if t.input else " by indices the graph computes")
+        for t in shown
+    ) + (f" and {len(tables) - len(shown)} more" if len(tables) > len(shown) else "")
+    text = (
+        f"{len(tables)} weight table{'s' if len(tables) > 1 else ''} ({hb(total)}) "
+        f"{'are' if len(tables) > 1 else 'is'} read only at the rows the inputs index "
+        f"({named}): a mapped weights file holds only the pages read, so a run on generated "
+        "inputs counts a few rows, and traffic reads every row over time."
+    )
+    figures: dict[str, Any] = {"tables": [t.to_dict() for t in tables], "total_bytes": total}
+    measured = {n: m for n, m in measurements.items() if m.traffic_points}
+    traffic = _use_traffic(measurements)
+    if traffic:
+        info = next(iter(measured.values())).traffic
+        rows = dict(info.get("rows") or {})
+        covered = ", ".join(
+            f"{rows[t.name]} of {t.rows} rows of '{t.name}'" for t in shown if t.name in rows
+        )
+        changes = "; ".join(
+            f"{n} {hb(m.total_bytes)} -> {hb(m.traffic_bytes)}"
+            for n, m in measured.items()
+            if n in (NAIVE, SHARED, SINGLE)
+        )
+        text += (
+            f" Each session then ran {info.get('runs')} times on inputs whose ids covered "
+            f"{covered}"
+            + (" (stopped early: the time for it ran out)" if info.get("partial") else "")
+            + f", and memory grew ({sessions} sessions): {changes}. The comparisons and the "
+            "advice below use these figures after traffic."
+        )
+        figures |= {"runs": info.get("runs"), "rows": rows, "partial": bool(info.get("partial"))}
+    else:
+        errors = sorted(
+            {str(m.traffic.get("error")) for m in measurements.values() if m.traffic.get("error")}
+        )
+        why = (
+            f"running over their rows failed ({errors[0]})"
+            if errors
+            else "no input's values reach them unchanged, so inspect cannot choose ids that "
+            "cover their rows"
+        )
+        text += (
+            f" The figures below count only what the generated inputs read: {why}. Under "
+            f"traffic, up to {hb(total)} more may become resident for each copy of the tables "
+            "a strategy keeps."
+        )
+    figures["after_traffic"] = traffic
+    return Finding("indexed-tables", text, figures)
+
+
+def _input_sizes(inputs: Sequence[InputSpec], trial: Mapping[str, Any] | None) -> Finding | None:
+    """Name the sizes inspect chose for symbolic heights, widths and lengths, and how to set them.
+
+    A model's memory depends on them; a size of 1 is degenerate (a detector at 1x1 holds a
+    fraction of what it holds at 320x320) and is said so loudly, never passed silently.
+    """
+    chosen = [c for c in chosen_sizes(inputs) if c.role != "batch"]
+    if not chosen:
+        return None
+    degenerate = [c for c in chosen if c.degenerate]
+    listed = "; ".join(f"{c.describe()} ({c.why})" for c in chosen)
+    rejected = list(trial.get("rejected_sizes") or ()) if trial is not None else []
+    if degenerate:
+        text = (
+            f"These inputs are degenerate: {', '.join(c.describe() for c in degenerate)}. "
+            "inspect set them to 1"
+        )
+        if rejected:
+            text += (
+                " because a plain session refused the sizes tried first ("
+                + "; ".join(
+                    f"{', '.join(r['inputs'])}: {str(r['error']).rstrip('.')}" for r in rejected
+                )
+                + ")"
+            )
+        text += (
+            ", and every figure below is for that size, not for the sizes traffic has: "
+            "activations, and what the inputs read of the weights, grow with them."
+        )
+    else:
+        text = (
+            f"inspect chose sizes nobody gave: {listed}. Memory depends on them (activations, "
+            "and what the inputs read of the weights)"
+        )
+        if rejected:
+            text += (
+                "; a plain session refused the sizes tried first ("
+                + "; ".join(
+                    f"{', '.join(r['inputs'])}: {str(r['error']).rstrip('.')}" for r in rejected
+                )
+                + ")"
+            )
+        text += "."
+    named = sorted({c.dim for c in chosen if c.dim != "?"})
+    ways = [f"--dim {' --dim '.join(f'{d}=SIZE' for d in named)}"] if named else []
+    for spec in inputs:
+        images = sorted(c.axis for c in spec.chosen if c.role == "image")
+        letters = {axis: "HW"[i] if i < 2 else "S" for i, axis in enumerate(images)}
+        letters |= {c.axis: "L" for c in spec.chosen if c.role == "length"}
+        if letters:
+            shape = "x".join(letters.get(axis, str(size)) for axis, size in enumerate(spec.shape))
+            ways.append(f"--shape {spec.name}={shape}")
+    text += (
+        " Measure at the sizes your traffic has: "
+        + ", ".join(ways)
+        + " (dims=/shapes= in Python), or real inputs with --inputs feeds.npz."
+    )
+    figures = {
+        "chosen": [c.to_dict() for c in chosen],
+        "degenerate": [c.describe() for c in degenerate],
+        "rejected": rejected,
+    }
+    return Finding("degenerate-inputs" if degenerate else "input-sizes", text, figures)
+
+
+def _nonfinite_outputs(
+    trial: Mapping[str, Any] | None, inputs: Sequence[InputSpec]
+) -> Finding | None:
+    """Say that the trial run's outputs hold NaN or infinite values, and what may cause it."""
+    outputs = list(trial.get("outputs") or ()) if trial is not None else []
+    bad = [o for o in outputs if o.get("nonfinite")]
+    if not bad:
+        return None
+
+    def size(o: Mapping[str, Any]) -> int:
+        count = 1
+        for d in o.get("shape") or ():
+            count *= int(d)
+        return count
+
+    listed = ", ".join(f"{o['name']}: {o['nonfinite']} of {size(o)}" for o in bad)
+    text = (
+        f"The outputs of a plain session on these inputs hold NaN or infinite values ({listed}): "
+        "a finding in itself, and no strategy's outputs are called equal to a plain session's "
+        "where they hold any."
+    )
+    masks = [i.name for i in inputs if i.dtype == "bool" and i.source != "file"]
+    if masks:
+        text += (
+            f" inspect generated the boolean inputs ({', '.join(masks)}) all False: a mask "
+            "that hides every position makes attention divide by zero."
+        )
+    text += " Give real inputs with --inputs feeds.npz (feeds= in Python)."
+    figures = {
+        "outputs": {o["name"]: {"nonfinite": o["nonfinite"], "size": size(o)} for o in bad},
+        "generated_bool_inputs": masks,
+    }
+    return Finding("nonfinite-outputs", text, figures)
+
+
 def _numerics(measurements: Mapping[str, Measurement], sessions: int) -> Finding | None:
     """Compare every strategy's outputs with a default plain session's (the trial run)."""
     compared = {n: m for n, m in measurements.items() if m.matches_plain is not None}
@@ -846,12 +1156,16 @@ def _numerics(measurements: Mapping[str, Measurement], sessions: int) -> Finding
         n: {"max_abs_diff": m.plain_max_abs_diff, "comparable": m.plain_outputs_comparable}
         for n, m in compared.items()
     }
+    unknown = [n for n in measurements if n not in compared]
     if not differ:
-        return Finding(
-            "numerics",
-            "Every strategy's outputs were bitwise equal to a default plain session's.",
-            figures,
-        )
+        if unknown:
+            text = (
+                f"The outputs of {', '.join(compared)} were bitwise equal to a default plain "
+                f"session's; those of {', '.join(unknown)} were not compared."
+            )
+        else:
+            text = "Every strategy's outputs were bitwise equal to a default plain session's."
+        return Finding("numerics", text, figures)
     parts = [
         f"{n} by up to {m.plain_max_abs_diff:.3g}"
         if m.plain_max_abs_diff is not None
@@ -979,7 +1293,15 @@ def inspect(
     given = None
     if feeds is not None:
         given = described(load_feeds(feeds))
-    inputs = input_specs(proto, dims, shapes=shapes, given=given, model_name=label)
+    # Sizes for the symbolic dimensions nobody gave, most plausible first: the trial run tries
+    # them in turn until a plain session runs (a recognizer refuses a height of 224).
+    candidates: list[tuple[InputSpec, ...]] = []
+    for guess in SIZE_CHOICES:
+        specs = input_specs(proto, dims, shapes=shapes, given=given, model_name=label, guess=guess)
+        if specs not in candidates:
+            candidates.append(specs)
+    inputs = candidates[0]
+    tables = indexed_tables(proto)
     weights = summarize_weights(proto, path)
     serialized = _serialized_for(plan, proto, label)
     del proto  # a model with inline weights is as large as they are: not kept while measuring
@@ -992,6 +1314,7 @@ def inspect(
         found: tuple[Finding, ...],
         trial: Mapping[str, Any],
         error: str | None = None,
+        fixed: FixedCost | None = None,
     ) -> InspectReport:
         return InspectReport(
             model_path=path,
@@ -1009,25 +1332,34 @@ def inspect(
             findings=found,
             trial=trial,
             error=error,
+            fixed_cost=fixed,
+            tables=tables,
         )
 
     measurements: list[Measurement] = []
     with tempfile.TemporaryDirectory(prefix="sharedml-inspect-") as scratch:
         if progress is not None:
             progress("trial run: one plain session, ORT defaults", 0, total_steps)
-        trial = trial_run(
-            path,
-            inputs=inputs,
-            reference=Path(scratch) / "plain-outputs.npz",
-            providers=plan.providers,
-            provider_options=plan.provider_options,
-            feeds=feeds,
-            timeout_s=timeout_s,
-        )
+        rejected: list[dict[str, Any]] = []
+        for inputs in candidates:
+            trial = trial_run(
+                path,
+                inputs=inputs,
+                reference=Path(scratch) / "plain-outputs.npz",
+                providers=plan.providers,
+                provider_options=plan.provider_options,
+                feeds=feeds,
+                timeout_s=timeout_s,
+            )
+            if trial.error is None:
+                break
+            rejected.append({"inputs": [i.describe() for i in inputs], "error": trial.error})
+        trial_dict = trial.to_dict() | {"rejected_sizes": rejected}
         if trial.error is not None:
-            message = _trial_failed(label, trial.error, defaulted_dims(inputs, dims))
+            inputs = candidates[0]
+            message = _trial_failed(label, rejected, defaulted_dims(inputs, dims))
             exc = MeasurementError(message)
-            exc.report = report((), (), trial.to_dict(), message)
+            exc.report = report((), (), trial_dict, message)
             raise exc
         for index, strategy in enumerate(chosen):
             done_before = index * sessions
@@ -1057,17 +1389,47 @@ def inspect(
                     progress=step,
                     feeds=feeds,
                     reference=trial.reference,
+                    tables=tables,
                 )
             )
+        fixed: FixedCost | None = None
+        if SHARED in {m.strategy for m in measurements}:
+            from sharedml._measure import fixed_cost
+
+            if progress is not None:
+                progress(
+                    "sharedml's own cost: a fresh process imports it, opens and closes a pool",
+                    total_steps,
+                    total_steps,
+                )
+            fixed = fixed_cost(
+                path,
+                inputs=inputs,
+                sessions=sessions,
+                providers=plan.providers,
+                provider_options=plan.provider_options,
+                feeds=feeds,
+                timeout_s=timeout_s,
+            )
     by_name = {m.strategy: m for m in measurements}
+    metric = measurements[0].metric if measurements else "pss"
+    fixed_bytes = (
+        fixed.bytes(metric, by_name[SHARED].total_bytes)
+        if fixed is not None and fixed.error is None and SHARED in by_name
+        else None
+    )
     found = findings(
         by_name,
         sessions=sessions,
         weights_bytes=weights.total_bytes,
         unshared=weights.unshared,
         serialized=serialized,
+        trial=trial_dict,
+        inputs=inputs,
+        fixed_bytes=fixed_bytes,
+        tables=tables,
     )
-    return report(measurements, found, trial.to_dict())
+    return report(measurements, found, trial_dict, fixed=fixed)
 
 
 def _serialized_for(plan: Any, proto: Any, label: str) -> SerializedRuns | None:
@@ -1088,21 +1450,29 @@ def _serialized_for(plan: Any, proto: Any, label: str) -> SerializedRuns | None:
     return SerializedRuns(plan.primary, ort.__version__, why)
 
 
-def _trial_failed(label: str, error: str, defaulted: Mapping[str, Sequence[str]]) -> str:
-    """The message for a trial run that failed: ORT's error, and the dims that were guessed."""
+def _trial_failed(
+    label: str, rejected: Sequence[Mapping[str, Any]], defaulted: Mapping[str, Sequence[str]]
+) -> str:
+    """The message for a trial run that failed at every size tried: ORT's errors, the dims."""
+    first = rejected[0]
     text = (
         f"One plain onnxruntime session of {label} could not run on the inputs inspect made "
-        f"(nothing was measured): {error.rstrip('.')}."
+        f"(nothing was measured): {str(first['error']).rstrip('.')}."
     )
+    if len(rejected) > 1:
+        others = "; ".join(
+            f"{', '.join(r['inputs'])}: {str(r['error']).rstrip('.')}" for r in rejected[1:]
+        )
+        text += f" Also tried {others}."
     if defaulted:
-        set_to_one = "; ".join(f"{name}: {', '.join(d)}" for name, d in defaulted.items())
-        every = [d for dims in defaulted.values() for d in dims]
+        chose = "; ".join(f"{name}: {', '.join(d)}" for name, d in defaulted.items())
+        every = [d.split("=")[0] for dims in defaulted.values() for d in dims]
         # Batch sizes of 1 rarely break a model; heights, widths and lengths do.
-        first = next((d for d in every if "batch" not in d.lower()), every[0])
+        named = next((d for d in every if "batch" not in d.lower() and d != "?"), None)
         text += (
-            f" These symbolic dimensions were set to 1 ({set_to_one}): give real sizes with "
-            f"--dim {first}=SIZE (dims= in Python), a whole input with --shape NAME=AxBxC, or "
-            "real inputs with --inputs feeds.npz."
+            f" inspect chose the sizes of these symbolic dimensions ({chose}): give real sizes "
+            + (f"with --dim {named}=SIZE (dims= in Python), " if named else "")
+            + "a whole input with --shape NAME=AxBxC, or real inputs with --inputs feeds.npz."
         )
     else:
         text += " Give real inputs with --inputs feeds.npz (feeds= in Python)."

@@ -27,8 +27,17 @@ from sharedml._inputs import InputSpec, input_specs
 from sharedml._measure_child import PROGRESS_PREFIX, RESULT_PREFIX, SPEC_VERSION
 from sharedml._results import Measurement
 from sharedml._strategies import get_strategy
+from sharedml._tables import IndexedTable
 
-__all__ = ["DEFAULT_MEMORY_RESERVE_BYTES", "ProgressCallback", "TrialRun", "measure", "trial_run"]
+__all__ = [
+    "DEFAULT_MEMORY_RESERVE_BYTES",
+    "FixedCost",
+    "ProgressCallback",
+    "TrialRun",
+    "fixed_cost",
+    "measure",
+    "trial_run",
+]
 
 DEFAULT_MEMORY_RESERVE_BYTES = 512 * 1024 * 1024  # bytes a measurement leaves free for the box
 _STDERR_LINES_KEPT = 50  # of the child's stderr, for error messages
@@ -36,6 +45,62 @@ _STDERR_LINES_KEPT = 50  # of the child's stderr, for error messages
 _CHILD_CODE = (
     "import sys; from sharedml._measure_child import child_main; sys.exit(child_main(sys.argv[1:]))"
 )
+
+# sharedml's own cost in a process: this child reads its memory with sharedml._memory run as a
+# file (runpy), so that nothing of sharedml is imported before its first reading; then it imports
+# sharedml, opens a pool as README shows (sessions created in the background), runs its N
+# sessions at once as the measuring child does, and reads again: the pool as a process that used
+# plain onnxruntime before sees it. Less the pooled strategy's own figure, that is sharedml's
+# fixed cost. (A pool closed and read after would count twice what ORT sets up for the first
+# session of a model, which the strategy's figure holds too.)
+_FIXED_COST_CODE = r"""
+import gc, json, runpy, sys
+spec = json.loads(sys.argv[1])
+memory = runpy.run_path(spec["memory_module"])
+import numpy as np, onnxruntime as ort
+
+def reading():
+    gc.collect()
+    memory["trim_heap"]()
+    return memory["read_memory"]()
+
+providers = list(spec["providers"])
+options = [dict(o) for o in spec["provider_options"]]
+warm = ort.InferenceSession(bytes.fromhex(spec["warmup"]), providers=providers,
+                            provider_options=options)
+warm.run(None, {"a": np.zeros(1, np.float32)})
+del warm
+before = reading()
+import sharedml
+sharedml.SessionPool  # what a pool's user imports; the rest loads as the pool needs it
+imported = reading()
+from sharedml._inputs import generate, load_feeds
+given = load_feeds(spec["feeds_file"]) if spec.get("feeds_file") else {}
+feeds = {i["name"]: given[i["name"]] if i.get("source") == "file" else generate(i)
+         for i in spec["inputs"]}
+import threading
+n = spec["sessions"]
+pool = sharedml.SessionPool(spec["model"], sessions=n, providers=providers,
+                            provider_options=options)
+pool.wait_ready()
+held = [pool.session() for _ in range(n)]
+sessions = [h.__enter__() for h in held]
+barrier = threading.Barrier(n)
+def work(sess):
+    barrier.wait()
+    sess.run(None, feeds)
+threads = [threading.Thread(target=work, args=(s,)) for s in sessions]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+opened = reading()
+keys = ("pss", "uss", "rss", "private")
+def growth(a, b):
+    return {k: None if a[k] is None or b[k] is None else a[k] - b[k] for k in keys}
+print("RESULT " + json.dumps({"imports": growth(imported, before), "pool": growth(opened, before)}),
+      flush=True)
+"""
 
 ProgressCallback = Callable[[int, int], None]
 """Called as ``progress(sessions_done, sessions_total)`` while a child measures."""
@@ -55,6 +120,8 @@ def measure(
     progress: ProgressCallback | None = None,
     feeds: str | os.PathLike[str] | None = None,
     reference: str | os.PathLike[str] | None = None,
+    tables: Sequence[IndexedTable] = (),
+    traffic_seconds: float | None = None,
 ) -> Measurement:
     """Measure one strategy at ``sessions`` sessions in a fresh subprocess.
 
@@ -77,6 +144,11 @@ def measure(
             ``"file"`` (``sharedml inspect --inputs``).
         reference: Outputs of a default plain session to compare the first run with
             (:func:`trial_run` writes them); see :attr:`Measurement.plain_max_abs_diff`.
+        tables: Tables the inputs index (:func:`sharedml._tables.indexed_tables`): after
+            the points, each session runs over inputs whose ids cover their rows, and memory
+            is read after each (:attr:`Measurement.traffic_points`).
+        traffic_seconds: Time those runs may take in all (default 60 s); where it runs out,
+            fewer rows are covered and :attr:`Measurement.traffic` says so.
 
     Returns:
         The :class:`Measurement`.
@@ -111,6 +183,8 @@ def measure(
         "sessions": sessions,
         "memory_reserve_bytes": int(memory_reserve_bytes),
         "reference_file": str(reference) if reference is not None else None,
+        "tables": [t.to_dict() for t in tables],
+        "traffic_seconds": traffic_seconds,
     }
     try:
         raw = _run_child(spec, timeout_s=timeout_s, progress=progress)
@@ -206,6 +280,84 @@ def trial_run(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class FixedCost:
+    """What sharedml itself costs a process, once, whatever its pools hold.
+
+    A fresh process that has onnxruntime loaded and has run a session reads its memory, imports
+    sharedml, opens a pool of N of the model as README shows (its other sessions created on
+    sharedml's background thread) and runs all N at once: ``pool`` is that growth, what a pool
+    costs a process that used plain onnxruntime before. Less the pooled strategy's own figure
+    (measured over a baseline that had sharedml imported), what remains is sharedml's: its
+    imports, its creation thread and what that thread's heap keeps. Growth per metric (``pss``,
+    ``uss``, ``rss``, ``private``), None where the platform does not give it.
+
+    Attributes:
+        imports: Growth after ``import sharedml`` and loading ``sharedml.SessionPool``.
+        pool: Growth with the pool open and every session run once.
+        error: Why it could not be measured (the child's last line), else None.
+    """
+
+    imports: Mapping[str, int | None]
+    pool: Mapping[str, int | None]
+    error: str | None = None
+
+    def bytes(self, metric: str, pooled: int | None) -> int | None:
+        """Sharedml's own cost in ``metric``: :attr:`pool` less ``pooled``, at least 0.
+
+        Args:
+            metric: The metric.
+            pooled: The pooled strategy's total at the same session count, over a baseline
+                that had sharedml imported (:attr:`Measurement.total_bytes`).
+        """
+        value = self.pool.get(metric)
+        if value is None or pooled is None:
+            return None
+        return max(0, int(value) - int(pooled))
+
+    def imports_bytes(self, metric: str) -> int | None:
+        """What importing sharedml added, in ``metric``."""
+        value = self.imports.get(metric)
+        return None if value is None else max(0, int(value))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"imports": dict(self.imports), "pool": dict(self.pool), "error": self.error}
+
+
+def fixed_cost(
+    model: str | os.PathLike[str],
+    *,
+    inputs: Sequence[InputSpec],
+    sessions: int = 4,
+    providers: Sequence[Any] | None = None,
+    provider_options: Sequence[dict[str, Any]] | None = None,
+    feeds: str | os.PathLike[str] | None = None,
+    timeout_s: float | None = None,
+) -> FixedCost:
+    """Measure sharedml's own per-process cost (:class:`FixedCost`) in a fresh process.
+
+    The model must be prepared already (the pool's first use prepares it; ``inspect`` measures
+    this after the pooled strategies). A failure is returned in ``error``, not raised: the
+    report then says the figure is missing rather than stopping.
+    """
+    from sharedml import _memory
+    from sharedml._measure_child import warmup_model_bytes
+    from sharedml._providers import plan_providers
+
+    plan = plan_providers(providers, provider_options)
+    spec = _spec(Path(model), plan, inputs, feeds) | {
+        "sessions": sessions,
+        "warmup": warmup_model_bytes().hex(),
+        "memory_module": str(Path(_memory.__file__).resolve()),
+    }
+    try:
+        raw = _run_child(spec, timeout_s=timeout_s, progress=None, code=_FIXED_COST_CODE)
+    except _ChildFailed as exc:
+        return FixedCost({}, {}, error=exc.last)
+    return FixedCost(dict(raw["imports"]), dict(raw["pool"]))
+
+
 class _ChildFailed(Exception):
     """A measuring child failed: ``how`` (for a sentence), ``last`` (its last stderr line)."""
 
@@ -216,9 +368,13 @@ class _ChildFailed(Exception):
 
 
 def _run_child(
-    spec: Mapping[str, Any], *, timeout_s: float | None, progress: ProgressCallback | None
+    spec: Mapping[str, Any],
+    *,
+    timeout_s: float | None,
+    progress: ProgressCallback | None,
+    code: str = _CHILD_CODE,
 ) -> dict[str, Any]:
-    cmd = [sys.executable, "-c", _CHILD_CODE, json.dumps(spec)]
+    cmd = [sys.executable, "-c", code, json.dumps(spec)]
     stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES_KEPT)
     result: dict[str, Any] | None = None
     proc = subprocess.Popen(

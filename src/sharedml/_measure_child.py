@@ -47,6 +47,7 @@ from typing import Any
 
 from sharedml._host import available_bytes, heap_trim_available, release_freed_heap
 from sharedml._inputs import generate
+from sharedml._memory import FALLBACK_NOTES, metric_of, read_memory
 from sharedml._strategies import Runner, StrategyContext
 
 __all__ = ["PROGRESS_PREFIX", "RESULT_PREFIX", "SPEC_VERSION", "child_main", "warmup_model_bytes"]
@@ -56,22 +57,9 @@ RESULT_PREFIX = "RESULT "
 PROGRESS_PREFIX = "PROGRESS "
 
 
-def _memory() -> dict[str, int | None]:
-    import psutil
-
-    proc = psutil.Process()
-    try:
-        info = proc.memory_full_info()
-    except (psutil.AccessDenied, NotImplementedError):  # pragma: no cover - not on Linux
-        basic = proc.memory_info()
-        return {"pss": None, "uss": None, "rss": int(basic.rss)}
-    pss = getattr(info, "pss", None)
-    uss = getattr(info, "uss", None)
-    return {
-        "pss": int(pss) if pss is not None else None,
-        "uss": int(uss) if uss is not None else None,
-        "rss": int(info.rss),
-    }
+def _memory() -> dict[str, Any]:
+    """This process's memory (:func:`sharedml._memory.read_memory`): every metric, or None."""
+    return read_memory()
 
 
 class _DeviceMemory:
@@ -255,30 +243,46 @@ def _load_reference(reference_file: str) -> dict[str, Any]:
         return {name: saved[name] for name in saved.files}
 
 
+def _nonfinite(outputs: Mapping[str, Any]) -> int:
+    """How many NaN and infinite values the float outputs hold, all outputs together."""
+    import numpy as np
+
+    return sum(
+        int(out.size - np.count_nonzero(np.isfinite(out)))
+        for out in outputs.values()
+        if out.dtype.kind in "fc"
+    )
+
+
 def _difference(
     outputs: Sequence[Any], reference: Mapping[str, Any]
-) -> tuple[float | None, int, bool]:
+) -> tuple[float | None, int, bool, int]:
     """How far ``outputs`` are from the saved reference.
 
     Returns:
         The largest absolute difference over the outputs compared (None: nothing comparable
-        was saved, or shapes, dtypes or NaN positions differ), how many outputs were compared,
-        and whether all of them had the reference's shape, dtype and NaN positions.
+        was saved, shapes, dtypes or NaN positions differ, or either side holds NaN or
+        infinite values), how many outputs were compared, whether all of them had the
+        reference's shape, dtype and NaN positions, and how many NaN or infinite values the
+        two sides hold (the larger count): such outputs are not compared at all.
     """
     import numpy as np
 
     mine = _comparable(outputs)
+    nonfinite = max(_nonfinite(mine), _nonfinite(reference))
     worst = 0.0
     for name, ref in reference.items():
         out = mine.get(name)
         if out is None or out.shape != ref.shape or out.dtype != ref.dtype:
-            return None, len(reference), False
+            return None, len(reference), False, nonfinite
         if not np.array_equal(np.isnan(out), np.isnan(ref)):
-            return None, len(reference), False
-        if out.size:
+            return None, len(reference), False, nonfinite
+        if out.size and not nonfinite:
             delta = np.abs(out.astype(np.float64) - ref.astype(np.float64))
-            worst = max(worst, float(np.nanmax(delta)) if not np.isnan(delta).all() else 0.0)
-    return (worst if reference else None), len(reference), True
+            worst = max(worst, float(delta.max()))
+    if nonfinite:
+        return None, len(reference), True, nonfinite
+    return (worst if reference else None), len(reference), True, nonfinite
 
 
 def _child_trial(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -299,16 +303,107 @@ def _child_trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     described = []
     for name, out in zip(names, outputs, strict=False):
         if isinstance(out, np.ndarray):
-            described.append({"name": name, "dtype": str(out.dtype), "shape": list(out.shape)})
+            bad = _nonfinite({name: out}) if out.dtype.kind in "fc" else 0
+            described.append(
+                {"name": name, "dtype": str(out.dtype), "shape": list(out.shape), "nonfinite": bad}
+            )
         else:
             described.append({"name": name, "dtype": type(out).__name__, "shape": None})
     np.savez(spec["reference_file"], **_comparable(outputs))
     return {"outputs": described, "run_seconds": seconds, "onnxruntime": ort.__version__}
 
 
-def _growth(now: Mapping[str, int | None], base: Mapping[str, int | None], key: str) -> int | None:
+def _growth(now: Mapping[str, Any], base: Mapping[str, Any], key: str) -> int | None:
     a, b = now.get(key), base.get(key)
     return None if a is None or b is None else a - b
+
+
+DEFAULT_TRAFFIC_SECONDS = 60.0  # per strategy: runs over the tables stop there, partly covered
+
+
+def _traffic_point(
+    base: Mapping[str, Any], base_untrimmed: Mapping[str, Any], metric: str
+) -> dict[str, Any]:
+    """Memory now against the baseline, as a point (no creation, no timed run)."""
+    gc.collect()
+    untrimmed = _memory()
+    release_freed_heap()
+    now = _memory()
+    return {
+        "sessions": 0,
+        "pss_bytes": _growth(now, base, "pss"),
+        "uss_bytes": _growth(now, base, "uss"),
+        "rss_bytes": _growth(now, base, "rss"),
+        "private_bytes": _growth(now, base, "private"),
+        "untrimmed_bytes": _growth(untrimmed, base_untrimmed, metric),
+        "device_bytes": None,
+        "create_seconds": 0.0,
+        "run_seconds": 0.0,
+        "outputs_agree": True,
+    }
+
+
+def _run_over_tables(
+    spec: Mapping[str, Any],
+    runners: Sequence[Runner],
+    feeds: Mapping[str, Any],
+    reading: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run each session over inputs whose ids cover the indexed tables' rows, one at a time.
+
+    After session k has run over them, memory is read: point k. The first session runs
+    until every row is covered or its share of the time (``traffic_seconds`` / N) is up;
+    the others run as many, so that every session read the same rows.
+
+    Returns:
+        The points, and what was done (``runs``, ``runs_needed``, ``rows`` covered per
+        table, ``seconds``, ``partial``, ``error``); no points where there is nothing to run.
+    """
+    from sharedml._tables import covering_feeds, runs_to_cover
+
+    tables = list(spec.get("tables") or ())
+    needed = runs_to_cover(tables, spec["inputs"]) if tables else 0
+    if not needed or not runners:
+        return [], {}
+    budget = float(spec.get("traffic_seconds") or DEFAULT_TRAFFIC_SECONDS) / len(runners)
+    points: list[dict[str, Any]] = []
+    allowed = needed
+    start = time.perf_counter()
+    try:
+        for k, run in enumerate(runners, start=1):
+            began = time.perf_counter()
+            done = 0
+            for feed in covering_feeds(tables, spec["inputs"], feeds):
+                if done >= allowed or (k == 1 and time.perf_counter() - began > budget):
+                    break
+                run(feed)
+                done += 1
+            allowed = done
+            point = reading()
+            point["sessions"] = k
+            point["run_seconds"] = time.perf_counter() - began
+            points.append(point)
+    except Exception as exc:  # the model refuses the ids: say so, measure nothing of it
+        text = " ".join((str(exc).strip() or type(exc).__name__).split())
+        return [], {"error": f"{type(exc).__name__}: {text}", "runs_needed": needed}
+    shapes = {str(i["name"]): i["shape"] for i in spec["inputs"]}
+    rows: dict[str, int] = {}
+    for t in tables:
+        if t.get("input") is None or t["input"] not in shapes:
+            continue
+        per_run = 1
+        for axis, d in enumerate(shapes[t["input"]]):
+            if t.get("block") is None or axis != t["block"][0] % len(shapes[t["input"]]):
+                per_run *= int(d)
+        rows[t["name"]] = min(int(t["rows"]), allowed * per_run)
+    return points, {
+        "runs": allowed,
+        "runs_needed": needed,
+        "rows": rows,
+        "seconds": time.perf_counter() - start,
+        "partial": allowed < needed,
+        "error": None,
+    }
 
 
 def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -353,7 +448,13 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     release_freed_heap()
     base = _memory()
     base_device = device.read()
-    metric = "pss" if base["pss"] is not None else "uss" if base["uss"] is not None else "rss"
+    metric = metric_of(base)
+    if metric is None:  # not even RSS: nothing to measure with, and no figure to invent
+        raise RuntimeError(f"this process's memory cannot be read here ({base['error']})")
+    metric_note = None
+    if metric != "pss":
+        why = base["error"] or "this platform has no PSS"
+        metric_note = f"{metric.upper()}, because {why}: {FALLBACK_NOTES[metric]}"
     start = time.perf_counter()
     sessions = factory(ctx)
     setup_seconds = time.perf_counter() - start
@@ -363,6 +464,7 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     plain_diff: float | None = None
     plain_compared = 0
     plain_comparable = True
+    plain_nonfinite = 0
     largest_step = 0
     previous = 0
     reference: Any = None  # the first session's first outputs: every later run must equal them
@@ -385,7 +487,9 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
             if reference is None:
                 reference = outputs[0]
                 if plain is not None:
-                    plain_diff, plain_compared, plain_comparable = _difference(reference, plain)
+                    plain_diff, plain_compared, plain_comparable, plain_nonfinite = _difference(
+                        reference, plain
+                    )
             agree = all(_same_outputs(out, reference) for out in outputs)
             gc.collect()
             untrimmed = _memory()
@@ -401,6 +505,7 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
                     "pss_bytes": _growth(now, base, "pss"),
                     "uss_bytes": _growth(now, base, "uss"),
                     "rss_bytes": _growth(now, base, "rss"),
+                    "private_bytes": _growth(now, base, "private"),
                     "untrimmed_bytes": _growth(untrimmed, base_untrimmed, metric),
                     "device_bytes": (
                         dev - base_device if dev is not None and base_device is not None else None
@@ -411,6 +516,9 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
                 }
             )
             print(f"{PROGRESS_PREFIX}{k} {ctx.sessions}", flush=True)
+        traffic_points, traffic = _run_over_tables(
+            spec, runners, feeds, lambda: _traffic_point(base, base_untrimmed, metric)
+        )
         describe = getattr(sessions, "details", None)
         details = dict(describe()) if callable(describe) else {}
     finally:
@@ -422,6 +530,7 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
             point["device_bytes"] = None
     return {
         "metric": metric,
+        "metric_note": metric_note,
         "baseline_bytes": base[metric],
         "trimmed": trimmed,
         "setup_seconds": setup_seconds,
@@ -435,6 +544,9 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         "plain_max_abs_diff": plain_diff,
         "plain_outputs_compared": plain_compared,
         "plain_outputs_comparable": plain_comparable,
+        "plain_outputs_nonfinite": plain_nonfinite,
+        "traffic_points": traffic_points,
+        "traffic": traffic,
     }
 
 
