@@ -497,6 +497,63 @@ def test_pool_stats_are_exported_as_ray_metrics(app: Any, cluster: LocalCluster)
     assert scrape(cluster, "ray_sharedml_batches_total") == sum(s["batches"] for s in stats)
 
 
+def _batch_statistic(path: Path) -> Path:
+    """``y = x - mean(x over axis 0)``: a layer that mixes rows (one caller's rows: all 0)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], name="batch_mean"),
+            helper.make_node("Sub", ["x", "m"], ["y"]),
+        ],
+        "batch_statistic",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_sixteen_http_clients_of_a_row_mixing_model_get_only_their_own_results(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    # sharedml.ray turns batching on by default ("auto"): only where the analysis proves it.
+    name = "mixing"
+    handle = serve.run(
+        sharedml.ray.deployment(
+            _batch_statistic(tmp_path / f"{name}.onnx"),
+            sessions=1,
+            num_replicas=1,
+            ray_actor_options={"num_cpus": 0.25},
+        ),
+        name=name,
+        route_prefix=f"/{name}",
+    )
+    try:
+        info = handle.info.remote().result(timeout_s=REQUEST_TIMEOUT_S)
+        assert info["batching"] is None and "'batch_mean' (ReduceMean)" in info["batching_reason"]
+        url = f"http://127.0.0.1:{cluster.port}/{name}/"
+
+        def work(client: int, i: int) -> None:
+            x = np.full((1, 4), 100 * client + i, np.float32)
+            body = post_ok(url, json.dumps({"inputs": {"x": x.tolist()}}).encode(), JS)
+            y = np.asarray(json.loads(body)["outputs"]["y"], np.float32)
+            # Alone, a row minus the mean of its own rows is 0; any other value came from
+            # another client's rows.
+            assert np.array_equal(y, np.zeros((1, 4), np.float32)), f"client {client}: {y}"
+
+        threads, outcomes = run_clients(work, requests_each=30)
+        join(threads)
+        assert len(outcomes) == CLIENTS * 30
+        assert [o for o in outcomes if o.result != "ok"] == []
+        stats = handle.info.remote().result(timeout_s=REQUEST_TIMEOUT_S)["stats"]
+        assert stats["runs"] >= CLIENTS * 30 and not stats["batching"]
+    finally:
+        serve.delete(name)
+
+
 class PlainOrt:
     """The same deployment without sharedml: each replica holds its own plain ORT sessions."""
 
