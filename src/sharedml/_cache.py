@@ -463,10 +463,7 @@ def publish(
     except SharedMLError:
         raise  # the builder's own errors (some are OSErrors too: UnsafePathError)
     except OSError as exc:
-        raise CacheError(
-            f"Writing the cache entry '{final}' failed ({exc.strerror or exc}): free some disk "
-            "space or set SHAREDML_CACHE_DIR to a folder with room."
-        ) from exc
+        raise _write_error(final, exc) from exc
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -476,6 +473,28 @@ def publish(
     with contextlib.suppress(OSError):
         clear_stale(cache_dir)  # a new entry is a good moment to sweep dead builds away
     return entry
+
+
+_EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)
+
+
+def _write_error(final: Path, exc: OSError) -> CacheError:
+    """A :class:`CacheError` for a failed write: the file, the OS's reason and the fix for it."""
+    what = f"'{exc.filename}'" if exc.filename else "a file"
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, _EDQUOT):
+        fix = "free some disk space, or set SHAREDML_CACHE_DIR to a folder with room"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        fix = (
+            f"check who owns '{final.parent}' and its files (sharedml writes only files of its "
+            "own, so this is a bug if nobody changed them: please report it), or set "
+            "SHAREDML_CACHE_DIR to a folder of your own"
+        )
+    elif exc.errno == errno.EROFS:
+        fix = "the cache is on a read-only filesystem: set SHAREDML_CACHE_DIR to a writable folder"
+    else:
+        fix = "set SHAREDML_CACHE_DIR to another folder if this repeats"
+    return CacheError(f"Writing the cache entry '{final}' failed at {what} ({reason}): {fix}.")
 
 
 def _open_or_none(kind: str, key: str, cache_dir: CacheDir) -> CacheEntry | None:
