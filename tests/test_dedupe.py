@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -180,6 +181,8 @@ def test_a_tampered_lender_is_not_linked_and_the_borrower_is_rebuilt(
 
 def test_removing_the_lender_leaves_the_borrower_whole(pair: tuple[Path, Path]) -> None:
     a, b = (prepared_model_for(p) for p in pair)
+    for prepared in (a, b):  # a lookup holds its entry until a store maps it; then let go
+        sharedml.WeightStore.open(prepared).close()
     removed = _cache.remove_entries([e for e in _cache.list_entries() if e.path == a.parent])
     assert removed and not a.parent.exists()
     feed = feeds(DIM)
@@ -223,6 +226,36 @@ def test_a_permission_error_while_publishing_names_the_file_not_the_disk(
     message = str(info.value)
     assert "model.onnx" in message and "Permission denied" in message
     assert "disk space" not in message
+
+
+def test_a_prepacked_entry_whose_weights_all_sit_in_linked_files_keeps_no_dead_copy(
+    tmp_path: Path,
+) -> None:
+    # Every initializer pointed at the other entry's shared-*.data file, and the entry still
+    # kept ORT's own model.data: the same bytes again, which no session maps (32 MiB dead).
+    from tools.realistic_models import mlp
+
+    first = Path(mlp(tmp_path / "a.onnx", target_bytes=2**20, width=256).path)
+    model = onnx.load(str(first))
+    model.doc_string = "the same weights, exported again"
+    second = tmp_path / "b.onnx"
+    onnx.save(model, str(second))
+    feed = {"input": np.ones((2, 256), np.float32)}
+    for source in (first, second):
+        with sharedml.SessionPool(source, sessions=1) as pool:
+            assert pool.mechanism == "prepacked-file", pool.mechanism_reason
+            np.testing.assert_allclose(
+                pool.run(None, feed)[0], _plain(source, feed)[0], rtol=1e-5, atol=1e-5
+            )
+    prepacked = [e for e in _cache.list_entries() if e.kind == "prepacked"]
+    (user,) = [e for e in prepacked if e.uses]
+    (lender,) = [e for e in prepacked if e is not user]
+    assert (user.path / "model.data").stat().st_size == 0
+    assert _cache.disk_bytes(prepacked) < lender.size_bytes + 2**20 // 4  # one copy, plus graphs
+    with sharedml.SessionPool(second, sessions=1) as pool:  # the entry as published still loads
+        np.testing.assert_allclose(
+            pool.run(None, feed)[0], _plain(second, feed)[0], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_a_manifest_naming_a_shared_file_outside_the_folder_is_refused() -> None:
