@@ -9,6 +9,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,6 +103,10 @@ def other_user() -> Iterator[Callable[[Callable[[], None]], None]]:
     user (a new interpreter could not start: the Python install may sit in root's home); an
     exception in it fails the test with its message. The user is deleted afterwards.
     """
+    yield from _local_user()
+
+
+def _local_user() -> Iterator[Callable[[Callable[[], None]], None]]:
     if os.name != "posix" or os.geteuid() != 0 or shutil.which("useradd") is None:
         pytest.skip("needs root and useradd to create a second user")
     import pwd
@@ -144,3 +149,65 @@ def other_user() -> Iterator[Callable[[Callable[[], None]], None]]:
         yield run
     finally:
         subprocess.run(["userdel", name], capture_output=True)
+
+
+@pytest.fixture
+def second_other_user(
+    other_user: Callable[[Callable[[], None]], None],
+) -> Iterator[Callable[[Callable[[], None]], None]]:
+    """A third user, like ``other_user``: for an attack by one user on another (root only)."""
+    yield from _local_user()
+
+
+class Unprivileged:
+    """Where and as whom a test runs what root would hide: see the ``unprivileged`` fixture.
+
+    Attributes:
+        folder: A fresh folder owned by that user (removed after the test).
+        uid: The user's id.
+    """
+
+    def __init__(self, run: Callable[[Callable[[], None]], None], folder: Path, uid: int) -> None:
+        self._run = run
+        self.folder = folder
+        self.uid = uid
+
+    def run(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` as the unprivileged user; its exception fails the test."""
+        self._run(fn)
+
+
+def _import_what_a_child_may_need() -> None:
+    """Import sharedml's modules here: a child dropped to another user may not read root's
+    Python install (pyenv under /root), so it can use only what its parent imported."""
+    import importlib
+    import pkgutil
+
+    import sharedml
+
+    for name in ("fcntl", "mmap", "onnx.numpy_helper", "onnxruntime"):
+        importlib.import_module(name)
+    for info in pkgutil.iter_modules(sharedml.__path__):
+        if info.name not in ("ray", "__main__"):
+            importlib.import_module(f"sharedml.{info.name}")
+
+
+@pytest.fixture
+def unprivileged(request: pytest.FixtureRequest) -> Iterator[Unprivileged]:
+    """Run part of a test as an ordinary user, with a folder of its own.
+
+    Root bypasses file modes, so a permission bug never shows in a suite run as root. Run as
+    an ordinary user, the test calls ``fn`` in this process; run as root, it creates a second
+    user (``other_user``) and calls ``fn`` in a child that dropped to it.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="sharedml-unprivileged-"))
+    try:
+        if os.name == "posix" and os.geteuid() == 0:
+            _import_what_a_child_may_need()
+            user = request.getfixturevalue("other_user")
+            os.chown(folder, user.uid, user.gid)
+            yield Unprivileged(user, folder, user.uid)
+        else:
+            yield Unprivileged(lambda fn: fn(), folder, os.geteuid() if os.name == "posix" else 0)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

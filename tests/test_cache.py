@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -238,9 +239,13 @@ KILLED_PREPACK = textwrap.dedent(
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
-def test_a_killed_prepacked_build_leaves_a_folder_that_clear_stale_removes(
-    mlp_model: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    "command", [("clear",), ("prune", "--max-size", "0"), ("prune", "--older-than", "0")]
+)
+def test_what_a_killed_prepacked_build_left_goes_with_clear_and_prune(
+    mlp_model: Path, tmp_path: Path, command: tuple[str, ...]
 ) -> None:
+    # They left it: the folder is removed only once a day old, and the CLI says clear removes it.
     root = tmp_path / "c"
     proc = subprocess.run(
         [sys.executable, "-c", KILLED_PREPACK, str(mlp_model), str(root)],
@@ -252,11 +257,61 @@ def test_a_killed_prepacked_build_leaves_a_folder_that_clear_stale_removes(
     (leftover,) = (root / "prepacked").iterdir()  # nothing published, one dead build
     assert leftover.name.startswith(".") and leftover.name.endswith(".tmp")
     assert {p.name for p in leftover.iterdir()} >= {"model.onnx", "model.data"}
-    assert _cache.clear_stale(root) == 0  # young: it could be a build still running
-    os.utime(leftover, (1, 1))
-    assert _cache.clear_stale(root) == 1
-    assert list((root / "prepacked").iterdir()) == []
+    assert _cache.cache_summary(cache_dir=root).temporary[0] == 1
+    out = cache_cli(root, *command)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert list((root / "prepacked").iterdir()) == []  # its process is gone: removed at once
     use_every_kind(mlp_model, root).close()  # and the next pool builds the entry
+
+
+LIVE_BUILD = textwrap.dedent(
+    r"""
+    import sys
+    from pathlib import Path
+    from sharedml import _cache
+
+    def build(folder):
+        (folder / "half").write_bytes(b"x" * 4096)
+        print(folder.name, flush=True)
+        sys.stdin.readline()  # still building until the parent says so
+        return {}
+
+    _cache.publish("demo", "k", build, cache_dir=sys.argv[1])
+    """
+)
+
+
+@pytest.mark.skipif(not POSIX, reason="POSIX pids")
+def test_a_live_builds_temporary_folder_is_never_removed(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    builder = subprocess.Popen(
+        [sys.executable, "-c", LIVE_BUILD, str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert builder.stdout is not None
+        name = builder.stdout.readline().strip()
+        assert name.startswith(".k-") and name.endswith(".tmp")
+        # An older sharedml's names record no process: those go by age only.
+        legacy_young = root / "demo" / ".k-abcdefgh.tmp"
+        legacy_old = root / "demo" / ".k-ijklmnop.tmp"
+        for folder in (legacy_young, legacy_old):
+            folder.mkdir()
+        os.utime(legacy_old, (1, 1))
+        for command in (("clear",), ("prune", "--max-size", "0")):
+            out = cache_cli(root, *command)
+            assert out.returncode == 0, out.stdout + out.stderr
+        assert _cache.clear_stale(root) == 0
+        assert sorted(p.name for p in (root / "demo").iterdir()) == sorted(
+            [name, legacy_young.name]
+        )
+        os.utime(root / "demo" / name, (1, 1))  # a day old, and its builder lives: a pid reused?
+        assert _cache.clear_stale(root) == 1
+        assert [p.name for p in (root / "demo").iterdir()] == [legacy_young.name]
+    finally:
+        builder.communicate("\n", timeout=60)
 
 
 @pytest.mark.skipif(not POSIX, reason="POSIX permissions")
@@ -438,15 +493,18 @@ def test_removal_never_follows_a_symlink_out_of_the_cache(tmp_path: Path) -> Non
     del entry  # its hold goes with it
     gc.collect()
     os.symlink(outside, root / "demo" / "k" / "link")  # planted inside an entry
-    os.symlink(outside, root / "demo" / "planted")  # planted as an entry
+    os.symlink(outside, root / "demo" / "mlp-v9")  # planted as an entry (a key's name)
+    os.symlink(outside, root / "demo" / "planted")  # not sharedml's: left as it is
     listed = {e.key: e for e in _cache.list_entries(cache_dir=root)}
-    assert listed["planted"].problem is not None and "symlink" in listed["planted"].problem
-    assert listed["k"].size_bytes < 1000 and listed["planted"].size_bytes < 1000
+    assert listed["mlp-v9"].problem is not None and "symlink" in listed["mlp-v9"].problem
+    assert listed["planted"].foreign and not listed["mlp-v9"].foreign
+    assert all(e.size_bytes < 1000 for e in listed.values())
     assert _cache.cache_summary(cache_dir=root).size_bytes < 7000
     out = cache_cli(root, "clear")
     assert out.returncode == 0, out.stdout + out.stderr
     assert (outside / "data").read_bytes() == b"keep me" * 1000
-    assert _cache.list_entries(cache_dir=root) == []
+    assert [(e.key, e.foreign) for e in _cache.list_entries(cache_dir=root)] == [("planted", True)]
+    assert os.path.islink(root / "demo" / "planted")
 
 
 def test_a_size_is_bytes_or_a_number_with_a_binary_unit() -> None:
@@ -460,3 +518,285 @@ def test_a_size_is_bytes_or_a_number_with_a_binary_unit() -> None:
         with pytest.raises(ValueError, match="not a size"):
             parse_bytes(bad)
     assert "not a size" in cache_cli(Path("unused"), "prune", "--max-size", "lots").stderr
+
+
+# --------------------------------------------------------------------------------------------
+# A folder that is not sharedml's, and what sharedml did not make inside its own
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``root``: its mode and size (what an adopter could change)."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(folder, name))
+            found[os.path.relpath(os.path.join(folder, name), root)] = (st.st_mode, st.st_size)
+    return found
+
+
+def data_folder(root: Path) -> Path:
+    """A folder of someone's data that happens to have a ``models`` folder."""
+    (root / "models" / "bert").mkdir(parents=True)
+    (root / "models" / "resnet").mkdir()
+    (root / "models" / "bert" / "weights.bin").write_bytes(b"w" * 1000)
+    (root / "models" / "README.txt").write_text("our models\n")
+    os.chmod(root / "models", 0o755)
+    return root
+
+
+def test_a_folder_of_other_data_is_never_adopted_as_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SHAREDML_CACHE_DIR=/data: one pool made /data/models 0700, and 'cache prune' removed
+    # models/bert, models/resnet and models/README.txt as damaged entries.
+    data = data_folder(tmp_path / "data")
+    before = tree(data)
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(data))
+    source = save_model(build_model(["initializer"]), tmp_path / "m.onnx")
+    with pytest.raises(sharedml.CacheError, match="sharedml did not create") as info:
+        sharedml.SessionPool(source, sessions=1)
+    assert str(data) in str(info.value) and "SHAREDML_CACHE_DIR" in str(info.value)
+    for command in (
+        ("prune", "--older-than", "30"),
+        ("prune", "--max-size", "0"),
+        ("clear",),
+        ("list",),
+        ("verify",),
+        ("info",),
+    ):
+        out = cache_cli(data, *command)
+        assert out.returncode == 1 and "sharedml did not create" in out.stderr, command
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert tree(data) == before
+
+
+def test_an_empty_folder_or_a_cache_without_its_marker_is_adopted(
+    mlp_model: Path, tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    sharedml.prepared_model_for(mlp_model, cache_dir=empty)
+    assert (empty / _cache.MARKER_FILE).read_text().startswith("Signature: 8a477f597d28d172")
+    # A cache an earlier sharedml made (no marker) holds only what sharedml makes: adopted.
+    older = tmp_path / "older"
+    use_every_kind(mlp_model, older).close()
+    (older / _cache.MARKER_FILE).unlink()
+    again = subprocess.run(  # a new process: this one remembers the folder it adopted
+        [sys.executable, "-c", HOLDER, str(mlp_model), str(older)],
+        input="\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0 and "prepacked-file" in again.stdout, again.stderr[-3000:]
+    assert (older / _cache.MARKER_FILE).is_file()
+
+
+def test_what_sharedml_did_not_make_in_its_cache_is_reported_and_left_alone(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "c"
+    entry = _cache.publish("demo", "k", write_file("f", b"a" * 4096), cache_dir=root)
+    del entry
+    gc.collect()
+    data_folder(root)  # someone's files inside the cache's own models/ folder
+    (root / "stamps").mkdir(mode=0o700)
+    (root / "stamps" / "notes.txt").write_text("mine")
+    before = {k: v for k, v in tree(root).items() if k.startswith(("models", "stamps"))}
+    outputs = {
+        command: cache_cli(root, *command)
+        for command in (("list",), ("verify",), ("prune", "--older-than", "0"), ("clear",))
+    }
+    assert {k: v for k, v in tree(root).items() if k.startswith(("models", "stamps"))} == before
+    assert not (root / "demo" / "k").exists()  # sharedml's own entry went
+    for command, out in outputs.items():
+        assert out.returncode == 0, (command, out.stdout, out.stderr)
+        assert "README.txt" in out.stdout and "DAMAGED" not in out.stdout, out.stdout
+    assert outputs[("list",)].stdout.count("not made by sharedml") == 3
+    listed = _cache.list_entries(cache_dir=root)
+    assert sorted(e.key for e in listed if e.foreign) == ["README.txt", "bert", "resnet"]
+    assert _cache.cache_summary(cache_dir=root).foreign[0] == 3
+
+
+# --------------------------------------------------------------------------------------------
+# Files hard-linked between entries count once
+
+
+def du(root: Path) -> int:
+    """Bytes of the files under ``root``, each inode once (what ``du`` counts, less folders)."""
+    seen = {}
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            st = os.lstat(os.path.join(folder, name))
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def borrowing_entries(root: Path, borrowers: int) -> list[str]:
+    """Entry ``a`` with a 64 KiB file, then ``borrowers`` entries that link it.
+
+    Each borrower has 1 KiB of its own; they were last used in that order, and none is held.
+    Returns the keys, oldest first.
+    """
+    lender = _cache.publish("demo", "a", write_file("w", os.urandom(64 * 1024)), cache_dir=root)
+    keys = ["a"]
+    for i in range(borrowers):
+
+        def build(tmp: Path, i: int = i, lender: _cache.CacheEntry = lender) -> None:
+            (tmp / "x").write_bytes(bytes([i]) * 1024)
+            assert lender.link_file("w", tmp, "shared-", ".bin") is not None
+
+        _cache.publish("demo", f"b{i}", build, cache_dir=root)
+        keys.append(f"b{i}")
+    del lender
+    gc.collect()
+    for age, key in enumerate(reversed(keys)):
+        then = time.time() - 3600 * (age + 1)
+        os.utime(root / "demo" / key / ".lock", (then, then))
+    return keys
+
+
+def test_info_and_list_count_a_file_linked_by_several_entries_once(tmp_path: Path) -> None:
+    # info said 140 MiB where du said 93: each entry's link counted in full.
+    root = tmp_path / "c"
+    borrowing_entries(root, 4)
+    on_disk = du(root)
+    summary = _cache.cache_summary(cache_dir=root)
+    assert summary.size_bytes == on_disk
+    assert summary.kinds["demo"][1] <= on_disk < 2 * 64 * 1024
+    info = json.loads(cache_cli(root, "info", "--json").stdout)
+    assert info["size_bytes"] == on_disk
+    assert _cache.disk_bytes(_cache.list_entries(cache_dir=root)) == du(root / "demo")
+    out = cache_cli(root, "list").stdout
+    assert "on disk" in out and "SIGBUS" in out and "cp" in out  # the linked-file hazard
+
+
+def test_prune_to_a_size_counts_linked_files_once_and_stops_at_the_target(
+    tmp_path: Path,
+) -> None:
+    # 'prune --max-size 100M' with 93 MiB on disk removed entries and freed nothing, and with
+    # 500M it removed 35 entries and left 273 MB: sizes counted each link in full.
+    root = tmp_path / "c"
+    keys = borrowing_entries(root, 4)
+    entries = du(root / "demo")
+    kept = cache_cli(root, "prune", "--max-size", str(entries), "--json")
+    assert json.loads(kept.stdout)["removed"] == [], kept.stdout + kept.stderr
+    # 512 bytes over the target: the oldest entry frees only its record (its big file is
+    # still linked), so the next goes too, and then the oldest is not needed any more.
+    target = entries - 512
+    result = json.loads(cache_cli(root, "prune", "--max-size", str(target), "--json").stdout)
+    assert [e["key"] for e in result["removed"]] == ["b0"]
+    assert du(root / "demo") <= target
+    assert result["freed_bytes"] == entries - du(root / "demo")
+    assert sorted(p.name for p in (root / "demo").iterdir()) == sorted(set(keys) - {"b0"})
+    # Down to what the newest entry needs alone: each removal frees its share, and the big
+    # file goes with its last link.
+    last = _cache.list_entries(cache_dir=root)[-1]
+    assert last.key == keys[-1]
+    before = du(root / "demo")
+    removal = _cache.prune_cache(max_bytes=_cache.disk_bytes([last]), cache_dir=root)
+    assert [e.key for e in _cache.list_entries(cache_dir=root)] == [keys[-1]]
+    assert removal.freed_bytes == before - du(root / "demo")
+
+
+# --------------------------------------------------------------------------------------------
+# A removal between a pool's lookup of its entry and its hold on it
+
+
+def test_a_clear_between_a_pools_lookup_and_its_mapping_does_not_fail_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lookup returned a path and dropped the entry: a 'sharedml cache clear' in another
+    # process then removed it, and the pool failed with ModelNotFoundError.
+    root = tmp_path / "c"
+    source = save_model(build_model(["initializer"], dim=64), tmp_path / "m.onnx")
+    real_open = sharedml.WeightStore.open.__func__  # type: ignore[attr-defined]
+    cleared: list[str] = []
+
+    def open_after_a_clear(cls: type, model_path: Path, **kwargs: object) -> object:
+        if not cleared:
+            out = cache_cli(root, "clear")
+            cleared.append(out.stdout)
+        return real_open(cls, model_path, **kwargs)
+
+    monkeypatch.setattr(sharedml.WeightStore, "open", classmethod(open_after_a_clear))
+    with sharedml.SessionPool(source, sessions=1, cache_dir=root, prepacking="off") as pool:
+        assert pool.run(None, feeds(64))[0].shape == (1, 64)
+    assert "in use by a live process" in cleared[0]
+
+
+# --------------------------------------------------------------------------------------------
+# What 'sharedml cache' shows
+
+
+def test_an_entry_names_its_source_by_its_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It kept the path as the first pool was given it ('models/x.onnx'), which 'cache list'
+    # then showed from any folder.
+    save_model(build_model(["initializer"], dim=64), tmp_path / "models" / "x.onnx")
+    monkeypatch.chdir(tmp_path)
+    with sharedml.SessionPool(Path("models/x.onnx"), sessions=1, prepacking="off"):
+        pass
+    (entry,) = [e for e in _cache.list_entries() if e.kind == "models"]
+    assert entry.source == str(tmp_path / "models" / "x.onnx")
+
+
+def test_keys_show_at_one_length_and_any_unique_start_of_one_selects_it(tmp_path: Path) -> None:
+    # 'list' showed 16 hex digits, 'verify' 64 or 32.
+    root = tmp_path / "c"
+    source = save_model(build_model(["initializer"], dim=64), tmp_path / "m.onnx")
+    subprocess.run(
+        [sys.executable, "-c", HOLDER, str(source), str(root)],
+        input="\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    keys = {e.kind: e.key for e in _cache.list_entries(cache_dir=root)}
+    assert set(keys) == {"models", "prepacked"}
+    shown = {f"{kind}/{key[:16]}" for kind, key in keys.items()}
+    listed = cache_cli(root, "list").stdout
+    verified = cache_cli(root, "verify").stdout
+    for kind, key in keys.items():
+        assert key[:16] in listed and key not in listed
+        assert f"{kind}/{key[:16]}" in verified and key not in verified
+    assert set(re.findall(r"(?:models|prepacked)/[0-9a-f]+", verified)) == shown
+    one = cache_cli(root, "verify", keys["models"][:6])
+    assert one.returncode == 0 and "1 of 1 entries intact" in one.stdout, one.stdout + one.stderr
+    prefix = f"prepacked/{keys['prepacked'][:5]}"
+    listed_one = json.loads(cache_cli(root, "list", "--json", prefix).stdout)
+    assert [e["key"] for e in listed_one] == [keys["prepacked"]]
+    unknown = cache_cli(root, "verify", "zz")
+    assert unknown.returncode == 1 and "starting with 'zz'" in unknown.stderr
+
+
+def test_a_key_start_that_names_several_entries_is_refused() -> None:
+    def status(kind: str, key: str) -> _cache.EntryStatus:
+        return _cache.EntryStatus(kind, key, Path(key), 0, None, None, None, None, None)
+
+    entries = [status("models", "ab12" + "0" * 60), status("prepacked", "ab34" + "0" * 28)]
+    with pytest.raises(ValueError, match="2 cache entries have keys starting with 'ab'"):
+        _cache.select_entries(entries, ["ab"])
+    assert _cache.select_entries(entries, ["prepacked/ab", "ab1"]) == entries[::-1]
+
+
+@pytest.mark.skipif(not POSIX, reason="SIGPIPE")
+def test_a_reader_that_leaves_early_gets_no_broken_pipe_error(tmp_path: Path) -> None:
+    # 'sharedml cache info | head -2' ended with "sharedml: error: [Errno 32] Broken pipe".
+    root = tmp_path / "c"
+    _cache.publish("demo", "k", write_file("f", b"a"), cache_dir=root)
+    for command in (("info",), ("list",), ("list", "--json")):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sharedml", "cache", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "SHAREDML_CACHE_DIR": str(root)},
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader is gone before the first line
+        with proc.stderr:
+            err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
+        assert err == "", err

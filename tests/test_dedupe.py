@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -19,6 +23,9 @@ from sharedml._onnx import load_graph
 from sharedml._prepare import SharedWeights, WeightsManifest, prepared_model_for, read_manifest
 from tests._models import build_model, feeds, save_model
 from tools.families import decoder_pair, renamed_variant
+
+if TYPE_CHECKING:
+    from tests.conftest import Unprivileged
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -174,11 +181,81 @@ def test_a_tampered_lender_is_not_linked_and_the_borrower_is_rebuilt(
 
 def test_removing_the_lender_leaves_the_borrower_whole(pair: tuple[Path, Path]) -> None:
     a, b = (prepared_model_for(p) for p in pair)
+    for prepared in (a, b):  # a lookup holds its entry until a store maps it; then let go
+        sharedml.WeightStore.open(prepared).close()
     removed = _cache.remove_entries([e for e in _cache.list_entries() if e.path == a.parent])
     assert removed and not a.parent.exists()
     feed = feeds(DIM)
     with sharedml.SessionPool(b, sessions=1, prepacking="off") as pool:  # verified: whole
         np.testing.assert_allclose(pool.run(None, feed)[0], _plain(pair[1], feed)[0], atol=1e-5)
+
+
+def _share_in_the_default_cache(folder: Path) -> None:
+    """As the user this runs as: two pools' entries in the default cache under its HOME."""
+    os.environ["HOME"] = str(folder / "home")
+    for name in ("SHAREDML_CACHE_DIR", "XDG_CACHE_HOME"):
+        os.environ.pop(name, None)
+    assert sharedml.cache_dir() == folder / "home" / ".cache" / "sharedml"
+    a = prepared_model_for(folder / "a.onnx")
+    b = prepared_model_for(folder / "b.onnx")  # links a's weights: the step root never failed
+    (linked,) = _manifest(b).shared
+    assert os.stat(b.parent / linked.file).st_ino == os.stat(a.parent / _manifest(a).file).st_ino
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o444 for p in b.parent.glob("*.*"))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_an_ordinary_user_shares_identical_weights_in_the_default_cache(
+    pair: tuple[Path, Path], unprivileged: Unprivileged
+) -> None:
+    # The dedupe step rewrote the read-only model.onnx that prepare had just written: every
+    # user but root got "Permission denied" (blamed on disk space) for the second model.
+    for src in pair:
+        shutil.copy(src, unprivileged.folder / src.name)
+        os.chown(unprivileged.folder / src.name, unprivileged.uid, -1)
+    unprivileged.run(lambda: _share_in_the_default_cache(unprivileged.folder))
+
+
+def test_a_permission_error_while_publishing_names_the_file_not_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def build(folder: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(folder / "model.onnx"))
+
+    with pytest.raises(sharedml.CacheError) as info:
+        _cache.publish("demo", "k", build, cache_dir=tmp_path / "c")
+    message = str(info.value)
+    assert "model.onnx" in message and "Permission denied" in message
+    assert "disk space" not in message
+
+
+def test_a_prepacked_entry_whose_weights_all_sit_in_linked_files_keeps_no_dead_copy(
+    tmp_path: Path,
+) -> None:
+    # Every initializer pointed at the other entry's shared-*.data file, and the entry still
+    # kept ORT's own model.data: the same bytes again, which no session maps (32 MiB dead).
+    from tools.realistic_models import mlp
+
+    first = Path(mlp(tmp_path / "a.onnx", target_bytes=2**20, width=256).path)
+    model = onnx.load(str(first))
+    model.doc_string = "the same weights, exported again"
+    second = tmp_path / "b.onnx"
+    onnx.save(model, str(second))
+    feed = {"input": np.ones((2, 256), np.float32)}
+    for source in (first, second):
+        with sharedml.SessionPool(source, sessions=1) as pool:
+            assert pool.mechanism == "prepacked-file", pool.mechanism_reason
+            np.testing.assert_allclose(
+                pool.run(None, feed)[0], _plain(source, feed)[0], rtol=1e-5, atol=1e-5
+            )
+    prepacked = [e for e in _cache.list_entries() if e.kind == "prepacked"]
+    (user,) = [e for e in prepacked if e.uses]
+    (lender,) = [e for e in prepacked if e is not user]
+    assert (user.path / "model.data").stat().st_size == 0
+    assert _cache.disk_bytes(prepacked) < lender.size_bytes + 2**20 // 4  # one copy, plus graphs
+    with sharedml.SessionPool(second, sessions=1) as pool:  # the entry as published still loads
+        np.testing.assert_allclose(
+            pool.run(None, feed)[0], _plain(second, feed)[0], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_a_manifest_naming_a_shared_file_outside_the_folder_is_refused() -> None:

@@ -10,8 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -682,3 +685,113 @@ def test_family_inspect_takes_dims_shapes_and_inputs_for_every_member(tmp_path: 
 def _npz(path: Path, **arrays: np.ndarray) -> Path:
     np.savez(path, **arrays)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# A weights file already at the family's content name: kept only if it is ours alone
+
+
+def _planted_copy(reference: Path, folder: Path) -> Path:
+    """The family's weights file, copied into ``folder`` under its content name."""
+    planted = folder / reference.name
+    planted.write_bytes(reference.read_bytes())
+    return planted
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions and links")
+@pytest.mark.parametrize("how", ["writable by others", "a second link"])
+def test_a_weights_file_others_can_write_is_replaced_not_kept(
+    tmp_path: Path, variants: list[Path], how: str
+) -> None:
+    reference = sharedml.prepare(variants[:2], tmp_path / "reference").weights_path
+    out = tmp_path / "deploy"
+    out.mkdir()
+    planted = _planted_copy(reference, out)
+    if how == "writable by others":
+        os.chmod(planted, 0o666)
+    else:
+        os.link(planted, tmp_path / "another-name")
+    result = sharedml.prepare(variants[:2], out)
+    assert result.weights_path == planted
+    st = os.lstat(planted)
+    assert st.st_nlink == 1 and not st.st_mode & 0o022 and st.st_uid == os.geteuid()
+    if how == "a second link":  # what the other name changes is no longer the family's file
+        assert (tmp_path / "another-name").stat().st_ino != st.st_ino
+    again = sharedml.prepare(variants[:2], out)  # ours alone now: kept (pools may map it)
+    assert os.lstat(again.weights_path).st_ino == st.st_ino
+
+
+def _plant(reference: bytes, path: Path) -> None:
+    path.write_bytes(reference)
+    os.chmod(path, 0o666)
+
+
+def _cannot_write(path: Path) -> None:
+    try:
+        open(path, "r+b").close()
+    except PermissionError:
+        return
+    raise AssertionError(f"'{path}' can still be opened for writing")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_a_weights_file_another_user_planted_is_replaced(
+    tmp_path: Path, variants: list[Path], other_user: Callable[[Callable[[], None]], None]
+) -> None:
+    # The planted file had the right bytes, so prepare kept it ("content-named"); its owner
+    # then rewrote 256 bytes of it and a live pool's outputs changed silently.
+    reference = sharedml.prepare(variants[:2], tmp_path / "reference").weights_path
+    shared = Path(tempfile.mkdtemp(prefix="sharedml-deploy-"))
+    try:
+        os.chmod(shared, 0o777)  # a deploy folder both users may write
+        planted = shared / reference.name
+        data = reference.read_bytes()
+        other_user(lambda: _plant(data, planted))
+        result = sharedml.prepare(variants[:2], shared)
+        assert result.weights_path == planted
+        st = os.lstat(planted)
+        assert st.st_uid == os.geteuid() and st.st_nlink == 1 and not st.st_mode & 0o222
+        other_user(lambda: _cannot_write(planted))
+        feed = {"input": np.ones((1, WIDTH), np.float32)}
+        with sharedml.SessionPool(result.model_paths[0], sessions=1) as pool:
+            np.testing.assert_array_equal(pool.run(None, feed)[0], _plain(variants[0], feed)[0])
+    finally:
+        shutil.rmtree(shared)
+
+
+def _prepare_refused(sources: list[Path], folder: Path, owner: int) -> None:
+    try:
+        sharedml.prepare(sources, folder)
+    except sharedml.PrepareError as exc:
+        assert f"belongs to user id {owner}" in str(exc) and "Nothing was written" in str(exc)
+    else:
+        raise AssertionError("prepare used a weights file another user planted")
+    leftovers = [p.name for p in folder.iterdir() if p.name.startswith(".")]
+    assert not leftovers, leftovers
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_where_the_folder_forbids_replacing_a_planted_file_prepare_refuses(
+    tmp_path: Path,
+    variants: list[Path],
+    other_user: Callable[[Callable[[], None]], None],
+    second_other_user: Callable[[Callable[[], None]], None],
+) -> None:
+    # A sticky folder (like /tmp): the victim may not rename over the attacker's file.
+    reference = sharedml.prepare(variants[:2], tmp_path / "reference").weights_path
+    base = Path(tempfile.mkdtemp(prefix="sharedml-sticky-"))
+    try:
+        os.chmod(base, 0o755)
+        sources = base / "src"
+        shutil.copytree(variants[0].parent, sources)
+        for path in sources.iterdir():
+            os.chmod(path, 0o644)
+        shared = base / "deploy"
+        shared.mkdir()
+        os.chmod(shared, 0o1777)
+        data = reference.read_bytes()
+        other_user(lambda: _plant(data, shared / reference.name))
+        members = [sources / v.name for v in variants[:2]]
+        second_other_user(lambda: _prepare_refused(members, shared, other_user.uid))  # type: ignore[attr-defined]
+    finally:
+        shutil.rmtree(base)

@@ -313,7 +313,7 @@ def test_lazy_growth(model: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"sessions": 0}, ValueError, r"^sessions must be an integer >= 1, not 0\."),
+        ({"sessions": 0}, ValueError, r"^sessions must be an integer from 1 to 65536, not 0\."),
         ({"sessions": 2.0}, TypeError, r"^sessions must be an integer, not 2\.0\."),
         ({"sessions": True}, ValueError, r"^sessions must be"),
         ({"max_sessions": 0}, ValueError, r"^max_sessions must be"),
@@ -321,6 +321,12 @@ def test_lazy_growth(model: Path) -> None:
         ({"min_sessions": 3, "max_sessions": 2}, ValueError, "min_sessions"),
         ({"mechanism": "magic"}, ValueError, "mechanism"),
         ({"batching": "yes"}, ValueError, "batching must be"),
+        # 2**63 raised OverflowError deep inside; 1.5 and NaN were taken as thresholds.
+        ({"sessions": 2**63}, ValueError, r"^sessions must be an integer from 1 to 65536"),
+        ({"max_sessions": 2**63}, ValueError, r"^max_sessions must be an integer from 1"),
+        ({"size_threshold_bytes": 1.5}, ValueError, r"^size_threshold_bytes must be a whole"),
+        ({"size_threshold_bytes": float("nan")}, ValueError, r"^size_threshold_bytes must be"),
+        ({"size_threshold_bytes": -1}, ValueError, r"^size_threshold_bytes must be"),
     ],
 )
 def test_bad_pool_arguments_are_refused_before_any_work(
@@ -330,6 +336,39 @@ def test_bad_pool_arguments_are_refused_before_any_work(
     with pytest.raises(error, match=match):
         sharedml.SessionPool(model, cache_dir=cache, **kwargs)  # type: ignore[arg-type]
     assert not (cache / "models").exists() or not any((cache / "models").iterdir())
+
+
+@pytest.mark.parametrize("timeout_s", [1e300, 2**64, 10**400, float("inf")])
+def test_a_timeout_longer_than_a_lock_can_wait_means_wait_forever(
+    model: Path, timeout_s: float
+) -> None:
+    # 1e300 and 2**64 raised OverflowError from the lock's wait, once a caller had to wait.
+    with sharedml.SessionPool(model, sessions=1) as pool:
+        got: list[object] = []
+
+        def wait_for_the_session() -> None:
+            try:
+                with pool.session(timeout_s=timeout_s):
+                    got.append("session")
+            except BaseException as exc:
+                got.append(exc)
+
+        with pool.session():
+            waiter = threading.Thread(target=wait_for_the_session)
+            waiter.start()
+            wait_until(lambda: pool.stats().waiting == 1, what="the caller to queue")
+        waiter.join(DEADLINE_S)
+        assert got == ["session"]
+
+
+def test_warm_up_with_a_feed_that_does_not_fit_is_an_invalid_input_error(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=1) as pool:
+        with pytest.raises(sharedml.InvalidInputError, match="missing"):
+            pool.warm_up({})  # was onnxruntime's own ValueError
+        with pytest.raises(sharedml.InvalidInputError):
+            pool.warm_up({"input": np.ones((1, DIM + 1), np.float32)})
+        assert pool.stats().busy == 0
+        pool.warm_up(feeds(DIM))
 
 
 @pytest.mark.parametrize(

@@ -4,13 +4,16 @@ Layout and permission policy (POSIX; the one policy every kind of entry gets)::
 
     <cache_dir>/                    0700 when sharedml creates it; an existing one may be shared
     │                               only with the sticky bit (like /tmp), else CacheError
+    ├── CACHEDIR.TAG                the marker: sharedml uses an existing folder only if it holds
+    │                               this file, is empty, or holds nothing but sharedml's own
     ├── <kind>/                     0700, owned by this user, not a symlink: checked on every
     │   │                           use; a lax mode is repaired, another owner is refused
     │   ├── <key>/                  one published entry (0700), never modified after publishing
     │   │   ├── entry.json          what the entry holds: each file's size and SHA-256
     │   │   ├── .lock               not part of the entry: see "In use" below
     │   │   └── <files>             0444
-    │   └── .<key prefix>-XXXX.tmp/ an entry being built (or a crashed build): never read
+    │   └── .<key prefix>-<owner>-XXXX.tmp/  an entry being built (or a killed build's): never
+    │                               read; <owner> (host tag and pid) tells which is which
     ├── stamps/                     0700: "this file, unchanged since, has this digest"
     └── locks/                      0700: empty files that processes lock (:func:`held_lock`)
 
@@ -22,7 +25,8 @@ Publishing (:func:`publish`): a builder writes an entry's files into a private t
 the cache hashes them into ``entry.json``, makes them read-only and renames the folder into
 place. Readers therefore never see half an entry; of concurrent builders of one key one rename
 wins and the others use the winner's entry. A crashed build leaves only a temporary folder, which
-is never read and is removed by :func:`clear_stale` once it is old enough to be a dead process's.
+is never read and is removed by :func:`clear_stale` once the process its name records is gone
+(or, where that cannot be told, once it is a day old).
 Published files are never rewritten in place: a mapped file truncated under a running process
 would crash it (SIGBUS).
 
@@ -43,7 +47,9 @@ cannot get, so no entry is removed under a live process; a holder that was waiti
 while the entry went sees that its lock file is gone and builds the entry again. Where there is
 no ``flock`` (Windows) entries are not locked: the OS refuses to delete a mapped file there,
 and removal skips what it refuses. Removal never follows a symlink: a symlink in the cache is
-removed itself, its target left alone; sizes are counted without following links.
+removed itself, its target left alone; sizes are counted without following links, and a file
+that several entries hard-link counts once. What sharedml did not make (in a kind folder: a
+name that is no key and holds no ``entry.json``) is reported and never changed or removed.
 
 Trust: the cache is trusted the way a Python ``site-packages`` is. Whoever can write to it can
 make every pool run their graph, hence the policy; ``docs/security.md`` has the threat model.
@@ -66,10 +72,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import stat
 import tempfile
 import threading
@@ -77,7 +86,7 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sharedml import _host
 from sharedml._errors import CacheError, SharedMLError
@@ -94,7 +103,9 @@ LOCKING = fcntl is not None
 __all__ = [
     "ENTRY_FILE",
     "ENTRY_KINDS",
+    "KEY_CHARS",
     "LOCKING",
+    "MARKER_FILE",
     "Built",
     "CacheEntry",
     "Snapshot",
@@ -104,13 +115,16 @@ __all__ = [
     "Removal",
     "cache_dir",
     "cache_summary",
+    "check_entries",
     "clear_cache",
     "clear_stale",
+    "disk_bytes",
     "ensure_entry",
     "hold_entry",
     "held_lock",
     "iter_entries",
     "kind_folder",
+    "lend_hold",
     "list_entries",
     "open_entry",
     "prune_cache",
@@ -119,6 +133,9 @@ __all__ = [
     "record_stamp",
     "snapshot",
     "remove_entries",
+    "select_entries",
+    "temp_is_stale",
+    "temp_owner",
     "verified_sha256",
     "verify_entries",
 ]
@@ -126,7 +143,8 @@ __all__ = [
 ENTRY_KINDS = ("models", "prepacked", "demo")
 ENTRY_FILE = "entry.json"
 _ENTRY_FORMAT = 1
-_STALE_TMP_SECONDS = 24 * 3600  # seconds: a temporary folder this old is a dead process's
+# seconds: a temporary this old is a dead process's, whoever made it (a pid may be reused)
+_STALE_TMP_SECONDS = 24 * 3600
 _PRIVATE_DIR_MODE = stat.S_IRWXU  # 0700: other users can neither read nor plant entries
 _READ_ONLY_FILE_MODE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # 0444: never rewritten
 _TMP_SUFFIX = ".tmp"
@@ -136,6 +154,33 @@ _LOCK_POLL_S = 0.05  # seconds between attempts while another process holds a lo
 
 CacheDir = str | os.PathLike[str] | None
 """A cache folder argument: a path, or None for :func:`cache_dir`'s default."""
+
+# The cache folder's marker: a cache directory tag (https://bford.info/cachedir/), which backup
+# tools also know to skip. sharedml adopts a folder as its cache only when it made it (this
+# file, written by sharedml) or the folder is empty: it makes its folders private and removes
+# entries, which must never happen to a folder of other data (SHAREDML_CACHE_DIR=/data).
+MARKER_FILE = "CACHEDIR.TAG"
+_MARKER_SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"
+_MARKER_TEXT = (
+    f"{_MARKER_SIGNATURE}\n"
+    "# This file is a cache directory tag created by sharedml: this folder is its cache.\n"
+    "# For information about cache directory tags, see https://bford.info/cachedir/\n"
+)
+_OWN_FOLDERS = (*ENTRY_KINDS, "stamps", "locks")
+# Names sharedml gives what it creates in a kind folder, stamps/ and locks/. Anything else there
+# is not sharedml's: it is reported, never changed or removed.
+_KEY_NAMES = {
+    "models": re.compile(r"[0-9a-f]{64}"),  # sharedml._prepare: a SHA-256
+    "prepacked": re.compile(r"[0-9a-f]{32}"),  # sharedml._prepack: half a SHA-256
+    "demo": re.compile(r"mlp-v[0-9]+"),  # sharedml._demo
+}
+_STAMP_NAME = re.compile(r"[a-z0-9_]+-[0-9a-f]{40}\.json")
+_LOCK_FILE_NAME = re.compile(r"[^.].*\.lock")
+# Temporary names: ``.<label>-<owner>-<random>.tmp``, where the owner (host tag and pid, see
+# temp_owner) tells a dead build's leftovers from a live one's; older sharedml wrote none.
+_TEMP_NAME = re.compile(
+    r"\.(?P<label>[^/]{0,16}?)-?(?:(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)-)?[a-z0-9_]+\.tmp"
+)
 
 
 def cache_dir(override: CacheDir = None) -> Path:
@@ -153,11 +198,231 @@ def cache_dir(override: CacheDir = None) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
+# Temporary files and folders: whose they are, and when they are a dead build's
+
+
+@functools.cache
+def _host_tag() -> str:
+    """8 hex digits naming this host and PID namespace: a pid means a process only there."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return hashlib.sha256(f"{socket.gethostname()}\0{namespace}".encode()).hexdigest()[:8]
+
+
+def temp_owner() -> str:
+    """The owner part of a temporary name this process makes: ``<host tag>.<pid>``.
+
+    A temporary file or folder named with it is a killed process's once that pid is gone on
+    this host (:func:`temp_is_stale`), so its leftovers go at once, without waiting a day.
+    """
+    return f"{_host_tag()}.{os.getpid()}"
+
+
+def _owner_alive(host: str, pid: int) -> bool | None:
+    """Whether the process named by a temporary name lives; None where this process cannot tell."""
+    if host != _host_tag() or os.name != "posix":  # os.kill(pid, 0) is Ctrl-C on Windows
+        return None
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    except OSError:
+        return None
+    return True
+
+
+def temp_is_stale(
+    path: Path,
+    owner: tuple[str, int] | None,
+    *,
+    older_than_s: float = _STALE_TMP_SECONDS,
+    now: float | None = None,
+) -> bool:
+    """Whether a temporary file or folder is a killed process's, to remove.
+
+    Args:
+        path: The file or folder.
+        owner: ``(host tag, pid)`` from its name (:func:`temp_owner`), or None for a name
+            without one (older sharedml).
+        older_than_s: Where the owner cannot be told (no owner in the name, another host),
+            untouched this long means stale.
+        now: The time to measure age against (default: now).
+
+    Returns:
+        True when its owner is known dead, or, owner unknown, it is older than
+        ``older_than_s``. A live owner's temporary (this process's too) is stale only after
+        :data:`_STALE_TMP_SECONDS` (its pid may have been reused by another process).
+    """
+    alive = _owner_alive(*owner) if owner is not None else None
+    if alive is False:
+        return True
+    try:
+        age = (time.time() if now is None else now) - os.lstat(path).st_mtime
+    except OSError:
+        return False
+    return age > (_STALE_TMP_SECONDS if alive else older_than_s)
+
+
+def _temp_owner_of(name: str) -> tuple[str, int] | Literal[False] | None:
+    """The owner ``(host, pid)`` of a sharedml temporary name.
+
+    Returns None for a temporary name that records no owner, and False for a name that is not
+    one of sharedml's temporary names.
+    """
+    match = _TEMP_NAME.fullmatch(name)
+    if match is None:
+        return False
+    if match["host"] is None:
+        return None
+    return match["host"], int(match["pid"])
+
+
+# --------------------------------------------------------------------------------------------
+# Adopting a folder as the cache
+
+
+def _is_own_marker(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
+            return False
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(4096)
+    except OSError:
+        return False
+    return text.startswith(_MARKER_SIGNATURE) and "created by sharedml" in text
+
+
+def _is_own_item(folder: str, child: os.DirEntry[str] | Path) -> bool:
+    """Whether ``child`` of the cache's ``folder`` (a kind, stamps, locks) is sharedml's.
+
+    An entry is named by its key, or holds an ``entry.json`` (keys given to :func:`publish`
+    directly); stamps and locks have names of their own; temporary names end in ``.tmp``.
+    """
+    name = child.name
+    if name.startswith("."):
+        return _temp_owner_of(name) is not False
+    if folder == "stamps":
+        return _STAMP_NAME.fullmatch(name) is not None
+    if folder == "locks":
+        return _LOCK_FILE_NAME.fullmatch(name) is not None
+    shape = _KEY_NAMES.get(folder)
+    if shape is not None and shape.fullmatch(name):
+        return True
+    try:
+        return stat.S_ISDIR(os.lstat(child).st_mode) and stat.S_ISREG(
+            os.lstat(os.path.join(child, ENTRY_FILE)).st_mode
+        )
+    except OSError:
+        return False
+
+
+def _foreign_item(root: Path) -> str | None:
+    """Something in ``root`` that sharedml did not create (a path), or None if there is none.
+
+    A folder of another user among the kind folders is not looked into: the policy refuses it
+    anyway, with its own message (and sharedml changes nothing there).
+    """
+    try:
+        children = list(os.scandir(root))
+    except OSError:
+        return None  # unreadable: creating or opening anything in it fails with its own error
+    for child in children:
+        if child.name.startswith(".") and _temp_owner_of(child.name) is not False:
+            continue  # a marker being written
+        if child.name == MARKER_FILE:
+            if not _is_own_marker(Path(child.path)):
+                return child.path  # another program's cache folder
+            continue
+        if child.name not in _OWN_FOLDERS or child.is_symlink() or not child.is_dir():
+            if child.name in _OWN_FOLDERS and child.is_symlink():
+                continue  # refused by the policy, with its own message; never followed
+            return child.path
+        try:
+            if os.name == "posix" and child.stat(follow_symlinks=False).st_uid != os.geteuid():
+                continue
+            grandchildren = list(os.scandir(child.path))
+        except OSError:
+            continue
+        for grandchild in grandchildren:
+            if not _is_own_item(child.name, grandchild):
+                return grandchild.path
+    return None
+
+
+_ADOPTED: set[tuple[int, int]] = set()  # (device, inode) of cache folders checked in this process
+
+
+def _adopt(root: Path, st: os.stat_result, *, mark: bool) -> None:
+    """Check that ``root`` is sharedml's cache (its marker, or nothing but sharedml's files).
+
+    Args:
+        root: The cache folder (it exists).
+        st: Its ``stat``.
+        mark: Write the marker where it is missing (the folder was empty, or holds only what
+            sharedml makes: a cache of a sharedml that wrote no marker).
+
+    Raises:
+        CacheError: it holds something sharedml did not create; nothing was changed.
+    """
+    if (st.st_dev, st.st_ino) in _ADOPTED:
+        return
+    marker = root / MARKER_FILE
+    if not _is_own_marker(marker):
+        foreign = _foreign_item(root)
+        if foreign is not None:
+            raise CacheError(
+                f"The folder '{root}' holds '{foreign}', which sharedml did not create, so it "
+                "is not used as sharedml's cache: sharedml makes its cache folders private and "
+                "removes entries, which must not happen to other data. Point SHAREDML_CACHE_DIR "
+                f"at an empty or new folder (e.g. '{root / 'sharedml'}'). Nothing was changed."
+            )
+        if not mark:
+            return
+        with contextlib.suppress(OSError):
+            fd, tmp = tempfile.mkstemp(prefix=f".{temp_owner()}-", suffix=_TMP_SUFFIX, dir=root)
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    fh.write(_MARKER_TEXT)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, marker)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+    _ADOPTED.add((st.st_dev, st.st_ino))
+
+
+def _check_adopted(cache_dir: CacheDir) -> Path:
+    """The cache folder, checked to be sharedml's if it exists (nothing is created).
+
+    Raises:
+        CacheError: it exists and holds what sharedml did not create.
+    """
+    root = _root_of(cache_dir)
+    try:
+        st = root.stat()
+    except OSError:
+        return root
+    if stat.S_ISDIR(st.st_mode):
+        _adopt(root, st, mark=False)
+    return root
+
+
+# --------------------------------------------------------------------------------------------
 # The permission policy
 
 
 def _check_root(root: Path) -> None:
-    """Create the cache folder (0700) or check that other users cannot replace what is in it."""
+    """Create the cache folder (0700) or check that other users cannot replace what is in it.
+
+    An existing folder is adopted only if it is sharedml's (:func:`_adopt`).
+    """
     try:
         if not root.exists():
             with contextlib.suppress(FileExistsError):
@@ -170,9 +435,7 @@ def _check_root(root: Path) -> None:
         ) from exc
     if not stat.S_ISDIR(st.st_mode):
         raise CacheError(f"The sharedml cache folder '{root}' is not a folder. Remove it.")
-    if os.name != "posix":
-        return
-    shared_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    shared_write = os.name == "posix" and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     # A folder others can write is safe only with the sticky bit (like /tmp): without it,
     # another user could rename our kind folders away and put their own in their place.
     if shared_write and not st.st_mode & stat.S_ISVTX:
@@ -181,6 +444,7 @@ def _check_root(root: Path) -> None:
             f"{stat.filemode(st.st_mode)}), who could plant weights that every pool would run. "
             f"Run 'chmod go-w {root}' or choose another folder with SHAREDML_CACHE_DIR."
         )
+    _adopt(root, st, mark=True)
 
 
 def _is_private_dir(path: Path) -> bool:
@@ -378,7 +642,8 @@ def open_entry(
     path = kind_folder(kind, cache_dir) / key
     if not os.path.lexists(path):
         return None
-    hold = hold_entry(path / ENTRY_FILE)
+    held = _entry_folder(path / ENTRY_FILE)
+    hold = _hold(held) if held is not None else None  # not a loan's end: see hold_entry
     if LOCKING and hold is None and not os.path.lexists(path):
         return None  # removed while we waited for its lock
     entry = dataclasses.replace(_read_entry(kind, key, path), hold=hold)
@@ -416,7 +681,9 @@ def publish(
     folder = kind_folder(kind, cache_dir)
     final = folder / key
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", suffix=_TMP_SUFFIX, dir=folder))
+        tmp = Path(
+            tempfile.mkdtemp(prefix=f".{key[:16]}-{temp_owner()}-", suffix=_TMP_SUFFIX, dir=folder)
+        )
     except OSError as exc:
         raise CacheError(
             f"Cannot write to the sharedml cache folder '{folder}' ({exc.strerror or exc}). "
@@ -463,10 +730,7 @@ def publish(
     except SharedMLError:
         raise  # the builder's own errors (some are OSErrors too: UnsafePathError)
     except OSError as exc:
-        raise CacheError(
-            f"Writing the cache entry '{final}' failed ({exc.strerror or exc}): free some disk "
-            "space or set SHAREDML_CACHE_DIR to a folder with room."
-        ) from exc
+        raise _write_error(final, exc) from exc
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -478,6 +742,28 @@ def publish(
     return entry
 
 
+_EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)
+
+
+def _write_error(final: Path, exc: OSError) -> CacheError:
+    """A :class:`CacheError` for a failed write: the file, the OS's reason and the fix for it."""
+    what = f"'{exc.filename}'" if exc.filename else "a file"
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, _EDQUOT):
+        fix = "free some disk space, or set SHAREDML_CACHE_DIR to a folder with room"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        fix = (
+            f"check who owns '{final.parent}' and its files (sharedml writes only files of its "
+            "own, so this is a bug if nobody changed them: please report it), or set "
+            "SHAREDML_CACHE_DIR to a folder of your own"
+        )
+    elif exc.errno == errno.EROFS:
+        fix = "the cache is on a read-only filesystem: set SHAREDML_CACHE_DIR to a writable folder"
+    else:
+        fix = "set SHAREDML_CACHE_DIR to another folder if this repeats"
+    return CacheError(f"Writing the cache entry '{final}' failed at {what} ({reason}): {fix}.")
+
+
 def _open_or_none(kind: str, key: str, cache_dir: CacheDir) -> CacheEntry | None:
     try:
         return open_entry(kind, key, cache_dir=cache_dir, verify=False)
@@ -487,7 +773,9 @@ def _open_or_none(kind: str, key: str, cache_dir: CacheDir) -> CacheEntry | None
 
 def _move_aside(path: Path, folder: Path) -> None:
     """Move a damaged entry out of the way (processes that map its files keep their maps)."""
-    grave = Path(tempfile.mkdtemp(prefix=".damaged-", suffix=_TMP_SUFFIX, dir=folder))
+    grave = Path(
+        tempfile.mkdtemp(prefix=f".damaged-{temp_owner()}-", suffix=_TMP_SUFFIX, dir=folder)
+    )
     os.replace(path, grave / "entry")
     shutil.rmtree(grave, ignore_errors=True)
 
@@ -535,26 +823,36 @@ def iter_entries(kind: str, *, cache_dir: CacheDir = None) -> Iterator[CacheEntr
 
 
 def clear_stale(cache_dir: CacheDir = None, *, older_than_s: float = _STALE_TMP_SECONDS) -> int:
-    """Remove temporary folders left by builds that were killed; returns how many.
+    """Remove temporary folders and files left by builds that were killed; returns how many.
+
+    A temporary is a killed build's when the process its name records is gone from this host
+    (:func:`temp_owner`), or when it is older than ``older_than_s`` (names of older sharedml
+    record no process; a pid may be reused). A live build's temporary is never removed, in this
+    process or another. Only names sharedml gives its temporaries are looked at.
 
     Args:
         cache_dir: The cache folder (default: :func:`cache_dir`).
-        older_than_s: Only folders untouched for this long are removed: a younger one may
-            belong to a build still running in another process.
+        older_than_s: Temporaries untouched for this long are removed whoever made them.
     """
-    root = _root_of(cache_dir)
+    root = _check_adopted(cache_dir)
     removed = 0
     now = time.time()
-    for kind in ENTRY_KINDS:
-        folder = root / kind
+    for name in _OWN_FOLDERS:
+        folder = root / name
         if not _is_private_dir(folder):
             continue
         for child in folder.iterdir():
-            if child.name.startswith(".") and child.name.endswith(_TMP_SUFFIX):
-                with contextlib.suppress(OSError):
-                    if now - child.stat().st_mtime > older_than_s:
-                        shutil.rmtree(child)
-                        removed += 1
+            owner = _temp_owner_of(child.name) if child.name.startswith(".") else False
+            if owner is False:
+                continue
+            if not temp_is_stale(child, owner, older_than_s=older_than_s, now=now):
+                continue
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.lstat(child).st_mode):
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+                removed += 1
     return removed
 
 
@@ -629,7 +927,8 @@ def _lock(folder: Path, *, exclusive: bool) -> int | None:
 def hold_entry(path: str | os.PathLike[str]) -> EntryHold | None:
     """Keep the cache entry that holds ``path`` from removal while the result lives.
 
-    Takes a shared lock on the entry's lock file and touches it (the entry's "last used").
+    Takes a shared lock on the entry's lock file and touches it (the entry's "last used"). A
+    hold that :func:`lend_hold` lent for this entry is given back once this one is taken.
 
     Args:
         path: A file of a published entry, or the entry's folder. Other paths are ignored.
@@ -639,7 +938,14 @@ def hold_entry(path: str | os.PathLike[str]) -> EntryHold | None:
         or this platform has no ``flock`` (:data:`LOCKING`).
     """
     folder = _entry_folder(Path(path))
-    if folder is None or not LOCKING:
+    hold = _hold(folder) if folder is not None else None
+    if hold is not None:
+        _end_loan(str(hold.folder))
+    return hold
+
+
+def _hold(folder: Path) -> EntryHold | None:
+    if not LOCKING:
         return None
     fd = _lock(folder, exclusive=False)
     if fd is None:
@@ -649,8 +955,68 @@ def hold_entry(path: str | os.PathLike[str]) -> EntryHold | None:
     return EntryHold(fd, folder)
 
 
+_LOAN_S = 60.0  # seconds a lent hold waits for the hold that takes it over (see lend_hold)
+_loans: dict[str, list[tuple[float, EntryHold]]] = {}  # entry folder -> (deadline, hold)
+_loans_lock = threading.Lock()
+
+
+def lend_hold(entry: CacheEntry) -> None:
+    """Keep ``entry`` from removal after its caller drops it, until this process holds it again.
+
+    :func:`sharedml.prepared_model_for` returns the path of an entry's model, not the entry,
+    and the weight store that maps it takes its own hold (:func:`hold_entry`) a moment later.
+    A ``sharedml cache clear`` in that moment removed the entry, and the pool failed with
+    ``ModelNotFoundError``. The entry's hold is lent here instead: the next
+    :func:`hold_entry` of the entry in this process gives it back. One that nobody took is
+    given back after :data:`_LOAN_S`, at this process's next use of the cache (no thread
+    waits for it).
+
+    Thread safety: may be called from any thread.
+    """
+    if entry.hold is None:
+        return
+    with _loans_lock:
+        _loans.setdefault(str(entry.path), []).append((time.monotonic() + _LOAN_S, entry.hold))
+    _end_expired_loans()
+
+
+def _end_expired_loans() -> None:
+    """Give back the loans nobody took in time (never waits: also safe in a finalizer)."""
+    if not _loans_lock.acquire(blocking=False):
+        return
+    now = time.monotonic()
+    try:
+        expired = [hold for loans in _loans.values() for d, hold in loans if d <= now]
+        for folder in list(_loans):
+            _loans[folder] = [(d, hold) for d, hold in _loans[folder] if d > now]
+            if not _loans[folder]:
+                del _loans[folder]
+    finally:
+        _loans_lock.release()
+    for hold in expired:
+        hold.release()
+
+
+def _end_loan(folder: str) -> None:
+    """Give back the oldest hold lent for the entry ``folder`` (its new holder holds it)."""
+    with _loans_lock:
+        loans = _loans.get(folder)
+        if not loans:
+            return
+        _deadline, hold = loans.pop(0)
+        if not loans:
+            del _loans[folder]
+    hold.release()
+    _end_expired_loans()
+
+
 # --------------------------------------------------------------------------------------------
 # What the cache holds, and removing it (``sharedml cache ...``)
+
+KEY_CHARS = 16
+"""How many characters of a key ``sharedml cache`` shows (``--json`` gives whole keys)."""
+
+_Inode = tuple[int, int]  # (device, inode): one file on disk, whatever links name it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -661,7 +1027,8 @@ class EntryStatus:
         kind: One of :data:`ENTRY_KINDS`.
         key: Its key (the folder's name).
         path: Its folder.
-        size_bytes: Bytes of every file in its folder (symlinks not followed).
+        size_bytes: Bytes of every file in its folder (symlinks not followed; a file that other
+            entries link too is counted here in full, see ``linked``).
         created: When it was published (seconds since the epoch), None if unreadable.
         last_used: When a process last opened it (its lock file's mtime), else ``created``.
         source: The model it was made from, as its builder recorded it.
@@ -670,8 +1037,12 @@ class EntryStatus:
         problem: Why it is unusable (damaged, not private, a symlink), else None.
         linked: Its files that other entries hard-link too (identical weights shared across
             models), with the file's link count: removing this entry frees none of their bytes
-            while another link remains. ``size_bytes`` counts them in every entry.
+            while another link remains.
         uses: The entries whose files this one hard-linked when it was built (by key).
+        foreign: Not made by sharedml (no key-shaped name, no ``entry.json``): reported, never
+            changed or removed.
+        inodes: Each file's ``(device, inode)`` -> ``(bytes, links)``: what sizes and removals
+            count once, however many entries link a file.
     """
 
     kind: str
@@ -686,24 +1057,38 @@ class EntryStatus:
     problem: str | None = None
     linked: Mapping[str, int] = dataclasses.field(default_factory=dict)
     uses: tuple[str, ...] = ()
+    foreign: bool = False
+    inodes: Mapping[_Inode, tuple[int, int]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``sharedml cache list --json``)."""
-        return dataclasses.asdict(self) | {"path": str(self.path), "linked": dict(self.linked)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del fields["inodes"]
+        return fields | {
+            "path": str(self.path),
+            "linked": dict(self.linked),
+            "uses": list(self.uses),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheSummary:
     """The cache at a glance (``sharedml cache info``).
 
+    Every size counts each file once, however many entries hard-link it (as ``du`` does).
+
     Attributes:
         root: The cache folder.
         exists: Whether it exists yet.
         size_bytes: Bytes of everything in it (symlinks not followed).
-        kinds: ``{kind: (entries, bytes)}`` for every kind of entry.
+        kinds: ``{kind: (entries, bytes)}`` for every kind of entry; a file linked from
+            entries of one kind counts once.
         stamps: ``(files, bytes)`` of the stamps folder.
-        temporary: ``(folders, bytes)`` of builds in progress or left by killed builds.
+        temporary: ``(items, bytes)`` of builds in progress or left by killed builds.
         locking: :data:`LOCKING`.
+        foreign: ``(items, bytes)`` in the kind folders that sharedml did not make (left alone).
     """
 
     root: Path
@@ -713,6 +1098,7 @@ class CacheSummary:
     stamps: tuple[int, int]
     temporary: tuple[int, int]
     locking: bool
+    foreign: tuple[int, int] = (0, 0)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``sharedml cache info --json``)."""
@@ -723,6 +1109,7 @@ class CacheSummary:
             "kinds": {k: {"entries": n, "bytes": b} for k, (n, b) in self.kinds.items()},
             "stamps": {"files": self.stamps[0], "bytes": self.stamps[1]},
             "temporary": {"folders": self.temporary[0], "bytes": self.temporary[1]},
+            "foreign": {"items": self.foreign[0], "bytes": self.foreign[1]},
             "locking": self.locking,
         }
 
@@ -735,17 +1122,16 @@ class Removal:
         removed: The entries removed (or that would be, with ``dry_run``).
         busy: Entries kept because a live process holds them.
         failed: ``(entry, why)`` for entries that could not be removed.
-        freed_bytes: Bytes of the removed entries.
+        freed_bytes: Bytes the removal freed on disk: each file once, and only where no link
+            to it remains (a file another entry also links is not freed).
+        left: What sharedml did not make, left as it was (see :attr:`EntryStatus.foreign`).
     """
 
     removed: tuple[EntryStatus, ...]
     busy: tuple[EntryStatus, ...]
     failed: tuple[tuple[EntryStatus, str], ...]
-
-    @property
-    def freed_bytes(self) -> int:
-        """Bytes of the removed entries."""
-        return sum(e.size_bytes for e in self.removed)
+    freed_bytes: int = 0
+    left: tuple[EntryStatus, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -753,24 +1139,59 @@ class Removal:
             "removed": [e.to_dict() for e in self.removed],
             "busy": [e.to_dict() for e in self.busy],
             "failed": [e.to_dict() | {"error": why} for e, why in self.failed],
+            "left": [e.to_dict() for e in self.left],
             "freed_bytes": self.freed_bytes,
         }
 
 
-def _tree_bytes(path: Path) -> int:
-    """Bytes of the files under ``path``, never following a symlink (one counts as itself)."""
+def _tree_inodes(path: Path) -> dict[_Inode, tuple[int, int]]:
+    """``(device, inode) -> (bytes, links)`` of the files under ``path``.
+
+    Never follows a symlink: one counts as itself.
+    """
+    found: dict[_Inode, tuple[int, int]] = {}
     try:
         st = os.lstat(path)
     except OSError:
-        return 0
+        return found
     if not stat.S_ISDIR(st.st_mode):
-        return st.st_size
-    total = 0
-    for folder, _dirs, files in os.walk(path, followlinks=False):
-        for name in files + [d for d in _dirs if os.path.islink(os.path.join(folder, d))]:
+        return {(st.st_dev, st.st_ino): (st.st_size, st.st_nlink)}
+    for folder, dirs, files in os.walk(path, followlinks=False):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
-    return total
+                st = os.lstat(os.path.join(folder, name))
+                found[(st.st_dev, st.st_ino)] = (st.st_size, st.st_nlink)
+    return found
+
+
+def _disk_bytes(parts: Iterable[Mapping[_Inode, tuple[int, int]]]) -> int:
+    """Bytes of the files of all ``parts`` together, each file counted once."""
+    seen: dict[_Inode, int] = {}
+    for inodes in parts:
+        for inode, (size, _links) in inodes.items():
+            seen[inode] = size
+    return sum(seen.values())
+
+
+def disk_bytes(entries: Iterable[EntryStatus]) -> int:
+    """Bytes that ``entries`` take on disk together: a file linked by several counts once."""
+    return _disk_bytes(e.inodes for e in entries)
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``, each file once, never following a symlink."""
+    return _disk_bytes([_tree_inodes(path)])
+
+
+def _freed_bytes(entries: Iterable[EntryStatus]) -> int:
+    """Bytes freed on disk by removing ``entries``: the files none of whose links remain."""
+    links: dict[_Inode, int] = {}
+    sizes: dict[_Inode, tuple[int, int]] = {}
+    for e in entries:
+        for inode, (size, nlink) in e.inodes.items():
+            links[inode] = links.get(inode, 0) + 1
+            sizes[inode] = (size, nlink)
+    return sum(size for inode, (size, nlink) in sizes.items() if links[inode] >= nlink)
 
 
 def _is_busy(folder: Path) -> bool | None:
@@ -786,15 +1207,42 @@ def _is_busy(folder: Path) -> bool | None:
     return False
 
 
+def _foreign_status(kind: str, child: Path) -> EntryStatus:
+    inodes = _tree_inodes(child)
+    problem = (
+        f"'{child}' was not made by sharedml (no entry key as its name, no {ENTRY_FILE}): "
+        "sharedml leaves it as it is; remove it yourself if it is not needed"
+    )
+    return EntryStatus(
+        kind,
+        child.name,
+        child,
+        _disk_bytes([inodes]),
+        None,
+        None,
+        None,
+        None,
+        None,
+        problem,
+        foreign=True,
+        inodes=inodes,
+    )
+
+
 def _status(kind: str, child: Path) -> EntryStatus:
-    size = _tree_bytes(child)
+    if not _is_own_item(kind, child):
+        return _foreign_status(kind, child)
+    inodes = _tree_inodes(child)
+    size = _disk_bytes([inodes])
     try:
         entry = _read_entry(kind, child.name, child)
     except CacheError as exc:
         problem = str(exc)
         if os.path.islink(child):
             problem = f"'{child}' is a symlink, not an entry"
-        return EntryStatus(kind, child.name, child, size, None, None, None, None, None, problem)
+        return EntryStatus(
+            kind, child.name, child, size, None, None, None, None, None, problem, inodes=inodes
+        )
     try:
         last_used: float | None = os.stat(child / _LOCK_NAME).st_mtime
     except OSError:
@@ -831,12 +1279,17 @@ def _status(kind: str, child: Path) -> EntryStatus:
         _is_busy(child),
         linked=linked,
         uses=tuple(sorted({str(u) for u in uses})),
+        inodes=inodes,
     )
 
 
 def _kind_folders(cache_dir: CacheDir) -> Iterator[tuple[str, Path]]:
-    """The kind folders that exist and pass the policy; nothing is created."""
-    root = _root_of(cache_dir)
+    """The kind folders that exist and pass the policy; nothing is created.
+
+    Raises:
+        CacheError: the cache folder exists and is not sharedml's (see :func:`_adopt`).
+    """
+    root = _check_adopted(cache_dir)
     for kind in ENTRY_KINDS:
         folder = root / kind
         if _is_private_dir(folder):
@@ -846,8 +1299,13 @@ def _kind_folders(cache_dir: CacheDir) -> Iterator[tuple[str, Path]]:
 def list_entries(*, cache_dir: CacheDir = None) -> list[EntryStatus]:
     """Every entry of the cache, damaged ones included (with their ``problem``), oldest use first.
 
-    Reads only: creates no folder, hashes no file.
+    What sharedml did not make is listed too, as :attr:`EntryStatus.foreign`. Reads only:
+    creates no folder, hashes no file.
+
+    Raises:
+        CacheError: the cache folder exists and is not sharedml's.
     """
+    _end_expired_loans()  # a loan nobody took must not show its entry as in use
     found = [
         _status(kind, child)
         for kind, folder in _kind_folders(cache_dir)
@@ -865,26 +1323,73 @@ def list_entries(*, cache_dir: CacheDir = None) -> list[EntryStatus]:
     return sorted(found, key=lambda e: (e.last_used or 0.0, e.kind, e.key))
 
 
+def select_entries(entries: Iterable[EntryStatus], keys: Iterable[str]) -> list[EntryStatus]:
+    """The entries that ``keys`` name: each a unique prefix of a key, or ``kind/prefix``.
+
+    Raises:
+        ValueError: a key names no entry, or more than one.
+    """
+    entries = list(entries)
+    chosen: list[EntryStatus] = []
+    for wanted in keys:
+        kind, _, prefix = wanted.rpartition("/")
+        matches = [
+            e
+            for e in entries
+            if not e.foreign and e.key.startswith(prefix) and kind in ("", e.kind)
+        ]
+        if not prefix or not matches:
+            raise ValueError(
+                f"No cache entry has a key starting with {wanted!r}: 'sharedml cache list' "
+                "shows the keys."
+            )
+        if len(matches) > 1:
+            names = ", ".join(f"{e.kind}/{e.key[: len(prefix) + 4]}" for e in matches[:4])
+            raise ValueError(
+                f"{len(matches)} cache entries have keys starting with {wanted!r} ({names}): "
+                "give more of the key."
+            )
+        if matches[0] not in chosen:
+            chosen.append(matches[0])
+    return chosen
+
+
 def cache_summary(*, cache_dir: CacheDir = None) -> CacheSummary:
-    """The cache's location and what it holds, by kind. Reads only."""
+    """The cache's location and what it holds, by kind, each file counted once. Reads only.
+
+    Raises:
+        CacheError: the cache folder exists and is not sharedml's.
+    """
     root = _root_of(cache_dir)
     kinds: dict[str, tuple[int, int]] = {kind: (0, 0) for kind in ENTRY_KINDS}
+    seen: set[_Inode] = set()
+
+    def new_bytes(inodes: Mapping[_Inode, tuple[int, int]]) -> int:
+        fresh = {i: size for i, (size, _links) in inodes.items() if i not in seen}
+        seen.update(fresh)
+        return sum(fresh.values())
+
     temporary = [0, 0]
+    foreign = [0, 0]
     for kind, folder in _kind_folders(cache_dir):
         count = size = 0
         for child in folder.iterdir():
-            if child.name.endswith(_TMP_SUFFIX) and child.name.startswith("."):
+            inodes = _tree_inodes(child)
+            if not _is_own_item(kind, child):
+                foreign[0] += 1
+                foreign[1] += new_bytes(inodes)
+            elif child.name.startswith("."):
                 temporary[0] += 1
-                temporary[1] += _tree_bytes(child)
-            elif not child.name.startswith("."):
+                temporary[1] += new_bytes(inodes)
+            else:
                 count += 1
-                size += _tree_bytes(child)
+                size += new_bytes(inodes)
         kinds[kind] = (count, size)
     stamps_folder = root / "stamps"
     stamps = (0, 0)
     if _is_private_dir(stamps_folder):
         names = list(stamps_folder.iterdir())
-        stamps = (len(names), sum(_tree_bytes(p) for p in names))
+        stamps = (len(names), sum(new_bytes(_tree_inodes(p)) for p in names))
     return CacheSummary(
         root=root,
         exists=root.is_dir(),
@@ -893,6 +1398,7 @@ def cache_summary(*, cache_dir: CacheDir = None) -> CacheSummary:
         stamps=stamps,
         temporary=(temporary[0], temporary[1]),
         locking=LOCKING,
+        foreign=(foreign[0], foreign[1]),
     )
 
 
@@ -901,10 +1407,16 @@ def verify_entries(*, cache_dir: CacheDir = None) -> list[EntryStatus]:
 
     Returns:
         The entries as :func:`list_entries` gives them, with ``problem`` set for each one that
-        is damaged (no stamp is trusted here: every byte is read).
+        is damaged (no stamp is trusted here: every byte is read). What sharedml did not
+        make is listed as :attr:`EntryStatus.foreign`, and not read.
     """
+    return check_entries(list_entries(cache_dir=cache_dir))
+
+
+def check_entries(entries: Iterable[EntryStatus]) -> list[EntryStatus]:
+    """``entries`` (from :func:`list_entries`), each file read again and checked."""
     checked = []
-    for status in list_entries(cache_dir=cache_dir):
+    for status in entries:
         if status.problem is None:
             entry = _read_entry(status.kind, status.key, status.path)
             for name, (_size, digest) in sorted(entry.files.items()):
@@ -939,7 +1451,11 @@ def _remove(status: EntryStatus) -> str | None:
             if fd is None:
                 return None  # removed meanwhile
         try:
-            grave = Path(tempfile.mkdtemp(prefix=".removed-", suffix=_TMP_SUFFIX, dir=path.parent))
+            grave = Path(
+                tempfile.mkdtemp(
+                    prefix=f".removed-{temp_owner()}-", suffix=_TMP_SUFFIX, dir=path.parent
+                )
+            )
             os.rename(path, grave / "entry")
         finally:
             if fd is not None:
@@ -957,7 +1473,8 @@ def remove_entries(entries: Collection[EntryStatus], *, dry_run: bool = False) -
     """Remove ``entries`` (as :func:`list_entries` gives them), skipping those in use.
 
     Each entry is moved out of its kind folder under its exclusive lock, then deleted: a
-    process opening it meanwhile finds no entry and builds it again.
+    process opening it meanwhile finds no entry and builds it again. What sharedml did not
+    make (:attr:`EntryStatus.foreign`) is never removed: it is reported in ``left``.
 
     Args:
         entries: What to remove.
@@ -966,7 +1483,11 @@ def remove_entries(entries: Collection[EntryStatus], *, dry_run: bool = False) -
     removed: list[EntryStatus] = []
     busy: list[EntryStatus] = []
     failed: list[tuple[EntryStatus, str]] = []
+    left: list[EntryStatus] = []
     for status in entries:
+        if status.foreign:
+            left.append(status)
+            continue
         if dry_run:
             (busy if status.busy else removed).append(status)
             continue
@@ -977,7 +1498,39 @@ def remove_entries(entries: Collection[EntryStatus], *, dry_run: bool = False) -
             busy.append(status)
         else:
             failed.append((status, outcome))
-    return Removal(tuple(removed), tuple(busy), tuple(failed))
+    return Removal(tuple(removed), tuple(busy), tuple(failed), _freed_bytes(removed), tuple(left))
+
+
+def _by_size(
+    entries: list[EntryStatus], chosen: list[EntryStatus], max_bytes: int
+) -> list[EntryStatus]:
+    """The least recently used entries to remove so that the rest take at most ``max_bytes``.
+
+    Each file counts once, however many entries link it: removing an entry whose files other
+    entries still link frees nothing of them. Entries are taken oldest use first until the
+    rest fit; then each taken entry that the target did not need (newest first) is given back.
+    Busy entries are taken too (to report them as kept) but free nothing.
+    """
+    gone = {id(e) for e in chosen}
+    kept = [e for e in entries if id(e) not in gone]
+
+    def disk(group: list[EntryStatus]) -> int:
+        return _disk_bytes(e.inodes for e in group)
+
+    taken: list[EntryStatus] = []
+    for e in entries:
+        if disk(kept) <= max_bytes:
+            break
+        if id(e) in gone:
+            continue
+        taken.append(e)
+        if not e.busy:
+            kept.remove(e)
+    for e in reversed(list(taken)):
+        if not e.busy and disk([*kept, e]) <= max_bytes:
+            kept.append(e)
+            taken.remove(e)
+    return taken
 
 
 def prune_cache(
@@ -990,16 +1543,20 @@ def prune_cache(
     """Remove damaged entries and old ones, then the least recently used down to a size.
 
     Damaged entries go first, then entries unused for ``older_than_s``, then the least
-    recently used until the entries take at most ``max_bytes``; entries in use are kept.
+    recently used until the entries take at most ``max_bytes`` on disk (each file once, as
+    ``du`` counts it), and no more than that needs; entries in use are kept. Temporaries of
+    killed builds are removed too (:func:`clear_stale`). What sharedml did not make is left.
 
     Raises:
         ValueError: neither limit given, or a negative one.
+        CacheError: the cache folder exists and is not sharedml's.
     """
     if older_than_s is None and max_bytes is None:
         raise ValueError("Give --older-than DAYS, --max-size SIZE or both.")
     if (older_than_s is not None and older_than_s < 0) or (max_bytes is not None and max_bytes < 0):
         raise ValueError("--older-than and --max-size must not be negative.")
-    entries = list_entries(cache_dir=cache_dir)  # least recently used first
+    listed = list_entries(cache_dir=cache_dir)  # least recently used first
+    entries = [e for e in listed if not e.foreign]
     now = time.time()
     chosen = [
         e
@@ -1008,14 +1565,10 @@ def prune_cache(
         or (older_than_s is not None and now - (e.last_used or 0.0) > older_than_s)
     ]
     if max_bytes is not None:
-        total = sum(e.size_bytes for e in entries if e not in chosen)
-        for e in entries:
-            if total <= max_bytes:
-                break
-            if e not in chosen:
-                chosen.append(e)  # one in use is reported as kept, and frees nothing
-                total -= 0 if e.busy else e.size_bytes
-    result = remove_entries(chosen, dry_run=dry_run)
+        taken = {id(e) for e in chosen + _by_size(entries, chosen, max_bytes)}
+        chosen = [e for e in entries if id(e) in taken]
+    # What sharedml did not make is passed on only to be reported as left alone.
+    result = remove_entries(chosen + [e for e in listed if e.foreign], dry_run=dry_run)
     if not dry_run:
         with contextlib.suppress(OSError):
             clear_stale(cache_dir)
@@ -1023,15 +1576,24 @@ def prune_cache(
 
 
 def clear_cache(*, dry_run: bool = False, cache_dir: CacheDir = None) -> Removal:
-    """Remove every entry not in use, every stamp, and builds left by killed processes."""
+    """Remove every entry not in use, every stamp, and what killed builds left.
+
+    What sharedml did not make is left as it was, and reported (``Removal.left``).
+
+    Raises:
+        CacheError: the cache folder exists and is not sharedml's.
+    """
     result = remove_entries(list_entries(cache_dir=cache_dir), dry_run=dry_run)
     stamps = _root_of(cache_dir) / "stamps"
-    if not dry_run and _is_private_dir(stamps):
+    if dry_run:
+        return result
+    if _is_private_dir(stamps):
         for stamp in stamps.iterdir():
-            with contextlib.suppress(OSError):
-                stamp.unlink()
-        with contextlib.suppress(OSError):
-            clear_stale(cache_dir)
+            if _STAMP_NAME.fullmatch(stamp.name):
+                with contextlib.suppress(OSError):
+                    stamp.unlink()
+    with contextlib.suppress(OSError):
+        clear_stale(cache_dir)  # whether or not there is a stamps/ folder
     return result
 
 
@@ -1248,7 +1810,7 @@ def record_stamp(
     try:
         folder = kind_folder("stamps", cache_dir)
         target = _stamp_path(folder, kind, before.files[0][0], params)
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=_TMP_SUFFIX, dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".{temp_owner()}-", suffix=_TMP_SUFFIX, dir=folder)
         try:
             with os.fdopen(fd, "w") as fh:
                 json.dump(record, fh)

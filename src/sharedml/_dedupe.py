@@ -148,6 +148,23 @@ def _offers(
     return offers
 
 
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file and rename it over ``path``.
+
+    ``path`` is a file prepare just wrote read-only (0444): rewriting it in place works only
+    for root, and a rename is what prepare itself replaces its outputs with.
+    """
+    fd, tmp = _create_temp(path)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedupe:
     """Point the tensors of the entry being built in ``tmp`` at identical ones of other entries.
 
@@ -274,7 +291,7 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
             tmp_weights.unlink()
         raise
     _replace_metadata(model, new)
-    model_path.write_bytes(model.SerializeToString())
+    _replace_file(model_path, model.SerializeToString())
     return Dedupe(
         {
             "layout": layout,

@@ -57,6 +57,7 @@ from sharedml._prepare import (
     WeightsManifest,
     _create_temp,
     _output_error,
+    _remove_dead_temps,
     _replace_metadata,
     _SourceReader,
     check_settings,
@@ -263,6 +264,46 @@ def _remove_unreferenced(folder: Path, keep: str) -> tuple[Path, ...]:
     return tuple(removed)
 
 
+def _only_ours(path: Path) -> bool:
+    """Whether ``path`` is this user's, nobody else may write it, and it has one link."""
+    if os.name != "posix":
+        return True
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        and st.st_nlink == 1
+    )
+
+
+def _replace_weights(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` over ``path``; where the folder forbids it, say whose file is in the way.
+
+    Raises:
+        PrepareError: a sticky folder (``/tmp``, a shared deploy folder) keeps another user's
+            file at ``path``, which this user may not replace.
+    """
+    try:
+        os.replace(tmp, path)
+    except PermissionError as exc:
+        try:
+            owner = os.lstat(path).st_uid
+        except OSError:
+            raise exc from None
+        if os.name != "posix" or owner == os.geteuid():
+            raise
+        raise PrepareError(
+            f"'{path}' belongs to user id {owner}, and this folder does not let you replace "
+            "another user's file (sticky bit). It is not used: that user could change a running "
+            "pool's weights through it. Remove it (as its owner) or prepare into a folder of "
+            "your own. Nothing was written."
+        ) from exc
+
+
 def _same_content(path: Path, sha256: str, size: int) -> bool:
     try:
         if path.is_symlink() or path.stat().st_size != size:
@@ -316,6 +357,7 @@ def prepare_family(
     total_tensors = total_bytes = distinct_bytes = 0
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        _remove_dead_temps(folder)
         writing = folder / placeholder
         fd, tmp_weights = _create_temp(writing)
         plans = []
@@ -373,12 +415,14 @@ def prepare_family(
                 os.fsync(fh.fileno())
         weights_path = folder / name
         writing = weights_path
-        # Content-named: an existing file of this name already holds these bytes (checked, not
-        # assumed), and a running pool may map it: it is kept, never replaced.
-        if _same_content(weights_path, sha, writer.position):
+        # Content-named: an existing file of this name that already holds these bytes (checked,
+        # not assumed) may be mapped by a running pool: it is kept, not replaced. Only if it is
+        # ours alone, though: a file another user planted (or can write, or has a second name
+        # for) would let them change a live pool's weights later; it is replaced by a rename.
+        if _same_content(weights_path, sha, writer.position) and _only_ours(weights_path):
             tmp_weights.unlink()
         else:
-            os.replace(tmp_weights, weights_path)
+            _replace_weights(tmp_weights, weights_path)
         tmp_weights = None
         # Weights first: until a graph lands, it refers to the weights file it referred to.
         for src, tmp in zip(paths, tmp_graphs, strict=True):

@@ -402,25 +402,37 @@ def _same_feed(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return all(np.array_equal(a[k], b[k]) for k in a)
 
 
+# The most sessions a pool takes: far beyond what any host holds (each session keeps its own
+# activations and threads), and far below what overflows a C size (2**63 raised OverflowError
+# deep inside the pool, not a message about the argument).
+_MAX_SESSIONS = 1 << 16
+
+
 def _count_argument(name: str, value: object, *, minimum: int) -> int:
     try:
         count = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"{name} must be an integer, not {value!r}.") from None
-    if isinstance(value, bool) or count < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, not {value!r}.")
+    if isinstance(value, bool) or not minimum <= count <= _MAX_SESSIONS:
+        raise ValueError(
+            f"{name} must be an integer from {minimum} to {_MAX_SESSIONS}, not {value!r}."
+        )
     return count
 
 
 def _timeout_argument(timeout_s: object) -> float | None:
-    """``None`` or ``inf``: wait forever; a finite number >= 0: seconds."""
+    """``None``, ``inf`` or longer than a lock can wait: wait forever; else seconds (>= 0)."""
     if timeout_s is None:
         return None
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise TypeError(f"timeout_s must be a number of seconds or None, not {timeout_s!r}.")
-    if math.isnan(timeout_s) or timeout_s < 0:
+    if (isinstance(timeout_s, float) and math.isnan(timeout_s)) or timeout_s < 0:
         raise ValueError(f"timeout_s must be >= 0 seconds (or None), not {timeout_s!r}.")
-    return None if math.isinf(timeout_s) else float(timeout_s)
+    # threading.TIMEOUT_MAX (about 292 years) is the longest wait a lock takes: 1e300 or 2**64
+    # raised OverflowError there. Anything that long is "wait forever".
+    if timeout_s >= threading.TIMEOUT_MAX:
+        return None
+    return float(timeout_s)
 
 
 class SessionPool:
@@ -1415,7 +1427,13 @@ class SessionPool:
             ]
             for sess in sessions:
                 for feed in feeds:
-                    sess.run(None, feed)
+                    try:
+                        sess.run(None, feed)
+                    except Exception as exc:  # as run() reports it: InvalidInputError, RunError
+                        error = _run_error(exc)
+                        if error is exc:
+                            raise
+                        raise error from exc
 
     # ----------------------------------------------------------------------------------------
     # Metadata and lifecycle

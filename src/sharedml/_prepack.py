@@ -354,6 +354,14 @@ def build_prepacked_model(
                     (tmp / linked).unlink()
                 sharing = None
                 check_reload()
+            if sharing is not None and _DATA_NAME not in external_locations(
+                load_graph(str(tmp / _MODEL_NAME)).graph
+            ):
+                # Every initializer now points at other entries' files: ORT's own copy of them
+                # is dead weight (byte-identical to the linked file), kept empty as an entry
+                # with nothing external keeps it.
+                (tmp / _DATA_NAME).unlink()
+                (tmp / _DATA_NAME).write_bytes(b"")
         except Exception as exc:
             raise SessionCreationError(
                 f"onnxruntime could not save or reload the prepacked form of '{prepared_model}': "
@@ -449,7 +457,8 @@ def _share_identical(
     offsets) with the location of a hard link to that entry's data file, made in ``tmp``. The
     linked bytes are hashed again before they are used: another entry's record is not trusted
     for content. This entry's own data file keeps its copy on disk (ORT wrote it), but no
-    session maps those ranges any more. Hard links unavailable (another filesystem, Windows
+    session maps those ranges any more; where every initializer is shared, the build empties
+    the file. Hard links unavailable (another filesystem, Windows
     without rights): those tensors keep this entry's own copy; ``meta["shared"]`` says what was.
     """
     wanted = {json.dumps(t["match"]): t for t in own}

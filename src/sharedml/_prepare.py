@@ -29,7 +29,9 @@ import errno
 import hashlib
 import itertools
 import json
+import operator
 import os
+import re
 import secrets
 import stat
 from collections.abc import Callable, Iterator
@@ -42,9 +44,12 @@ from sharedml._cache import (
     CacheDir,
     Snapshot,
     ensure_entry,
+    lend_hold,
     recall_stamp,
     record_stamp,
     snapshot,
+    temp_is_stale,
+    temp_owner,
 )
 from sharedml._errors import (
     CacheError,
@@ -85,6 +90,7 @@ __all__ = [
     "WeightsManifest",
     "WeightsPlan",
     "check_settings",
+    "check_threshold",
     "content_key",
     "load_graph",
     "plan_weights",
@@ -609,6 +615,13 @@ def _replace_metadata(model: ModelProto, manifest: WeightsManifest) -> None:
     entry.key, entry.value = MANIFEST_KEY, manifest.to_json()
 
 
+# Temporary outputs: ``.<output name>.<owner>-<12 hex>.tmp`` beside the output (the owner, see
+# sharedml._cache.temp_owner, since this version; older ones have none).
+_TEMP_NAME = re.compile(
+    r"\.(?P<name>.+)\.(?:(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)-)?[0-9a-f]{12}\.tmp"
+)
+
+
 def _create_temp(final: Path) -> tuple[int, Path]:
     """A new temporary file beside ``final``: read-only for everyone the umask lets read it.
 
@@ -619,13 +632,15 @@ def _create_temp(final: Path) -> tuple[int, Path]:
     everyone but root, while the renames that prepare itself replaces files with still work.
     Windows: 0666, since there a read-only file cannot be replaced by a rename.
 
-    The name keeps at most what fits NAME_MAX with its random part, so that an output name of
+    The name records this process (:func:`sharedml._cache.temp_owner`), so that the next
+    prepare into the folder removes what a killed one left (:func:`_remove_dead_temps`), and
+    keeps at most what fits NAME_MAX with its owner and random part, so that an output name of
     up to 255 bytes works.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     mode = 0o444 if os.name == "posix" else 0o666
     for _ in range(100):
-        suffix = f".{secrets.token_hex(6)}.tmp"
+        suffix = f".{temp_owner()}-{secrets.token_hex(6)}.tmp"
         keep = final.name
         while len(os.fsencode(f".{keep}{suffix}")) > _NAME_MAX_BYTES:
             keep = keep[:-1]
@@ -635,6 +650,38 @@ def _create_temp(final: Path) -> tuple[int, Path]:
         except FileExistsError:
             continue
     raise PrepareError(f"Could not create a temporary file beside '{final}'.")  # pragma: no cover
+
+
+def _remove_dead_temps(folder: Path) -> tuple[Path, ...]:
+    """Remove the temporary outputs that killed prepares left in ``folder``.
+
+    A ``kill -9`` while prepare writes leaves its hidden temporary files (a weights file's
+    worth each), which nothing else ever removes. Only files named as :func:`_create_temp`
+    names them, owned by this user, and stale (their process is gone from this host, or they
+    are a day old: see :func:`sharedml._cache.temp_is_stale`) are removed: never a live
+    prepare's, in this process or another.
+    """
+    removed = []
+    try:
+        children = list(os.scandir(folder))
+    except OSError:
+        return ()
+    for child in children:
+        match = _TEMP_NAME.fullmatch(child.name)
+        if match is None:
+            continue
+        try:
+            st = child.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or (os.name == "posix" and st.st_uid != os.geteuid()):
+            continue
+        owner = (match["host"], int(match["pid"])) if match["host"] else None
+        if temp_is_stale(Path(child.path), owner):
+            with contextlib.suppress(OSError):
+                os.unlink(child.path)
+                removed.append(Path(child.path))
+    return tuple(removed)
 
 
 def _check_outputs(src_path: Path, model: ModelProto, dst_path: Path, weights_path: Path) -> None:
@@ -741,8 +788,25 @@ def check_settings(size_threshold_bytes: int, alignment_bytes: int) -> None:
             f"alignment_bytes must be a power of two from {DEFAULT_ALIGNMENT_BYTES} to "
             f"{MAX_ALIGNMENT_BYTES} (1 GiB), not {alignment_bytes}."
         )
-    if size_threshold_bytes < 0:
-        raise ValueError("size_threshold_bytes must not be negative.")
+    check_threshold(size_threshold_bytes)
+
+
+def check_threshold(size_threshold_bytes: object) -> int:
+    """``size_threshold_bytes`` as an int, or ``ValueError``: a whole number of bytes >= 0.
+
+    A float (``1.5``, ``nan``) was accepted and made a cache key of its own; NaN compares
+    false with every size, so it silently moved nothing.
+    """
+    try:
+        value = operator.index(size_threshold_bytes)  # type: ignore[arg-type]
+    except TypeError:
+        value = -1
+    if isinstance(size_threshold_bytes, bool) or value < 0:
+        raise ValueError(
+            "size_threshold_bytes must be a whole number of bytes >= 0, not "
+            f"{size_threshold_bytes!r}."
+        )
+    return value
 
 
 @overload
@@ -850,6 +914,7 @@ def prepare(
     tmp_weights = tmp_model = None
     try:
         dst_path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_temps(dst_path.parent)
         writing = weights_path
         fd, tmp_weights = _create_temp(weights_path)
         with os.fdopen(fd, "wb") as fh:
@@ -918,6 +983,7 @@ def prepare(
 # --------------------------------------------------------------------------------------------
 # Prepared once per content: the cache's ``models`` entries
 
+_BYTES_SOURCE = "<model bytes>"  # what an entry made from bytes records as its source
 _KEY_VERSION = "3"  # bump when prepare's output format, or what the key covers, changes
 _PREPARED_NAME = "model.onnx"
 
@@ -1012,6 +1078,7 @@ def prepared_model_for(
     caller gets a complete entry, and no entry is ever modified after it is published.
     """
     path = Path(model_path)
+    size_threshold_bytes = check_threshold(size_threshold_bytes)
     # A copied prepared model must not be found by a later call that wants the model itself.
     params = f"{_KEY_VERSION}:{size_threshold_bytes}{':copy' if copy_prepared else ''}"
     checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
@@ -1024,6 +1091,9 @@ def prepared_model_for(
             cache_dir=cache_dir,
             verify=checked,
         )
+        # The caller gets a path, and holds the entry only once it maps it: until then the
+        # entry stays held here, so that a 'sharedml cache clear' cannot remove it meanwhile.
+        lend_hold(entry)
         return entry.file(_PREPARED_NAME)
 
     known = recall_stamp("prepared", path, params, cache_dir=cache_dir)
@@ -1045,8 +1115,18 @@ def prepared_model_for(
 
 
 def _prepare_into(
-    src: Path, folder: Path, size_threshold_bytes: int, cache_dir: CacheDir = None
+    src: Path,
+    folder: Path,
+    size_threshold_bytes: int,
+    cache_dir: CacheDir = None,
+    *,
+    source: str | None = None,
 ) -> Built:
+    """Prepare ``src`` into the entry being built in ``folder``, sharing what others hold.
+
+    ``source`` is what the entry records as its source (default: ``src``'s absolute path, so
+    that ``sharedml cache list`` names it from any folder).
+    """
     try:
         result = prepare(src, folder / _PREPARED_NAME, size_threshold_bytes=size_threshold_bytes)
     except OutputError as exc:
@@ -1060,7 +1140,7 @@ def _prepare_into(
     dedupe = share_with_entries(folder, _PREPARED_NAME, cache_dir)
     return Built(
         meta={
-            "source": str(src),
+            "source": source if source is not None else str(src.absolute()),
             "tensors_moved": result.tensors_moved,
             "bytes": result.bytes_moved,
             **dedupe.meta,
@@ -1088,6 +1168,7 @@ def prepared_model_from_bytes(
         ExternalDataError: the model refers to external data files.
         CacheError: the cache folder fails sharedml's permission policy.
     """
+    size_threshold_bytes = check_threshold(size_threshold_bytes)
     try:
         model = parse_model(data)
     except Exception as exc:
@@ -1115,10 +1196,13 @@ def prepared_model_from_bytes(
         source = folder / "source.onnx"
         source.write_bytes(data)
         try:
-            return _prepare_into(source, folder, size_threshold_bytes, cache_dir)
+            return _prepare_into(
+                source, folder, size_threshold_bytes, cache_dir, source=_BYTES_SOURCE
+            )
         finally:
             source.unlink()
 
     checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
     entry = ensure_entry("models", key, build, cache_dir=cache_dir, verify=checked)
+    lend_hold(entry)  # as prepared_model_for does
     return entry.file(_PREPARED_NAME)

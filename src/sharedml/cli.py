@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
@@ -20,6 +21,7 @@ __all__ = ["main"]
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool its reader left
 # prepare's defaults, for --help: importing sharedml._prepare would import onnx (seconds) just to
 # print them; tests/test_prepare.py checks that they agree.
 _THRESHOLD = 1024  # bytes
@@ -169,7 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        status = func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        return _reader_left()
     except KeyboardInterrupt:
         print("sharedml: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -178,6 +184,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"sharedml: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _reader_left() -> int:
+    """The reader of our output went away (``sharedml cache list | head -2``): stop quietly.
+
+    Unix tools die of SIGPIPE there, silently, and the shell reports status 128 + SIGPIPE.
+    Python ignores SIGPIPE (and so gets ``BrokenPipeError``); restoring the default handler
+    instead would also kill the process on a pipe to a child that exited. So: no message, the
+    same status, and stdout pointed at ``/dev/null`` so that the interpreter's final flush of
+    what is still buffered does not fail again (the recipe of Python's ``signal`` docs).
+    """
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 def _one_line(exc: BaseException) -> str:
