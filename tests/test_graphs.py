@@ -206,7 +206,9 @@ def test_inputs_that_disagree_on_a_shared_dim_are_refused(tmp_path: Path) -> Non
     a, b, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 4]) for n in "aby")
     graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "add", [a, b], [y])
     path = tmp_path / "add.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8  # onnx's default can be newer than the oldest onnxruntime accepted
+    onnx.save(model, path)
     with sharedml.SessionPool(path, sessions=1, providers=CPU_GRAPHS) as pool:
         ones = np.ones((2, 4), np.float32)
         np.testing.assert_array_equal(pool.run(None, {"a": ones, "b": ones})[0], 2 * ones)
