@@ -101,6 +101,27 @@ def test_outputs_equal_a_plain_session_and_each_shape_gets_its_own_slot(
     assert set(slots) <= {1, 3, 5}
 
 
+def test_a_slot_neither_writes_into_a_callers_feed_nor_hands_out_its_own_buffer(
+    model: Path,
+) -> None:
+    # On ORT's CPU device a slot once wrapped the first caller's array as its input buffer (the
+    # next feed of that shape was written into it) and returned views of its output buffer
+    # (the next run overwrote a result already handed out).
+    with (
+        sharedml.SessionPool(model, sessions=1, providers=CPU_GRAPHS) as pool,
+        pool.session() as sess,
+    ):
+        assert isinstance(sess, _graphs.GraphSession)  # the iobinding probe passed
+        first, second = rows(2, 1), rows(2, 2)
+        kept = first.copy()
+        out = sess.run(None, {"x": first})[0]
+        out_then = out.copy()
+        sess.run(None, {"x": second})
+        np.testing.assert_array_equal(first, kept)
+        np.testing.assert_array_equal(out, out_then)
+        np.testing.assert_allclose(out, solo(model, kept), rtol=1e-5, atol=1e-6)
+
+
 def test_more_shapes_than_graphs_is_a_clear_error(model: Path) -> None:
     with (
         sharedml.SessionPool(model, sessions=1, providers=CPU_GRAPHS) as pool,

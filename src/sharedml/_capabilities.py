@@ -20,15 +20,15 @@ processes, in :mod:`sharedml._device_probe`.
     while a saved model is built (without it, ORT reads the weights file by path).
 ``dlpack``
     ``OrtValue``s are exported to and imported from DLPack, the device weight routes'
-    (:mod:`sharedml._dlpack`). The binding has the import as ``OrtValue.from_dlpack`` from 1.25
-    and only on its C class before (1.21 to 1.24); 1.20's CPU build has neither. Tried in this
+    (:mod:`sharedml._dlpack`). The binding has the import as ``OrtValue.from_dlpack`` from 1.26
+    and only on its C class before (1.21 to 1.25); 1.20's CPU build has neither. Tried in this
     process on a CPU value (a round trip that points at the same buffer).
 ``iobinding``
     A graph session (:class:`sharedml._graphs.GraphSession`) binds device buffers, runs, binds
-    output buffers of its own and runs again. A misuse of IOBinding crashed the process on
-    1.20 and 1.24 (:meth:`sharedml._graphs.GraphSession._own_outputs`), so this one is tried in
-    a child process, on ORT's CPU device: the binding's Python layer, which crashed, is the
-    same for every provider. Missing: pools turn ``enable_cuda_graph`` off.
+    output buffers of its own and runs again. A misuse of IOBinding crashed the process before
+    1.30 (:meth:`sharedml._graphs.GraphSession._own_outputs`), so this one is tried in a child
+    process, on ORT's CPU device: the binding's Python layer, which crashed, is the same for
+    every provider. Missing: pools turn ``enable_cuda_graph`` off.
 
 ``SHAREDML_ORT_WITHOUT`` (:data:`WITHOUT_ENV`), a comma-separated list of these names, declares
 them missing without trying them: for a deployment whose build misbehaves in a way no probe
@@ -59,6 +59,7 @@ __all__ = [
     "CAPABILITIES",
     "WITHOUT_ENV",
     "Capability",
+    "ChildResult",
     "capabilities",
     "capability",
     "run_in_child",
@@ -172,9 +173,7 @@ def _matmul_model() -> bytes:
 
     pb = _proto.pb2()
     w = np.arange(_PROBE_DIM * _PROBE_DIM, dtype=np.float32).reshape(_PROBE_DIM, _PROBE_DIM) % 7
-    tensor = pb.TensorProto(
-        name="w", data_type=pb.TensorProto.FLOAT, dims=[_PROBE_DIM, _PROBE_DIM]
-    )
+    tensor = pb.TensorProto(name="w", data_type=pb.TensorProto.FLOAT, dims=[_PROBE_DIM, _PROBE_DIM])
     tensor.raw_data = w.tobytes()
     model = pb.ModelProto(ir_version=8, opset_import=[pb.OperatorSetIdProto(domain="", version=17)])
     graph = model.graph
@@ -256,9 +255,24 @@ def _probe_files_in_memory() -> str:
 def _probe_dlpack() -> str:
     import numpy as np
     import onnxruntime as ort
+    from onnxruntime.capi import _pybind_state
 
     from sharedml import _dlpack
 
+    native = _pybind_state.OrtValue
+    missing = [
+        what
+        for what, found in (
+            ("export", hasattr(native, "to_dlpack") or hasattr(native, "__dlpack__")),
+            ("import", hasattr(ort.OrtValue, "from_dlpack") or hasattr(native, "from_dlpack")),
+        )
+        if not found
+    ]
+    if missing:
+        return (
+            f"onnxruntime {_ort_version()} has no DLPack {' or '.join(missing)} of OrtValues "
+            "(the CPU build has both from 1.21)"
+        )
     value = ort.OrtValue.ortvalue_from_numpy(np.arange(16, dtype=np.float32))
     try:
         view = _dlpack.import_capsule(_dlpack.export_capsule(value))

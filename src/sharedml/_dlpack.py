@@ -103,7 +103,7 @@ def export_capsule(value: Any) -> Any:
 def import_capsule(data: Any) -> Any:
     """An ``onnxruntime.OrtValue`` over a DLPack capsule (or an object with ``__dlpack__``).
 
-    ``OrtValue.from_dlpack`` is new in onnxruntime 1.25; from 1.21 to 1.24 only the binding's C
+    ``OrtValue.from_dlpack`` is new in onnxruntime 1.26; from 1.21 to 1.25 only the binding's C
     class has it (``from_dlpack(capsule, is_bool_tensor)``), which is what the Python method
     calls, so its value is wrapped the same way. 1.20's CPU build has neither.
 

@@ -427,10 +427,11 @@ class GraphSession:
         """Output buffers of our own, shaped like the first run's: bound from then on.
 
         The captured graph then writes where callers read. ORT's own outputs of that run are
-        not bound again: up to onnxruntime 1.24 at least, ``IOBinding.get_outputs()`` returns
-        values that point into the binding's output list, which ``clear_binding_outputs()``
-        frees, and binding them again crashed the process (SIGSEGV, measured on 1.20.1 and
-        1.24.4). Buffers allocated here belong to the slot, whatever the version.
+        not bound again: before onnxruntime 1.30, ``IOBinding.get_outputs()`` returns values
+        that point into the binding's output list, which ``clear_binding_outputs()`` frees, and
+        binding them again crashed the process (SIGSEGV on 1.20.1, 1.23.2, 1.24.4, 1.25.1,
+        1.26.0, 1.28.0 and 1.29.0; not on 1.30.0). Buffers allocated here belong to the slot,
+        whatever the version.
         """
         import onnxruntime as ort
 

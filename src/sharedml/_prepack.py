@@ -725,6 +725,7 @@ def _read_only_own_data(folder: Path, files: Mapping[str, Path]) -> None:
     model_path = folder / _MODEL_NAME
     model = load_graph(str(model_path))
     changed = False
+
     def foreign(tensor: Any) -> bool:
         info = ExternalData.of(tensor)
         return info is not None and info.location != _DATA_NAME
@@ -734,8 +735,10 @@ def _read_only_own_data(folder: Path, files: Mapping[str, Path]) -> None:
         # all where every copy points elsewhere): what ORT itself saved last for it.
         last: dict[str, int] = {}
         for i, tensor in enumerate(graph.initializer):
-            if tensor.name not in last or not foreign(tensor) or foreign(
-                graph.initializer[last[tensor.name]]
+            if (
+                tensor.name not in last
+                or not foreign(tensor)
+                or foreign(graph.initializer[last[tensor.name]])
             ):
                 last[tensor.name] = i
         kept = [t for i, t in enumerate(graph.initializer) if last[t.name] == i]
