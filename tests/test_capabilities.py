@@ -14,7 +14,7 @@ import pytest
 from _models import PLACEMENTS, batchable_model, build_model, feeds, save_model
 
 import sharedml
-from sharedml import _capabilities, _graphs
+from sharedml import _capabilities, _device_probe, _graphs
 from sharedml._capabilities import WITHOUT_ENV, capabilities, capability, run_in_child
 from sharedml._onnx import ExternalData, iter_tensors, load_graph
 
@@ -144,3 +144,11 @@ def test_without_iobinding_a_graph_pool_runs_plain_sessions_and_says_so(
             np.testing.assert_allclose(
                 pool.run(None, feed)[0], plain(model, feed), rtol=1e-5, atol=1e-6
             )
+
+
+def test_without_dlpack_no_device_route_is_probed_in_a_child(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(WITHOUT_ENV, "dlpack")
+    (probe,) = _device_probe.probe_routes(CPU, 0, routes=("ort-slab",))
+    assert not probe.ok and f"declared missing by {WITHOUT_ENV}" in probe.reason

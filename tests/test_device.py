@@ -252,6 +252,7 @@ def _fake_probes(results: dict[str, bool], calls: list[str]):  # type: ignore[no
     return fake
 
 
+@pytest.mark.capability("dlpack")
 def test_a_crashing_route_falls_back_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     fake = _fake_probes({"ort-slab": False, "ort-per-tensor": True, "cupy-slab": True}, calls)
@@ -263,6 +264,7 @@ def test_a_crashing_route_falls_back_to_the_next(monkeypatch: pytest.MonkeyPatch
     assert calls == ["ort-slab", "ort-per-tensor"]  # cached for the process
 
 
+@pytest.mark.capability("dlpack")
 def test_no_working_route_means_no_device_mechanism(
     monkeypatch: pytest.MonkeyPatch, prepared: Path
 ) -> None:

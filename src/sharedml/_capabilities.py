@@ -30,6 +30,12 @@ processes, in :mod:`sharedml._device_probe`.
     process, on ORT's CPU device: the binding's Python layer, which crashed, is the same for
     every provider. Missing: pools turn ``enable_cuda_graph`` off.
 
+Config keys are covered by what they do, not by their names: ORT accepts any session config
+key and ignores those it does not know, so only a probe that watches the effect can tell
+(``prepacked-save`` for the saving keys, the zero-copy probe for
+``session.use_external_initializer_file_buffers_directly``, ``iobinding`` for the run option
+``gpu_graph_id``). ``session.disable_prepacking`` is older than the floor.
+
 ``SHAREDML_ORT_WITHOUT`` (:data:`WITHOUT_ENV`), a comma-separated list of these names, declares
 them missing without trying them: for a deployment whose build misbehaves in a way no probe
 sees, and for tests of the fallback routes on an onnxruntime that has everything.
