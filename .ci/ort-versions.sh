@@ -22,7 +22,8 @@ venv_with() {  # venv_with VERSION: a fresh venv with sharedml[test] and onnxrun
   python3 -m venv --clear "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q -e ".[test]" "onnxruntime==$version"
-  "$venv/bin/python" -c "import onnxruntime as o; assert o.__version__ == '$version', o.__version__"
+  "$venv/bin/python" -c "import onnxruntime as o; from packaging.version import Version as V
+assert V(o.__version__) == V('$version'), o.__version__"  # 1.20 is 1.20.0
   echo "== onnxruntime $version: venv in $((SECONDS - start)) s"
 }
 
