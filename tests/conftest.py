@@ -47,6 +47,25 @@ finally:
         os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = _saved
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "capability(name, ...): needs these onnxruntime capabilities (sharedml._capabilities); "
+        "skipped with the capability's reason where the installed onnxruntime lacks one",
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip a test marked ``capability(...)`` where the installed onnxruntime lacks one."""
+    from sharedml._capabilities import capability
+
+    for mark in item.iter_markers("capability"):
+        for name in mark.args:
+            found = capability(name)
+            if not found.available:
+                pytest.skip(f"needs onnxruntime capability '{name}': {found.reason}")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test prepares into its own cache, never the user's."""

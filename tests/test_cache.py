@@ -33,6 +33,8 @@ from sharedml._demo import demo_model_path
 
 POSIX = os.name == "posix"
 KINDS = ("models", "prepacked", "demo", "stamps")
+# The prepacked kind is made only where ORT saves prepacked weights.
+PREPACKED = pytest.param("prepacked", marks=pytest.mark.capability("prepacked-save"))
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +63,7 @@ def use_every_kind(model: Path, root: Path) -> sharedml.SessionPool:
     return pool
 
 
+@pytest.mark.capability("prepacked-save")
 @pytest.mark.skipif(not POSIX, reason="POSIX permissions")
 def test_every_kind_of_entry_is_private_and_read_only(mlp_model: Path, tmp_path: Path) -> None:
     root = tmp_path / "c"
@@ -80,6 +83,7 @@ def test_every_kind_of_entry_is_private_and_read_only(mlp_model: Path, tmp_path:
     assert mode(root / "stamps") == 0o700
 
 
+@pytest.mark.capability("prepacked-save")
 @pytest.mark.skipif(not POSIX, reason="POSIX permissions")
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_lax_kind_folder_is_made_private_again(
@@ -110,7 +114,7 @@ def test_locks_follow_the_policy(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not POSIX, reason="symlinks")
-@pytest.mark.parametrize("kind", ("models", "prepacked", "demo"))
+@pytest.mark.parametrize("kind", ("models", PREPACKED, "demo"))
 def test_a_kind_folder_that_is_a_symlink_is_refused(
     kind: str, mlp_model: Path, tmp_path: Path
 ) -> None:
@@ -124,7 +128,7 @@ def test_a_kind_folder_that_is_a_symlink_is_refused(
 
 
 @pytest.mark.skipif(not POSIX or os.geteuid() != 0, reason="needs root to chown")
-@pytest.mark.parametrize("kind", ("models", "prepacked", "demo"))
+@pytest.mark.parametrize("kind", ("models", PREPACKED, "demo"))
 def test_a_kind_folder_owned_by_another_user_is_refused(
     kind: str, mlp_model: Path, tmp_path: Path
 ) -> None:
@@ -135,6 +139,7 @@ def test_a_kind_folder_owned_by_another_user_is_refused(
         use_every_kind(mlp_model, root)
 
 
+@pytest.mark.capability("prepacked-save")
 @pytest.mark.parametrize("damage", ["model.data", "model.onnx"])
 def test_a_damaged_prepacked_entry_is_never_loaded_but_rebuilt(
     damage: str, mlp_model: Path, tmp_path: Path
@@ -238,6 +243,7 @@ KILLED_PREPACK = textwrap.dedent(
 )
 
 
+@pytest.mark.capability("prepacked-save")
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="POSIX signals")
 @pytest.mark.parametrize(
     "command", [("clear",), ("prune", "--max-size", "0"), ("prune", "--older-than", "0")]
@@ -315,7 +321,7 @@ def test_a_live_builds_temporary_folder_is_never_removed(tmp_path: Path) -> None
 
 
 @pytest.mark.skipif(not POSIX, reason="POSIX permissions")
-@pytest.mark.parametrize("kind", ("models", "prepacked"))
+@pytest.mark.parametrize("kind", ("models", PREPACKED))
 def test_another_user_who_creates_a_kind_folder_first_is_not_trusted(
     kind: str, mlp_model: Path, tmp_path: Path, other_user: Callable[[Callable[[], None]], None]
 ) -> None:
@@ -360,6 +366,7 @@ def cache_cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.capability("prepacked-save")
 def test_list_and_info_report_every_entry_with_its_source_size_and_ort_build(
     mlp_model: Path, tmp_path: Path
 ) -> None:
@@ -383,6 +390,7 @@ def test_list_and_info_report_every_entry_with_its_source_size_and_ort_build(
     assert info["size_bytes"] >= sum(e.size_bytes for e in entries.values())
 
 
+@pytest.mark.capability("prepacked-save")
 def test_disk_use_per_model_is_what_the_readme_says(mlp_model: Path, tmp_path: Path) -> None:
     """README: the prepared copy is 1x the weights, the prepacked copy about 2x (fp32 MLP)."""
     root = tmp_path / "c"
@@ -393,6 +401,7 @@ def test_disk_use_per_model_is_what_the_readme_says(mlp_model: Path, tmp_path: P
     assert 1.8 < sizes["prepacked"] / weights < 2.2
 
 
+@pytest.mark.capability("prepacked-save")
 def test_an_entry_a_live_process_maps_is_never_pruned(mlp_model: Path, tmp_path: Path) -> None:
     root = tmp_path / "c"
     holder = subprocess.Popen(
@@ -425,6 +434,7 @@ def feeds_for(pool: sharedml.SessionPool) -> dict[str, np.ndarray]:
     return {x.name: np.ones([d if isinstance(d, int) else 1 for d in x.shape], np.float32)}
 
 
+@pytest.mark.capability("prepacked-save")
 def test_this_process_holds_what_its_pools_map_until_they_are_gone(
     mlp_model: Path, tmp_path: Path
 ) -> None:

@@ -83,6 +83,7 @@ def test_pools_over_both_give_plain_outputs_and_map_each_file_once(
         assert sa.file_key in sb.file_keys.values() and len(sb.file_keys) == 2
 
 
+@pytest.mark.capability("dlpack")
 @pytest.mark.parametrize("route", ["ort-slab", "ort-per-tensor"])
 def test_the_device_store_uploads_each_shared_tensor_once(
     pair: tuple[Path, Path], route: str

@@ -68,6 +68,7 @@ def _scaled(buffer: np.ndarray, factor: float) -> np.ndarray:
 # Uploads and views (CPU device)
 
 
+@pytest.mark.capability("dlpack")
 @pytest.mark.parametrize("route", ["ort-slab", "ort-per-tensor"])
 def test_sessions_borrow_the_uploaded_buffers_in_subgraphs_too(prepared: Path, route: str) -> None:
     weights = sharedml.WeightStore.open(prepared)
@@ -90,6 +91,7 @@ def test_sessions_borrow_the_uploaded_buffers_in_subgraphs_too(prepared: Path, r
         np.testing.assert_array_equal(out, after[0])
 
 
+@pytest.mark.capability("dlpack")
 def test_slab_views_point_into_one_buffer_at_the_file_offsets(prepared: Path) -> None:
     weights = sharedml.WeightStore.open(prepared)
     store = DeviceWeightStore.for_store(weights, CPU, 0, route="ort-slab")
@@ -128,6 +130,7 @@ def _packed_model(tmp_path: Path) -> Path:
     return sharedml.prepare(src, tmp_path / "p" / "m.onnx", size_threshold_bytes=0).model_path
 
 
+@pytest.mark.capability("dlpack")
 @pytest.mark.parametrize("route", ["ort-slab", "ort-per-tensor"])
 def test_device_views_keep_the_file_alignment_of_packed_tensors(tmp_path: Path, route: str) -> None:
     weights = sharedml.WeightStore.open(_packed_model(tmp_path))
@@ -144,6 +147,7 @@ def test_device_views_keep_the_file_alignment_of_packed_tensors(tmp_path: Path, 
         np.testing.assert_array_equal(values[slot.name].numpy().ravel(), expected)
 
 
+@pytest.mark.capability("dlpack")
 def test_views_keep_the_slab_alive_after_the_store_is_closed() -> None:
     # 64 MiB: the allocator hands a block this large back to the OS when it is freed, so a
     # view that outlived its slab would fault here instead of reading stale bytes.
@@ -163,6 +167,7 @@ def test_views_keep_the_slab_alive_after_the_store_is_closed() -> None:
     del churn
 
 
+@pytest.mark.capability("dlpack")
 def test_for_store_returns_the_live_store(prepared: Path) -> None:
     weights = sharedml.WeightStore.open(prepared)
     a = DeviceWeightStore.for_store(weights, CPU, 0, route="ort-slab")
@@ -173,6 +178,7 @@ def test_for_store_returns_the_live_store(prepared: Path) -> None:
     assert b is not a and b.device_bytes > 0
 
 
+@pytest.mark.capability("dlpack")
 def test_types_dlpack_cannot_carry_stay_in_the_file() -> None:
     buffer = np.zeros(4 * 4096, np.uint8)
     slots = (
@@ -186,6 +192,7 @@ def test_types_dlpack_cannot_carry_stay_in_the_file() -> None:
     assert store.host_tensors == ("bf16", "flag")
 
 
+@pytest.mark.capability("dlpack")
 def test_closed_store_refuses_to_register(prepared: Path) -> None:
     store = DeviceWeightStore(sharedml.WeightStore.open(prepared), CPU, 0, route="ort-slab")
     store.close()
@@ -210,6 +217,7 @@ def test_cupy_route_needs_cuda(prepared: Path) -> None:
 # Probes and route selection
 
 
+@pytest.mark.capability("dlpack")
 def test_probe_child_finds_the_slab_route_on_cpu() -> None:
     (probe,) = _device_probe.probe_routes(CPU, 0, routes=("ort-slab",))
     assert probe.ok, probe.reason
@@ -244,6 +252,7 @@ def _fake_probes(results: dict[str, bool], calls: list[str]):  # type: ignore[no
     return fake
 
 
+@pytest.mark.capability("dlpack")
 def test_a_crashing_route_falls_back_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     fake = _fake_probes({"ort-slab": False, "ort-per-tensor": True, "cupy-slab": True}, calls)
@@ -255,6 +264,7 @@ def test_a_crashing_route_falls_back_to_the_next(monkeypatch: pytest.MonkeyPatch
     assert calls == ["ort-slab", "ort-per-tensor"]  # cached for the process
 
 
+@pytest.mark.capability("dlpack")
 def test_no_working_route_means_no_device_mechanism(
     monkeypatch: pytest.MonkeyPatch, prepared: Path
 ) -> None:

@@ -68,6 +68,7 @@ def variants(tmp_path: Path) -> list[Path]:
     ]
 
 
+@pytest.mark.capability("prepacked-save")
 def test_a_prepared_family_of_three_variants_stores_each_distinct_tensor_once(
     tmp_path: Path, variants: list[Path]
 ) -> None:
@@ -334,6 +335,7 @@ def _device_family_check(tmp_path: Path, provider: str, route: str) -> None:
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.capability("dlpack")
 @pytest.mark.parametrize("route", ["ort-slab", "ort-per-tensor"])
 def test_family_members_borrow_one_device_copy_of_each_tensor_on_the_cpu_device(
     tmp_path: Path, route: str
@@ -472,6 +474,7 @@ def test_raw_pools_over_a_model_and_its_variant_cost_about_one_copy_prepared_or_
     assert unrelated >= 1.7 * alone  # the baseline: two copies where nothing is identical
 
 
+@pytest.mark.capability("prepacked-save")
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is read from Linux smaps")
 def test_pools_over_a_model_and_its_renamed_variant_share_identical_weights_automatically(
@@ -567,6 +570,7 @@ def test_inspect_reports_a_familys_distinct_and_total_weights_and_its_memory(
     assert 0 < report["pooled_bytes"] < report["plain_bytes"]
 
 
+@pytest.mark.capability("prepacked-save")
 def test_the_cache_says_which_entries_share_weights_and_pruning_one_keeps_the_other(
     variants: list[Path],
 ) -> None:
@@ -592,6 +596,7 @@ def test_the_cache_says_which_entries_share_weights_and_pruning_one_keeps_the_ot
         np.testing.assert_array_equal(pool.run(None, feed)[0], _plain(variants[1], feed)[0])
 
 
+@pytest.mark.capability("prepacked-save")
 def test_without_hard_links_a_prepacked_entry_keeps_its_own_blobs_and_still_matches_plain(
     variants: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -612,6 +617,7 @@ def test_without_hard_links_a_prepacked_entry_keeps_its_own_blobs_and_still_matc
     assert len(prepacked) == 2 and all(not e.uses and not e.linked for e in prepacked)
 
 
+@pytest.mark.capability("prepacked-save")
 @pytest.mark.parametrize("lender_has_subgraphs", [True, False])
 def test_an_entry_with_subgraph_weights_is_never_broken_by_another_sharing_its_file(
     tmp_path: Path, lender_has_subgraphs: bool

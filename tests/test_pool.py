@@ -402,7 +402,14 @@ def test_prepared_models_are_used_in_place(model: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "cache" / "models").exists()
 
 
-@pytest.mark.parametrize("mechanism", ["in-memory-file", "add-initializer", "ort-mmap"])
+@pytest.mark.parametrize(
+    "mechanism",
+    [
+        pytest.param("in-memory-file", marks=pytest.mark.capability("files-in-memory")),
+        "add-initializer",
+        "ort-mmap",
+    ],
+)
 def test_every_mechanism_gives_the_same_outputs(model: Path, mechanism: str) -> None:
     with sharedml.SessionPool(model, sessions=2, mechanism=mechanism) as pool:
         assert pool.mechanism == mechanism

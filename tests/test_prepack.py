@@ -30,6 +30,7 @@ def plain(path: Path, feed: dict[str, np.ndarray]) -> np.ndarray:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)[0]
 
 
+@pytest.mark.capability("prepacked-save")
 def test_auto_shares_prepacked_weights_where_ort_packs_them(mlp_model: Path) -> None:
     feed = {"input": np.random.default_rng(0).standard_normal((8, 1024)).astype(np.float32)}
     with sharedml.SessionPool(mlp_model, sessions=3) as pool:
@@ -41,6 +42,7 @@ def test_auto_shares_prepacked_weights_where_ort_packs_them(mlp_model: Path) -> 
             np.testing.assert_array_equal(a.run(None, feed)[0], b.run(None, feed)[0])
 
 
+@pytest.mark.capability("prepacked-save")
 def test_auto_keeps_raw_sharing_where_nothing_is_packed(tmp_path: Path) -> None:
     # 32x32 weights stay under ORT's packing sizes: nothing to gain from a saved copy.
     src = save_model(build_model(list(PLACEMENTS), dim=32), tmp_path / "m.onnx")
@@ -49,6 +51,7 @@ def test_auto_keeps_raw_sharing_where_nothing_is_packed(tmp_path: Path) -> None:
         assert "neither prepacks nor derives" in pool.mechanism_reason
 
 
+@pytest.mark.capability("prepacked-save")
 def test_forced_shared_prepacking_works_on_subgraph_models(tmp_path: Path) -> None:
     src = save_model(build_model(list(PLACEMENTS), dim=32), tmp_path / "m.onnx")
     with sharedml.SessionPool(src, sessions=2, prepacking="shared") as pool:
@@ -86,6 +89,7 @@ def test_bad_prepacking_values(mlp_model: Path) -> None:
         sharedml.SessionPool(mlp_model, prepacking="shared", mechanism="ort-mmap")
 
 
+@pytest.mark.capability("prepacked-save")
 def test_a_failed_build_falls_back_to_raw_sharing_with_a_warning(
     mlp_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -102,6 +106,7 @@ def test_a_failed_build_falls_back_to_raw_sharing_with_a_warning(
         sharedml.SessionPool(mlp_model, sessions=1, prepacking="shared")
 
 
+@pytest.mark.capability("prepacked-save")
 def test_the_prepacked_model_is_built_once_and_reused(mlp_model: Path, tmp_path: Path) -> None:
     with sharedml.SessionPool(mlp_model, sessions=1) as first:
         assert first.recipe.prepacked is not None
@@ -173,6 +178,7 @@ def test_release_freed_heap_gives_freed_heap_back_to_the_os() -> None:
     assert result["after"] < 40 * 2**20, result  # ...until it was trimmed
 
 
+@pytest.mark.capability("prepacked-save")
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is read from Linux smaps")
 def test_four_sessions_with_shared_prepacked_weights_cost_a_third_of_plain(
@@ -239,6 +245,7 @@ def conv_feed(channels: int = 64) -> dict[str, np.ndarray]:
     return {"x": np.random.default_rng(1).random((1, channels, 8, 8), dtype=np.float32)}
 
 
+@pytest.mark.capability("prepacked-save")
 def test_a_model_ort_packs_nothing_of_is_named_for_what_it_shares(tmp_path: Path) -> None:
     src = conv_bn(tmp_path / "cb.onnx")
     with sharedml.SessionPool(src, sessions=2) as pool:
@@ -270,6 +277,7 @@ def test_prepacking_off_says_nothing_where_ort_derives_nothing(mlp_model: Path) 
             assert pool.recipe.runtime_stats.derived_bytes == 0
 
 
+@pytest.mark.capability("prepacked-save")
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is a Linux figure")
 def test_with_prepacking_off_each_session_keeps_its_own_derived_weights(tmp_path: Path) -> None:

@@ -522,7 +522,14 @@ def mixed_size_model(folder: Path) -> tuple[Path, dict[str, np.ndarray]]:
     return path, arrays
 
 
-@pytest.mark.parametrize("mechanism", ["in-memory-file", "add-initializer", "ort-mmap"])
+@pytest.mark.parametrize(
+    "mechanism",
+    [
+        pytest.param("in-memory-file", marks=pytest.mark.capability("files-in-memory")),
+        "add-initializer",
+        "ort-mmap",
+    ],
+)
 def test_packed_small_tensors_load_through_every_mechanism(tmp_path: Path, mechanism: str) -> None:
     src, arrays = mixed_size_model(tmp_path / "src")
     result = sharedml.prepare(src, tmp_path / "out" / "m.onnx", size_threshold_bytes=0)

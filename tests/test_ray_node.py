@@ -98,6 +98,7 @@ def start_replicas(n: int, model: Path, cache: Path, log: Path) -> list[dict[str
         assert [p.exitcode for p in procs] == [0] * n
 
 
+@pytest.mark.capability("prepacked-save")
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX flock")
 def test_replicas_starting_together_prepare_and_derive_once(
@@ -244,6 +245,7 @@ def shared_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return shared
 
 
+@pytest.mark.capability("prepacked-save")
 def test_prepared_model_on_shared_storage_is_copied_to_the_node(
     shared_storage: Path, tmp_path: Path
 ) -> None:

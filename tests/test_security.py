@@ -601,7 +601,10 @@ def _slot_value(value: int | str, size: int) -> int:
     return value if isinstance(value, int) else _RELATIVE[value](size)
 
 
-@pytest.mark.parametrize("mechanism", ["in-memory-file", "ort-mmap"])
+@pytest.mark.parametrize(
+    "mechanism",
+    [pytest.param("in-memory-file", marks=pytest.mark.capability("files-in-memory")), "ort-mmap"],
+)
 @pytest.mark.parametrize(
     ("key", "value"),
     [("offset", 2**40), ("offset", "size-100"), ("offset", -4096), ("length", 2**30)],

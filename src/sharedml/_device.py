@@ -42,7 +42,14 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from sharedml import _proto
-from sharedml._dlpack import DLPACK_TYPES, RouteError, check_view, export_capsule, retargeted_view
+from sharedml._dlpack import (
+    DLPACK_TYPES,
+    RouteError,
+    check_view,
+    export_capsule,
+    import_capsule,
+    retargeted_view,
+)
 from sharedml._errors import ProviderError
 from sharedml._providers import CPU, CUDA, DML
 from sharedml._weights import TensorSlot, WeightStore
@@ -148,7 +155,7 @@ def _upload_ort_per_tensor(host: HostWeights, device: str, device_id: int) -> _U
     for s in slots:
         # The re-imported value does not own its buffer, so add_initializer accepts it; the
         # capsule's deleter keeps ORT's allocation alive for as long as the value lives.
-        value = ort.OrtValue.from_dlpack(export_capsule(owned[s.name]))
+        value = import_capsule(export_capsule(owned[s.name]))
         check_view(value, int(owned[s.name].data_ptr()), s, device)
         values[s.name] = value
     return _Upload(values, sum(s.length for s in slots), reload, [owned])
@@ -161,8 +168,6 @@ def _upload_cupy_slab(host: HostWeights, device: str, device_id: int) -> _Upload
         cupy = importlib.import_module("cupy")  # optional: not a dependency of sharedml
     except ImportError as exc:
         raise RouteError("CuPy is not installed") from exc
-    import onnxruntime as ort
-
     slots = [s for s in host.slots if _on_device(s)]
     if not slots:
         return _Upload({}, 0, lambda _buffer: None)
@@ -181,7 +186,7 @@ def _upload_cupy_slab(host: HostWeights, device: str, device_id: int) -> _Upload
         for s in slots:
             start = s.offset - lo
             view = slab[start : start + s.length].view(_np_dtype(s)).reshape(s.dims)
-            value = ort.OrtValue.from_dlpack(view)
+            value = import_capsule(view)
             check_view(value, base + start, s, device)
             values[s.name] = value
     return _Upload(values, hi - lo, reload, [slab])

@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from sharedml._capabilities import capability
 from sharedml._device import DEVICE_TYPES, ROUTES, DeviceWeightStore
 from sharedml._dlpack import RouteError
 from sharedml._errors import ProviderError
@@ -248,6 +249,11 @@ def probe_routes(
             return _PROBES[key]
         if provider not in DEVICE_TYPES or not _provider_available(provider):
             results: tuple[RouteProbe, ...] = ()
+        elif not (dlpack := capability("dlpack")).available:
+            # Every route lends DLPack imports: no child can succeed, so none is started.
+            results = tuple(
+                RouteProbe(r, provider, device_id, ok=False, reason=dlpack.reason) for r in routes
+            )
         else:
             found: list[RouteProbe] = []
             for route in routes:

@@ -18,7 +18,14 @@ from onnx import TensorProto
 
 from sharedml._weights import TensorSlot
 
-__all__ = ["DLPACK_TYPES", "RouteError", "check_view", "export_capsule", "retargeted_view"]
+__all__ = [
+    "DLPACK_TYPES",
+    "RouteError",
+    "check_view",
+    "export_capsule",
+    "import_capsule",
+    "retargeted_view",
+]
 
 # DLPack type codes (dlpack.h) and the ONNX types ORT's DLPack importer maps them back to.
 _DL_INT, _DL_UINT, _DL_FLOAT = 0, 1, 2
@@ -93,6 +100,32 @@ def export_capsule(value: Any) -> Any:
     raise RouteError("this onnxruntime build cannot export OrtValues through DLPack")
 
 
+def import_capsule(data: Any) -> Any:
+    """An ``onnxruntime.OrtValue`` over a DLPack capsule (or an object with ``__dlpack__``).
+
+    ``OrtValue.from_dlpack`` is new in onnxruntime 1.26; from 1.21 to 1.25 only the binding's C
+    class has it (``from_dlpack(capsule, is_bool_tensor)``), which is what the Python method
+    calls, so its value is wrapped the same way. 1.20's CPU build has neither.
+
+    Raises:
+        RouteError: this onnxruntime cannot import DLPack tensors.
+    """
+    import onnxruntime as ort
+
+    importer = getattr(ort.OrtValue, "from_dlpack", None)
+    if importer is not None:
+        return importer(data)
+    from onnxruntime.capi import _pybind_state
+
+    native = getattr(_pybind_state.OrtValue, "from_dlpack", None)
+    if native is None:
+        raise RouteError(
+            f"onnxruntime {ort.__version__} cannot import DLPack tensors (no OrtValue.from_dlpack)"
+        )
+    capsule = data.__dlpack__() if hasattr(data, "__dlpack__") else data
+    return ort.OrtValue(native(capsule, False))
+
+
 def retargeted_view(slab: Any, base: int, offset: int, slot: TensorSlot, device: str) -> Any:
     """An ``OrtValue`` for ``slot`` that points into ``slab`` at ``offset`` and borrows it.
 
@@ -102,8 +135,6 @@ def retargeted_view(slab: Any, base: int, offset: int, slot: TensorSlot, device:
     the view holds the slab until the view is destroyed. ORT copies the shape at import, so
     the shape array only has to outlive the call.
     """
-    import onnxruntime as ort
-
     capsule = export_capsule(slab)
     if not _capsule_is_valid(capsule, b"dltensor"):
         raise RouteError("onnxruntime exported a DLPack capsule that is not a 'dltensor'")
@@ -127,7 +158,7 @@ def retargeted_view(slab: Any, base: int, offset: int, slot: TensorSlot, device:
     tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
     tensor.strides = None  # contiguous
     tensor.dtype = _DLDataType(code, bits, 1)
-    view = ort.OrtValue.from_dlpack(capsule)
+    view = import_capsule(capsule)
     check_view(view, base + offset, slot, device)
     return view
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from sharedml._capabilities import capability
 from sharedml._errors import InvalidInputError, SharedMLError
 from sharedml._inputs import UNNAMED_DIM
 
@@ -58,6 +59,7 @@ __all__ = [
     "GraphSlot",
     "ShapeSessions",
     "cuda_graphs_enabled",
+    "graphs_unavailable",
     "symbolic_dims",
 ]
 
@@ -75,10 +77,32 @@ class GraphLimitError(SharedMLError, ValueError):
 GRAPH_DEVICES: dict[str, str] = {"CUDAExecutionProvider": "cuda"}
 
 
-def cuda_graphs_enabled(provider: str, provider_options: Mapping[str, str]) -> bool:
-    """Whether ``provider``'s options turn CUDA graphs on (``enable_cuda_graph=1``)."""
+def _graphs_requested(provider: str, provider_options: Mapping[str, str]) -> bool:
     flag = str(provider_options.get("enable_cuda_graph", "0")).lower() in ("1", "true")
     return flag and provider in GRAPH_DEVICES
+
+
+def graphs_unavailable(provider: str, provider_options: Mapping[str, str]) -> str:
+    """Why the CUDA graphs that ``provider_options`` ask for cannot run here; "" where they can.
+
+    They need IOBinding to work as :class:`GraphSession` uses it, which is tried once per
+    process in a child (capability ``iobinding``, :mod:`sharedml._capabilities`); "" also where
+    the options ask for no graphs.
+    """
+    if not _graphs_requested(provider, provider_options):
+        return ""
+    iobinding = capability("iobinding")
+    return "" if iobinding.available else iobinding.reason
+
+
+def cuda_graphs_enabled(provider: str, provider_options: Mapping[str, str]) -> bool:
+    """Whether ``provider``'s options turn CUDA graphs on (``enable_cuda_graph=1``), and they can.
+
+    They can where :func:`graphs_unavailable` has no reason against them.
+    """
+    return _graphs_requested(provider, provider_options) and not graphs_unavailable(
+        provider, provider_options
+    )
 
 
 class _SharedExclusive:
@@ -317,7 +341,12 @@ class GraphSession:
             slot.inputs[name].update_inplace(array)
         self._replay(slot)
         names = list(output_names) if output_names is not None else self._outputs
-        return [slot.outputs[n].numpy() for n in names]
+        outputs = [slot.outputs[n].numpy() for n in names]
+        if self.device == "cpu":
+            # numpy() of a CPU value is a view of the slot's buffer, which the next run of the
+            # slot overwrites (from the device, numpy() copies).
+            outputs = [o.copy() for o in outputs]
+        return outputs
 
     @staticmethod
     def _arrays(feed: dict[str, Any]) -> dict[str, Any]:
@@ -370,26 +399,53 @@ class GraphSession:
         options = ort.RunOptions()
         options.add_run_config_entry(GRAPH_ID_KEY, str(graph_id))
         binding = session.io_binding()
-        inputs = {
-            name: ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
-            for name, array in arrays.items()
-        }
+        # Buffers of the slot's own: on ORT's CPU device ortvalue_from_numpy wraps the caller's
+        # array without a copy, and the next run's feed would be written into it.
+        inputs = {}
+        for name, array in arrays.items():
+            inputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(
+                list(array.shape), array.dtype.type, self.device, self.device_id
+            )
+            inputs[name].update_inplace(array)
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)
         for name in self._outputs:
             binding.bind_output(name, self.device, self.device_id)
         rows = next((a.shape[0] for a in arrays.values() if a.ndim), 1)
         with CAPTURE_LOCK.exclusive():
-            # First run: ORT allocates the outputs, whose shapes only a run tells; those buffers
-            # are bound from then on, so that the captured graph writes where callers read.
+            # First run: ORT allocates the outputs, whose shapes only a run tells.
             session.run_with_iobinding(binding, options)
-            outputs = dict(zip(self._outputs, binding.get_outputs(), strict=True))
+            outputs = self._own_outputs(binding.get_outputs())
             binding.clear_binding_outputs()
             for name, value in outputs.items():
                 binding.bind_ortvalue_output(name, value)
             for _ in range(CAPTURE_RUNS - 1):  # the rest of ORT's warm-up, then its capture
                 session.run_with_iobinding(binding, options)
         return GraphSlot(graph_id, dims, inputs, outputs, rows, session, binding, options)
+
+    def _own_outputs(self, first: Sequence[Any]) -> dict[str, Any]:
+        """Output buffers of our own, shaped like the first run's: bound from then on.
+
+        The captured graph then writes where callers read. ORT's own outputs of that run are
+        not bound again: before onnxruntime 1.30, ``IOBinding.get_outputs()`` returns values
+        that point into the binding's output list, which ``clear_binding_outputs()`` frees, and
+        binding them again crashed the process (SIGSEGV on 1.20.1, 1.23.2, 1.24.4, 1.25.1,
+        1.26.0, 1.28.0 and 1.29.0; not on 1.30.0). Buffers allocated here belong to the slot,
+        whatever the version.
+        """
+        import onnxruntime as ort
+
+        outputs = {}
+        for name, value in zip(self._outputs, first, strict=True):
+            if not value.is_tensor():
+                raise InvalidInputError(
+                    f"Output '{name}' is not a tensor: a CUDA-graph session binds every output "
+                    "to a device buffer of fixed shape. Turn enable_cuda_graph off."
+                )
+            outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(
+                list(value.shape()), int(value.element_type()), self.device, self.device_id
+            )
+        return outputs
 
     def _replay(self, slot: GraphSlot) -> None:
         with CAPTURE_LOCK.shared():

@@ -45,13 +45,20 @@ from typing import TYPE_CHECKING, Any
 
 from sharedml import _host
 from sharedml._cache import CacheDir, CacheEntry, ensure_entry, iter_entries
+from sharedml._capabilities import capability
 from sharedml._errors import (
     CacheError,
     ExternalDataError,
     ModelNotFoundError,
     SessionCreationError,
 )
-from sharedml._onnx import ExternalData, external_locations, iter_tensors, load_graph
+from sharedml._onnx import (
+    ExternalData,
+    external_locations,
+    iter_graphs,
+    iter_tensors,
+    load_graph,
+)
 from sharedml._options import config_entry, graph_settings
 from sharedml._proto import ModelProto, parse_model
 
@@ -315,7 +322,7 @@ def build_prepacked_model(
         )
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
         weights_maps: list[Any] = []
-        if files:
+        if files and capability("files-in-memory").available:
             import numpy as np
 
             names = sorted(files)
@@ -326,10 +333,13 @@ def build_prepacked_model(
             so.add_session_config_entry(
                 "session.use_external_initializer_file_buffers_directly", "1"
             )
+        elif files:
+            _check_read_by_path(prepared_model, files)  # ORT reads the weights file itself
         try:
             ort.InferenceSession(str(prepared_model), so, providers=["CPUExecutionProvider"])
             if not (tmp / _DATA_NAME).exists():  # nothing was large enough to go external
                 (tmp / _DATA_NAME).write_bytes(b"")
+            _read_only_own_data(tmp, files)
             _drop_sharedml_metadata(tmp / _MODEL_NAME, key)
             stats = inspect_prepacked_model(tmp / _MODEL_NAME, source_model=source)
             own_index = _blob_index(tmp / _MODEL_NAME)
@@ -689,6 +699,111 @@ def choose_cpu_route(
     if stats.derived_bytes:
         what += f" and {derived}"
     return CpuRouteDecision(CpuRoute.PREPACKED_FILE, f"{what} are mapped once for every session.")
+
+
+def _check_read_by_path(prepared_model: Path, files: Mapping[str, Path]) -> None:
+    """Where ORT cannot be handed the weights in memory, they must sit where the model says."""
+    for location, path in files.items():
+        expected = prepared_model.parent / location
+        if not (expected.exists() and os.path.samefile(expected, path)):
+            raise ExternalDataError(
+                f"Model '{prepared_model}' keeps weights in '{location}', given as '{path}': "
+                f"this onnxruntime reads them only from '{expected}' "
+                f"({capability('files-in-memory').reason}). Pass the model's own weights file."
+            )
+
+
+def _read_only_own_data(folder: Path, files: Mapping[str, Path]) -> None:
+    """Make the saved model in ``folder`` read no file but its own data file.
+
+    ORT does not always save the tensors inside subgraphs (``If``/``Loop``/``Scan`` bodies) as
+    it saves the main graph's. Measured with the test models' subgraph weights: 1.20.1 leaves
+    them pointing at the source's weights file; 1.24.4 saves every initializer of a subgraph
+    twice, first as the source had it (pointing at the source's weights file), then as it saved
+    it (in the data file, with its prepacked blobs); 1.32.0 saves each once, in its own file.
+    Reloaded from the cache, the first fails ("should be stored in .../model.weights, but it
+    doesn't exist"), the second too ("initializer name is not unique"). So here each name keeps
+    one copy, the last that ORT saved inline or in the data file, and a tensor that still
+    points at a source file gets its bytes copied to the end of the data file, page-aligned.
+    The entry then reads nothing outside its folder, on every version.
+
+    Raises:
+        ExternalDataError: a tensor points at a file that is neither the data file nor one of
+            ``files``.
+    """
+    model_path = folder / _MODEL_NAME
+    model = load_graph(str(model_path))
+    changed = False
+
+    def foreign(tensor: Any) -> bool:
+        info = ExternalData.of(tensor)
+        return info is not None and info.location != _DATA_NAME
+
+    for graph, _depth in iter_graphs(model.graph):
+        # Of the copies of one name, the last that is inline or in the data file (the last at
+        # all where every copy points elsewhere): what ORT itself saved last for it.
+        last: dict[str, int] = {}
+        for i, tensor in enumerate(graph.initializer):
+            if (
+                tensor.name not in last
+                or not foreign(tensor)
+                or foreign(graph.initializer[last[tensor.name]])
+            ):
+                last[tensor.name] = i
+        kept = [t for i, t in enumerate(graph.initializer) if last[t.name] == i]
+        if len(kept) != len(graph.initializer):
+            del graph.initializer[:]
+            graph.initializer.extend(kept)
+            changed = True
+    copied: dict[tuple[str, int, int], int] = {}  # (file, offset, length) -> offset in data
+    with open(folder / _DATA_NAME, "ab") as data:
+        for ref in iter_tensors(model.graph):
+            info = ExternalData.of(ref.tensor)
+            if info is None or info.location == _DATA_NAME:
+                continue
+            source = files.get(info.location)
+            if source is None or info.length is None or info.malformed:
+                raise ExternalDataError(
+                    f"onnxruntime saved tensor '{ref.name}' of its optimized model pointing at "
+                    f"'{info.location}', a file the build did not give it."
+                )
+            where = (info.location, info.offset, info.length)
+            offset = copied.get(where)
+            if offset is None:
+                end = data.seek(0, os.SEEK_END)
+                offset = end + (-end % _PAGE_BYTES)
+                data.write(b"\0" * (offset - end))
+                _copy_range(source, info.offset, info.length, data)
+                copied[where] = offset
+            kept = [(k, v) for k, v in info.entries if k not in ("location", "offset", "length")]
+            del ref.tensor.external_data[:]
+            for k, v in [
+                ("location", _DATA_NAME),
+                ("offset", str(offset)),
+                ("length", str(info.length)),
+                *kept,
+            ]:
+                entry = ref.tensor.external_data.add()
+                entry.key, entry.value = k, v
+            changed = True
+    if changed:
+        model_path.write_bytes(model.SerializeToString())
+
+
+def _copy_range(source: Path, offset: int, length: int, out: Any) -> None:
+    """Append ``length`` bytes of ``source`` from ``offset`` to ``out``, a chunk at a time."""
+    with open(source, "rb") as fh:
+        fh.seek(offset)
+        left = length
+        while left:
+            chunk = fh.read(min(left, _host.HASH_CHUNK_BYTES))
+            if not chunk:
+                raise ExternalDataError(
+                    f"Weights file '{source}' ends before byte {offset + length} that its "
+                    "model's tensors need: it was truncated. Prepare the model again."
+                )
+            out.write(chunk)
+            left -= len(chunk)
 
 
 def _drop_sharedml_metadata(model_path: Path, key: str) -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._cache import CacheDir
+from sharedml._capabilities import capability
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
 from sharedml._host import release_freed_heap, usable_cores
 from sharedml._options import clone_session_options, config_entry
@@ -284,6 +285,53 @@ def plan_route(
         ProviderError: ``mechanism="device"`` and no device route works here.
         SharedMLError: the model, its weights or the cache cannot be used.
     """
+    plan, graphs_reason = _without_unusable_graphs(plan)
+    recipe = _plan(
+        model,
+        plan=plan,
+        max_sessions=max_sessions,
+        sess_options=sess_options,
+        configure=configure,
+        mechanism=mechanism,
+        prepacking=prepacking,
+        cache_dir=cache_dir,
+        verify_weights=verify_weights,
+        size_threshold_bytes=size_threshold_bytes,
+    )
+    if graphs_reason:
+        recipe = dataclasses.replace(recipe, reason=f"{recipe.reason} {graphs_reason}".strip())
+    return recipe
+
+
+def _without_unusable_graphs(plan: ProviderPlan) -> tuple[ProviderPlan, str]:
+    """The plan without ``enable_cuda_graph`` where graphs cannot run here, and why."""
+    from sharedml import _graphs
+
+    why = _graphs.graphs_unavailable(plan.primary, plan.provider_options[0])
+    if not why:
+        return plan, ""
+    options = list(plan.provider_options)
+    options[0] = {k: v for k, v in options[0].items() if k != "enable_cuda_graph"}
+    return (
+        dataclasses.replace(plan, provider_options=tuple(options)),
+        f"CUDA graphs are off: {why}.",
+    )
+
+
+def _plan(
+    model: str | os.PathLike[str] | bytes,
+    *,
+    plan: ProviderPlan,
+    max_sessions: int,
+    sess_options: Any | None,
+    configure: Callable[[Any], None] | None,
+    mechanism: str,
+    prepacking: object,
+    cache_dir: CacheDir,
+    verify_weights: bool,
+    size_threshold_bytes: int | None,
+) -> SessionRecipe:
+    """:func:`plan_route` for a plan whose options can run here."""
     requested = _parse_mechanism(mechanism)
     packing = Prepacking.parse(prepacking)
     if packing is Prepacking.SHARED and requested is not None:
@@ -309,6 +357,11 @@ def plan_route(
             f"{type(model).__name__}."
         )
     weights = WeightStore.open(model_path, verify=verify_weights, cache_dir=cache_dir)
+    if requested is Mechanism.IN_MEMORY_FILE and not capability("files-in-memory").available:
+        raise ProviderError(
+            f"mechanism='in-memory-file' cannot be used: {capability('files-in-memory').reason}. "
+            "Use mechanism='auto', which picks what this onnxruntime can do."
+        )
     common: dict[str, Any] = {
         "source_path": source,
         "model_path": model_path,
@@ -481,6 +534,15 @@ def _prepacked_weights(
     """The prepacked model where it pays (or is forced), else (None, why not)."""
     from sharedml import _prepack
 
+    saves = capability("prepacked-save")
+    if not saves.available:
+        # Not a failure: this onnxruntime has no such route, and the raw one is correct.
+        if forced:
+            raise SessionCreationError(
+                f"prepacking='shared' needs ORT's saved prepacked model, but {saves.reason}. "
+                "Use prepacking='auto' (raw weights shared) or a newer onnxruntime."
+            )
+        return None, f"The saved prepacked model is not used: {saves.reason}."
     try:
         prepacked = _optimized_model(weights, sess_options, cache_dir, verify=verify)
     except CacheError:
