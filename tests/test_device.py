@@ -24,7 +24,7 @@ import sharedml
 from sharedml import _device, _device_probe
 from sharedml._device import DeviceWeightStore
 from sharedml._device_probe import RouteProbe
-from sharedml._providers import plan_providers
+from sharedml._providers import DML_NO_DEVICE_ROUTE, plan_providers
 from sharedml._route import plan_route
 from sharedml._weights import TensorSlot
 
@@ -223,6 +223,19 @@ def test_a_probe_that_crashes_is_reported_not_propagated(monkeypatch: pytest.Mon
     assert "SIGSEGV" in probe.reason and "crash" in probe.reason
 
 
+def test_directml_is_not_probed_for_device_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(_device_probe, "_run_probe", _fake_probes({}, calls))
+    monkeypatch.setattr(_device_probe, "_provider_available", lambda provider: True)
+    monkeypatch.setattr(_device_probe, "_PROBES", {})
+    monkeypatch.delenv(_device_probe.ROUTE_ENV, raising=False)
+    probes = _device_probe.probe_routes(DML)
+    assert calls == []  # no child started: no route can work there
+    assert [p.route for p in probes] == list(_device.ROUTES)
+    assert all(not p.ok and p.reason == DML_NO_DEVICE_ROUTE for p in probes)
+    assert not _device_probe.device_mechanism_available(DML)
+
+
 def test_a_probe_that_hangs_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_device_probe, "_PROBE_CODE", "import time; time.sleep(60)")
     probe = _device_probe._run_probe(CPU, 0, "ort-slab", timeout_s=1)
@@ -263,9 +276,9 @@ def test_no_working_route_means_no_device_mechanism(
         _device_probe, "_run_probe", _fake_probes(dict.fromkeys(_device.ROUTES, False), calls)
     )
     monkeypatch.setattr(_device_probe, "_provider_available", lambda provider: True)
-    assert not _device_probe.device_mechanism_available(DML)
+    assert not _device_probe.device_mechanism_available(CUDA)
     assert calls == list(_device.ROUTES)
-    plan = plan_providers([DML], available=[DML, CPU])
+    plan = plan_providers([CUDA], available=[CUDA, CPU])
     with pytest.raises(sharedml.ProviderError, match=r"ort-slab: crashed \(SIGSEGV\)"):
         plan_route(prepared, plan=plan, max_sessions=1, mechanism="device")
 

@@ -33,7 +33,7 @@ from sharedml._device import DEVICE_TYPES, ROUTES, DeviceWeightStore
 from sharedml._dlpack import RouteError
 from sharedml._errors import ProviderError
 from sharedml._host import child_env
-from sharedml._providers import CPU, CUDA
+from sharedml._providers import CPU, CUDA, DML, DML_NO_DEVICE_ROUTE
 from sharedml._weights import TensorSlot
 
 __all__ = [
@@ -248,6 +248,11 @@ def probe_routes(
             return _PROBES[key]
         if provider not in DEVICE_TYPES or not _provider_available(provider):
             results: tuple[RouteProbe, ...] = ()
+        elif provider == DML:  # no route can work there: not worth a child process each
+            results = tuple(
+                RouteProbe(route, provider, device_id, False, DML_NO_DEVICE_ROUTE)
+                for route in routes
+            )
         else:
             found: list[RouteProbe] = []
             for route in routes:
