@@ -46,6 +46,19 @@ finally:
         os.environ["PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"] = _saved
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``dml`` skip, saying why, where no DirectML session can run."""
+    marked = [item for item in items if item.get_closest_marker("dml")]
+    if not marked:
+        return
+    from _dml import missing
+
+    reason = missing()
+    if reason is not None:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test prepares into its own cache, never the user's."""
