@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import venv
 from pathlib import Path
 from typing import Any
 
@@ -566,6 +565,7 @@ def _copy_project(dst: Path) -> Path:
 
 @pytest.mark.slow
 def test_the_demo_runs_in_a_fresh_venv(tmp_path: Path) -> None:
+    venv = pytest.importorskip("venv", reason="no venv module (Python's embeddable build)")
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
     bindir = "Scripts" if os.name == "nt" else "bin"
