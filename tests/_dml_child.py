@@ -350,12 +350,15 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def memory(model: str, config: str, sessions: int, threads: int) -> dict[str, Any]:
+def memory(
+    model: str, config: str, sessions: int, threads: int, pool_sessions: int = 0
+) -> dict[str, Any]:
     """Resident memory that ``config`` adds, from a fresh process's baseline.
 
     ``plain`` / ``plain-fusion-off``: ``sessions`` plain DML sessions, each run once.
     ``pool``: the pool as shipped, serving ``threads`` threads at once.
-    ``pool:<mechanism>``: a one-session pool whose weights come by that host mechanism.
+    ``pool:<mechanism>``: a pool whose weights come by that host mechanism.
+    With ``pool_sessions``, the pool holds that many sessions (``per_session_state``), each run.
     """
     import onnxruntime as ort
 
@@ -377,17 +380,27 @@ def memory(model: str, config: str, sessions: int, threads: int) -> dict[str, An
     else:
         _, _, mechanism = config.partition(":")
         kwargs: dict[str, Any] = {"mechanism": mechanism} if mechanism else {}
+        if pool_sessions:
+            kwargs.update(
+                sessions=pool_sessions, per_session_state=True, create_in_background=False
+            )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             pool = sharedml.SessionPool(model, providers=[DML], **kwargs)
         keep.append(pool)
+        if pool_sessions:  # every session checked out at once, each run
+            with contextlib.ExitStack() as stack:
+                held = [stack.enter_context(pool.session()) for _ in range(pool_sessions)]
+                for sess in held:
+                    sess.run(None, {"x": x})
+        else:
 
-        def work(i: int, barrier: threading.Barrier) -> None:
-            barrier.wait()
-            for _ in range(3):
-                pool.run(None, {"x": x})
+            def work(i: int, barrier: threading.Barrier) -> None:
+                barrier.wait()
+                for _ in range(3):
+                    pool.run(None, {"x": x})
 
-        together(threads, work)
+            together(threads, work)
     after = _rss()
     for item in keep:
         if hasattr(item, "close"):

@@ -27,7 +27,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 def test_two_threads_on_one_plain_dml_session_crash_the_process(models: tuple[str, str]) -> None:
     outcome = run_scenario("plain_threads", model=models[0], runs=400, locked=False)
-    assert outcome.crash is not None, (
+    # The process dies before its result line: a crash status (STATUS_ACCESS_VIOLATION), or,
+    # in about one run in three under Wine, a crashed process that Wine reports as status 0.
+    assert outcome.result is None and (outcome.crash is not None or outcome.returncode == 0), (
         "two threads in Run on one DML session did not crash the process: the crash these "
         f"tests guard against no longer shows (exit {outcome.returncode}, result "
         f"{outcome.result})"
