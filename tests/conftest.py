@@ -66,6 +66,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 pytest.skip(f"needs onnxruntime capability '{name}': {found.reason}")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``dml`` skip, saying why, where no DirectML session can run."""
+    marked = [item for item in items if item.get_closest_marker("dml")]
+    if not marked:
+        return
+    from _dml import missing
+
+    reason = missing()
+    if reason is not None:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test prepares into its own cache, never the user's."""

@@ -441,6 +441,7 @@ def test_max_delay_waits_for_a_second_request_to_fill_the_batch(model: Path) -> 
     assert (stats.batches, stats.max_batch_rows) == (1, 2)
 
 
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX signals")
 def test_ctrl_c_in_a_leader_filling_its_batch_fails_only_its_own_request(
     model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
 ) -> None:

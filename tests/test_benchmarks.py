@@ -11,6 +11,12 @@ from typing import Any
 import onnxruntime as ort
 import pytest
 
+if sys.platform != "linux":
+    pytest.skip(
+        "the benchmarks measure Linux's PSS and load average (resource, os.getloadavg)",
+        allow_module_level=True,
+    )
+
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))

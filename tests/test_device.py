@@ -9,6 +9,7 @@ swapping the probe child's code, so crash handling is tested with real crashing 
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 from pathlib import Path
@@ -24,7 +25,8 @@ import sharedml
 from sharedml import _device, _device_probe
 from sharedml._device import DeviceWeightStore
 from sharedml._device_probe import RouteProbe
-from sharedml._providers import plan_providers
+from sharedml._host import crash_name
+from sharedml._providers import DML_NO_DEVICE_ROUTE, plan_providers
 from sharedml._route import plan_route
 from sharedml._weights import TensorSlot
 
@@ -225,10 +227,48 @@ def test_probe_child_finds_the_slab_route_on_cpu() -> None:
 
 
 def test_a_probe_that_crashes_is_reported_not_propagated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_device_probe, "_PROBE_CODE", "import os, signal; os.kill(os.getpid(), 11)")
+    # A real crash, reading address 0 in C: SIGSEGV on POSIX, STATUS_ACCESS_VIOLATION on Windows
+    # (where a fault inside a ctypes call becomes an OSError instead).
+    monkeypatch.setattr(
+        _device_probe, "_PROBE_CODE", "import faulthandler; faulthandler._read_null()"
+    )
     probe = _device_probe._run_probe(CPU, 0, "ort-slab", timeout_s=60)
     assert not probe.ok
-    assert "SIGSEGV" in probe.reason and "crash" in probe.reason
+    crash = "STATUS_ACCESS_VIOLATION, 0xC0000005" if os.name == "nt" else "SIGSEGV"
+    assert f"the probe crashed ({crash})" in probe.reason, probe.reason
+
+
+@pytest.mark.parametrize(
+    ("returncode", "windows", "name"),
+    [
+        (-11, False, "SIGSEGV"),
+        (-15, False, "SIGTERM"),
+        (1, False, None),
+        (0xC0000005, True, "STATUS_ACCESS_VIOLATION, 0xC0000005"),
+        (-1073741819, True, "STATUS_ACCESS_VIOLATION, 0xC0000005"),  # the same, as a signed int
+        (0xC0000409, True, "STATUS_STACK_BUFFER_OVERRUN, 0xC0000409"),
+        (0xC0000142, True, "NTSTATUS 0xC0000142"),
+        (3, True, None),  # abort()'s status on Windows: not told apart from an exit(3)
+        (11, True, None),  # os.kill(pid, 11) on Windows is TerminateProcess with status 11
+    ],
+)
+def test_crash_statuses_are_read_per_platform(
+    returncode: int, windows: bool, name: str | None
+) -> None:
+    assert crash_name(returncode, windows=windows) == name
+
+
+def test_directml_is_not_probed_for_device_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(_device_probe, "_run_probe", _fake_probes({}, calls))
+    monkeypatch.setattr(_device_probe, "_provider_available", lambda provider: True)
+    monkeypatch.setattr(_device_probe, "_PROBES", {})
+    monkeypatch.delenv(_device_probe.ROUTE_ENV, raising=False)
+    probes = _device_probe.probe_routes(DML)
+    assert calls == []  # no child started: no route can work there
+    assert [p.route for p in probes] == list(_device.ROUTES)
+    assert all(not p.ok and p.reason == DML_NO_DEVICE_ROUTE for p in probes)
+    assert not _device_probe.device_mechanism_available(DML)
 
 
 def test_a_probe_that_hangs_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -273,9 +313,9 @@ def test_no_working_route_means_no_device_mechanism(
         _device_probe, "_run_probe", _fake_probes(dict.fromkeys(_device.ROUTES, False), calls)
     )
     monkeypatch.setattr(_device_probe, "_provider_available", lambda provider: True)
-    assert not _device_probe.device_mechanism_available(DML)
+    assert not _device_probe.device_mechanism_available(CUDA)
     assert calls == list(_device.ROUTES)
-    plan = plan_providers([DML], available=[DML, CPU])
+    plan = plan_providers([CUDA], available=[CUDA, CPU])
     with pytest.raises(sharedml.ProviderError, match=r"ort-slab: crashed \(SIGSEGV\)"):
         plan_route(prepared, plan=plan, max_sessions=1, mechanism="device")
 

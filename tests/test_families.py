@@ -7,6 +7,7 @@ from the source models' own arrays, not taken from prepare's result.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -205,9 +206,17 @@ def test_redeploying_one_member_keeps_running_pools_and_removes_only_unreference
         renamed_variant(variants[0], variants[1], extra_bytes=2**20, seed=99)
         second = sharedml.prepare(variants[:2], out)
         assert second.weights_path != first.weights_path  # new content, new name
-        assert not first.weights_path.exists()  # no graph in the folder refers to it
-        assert second.removed == (first.weights_path,)
+        if os.name == "nt":  # Windows refuses to delete a mapped file: it stays, for now
+            assert first.weights_path.exists() and second.removed == ()
+        else:
+            assert not first.weights_path.exists()  # no graph in the folder refers to it
+            assert second.removed == (first.weights_path,)
         np.testing.assert_array_equal(pool.run(None, feed)[0], want)  # its mapping survives
+    if os.name == "nt":  # once no pool maps it, the next prepare removes it
+        del pool
+        gc.collect()
+        assert sharedml.prepare(variants[:2], out).removed == (first.weights_path,)
+        assert not first.weights_path.exists()
     assert mine.exists()
     for src, prepared in zip(variants[:2], second.model_paths, strict=True):
         np.testing.assert_array_equal(_plain(prepared, feed)[0], _plain(src, feed)[0])

@@ -335,6 +335,7 @@ def test_cuda_without_nvml_or_nvidia_smi_says_so(monkeypatch: pytest.MonkeyPatch
     assert dev.note is not None and "not measurable" in dev.note
 
 
+@pytest.mark.skipif(os.name == "nt", reason="fakes nvidia-smi with a shell script")
 def test_cuda_process_missing_from_nvidia_smi_is_not_reported_as_zero(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -350,6 +351,7 @@ def test_cuda_process_missing_from_nvidia_smi_is_not_reported_as_zero(
     assert dev.metric is None and dev.note is not None and "does not list" in dev.note
 
 
+@pytest.mark.skipif(os.name == "nt", reason="fakes nvidia-smi with a shell script")
 def test_cuda_process_listed_by_nvidia_smi_is_read(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

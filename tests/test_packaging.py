@@ -94,6 +94,14 @@ def run_detect(*sites: Path) -> list[str]:
     return out.stdout.strip().splitlines()
 
 
+# The child finds the fake site through PYTHONPATH, which some Pythons ignore (Python's
+# embeddable Windows build, whose ._pth file isolates it, as tools/windows/ uses).
+needs_pythonpath = pytest.mark.skipif(
+    bool(sys.flags.ignore_environment), reason="this Python ignores PYTHONPATH"
+)
+
+
+@needs_pythonpath
 def test_two_onnxruntime_distributions_in_one_folder_are_detected_when_first_needed(
     tmp_path: Path,
 ) -> None:
@@ -111,6 +119,7 @@ def test_two_onnxruntime_distributions_in_one_folder_are_detected_when_first_nee
     assert fix in warned[0]
 
 
+@needs_pythonpath
 def test_an_onnxruntime_installed_in_a_folder_of_its_own_is_not_mixed(tmp_path: Path) -> None:
     # pip install --target DIR onnxruntime-gpu, DIR on PYTHONPATH: sys.path order decides, and
     # the folder imported from holds one distribution.

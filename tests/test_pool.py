@@ -514,7 +514,7 @@ class _CountingSessions:
 def test_unserialized_creation_creates_the_first_sessions_in_parallel(
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # Linux only
     counting = _CountingSessions(model, monkeypatch)
     with sharedml.SessionPool(model, sessions=4, serialize_creation=False) as pool:
         assert counting.peak == 2 and counting.calls == 4
@@ -525,7 +525,7 @@ def test_unserialized_creation_creates_the_first_sessions_in_parallel(
 
 
 def test_creation_is_serialized_by_default(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # Linux only
     counting = _CountingSessions(model, monkeypatch)
     counting.both_in = threading.Barrier(1)  # nothing to meet: serialized creation never waits
     with sharedml.SessionPool(model, sessions=3) as pool:
@@ -536,7 +536,7 @@ def test_creation_is_serialized_by_default(model: Path, monkeypatch: pytest.Monk
 def test_a_failed_parallel_creation_fails_the_pool_with_the_cause(
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # Linux only
     _CountingSessions(model, monkeypatch, fail_on=3)
     with pytest.raises(sharedml.SessionCreationError, match="injected creation failure"):
         sharedml.SessionPool(model, sessions=4, serialize_creation=False)

@@ -7,7 +7,6 @@ runs the suite with onnxruntime-directml on Windows.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from pathlib import Path
 
@@ -172,8 +171,7 @@ def dml(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def dml_pool(model: Path, **kwargs: object) -> sharedml.SessionPool:
     # min_sessions=0: no DML session is created on this machine (it has no DirectML).
-    with pytest.warns(RuntimeWarning, match="upload its own copy"):
-        return sharedml.SessionPool(model, providers=[DML], min_sessions=0, **kwargs)  # type: ignore[arg-type]
+    return sharedml.SessionPool(model, providers=[DML], min_sessions=0, **kwargs)  # type: ignore[arg-type]
 
 
 SERIALIZED = _providers._version_tuple(ort.__version__) >= (1, 18)
@@ -183,11 +181,10 @@ SERIALIZED = _providers._version_tuple(ort.__version__) >= (1, 18)
 def test_directml_defaults_to_one_fused_session_with_batching(dml: None, tmp_path: Path) -> None:
     with dml_pool(batchable_model(tmp_path / "b.onnx")) as pool:
         assert pool.max_sessions == 1 and pool.batching is not None
-        assert pool.mechanism != "device"  # fell back to host-shared weights, with a warning
         so = pool.recipe.options()
         assert so.enable_mem_pattern is False
         assert so.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
-        # No device weights are shared on DML, so fusion stays on (one VRAM copy either way).
+        # Fusion stays on: it cost no memory on DirectML (docs/directml.md).
         with pytest.raises(RuntimeError):
             so.get_session_config_entry("ep.dml.disable_graph_fusion")
 
@@ -211,7 +208,6 @@ def test_extra_directml_sessions_warn_once_unless_the_caller_says_why(
         dml_pool(model, sessions=4).close()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*sessions on DmlExecutionProvider")
-        warnings.filterwarnings("ignore", message=".*upload its own copy")
         sharedml.SessionPool(model, providers=[DML], min_sessions=0, sessions=4).close()  # once
         sharedml._pool._WARNED_SESSIONS.clear()
         sharedml.SessionPool(
@@ -219,18 +215,34 @@ def test_extra_directml_sessions_warn_once_unless_the_caller_says_why(
         ).close()
 
 
-def test_fusion_is_turned_off_only_where_device_weights_are_shared(
+def test_directml_loads_weights_from_the_file_and_says_each_session_uploads_its_own(
     dml: None, tmp_path: Path
 ) -> None:
-    class LentDeviceWeights:  # what the route planner would keep where a DML route worked
-        def register(self, so: ort.SessionOptions) -> None:
-            pass
+    # No device route is probed on DML (none can work) and nothing warns: the reason says it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool = dml_pool(batchable_model(tmp_path / "b.onnx"))
+    with pool:
+        assert pool.mechanism == "ort-mmap"
+        assert "ORT uploads a device copy of the weights per session" in pool.mechanism_reason
+        assert "frees its host copy after the upload" in pool.mechanism_reason
 
-    with dml_pool(batchable_model(tmp_path / "b.onnx")) as pool:
-        sharing = dataclasses.replace(
-            pool.recipe, device_store=LentDeviceWeights(), mechanism=sharedml.Mechanism.DEVICE
+
+@pytest.mark.parametrize("mechanism", ["in-memory-file", "add-initializer"])
+def test_directml_with_a_host_mechanism_asked_for_says_what_it_costs(
+    dml: None, tmp_path: Path, mechanism: str
+) -> None:
+    with dml_pool(batchable_model(tmp_path / "b.onnx"), mechanism=mechanism) as pool:
+        assert pool.mechanism == mechanism
+        assert "device copy of the weights per session" in pool.mechanism_reason
+        assert ("resident" if mechanism == "in-memory-file" else "copies it") in (
+            pool.mechanism_reason
         )
-        assert sharing.options().get_session_config_entry("ep.dml.disable_graph_fusion") == "1"
+
+
+def test_directml_refuses_device_weights_and_says_why(dml: None, tmp_path: Path) -> None:
+    with pytest.raises(sharedml.ProviderError, match="DLPack bridge exports CPU and CUDA"):
+        dml_pool(batchable_model(tmp_path / "b.onnx"), mechanism="device")
 
 
 def test_pool_keeps_a_callers_graph_fusion_setting(dml: None, tmp_path: Path) -> None:

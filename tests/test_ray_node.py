@@ -144,6 +144,7 @@ def test_prepare_on_node_reports_what_it_built(mlp_model: Path, tmp_path: Path) 
     assert json.loads(json.dumps(first.to_dict()))["built"] is True
 
 
+@pytest.mark.skipif(not _cache.LOCKING, reason="held_lock needs flock (Windows has none)")
 def test_lock_timeout_names_the_lock(mlp_model: Path, tmp_path: Path) -> None:
     name = node_module._lock_name(mlp_model)
     holder = subprocess.Popen(
@@ -219,11 +220,13 @@ MOUNTINFO = textwrap.dedent(
         ("/media/usb/m.onnx", "fuseblk", False),
     ],
 )
+@pytest.mark.skipif(sys.platform != "linux", reason="mountinfo and its paths are Linux's")
 def test_filesystem_type_from_mountinfo(path: str, fstype: str, remote: bool) -> None:
     assert _host.filesystem_type(path, mountinfo=MOUNTINFO) == fstype
     assert _host.is_remote_filesystem(fstype) is remote
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="mountinfo is Linux's")
 def test_filesystem_type_of_this_machine() -> None:
     if not Path("/proc/self/mountinfo").exists():
         assert _host.filesystem_type(ROOT) is None

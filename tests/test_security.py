@@ -124,6 +124,8 @@ def _case(tmp: Path, case: str) -> tuple[Path, type[sharedml.SharedMLError], str
     secret = data_file(tmp / "secret.bin")  # beside the model's folder: must never be read
     del secret
     unsafe, bad = sharedml.UnsafePathError, sharedml.ExternalDataError
+    if case.startswith("symlink") and not POSIX:
+        pytest.skip("symlinks: Windows makes them only with a privilege; Wine cannot resolve them")
     if case == "symlink_file":
         os.symlink(tmp / "secret.bin", folder / "link.bin")
     if case == "symlink_folder":
@@ -228,6 +230,7 @@ def test_hostile_constant_node_is_refused_like_an_initializer(tmp_path: Path) ->
     assert_names(info.value, model, "../secret.bin")
 
 
+@pytest.mark.skipif(not POSIX, reason="symlinks")
 def test_symlink_inside_the_folder_and_adjacent_ranges_are_accepted(tmp_path: Path) -> None:
     folder = tmp_path / "model"
     values = data_file(folder / "data" / "w.bin")
@@ -805,6 +808,14 @@ def test_preparing_over_a_live_model_never_touches_its_mapped_file(tmp_path: Pat
     sharedml.prepare(a, dst)
     with sharedml.SessionPool(dst, sessions=1) as old:
         before = old.run(None, feeds(64))[0]
+        if os.name == "nt":  # Windows refuses to replace a mapped file: an error says so
+            weights = dst.with_suffix(".weights").read_bytes()
+            with pytest.raises(sharedml.OutputError, match="in use: Windows refuses") as info:
+                sharedml.prepare(b, dst)
+            assert str(dst.with_suffix(".weights")) in str(info.value)
+            assert dst.with_suffix(".weights").read_bytes() == weights
+            np.testing.assert_array_equal(old.run(None, feeds(64))[0], before)
+            return
         inode = os.stat(dst.with_suffix(".weights")).st_ino
         sharedml.prepare(b, dst)
         assert os.stat(dst.with_suffix(".weights")).st_ino != inode

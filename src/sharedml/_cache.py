@@ -45,11 +45,13 @@ touching the lock file's mtime: the entry's "last used". :func:`remove_entries` 
 cache prune`` and ``clear``) takes an exclusive lock without waiting and skips an entry it
 cannot get, so no entry is removed under a live process; a holder that was waiting for the lock
 while the entry went sees that its lock file is gone and builds the entry again. Where there is
-no ``flock`` (Windows) entries are not locked: the OS refuses to delete a mapped file there,
-and removal skips what it refuses. Removal never follows a symlink: a symlink in the cache is
-removed itself, its target left alone; sizes are counted without following links, and a file
-that several entries hard-link counts once. What sharedml did not make (in a kind folder: a
-name that is no key and holds no ``entry.json``) is reported and never changed or removed.
+no ``flock`` (Windows) a holder keeps the lock file open instead; the OS refuses to delete an
+open or mapped file there, removal deletes the lock file first and skips the entry at the first
+refusal, and stamps are not used (``st_ctime`` is the creation time there, which no write
+moves). Removal never follows a symlink: a symlink in the cache is removed itself, its target
+left alone; sizes are counted without following links, and a file that several entries
+hard-link counts once. What sharedml did not make (in a kind folder: a name that is no key and
+holds no ``entry.json``) is reported and never changed or removed.
 
 Trust: the cache is trusted the way a Python ``site-packages`` is. Whoever can write to it can
 make every pool run their graph, hence the policy; ``docs/security.md`` has the threat model.
@@ -80,6 +82,7 @@ import re
 import shutil
 import socket
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -98,7 +101,9 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 LOCKING = fcntl is not None
-"""Whether entries in use are locked against removal here (POSIX ``flock``; not Windows)."""
+"""Whether entries in use are locked with ``flock`` here (POSIX). Windows has none: there a
+process holds an entry's lock file open, which the OS then refuses to delete, and only an
+attempt to remove an entry tells whether it is in use."""
 
 __all__ = [
     "ENTRY_FILE",
@@ -733,7 +738,7 @@ def publish(
         raise _write_error(final, exc) from exc
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            _rmtree(tmp, ignore_errors=True)
     entry = _open_or_none(kind, key, cache_dir)
     if entry is None:  # pragma: no cover - only if someone deletes the entry meanwhile
         raise CacheError(f"The cache entry '{final}' vanished right after it was published.")
@@ -771,13 +776,49 @@ def _open_or_none(kind: str, key: str, cache_dir: CacheDir) -> CacheEntry | None
         return None
 
 
+def _writable_then(func: Callable[..., Any], path: str, error: Any) -> None:
+    """``shutil.rmtree``'s error handler: make ``path`` writable and try again (Windows).
+
+    Entry files are read-only (0444), and Windows refuses to delete a read-only file; POSIX
+    only asks for a writable folder. Where it still fails (Windows: the file is open or
+    mapped), the file is made read-only again and that error raised.
+
+    Args:
+        func: The call that failed.
+        path: Its path.
+        error: The exception (``onexc``) or its ``sys.exc_info()`` (``onerror``).
+    """
+    exc = error[1] if isinstance(error, tuple) else error
+    if os.name != "nt" or not isinstance(exc, PermissionError):
+        raise exc
+    os.chmod(path, stat.S_IWRITE | stat.S_IREAD)
+    try:
+        func(path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.chmod(path, _READ_ONLY_FILE_MODE)
+        raise
+
+
+def _rmtree(path: Path, *, ignore_errors: bool = False) -> None:
+    """``shutil.rmtree`` that also deletes the read-only files of an entry on Windows."""
+    try:
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=_writable_then)
+        else:
+            shutil.rmtree(path, onerror=_writable_then)
+    except OSError:
+        if not ignore_errors:
+            raise
+
+
 def _move_aside(path: Path, folder: Path) -> None:
     """Move a damaged entry out of the way (processes that map its files keep their maps)."""
     grave = Path(
         tempfile.mkdtemp(prefix=f".damaged-{temp_owner()}-", suffix=_TMP_SUFFIX, dir=folder)
     )
     os.replace(path, grave / "entry")
-    shutil.rmtree(grave, ignore_errors=True)
+    _rmtree(grave, ignore_errors=True)
 
 
 def ensure_entry(
@@ -849,7 +890,7 @@ def clear_stale(cache_dir: CacheDir = None, *, older_than_s: float = _STALE_TMP_
                 continue
             with contextlib.suppress(OSError):
                 if stat.S_ISDIR(os.lstat(child).st_mode):
-                    shutil.rmtree(child)
+                    _rmtree(child)
                 else:
                     child.unlink()
                 removed += 1
@@ -865,6 +906,9 @@ _LOCK_NAME = ".lock"
 
 class EntryHold:
     """A shared lock on one cache entry: it is not removed while this object is open.
+
+    Where there is no ``flock`` (Windows) the lock file is held open instead: the OS refuses
+    to delete it, and removal starts with it.
 
     Closed by :meth:`release`, or when the object is collected (the file descriptor closes
     with it). Thread safety: :meth:`release` may be called from any thread, more than once.
@@ -946,7 +990,7 @@ def hold_entry(path: str | os.PathLike[str]) -> EntryHold | None:
 
 def _hold(folder: Path) -> EntryHold | None:
     if not LOCKING:
-        return None
+        return _hold_open(folder)
     fd = _lock(folder, exclusive=False)
     if fd is None:
         return None
@@ -1008,6 +1052,25 @@ def _end_loan(folder: str) -> None:
             del _loans[folder]
     hold.release()
     _end_expired_loans()
+
+
+def _hold_open(folder: Path) -> EntryHold | None:
+    """Where there is no ``flock`` (Windows): hold the entry's lock file open instead.
+
+    Windows refuses to delete a file that another handle has open (Python opens files without
+    ``FILE_SHARE_DELETE``), and removal deletes the lock file first
+    (:func:`_remove_unlocked`), so it stops there while any process holds the entry: also one
+    whose files ORT read and closed (a prepacked model it may load again for a new session).
+    The last use is recorded first: while a handle is open the lock file's times cannot be set.
+    """
+    lock = folder / _LOCK_NAME
+    with contextlib.suppress(OSError):
+        lock.touch()
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, stat.S_IREAD | stat.S_IWRITE)
+    except OSError:
+        return None  # the entry is gone, or not ours to write
+    return EntryHold(fd, folder)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1442,14 +1505,14 @@ def _remove(status: EntryStatus) -> str | None:
         if os.path.islink(path) or not os.path.isdir(path):
             os.unlink(path)  # a symlink (or a stray file) goes itself; its target stays
             return None
-        fd = None
-        if LOCKING:
-            try:
-                fd = _lock(path, exclusive=True)
-            except BlockingIOError:
-                return "busy"
-            if fd is None:
-                return None  # removed meanwhile
+        if not LOCKING:
+            return _remove_unlocked(path)
+        try:
+            fd = _lock(path, exclusive=True)
+        except BlockingIOError:
+            return "busy"
+        if fd is None:
+            return None  # removed meanwhile
         try:
             grave = Path(
                 tempfile.mkdtemp(
@@ -1458,8 +1521,7 @@ def _remove(status: EntryStatus) -> str | None:
             )
             os.rename(path, grave / "entry")
         finally:
-            if fd is not None:
-                os.close(fd)
+            os.close(fd)
         shutil.rmtree(grave)
         return None
     except PermissionError as exc:
@@ -1467,6 +1529,38 @@ def _remove(status: EntryStatus) -> str | None:
         return "busy" if not LOCKING else f"{exc.strerror or exc}"
     except OSError as exc:
         return f"{exc.strerror or exc}"
+
+
+def _remove_unlocked(path: Path) -> str | None:
+    """Remove an entry where there is no ``flock`` (Windows): its files in place.
+
+    Windows refuses to delete a file that a process has open or mapped. The lock file goes
+    first: every process that holds the entry keeps it open (:func:`_hold_open`), so removal
+    stops at the first refusal with the entry whole ("busy"). Then the largest files (a map
+    outside any hold would be of those), ``entry.json`` last. (Moving the folder aside first,
+    as where entries are locked, proves nothing here: Wine renames a folder whose files are
+    open.) A process opening the entry after its lock file went finds it damaged or gone and
+    builds it again.
+    """
+    names = sorted(
+        os.listdir(path),
+        key=lambda n: (n != _LOCK_NAME, n == ENTRY_FILE, -os.lstat(path / n).st_size, n),
+    )
+    for name in names:
+        try:
+            _rmtree(path / name) if os.path.isdir(path / name) else _unlink(path / name)
+        except PermissionError:
+            return "busy"
+    os.rmdir(path)
+    return None
+
+
+def _unlink(path: Path) -> None:
+    """``os.unlink``, which on Windows also deletes a read-only file (entry files are 0444)."""
+    try:
+        os.unlink(path)
+    except PermissionError as exc:
+        _writable_then(os.unlink, str(path), exc)
 
 
 def remove_entries(entries: Collection[EntryStatus], *, dry_run: bool = False) -> Removal:
@@ -1728,6 +1822,16 @@ def _stamp_path(folder: Path, kind: str, named: str, params: str) -> Path:
     return folder / f"{kind}-{name[:40]}.json"
 
 
+def _stamps_trusted() -> bool:
+    """Whether a stamp can prove a file unchanged here.
+
+    Not on Windows: its ``st_ctime`` is the file's creation time, which no write moves, so a
+    file rewritten in place with its mtime put back would keep its stamp. Nor where
+    ``$SHAREDML_STAMPS`` is ``0`` (file systems whose ctime does not move on writes).
+    """
+    return os.name != "nt" and os.environ.get("SHAREDML_STAMPS") != "0"
+
+
 def recall_stamp(
     kind: str,
     path: str | os.PathLike[str],
@@ -1751,7 +1855,7 @@ def recall_stamp(
         user (a stamp there could have been planted), or ``$SHAREDML_STAMPS`` is ``0`` (for
         filesystems whose ctime does not move on writes). Never raises.
     """
-    if os.environ.get("SHAREDML_STAMPS") == "0":
+    if not _stamps_trusted():
         return None
     root = _root_of(cache_dir)
     named = _file_state(path)[0]
@@ -1794,6 +1898,8 @@ def record_stamp(
     Returns:
         True if the stamp was written.
     """
+    if not _stamps_trusted():
+        return False
     if not before.files or before.files[0][2] is None or before.taken_again() != before:
         return False
     if any(not real for _named, real, _stamp in before.files):  # a path that did not resolve

@@ -118,7 +118,10 @@ def _info(args: argparse.Namespace) -> int:
             "  (not made by sharedml: left alone, see 'sharedml cache list')"
         )
     if not s.locking:
-        print("entries in use are not locked on this platform (no flock): see README")
+        print(
+            "no flock on this platform: entries in use are held open, so 'list' cannot tell "
+            "which are in use; prune and clear skip them (README)"
+        )
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -33,8 +32,8 @@ from sharedml._capabilities import capability
 from sharedml._device import DEVICE_TYPES, ROUTES, DeviceWeightStore
 from sharedml._dlpack import RouteError
 from sharedml._errors import ProviderError
-from sharedml._host import child_env
-from sharedml._providers import CPU, CUDA
+from sharedml._host import child_env, crash_name
+from sharedml._providers import CPU, CUDA, DML, DML_NO_DEVICE_ROUTE
 from sharedml._weights import TensorSlot
 
 __all__ = [
@@ -184,12 +183,9 @@ def _run_probe(provider: str, device_id: int, route: str, timeout_s: float) -> R
         if line.startswith(_PROBE_MARKER):
             result = json.loads(line[len(_PROBE_MARKER) :])
             return done(bool(result["ok"]), str(result["reason"]))
-    if proc.returncode < 0:
-        try:
-            name = signal.Signals(-proc.returncode).name
-        except ValueError:
-            name = f"signal {-proc.returncode}"
-        reason = f"the probe crashed ({name}): this route would crash the process"
+    crashed = crash_name(proc.returncode)
+    if crashed is not None:
+        reason = f"the probe crashed ({crashed}): this route would crash the process"
     else:
         reason = f"the probe exited with status {proc.returncode} and no result"
     tail = (proc.stderr or "").strip().splitlines()[-3:]
@@ -249,6 +245,11 @@ def probe_routes(
             return _PROBES[key]
         if provider not in DEVICE_TYPES or not _provider_available(provider):
             results: tuple[RouteProbe, ...] = ()
+        elif provider == DML:  # no route can work there: not worth a child process each
+            results = tuple(
+                RouteProbe(route, provider, device_id, False, DML_NO_DEVICE_ROUTE)
+                for route in routes
+            )
         elif not (dlpack := capability("dlpack")).available:
             # Every route lends DLPack imports: no child can succeed, so none is started.
             results = tuple(

@@ -17,6 +17,7 @@ import hashlib
 import os
 import platform
 import re
+import signal
 import stat
 import sys
 import sysconfig
@@ -33,6 +34,7 @@ __all__ = [
     "available_bytes",
     "check_one_onnxruntime",
     "child_env",
+    "crash_name",
     "cpu_fingerprint",
     "file_kind",
     "filesystem_type",
@@ -292,6 +294,44 @@ def child_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+# NTSTATUS values a crashed Windows process exits with (its "exit code" is the exception code).
+_WINDOWS_CRASHES = {
+    0x80000003: "STATUS_BREAKPOINT",
+    0xC0000005: "STATUS_ACCESS_VIOLATION",
+    0xC000001D: "STATUS_ILLEGAL_INSTRUCTION",
+    0xC0000094: "STATUS_INTEGER_DIVIDE_BY_ZERO",
+    0xC00000FD: "STATUS_STACK_OVERFLOW",
+    0xC0000374: "STATUS_HEAP_CORRUPTION",
+    0xC0000409: "STATUS_STACK_BUFFER_OVERRUN",  # also __fastfail, as the CRT's abort() may use
+}
+
+
+def crash_name(returncode: int, *, windows: bool | None = None) -> str | None:
+    """What killed a child process, from its exit status; None if it exited by itself.
+
+    POSIX reports a fatal signal as a negative status (``SIGSEGV``). Windows has no signals: a
+    process that crashes exits with the exception's NTSTATUS as its status (``0xC0000005``,
+    ``STATUS_ACCESS_VIOLATION``), an error-severity code no program returns by itself.
+
+    Args:
+        returncode: ``subprocess.Popen.returncode``.
+        windows: Read it as a Windows status (default: whether this is Windows).
+    """
+    if windows is None:
+        windows = os.name == "nt"
+    if windows:
+        code = returncode & 0xFFFFFFFF
+        if code in _WINDOWS_CRASHES:
+            return f"{_WINDOWS_CRASHES[code]}, 0x{code:08X}"
+        return f"NTSTATUS 0x{code:08X}" if code >= 0xC0000000 else None
+    if returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
 
 
 def fsync_dir(path: Path) -> None:

@@ -46,6 +46,7 @@ import operator
 import os
 import threading
 import time
+import types
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -406,6 +407,46 @@ def _same_feed(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 # activations and threads), and far below what overflows a C size (2**63 raised OverflowError
 # deep inside the pool, not a message about the argument).
 _MAX_SESSIONS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _NodeArg:
+    """An input or output as ``onnxruntime.NodeArg`` describes it: name, type, shape."""
+
+    name: str
+    type: str
+    shape: list[Any]
+
+
+_MODEL_METADATA = (
+    "custom_metadata_map",
+    "description",
+    "domain",
+    "graph_description",
+    "graph_name",
+    "producer_name",
+    "version",
+)
+
+
+def _metadata_of(sess: Any) -> dict[str, Any]:
+    """A session's inputs, outputs, providers and model metadata, as copies.
+
+    ORT's ``NodeArg`` and ``ModelMetadata`` objects keep their session alive: a closed pool
+    holding them kept a session, its memory and its maps of the weights (on Windows, a file
+    that can then be neither deleted nor rewritten).
+    """
+
+    def args(found: Any) -> list[_NodeArg]:
+        return [_NodeArg(a.name, a.type, list(a.shape)) for a in found]
+
+    meta = sess.get_modelmeta()
+    return {
+        "inputs": args(sess.get_inputs()),
+        "outputs": args(sess.get_outputs()),
+        "providers": list(sess.get_providers()),
+        "modelmeta": types.SimpleNamespace(**{a: getattr(meta, a) for a in _MODEL_METADATA}),
+    }
 
 
 def _count_argument(name: str, value: object, *, minimum: int) -> int:
@@ -783,12 +824,7 @@ class SessionPool:
             self._created += 1
             self._create_s += elapsed
             if self._meta is None:
-                self._meta = {
-                    "inputs": list(sess.get_inputs()),
-                    "outputs": list(sess.get_outputs()),
-                    "providers": list(sess.get_providers()),
-                    "modelmeta": sess.get_modelmeta(),
-                }
+                self._meta = _metadata_of(sess)
         return sess
 
     def _graph_template(self) -> Any:

@@ -730,6 +730,22 @@ def _check_outputs(src_path: Path, model: ModelProto, dst_path: Path, weights_pa
 _EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)
 
 
+_WINDOWS_IN_USE = (5, 32)  # ERROR_ACCESS_DENIED, ERROR_SHARING_VIOLATION
+
+
+def _in_use_on_windows(path: Path, exc: OSError) -> bool:
+    """Whether Windows refused to replace ``path`` because a process has it open or mapped.
+
+    There the old file cannot be replaced while it is mapped; on POSIX the rename lands and
+    processes keep the old inode.
+    """
+    return (
+        os.name == "nt"
+        and getattr(exc, "winerror", None) in _WINDOWS_IN_USE
+        and os.path.lexists(path)
+    )
+
+
 def _output_error(path: Path, exc: OSError) -> OutputError:
     """An :class:`OutputError` that names ``path``, the OS's reason and the fix."""
     code = exc.errno
@@ -740,6 +756,12 @@ def _output_error(path: Path, exc: OSError) -> OutputError:
         fix = (
             "the file outgrew the filesystem's or this process's file size limit ('ulimit -f'); "
             "raise the limit or write the prepared model elsewhere"
+        )
+    elif _in_use_on_windows(path, exc):
+        fix = (
+            "it is in use: Windows refuses to replace a file that a process has open or mapped "
+            "(a SessionPool over this prepared model); close those pools first, or prepare to a "
+            "new path and point new pools at it"
         )
     elif code in (errno.EACCES, errno.EPERM):
         fix = f"this user may not write in '{folder}'; fix its permissions or write elsewhere"

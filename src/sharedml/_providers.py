@@ -2,13 +2,16 @@
 
 - DirectML (Windows): ORT documents that a DML session must not run ``Run`` from two threads at
   once, needs memory patterns off and sequential execution (ORT forces both, with a warning),
-  and takes a ``device_id``. Several DML sessions running on several threads at once hang or
+  and takes a ``device_id`` (without one, onnxruntime-directml asks dxcore for an adapter, and
+  where that fails it falls back to the CPU with only a printed error). Two threads in ``Run``
+  on one DML session crash the process (reproduced on onnxruntime-directml 1.24.4:
+  ``tests/test_dml.py``). Several DML sessions running on several threads at once hang or
   crash on onnxruntime-directml 1.18+ (ORT issue #20713; all sessions a Python process creates
   share one DML queue per device), so :func:`serialize_runs_by_default` says to run one ``Run``
   at a time across the process there, and the pool defaults to one session with batching.
-  Graph fusion stays on: it uploads the weights of fused partitions itself, which matters only
-  where sessions really borrow device weights (never on DML today); the route planner turns
-  it off then (``ep.dml.disable_graph_fusion=1``).
+  DML sessions cannot share device weights (:data:`DML_NO_DEVICE_ROUTE`): each holds its own
+  device copy, which is one more reason for one session. Graph fusion stays on (ORT's
+  default): it cost no memory where measured (``docs/directml.md``).
 - CUDA: a ``device_id`` (default 0) and ``use_ep_level_unified_stream=1`` (one stream per
   session: the pool never runs a session from two threads at once, and per-run streams each
   bring their own cuBLAS/cuDNN handles and workspaces, which cost device memory and bought no
@@ -17,7 +20,8 @@
 - CPU: always appended last as the fallback for nodes other providers do not take.
 - Anything else passes through unchanged.
 
-What was verified where (DirectML has not run on Windows from this repository): README.
+What was verified where (DirectML ran in software under Wine, not on Windows): README and
+``docs/directml.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ __all__ = [
     "CUDA",
     "CUDA_SESSION_DEFAULTS",
     "DML",
+    "DML_NO_DEVICE_ROUTE",
     "ProviderPlan",
     "ProviderSpec",
     "available_providers",
@@ -46,6 +51,16 @@ CUDA = "CUDAExecutionProvider"
 DML = "DmlExecutionProvider"
 
 ProviderSpec = str | tuple[str, dict[str, Any]]
+
+# Why DirectML sessions never borrow device weights: ORT's DLPack bridge exports CPU and CUDA
+# tensors only (onnxruntime-directml has no OrtValue.from_dlpack at all), and an initializer
+# given in host memory is copied to the device ("Cannot use user supplied initializer ...
+# planned memory location ... is different"). Seen on onnxruntime-directml 1.24.4.
+DML_NO_DEVICE_ROUTE = (
+    "DirectML sessions cannot share device weights: ORT uploads a device copy of the weights "
+    "per session (its DLPack bridge exports CPU and CUDA tensors only, so no device route is "
+    "tried)"
+)
 
 # CUDA provider options the pool sets unless the caller set them (see the module docstring).
 CUDA_SESSION_DEFAULTS: dict[str, str] = {"use_ep_level_unified_stream": "1"}

@@ -9,10 +9,12 @@ The rules, in order:
 
 1. The model is prepared (cached by content) and its weights file mapped once per process
    (:func:`sharedml.prepared_model_for`, :class:`sharedml.WeightStore`).
-2. On CUDA (and DirectML, where no route works today) weights go to the device once and every
-   session borrows the device buffers (:class:`~sharedml.Mechanism` ``DEVICE``), if a route
-   probed in a child process works with the installed ORT; otherwise sessions use host
-   weights, with a warning.
+2. On CUDA weights go to the device once and every session borrows the device buffers
+   (:class:`~sharedml.Mechanism` ``DEVICE``), if a route probed in a child process works with
+   the installed ORT; otherwise sessions use host weights, with a warning. On DirectML no
+   device route can work: every session uploads its own device copy, and ORT loads the
+   weights from the file (``ORT_MMAP``), which holds no host copy after the upload; the
+   reason says so, without a warning (a pool of one session is DirectML's default anyway).
 3. On the CPU, with ``prepacking`` ``auto`` or ``shared``, sessions load ORT's saved
    optimized form of the model where ORT packs or derives any weight: ``PREPACKED_FILE`` where
    it holds prepacked blobs (one copy of the packed weights too), ``OPTIMIZED_FILE`` where ORT
@@ -46,12 +48,10 @@ from sharedml._errors import CacheError, ProviderError, SessionCreationError, Sh
 from sharedml._host import release_freed_heap, usable_cores
 from sharedml._options import clone_session_options, config_entry
 from sharedml._prepare import prepared_model_for, prepared_model_from_bytes
-from sharedml._providers import CPU, CUDA, DML, ProviderPlan
+from sharedml._providers import CPU, CUDA, DML, DML_NO_DEVICE_ROUTE, ProviderPlan
 from sharedml._weights import WeightStore, zero_copy_mechanisms
 
 __all__ = ["Mechanism", "Prepacking", "SessionRecipe", "plan_route"]
-
-_DML_FUSION_OFF = "ep.dml.disable_graph_fusion"
 
 
 class Mechanism(str, enum.Enum):
@@ -184,12 +184,7 @@ class SessionRecipe:
             # pool exists to save.
             off = "0" if self.prepacking is Prepacking.PER_SESSION else "1"
             so.add_session_config_entry("session.disable_prepacking", off)
-        entries = list(self.plan.config_entries)
-        if self.device_store is not None and self.plan.primary == DML:
-            # Fused DML partitions upload their own copy of their weights (read from
-            # DmlGraphFusionTransformer), which would undo the sharing of the device buffers.
-            entries.append((_DML_FUSION_OFF, "1"))
-        for key, value in entries:
+        for key, value in self.plan.config_entries:
             if config_entry(so, key) is None:
                 so.add_session_config_entry(key, value)
         if self.plan.disable_mem_pattern:
@@ -375,8 +370,10 @@ def _plan(
         ),
     }
 
+    if plan.primary == DML:
+        return _directml_recipe(requested, common)
     device_reason = ""
-    if requested is Mechanism.DEVICE or (requested is None and plan.primary in (CUDA, DML)):
+    if requested is Mechanism.DEVICE or (requested is None and plan.primary == CUDA):
         device_store, device_reason = _device_weights(weights, plan, forced=requested is not None)
         if device_store is not None:
             return SessionRecipe(
@@ -490,6 +487,39 @@ def _host_reason(mechanism: Mechanism, packing: Prepacking) -> str:
         else "prepacking is off, so kernels run on unpacked weights"
     )
     return f"Raw weights shared: {how}; {packs}."
+
+
+# DirectML: no device route (DML_NO_DEVICE_ROUTE), so every session holds its own device copy.
+# Of the host routes, ORT loading the weights from the file frees its host copy once uploaded;
+# the in-memory file keeps the whole map resident for the pool's life, one more copy of the
+# weights; add-initializer's tensors are copied too. Figures: docs/directml.md.
+_DML_MECHANISM = Mechanism.ORT_MMAP
+
+
+def _directml_recipe(requested: Mechanism | None, common: dict[str, Any]) -> SessionRecipe:
+    """The DirectML route: a host mechanism, and each session's own device copy, said plainly."""
+    if requested is Mechanism.DEVICE:
+        raise ProviderError(
+            f"mechanism='device' with DmlExecutionProvider: {DML_NO_DEVICE_ROUTE}. Use "
+            "mechanism='auto': one session with batching keeps one device copy."
+        )
+    host = requested or _DML_MECHANISM
+    how = {
+        Mechanism.ORT_MMAP: (
+            "ORT loads them from the prepared model's weights file and frees its host copy "
+            "after the upload (the least memory measured on DirectML)"
+        ),
+        Mechanism.IN_MEMORY_FILE: (
+            "the mapped weights file is lent to every session and stays resident for the "
+            "pool's life, beside the device copies"
+        ),
+        Mechanism.ADD_INITIALIZER: (
+            "each tensor is lent from the mapped file, and ORT copies it to the device "
+            "(it warns that the user-supplied initializer's memory location differs)"
+        ),
+    }[host]
+    reason = f"{DML_NO_DEVICE_ROUTE}. Host weights ({host.value}): {how}."
+    return SessionRecipe(load_path=common["model_path"], mechanism=host, reason=reason, **common)
 
 
 def _device_weights(weights: WeightStore, plan: ProviderPlan, *, forced: bool) -> tuple[Any, str]:
