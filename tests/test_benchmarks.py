@@ -1,10 +1,11 @@
-"""benchmarks/run.py: end to end on tiny models, and the pieces its figures rest on."""
+"""benchmarks/: run.py end to end on tiny models, and the pieces the figures rest on."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import _harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import serving  # noqa: E402
 
 REQUIRED_STRATEGIES = ("naive", "single", "shared", "shared-private-packs", "shared-raw")
 
@@ -201,3 +203,102 @@ def test_the_serving_sweep_runs_through_run_py_and_checks_every_output(tmp_path:
         assert c["p50_ms"] <= c["p99_ms"]
     assert configs["pool:1:batch"]["batching"] and not configs["plain:2"]["batching"]
     assert configs["pool:1:batch"]["batches"] > 0
+
+
+# --------------------------------------------------------------------------------------------
+# benchmarks/serving.py: what a window counts
+
+
+def _closed_loop_spans(callers: int, latency_s: float, until_s: float) -> list[tuple[float, float]]:
+    """Synthetic spans: each caller sends back-to-back requests of one latency, staggered."""
+    spans = []
+    for c in range(callers):
+        t = c * latency_s / callers
+        while t < until_s:
+            spans.append((t, t + latency_s))
+            t += latency_s
+    return spans
+
+
+def test_a_window_counts_every_request_that_completes_in_it() -> None:
+    # 16 callers at 1 s a request, a 3 s window: 16 req/s. Each caller has one request in
+    # flight when the window opens; counting only requests that also started inside it would
+    # give 32 requests (10.7 req/s) instead of 48.
+    spans = _closed_loop_spans(callers=16, latency_s=1.0, until_s=10.0)
+    done = serving.completed_in_window(spans, 2.01, 5.01)
+    assert len(done) == 48
+    assert done == pytest.approx([1.0] * 48)
+    summary = serving.latency_summary(done, 3.0)
+    assert summary["requests_per_s"] == pytest.approx(16.0)
+    assert summary["p50_ms"] == pytest.approx(1000.0) and summary["p99_ms"] == pytest.approx(1000.0)
+
+
+def test_a_window_counts_a_request_once_where_it_ends() -> None:
+    spans = [(0.0, 1.5), (1.5, 2.5), (2.5, 4.5), (4.5, 5.0)]
+    assert serving.completed_in_window(spans, 1.0, 4.0) == [1.0, 1.5]  # ends at 1.5 and 2.5
+    assert serving.completed_in_window(spans, 4.0, 4.5) == [2.0]
+    assert serving.completed_in_window(spans, 5.0, 6.0) == []
+    assert serving.latency_summary([], 1.0)["p50_ms"] is None
+
+
+def test_a_failing_caller_stops_the_closed_loop_with_its_error() -> None:
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def run(feed: dict[str, Any]) -> list[int]:
+        with lock:
+            calls["n"] += 1
+            n = calls["n"]
+        if n > 3:  # every caller's first request passes, the loop's first one fails
+            raise RuntimeError("the server broke")
+        return [0]
+
+    raised: list[BaseException] = []
+
+    def measure() -> None:
+        try:  # an hour-long window: only the failure can end it in time
+            serving.closed_loop(
+                run, [{}], 3, warmup_s=3600.0, duration_s=3600.0, check=lambda c, i, out: None
+            )
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=measure, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the closed loop went on measuring a failed server"
+    assert len(raised) == 1 and str(raised[0]) == "the server broke"
+
+
+def test_a_real_models_symbolic_axes_are_fed_as_batch_and_sequence(tmp_path: Path) -> None:
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    sys.path.insert(0, str(REPO))
+    from tools import realistic_models as rm
+
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "seq_len"])
+    fixed = helper.make_tensor_value_info("pixels", TensorProto.FLOAT, [1, 3, None])
+    out = helper.make_tensor_value_info("out", TensorProto.INT64, None)
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["input_ids"], ["out"])], "g", [ids, fixed], [out]
+    )
+    path = tmp_path / "exported.onnx"
+    onnx.save(helper.make_model(graph), path)
+
+    meta = serving._external_model(path)
+    assert meta["inputs"] == {
+        "input_ids": ["int64", ["batch", "seq"]],
+        "pixels": ["float32", [1, 3, "seq"]],
+    }
+    info = rm.ModelInfo(
+        path=str(path),
+        name="exported",
+        weights_bytes=0,
+        inputs={k: (np.dtype(v[0]), tuple(v[1])) for k, v in meta["inputs"].items()},
+        description="exported",
+        vocab_size=meta["vocab_size"],
+    )
+    feeds = rm.sample_inputs(info, batch=1, seq=32)
+    assert feeds["input_ids"].shape == (1, 32) and feeds["pixels"].shape == (1, 3, 32)
