@@ -302,3 +302,18 @@ def test_a_real_models_symbolic_axes_are_fed_as_batch_and_sequence(tmp_path: Pat
     )
     feeds = rm.sample_inputs(info, batch=1, seq=32)
     assert feeds["input_ids"].shape == (1, 32) and feeds["pixels"].shape == (1, 3, 32)
+
+
+def test_compare_gives_each_output_its_own_scale() -> None:
+    import numpy as np
+
+    # Logits off by 1 on a scale of 100 (1%), and an exact small second output: 1%, not 100%.
+    ref = [np.array([100.0, -50.0], np.float32), np.array([1.0, 0.5], np.float32)]
+    result = _harness._compare([ref[0] + 1, ref[1]], ref)
+    assert result["max_abs_diff"] == pytest.approx(1.0)
+    assert result["max_rel_diff"] == pytest.approx(0.01)
+    assert _harness._compare([ref[0] + 1, ref[1]], ref, rtol=0.05)["equal"]
+    lenient, strict = _harness._Checks(rtol=0.05), _harness._Checks()
+    for checks in (lenient, strict):
+        checks.add([ref[0] + 1, ref[1]], ref)
+    assert lenient.as_dict()["outputs_equal"] and not strict.as_dict()["outputs_equal"]
