@@ -526,7 +526,10 @@ def references(spec: dict[str, Any]) -> dict[str, Any]:
         feed = rm.sample_inputs(info, batch=1, seq=spec["seq"], seed=i)
         for k, v in feed.items():
             arrays[f"in{i}_{k}"] = v
-        arrays[f"out{i}"] = sess.run(None, feed)[0]
+        outputs = sess.run(None, feed)
+        arrays[f"out{i}"] = outputs[0]
+        for j, value in enumerate(outputs):  # every output, for benchmarks that check them all
+            arrays[f"out{i}_{j}"] = value
         if exact is not None:
             arrays[f"fp32out{i}"] = exact.run(None, feed)[0]
     np.savez(spec["references"], **arrays)
@@ -628,16 +631,27 @@ def ceiling(spec: dict[str, Any]) -> dict[str, Any]:
 # The parent
 
 
-def _child(mode: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def _child(
+    mode: str, spec: dict[str, Any], timeout_s: float, script: Path | None = None
+) -> dict[str, Any]:
+    """``script --child mode spec`` (this file by default) in a fresh interpreter.
+
+    Returns:
+        What the child printed after ``RESULT``, or ``{"error": ...}`` with its last lines.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child", mode, json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-    )
+    script = script or Path(__file__).resolve()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), "--child", mode, json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
