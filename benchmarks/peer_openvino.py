@@ -653,6 +653,13 @@ def _line(model: str, r: dict[str, Any]) -> str:
     )
 
 
+def _eta(doc: dict[str, Any], processes: int) -> str:
+    """`` [n/N, ~M min left]``, from the processes so far."""
+    done = doc["results"]
+    mean_s = statistics.mean(r["process_s"] for r in done)
+    return f" [{len(done)}/{processes}, ~{mean_s * (processes - len(done)) / 60:.0f} min left]"
+
+
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny models, short windows")
@@ -768,6 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "warmup_s": args.warmup_s,
                             "duration_s": args.duration_s,
                         }
+                        t0 = time.perf_counter()
                         result = serving._child("worker", spec, args.timeout_s, SCRIPT)
                         result |= {
                             "model": base["name"],
@@ -775,9 +783,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "callers": callers,
                             "config": config,
                             "family": family(config),
+                            "process_s": time.perf_counter() - t0,
                         }
                         doc["results"].append(result)
-                        print(_line(base["name"], result), flush=True)
+                        print(_line(base["name"], result) + _eta(doc, processes), flush=True)
             doc["wall_s"] = time.perf_counter() - started
             _write(doc, args.json)
     doc["machine"]["loadavg_end"] = os.getloadavg()
