@@ -313,8 +313,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     if pooled:
         s0, s1 = marks["stats0"], marks["stats1"]
         batches = s1.batches - s0.batches
+        rows = s1.batched_rows - s0.batched_rows
         result["window_batches"] = batches
-        result["mean_batch_rows"] = s1.mean_batch_rows if batches else None
+        result["mean_batch_rows"] = rows / batches if batches else None  # in the window
     server.close()
     result.update(checks.as_dict())
     result["output_scale"] = max(float(np.max(np.abs(e), initial=0.0)) for e in expected[0])

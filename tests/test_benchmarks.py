@@ -471,6 +471,8 @@ def test_peer_openvino_quick_run_checks_every_configuration(tmp_path: Path) -> N
         assert row["callers"] == 2 and row["requests"] > 0 and row["outputs_checked"] >= 2
         assert row["pss_mib"] > 0 and len(row["loadavg_start"]) == 3
     assert rows["pool:1"]["outputs_equal"] and rows["ov:f32"]["outputs_equal"]
+    assert rows["pool:2:batch"]["window_batches"] > 0
+    assert 1 <= rows["pool:2:batch"]["mean_batch_rows"] <= 2  # two callers, one row each
     assert rows["ov:f32"]["extras"]["inference_precision_hint"] == "f32"
     assert rows["ov:f32"]["extras"]["performance_hint"] == "THROUGHPUT"
     assert rows["ov:f32"]["extras"]["infer_requests"] == 2  # one per caller
