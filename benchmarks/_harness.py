@@ -384,7 +384,15 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _compare(outputs: list[Any], reference: list[Any]) -> dict[str, Any]:
+def _compare(
+    outputs: list[Any], reference: list[Any], *, rtol: float = RTOL, atol: float = ATOL
+) -> dict[str, Any]:
+    """Outputs against reference outputs, output by output.
+
+    Returns ``equal`` (``np.allclose`` under the tolerances, every output), ``max_abs_diff``
+    and ``max_rel_diff``: the largest difference relative to its own output's scale (that
+    output's largest absolute reference value).
+    """
     import numpy as np
 
     equal = len(outputs) == len(reference)
@@ -394,17 +402,19 @@ def _compare(outputs: list[Any], reference: list[Any]) -> dict[str, Any]:
         if out.shape != ref.shape:
             return {"equal": False, "max_abs_diff": float("inf"), "max_rel_diff": float("inf")}
         diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
-        max_abs = max(max_abs, float(diff.max(initial=0.0)))
+        this_abs = float(diff.max(initial=0.0))
+        max_abs = max(max_abs, this_abs)
         scale = float(np.abs(ref).max(initial=0.0)) or 1.0
-        max_rel = max(max_rel, max_abs / scale)
-        equal = equal and bool(np.allclose(out, ref, rtol=RTOL, atol=ATOL))
+        max_rel = max(max_rel, this_abs / scale)
+        equal = equal and bool(np.allclose(out, ref, rtol=rtol, atol=atol))
     return {"equal": equal, "max_abs_diff": max_abs, "max_rel_diff": max_rel}
 
 
 class _Checks:
-    """Collects output comparisons from many threads."""
+    """Collects output comparisons from many threads (tolerances as :func:`_compare`'s)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, rtol: float = RTOL, atol: float = ATOL) -> None:
+        self._rtol, self._atol = rtol, atol
         self._lock = threading.Lock()
         self.count = 0
         self.equal = True
@@ -412,7 +422,7 @@ class _Checks:
         self.max_rel_diff = 0.0
 
     def add(self, outputs: list[Any], reference: list[Any]) -> None:
-        result = _compare(outputs, reference)
+        result = _compare(outputs, reference, rtol=self._rtol, atol=self._atol)
         with self._lock:
             self.count += 1
             self.equal = self.equal and result["equal"]

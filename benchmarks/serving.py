@@ -31,7 +31,8 @@ as soon as the last one returned):
 Every configuration runs in a fresh process: the server is created (timed), a pool warmed up
 (``pool.warm_up``, timed: graphs captured, buckets run once), every caller runs once (outputs
 checked against a solo run of the same input), then the callers meet on a barrier and run for
-``--duration-s``. Reported: requests/s over the window, p50/p99 latency, PSS growth
+``--duration-s``. Reported: requests/s over the window (every request that completed inside
+it, whenever it started: :func:`completed_in_window`), p50/p99 latency of those, PSS growth
 (and device memory on CUDA), outputs equal, and for pools the batches' mean rows.
 
 Usage::
@@ -47,6 +48,7 @@ result of a pool of N against one plain session's create + run, and time to all 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -56,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +78,157 @@ DEFAULT_CONFIGS = [
     "pool:4:batch",
 ]
 SERIALIZED_CONFIGS = ["plain:8:serialized", "pool:8:serialized", "pool:1:batch:serialized"]
+
+
+# --------------------------------------------------------------------------------------------
+# The closed loop: C callers, one measurement window, and what it counts
+
+
+def completed_in_window(
+    spans: Iterable[tuple[float, float]], start: float, end: float
+) -> list[float]:
+    """Latencies (seconds, sorted) of the requests that completed inside ``(start, end]``.
+
+    A request counts where it *ends*, whenever it started. In a closed loop every completion
+    frees its caller for the next request, so completions per second over the window is the
+    throughput, however long one request takes. Counting only the requests that both start and
+    end inside the window drops the one each caller has in flight when the window opens: most
+    of them once latency is a sizeable share of the window (16 callers at 1 s each in a 3 s
+    window: 32 requests counted instead of 48).
+
+    Args:
+        spans: ``(start, end)`` of every request, ``time.perf_counter()`` seconds.
+        start: When the window opened.
+        end: When it closed.
+
+    Returns:
+        The counted requests' latencies in seconds, shortest first.
+    """
+    return sorted(e - s for s, e in spans if start < e <= end)
+
+
+def latency_summary(latencies: list[float], elapsed_s: float) -> dict[str, Any]:
+    """``requests``, ``requests_per_s``, ``p50_ms``, ``p99_ms`` of a window's sorted latencies."""
+    n = len(latencies)
+    return {
+        "requests": n,
+        "requests_per_s": n / elapsed_s,
+        "p50_ms": 1000 * statistics.median(latencies) if n else None,
+        "p99_ms": 1000 * latencies[min(n - 1, int(0.99 * n))] if n else None,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """What :func:`closed_loop` measured.
+
+    Attributes:
+        start: When the window opened (``time.perf_counter()`` seconds).
+        end: When it closed.
+        spans: ``(start, end)`` of every request sent after the barrier, by every caller.
+    """
+
+    start: float
+    end: float
+    spans: list[tuple[float, float]]
+
+    def latencies(self) -> list[float]:
+        """The counted requests' latencies (:func:`completed_in_window`)."""
+        return completed_in_window(self.spans, self.start, self.end)
+
+    def summary(self) -> dict[str, Any]:
+        """Requests, requests/s and p50/p99 latency of the window (:func:`latency_summary`)."""
+        return latency_summary(self.latencies(), self.end - self.start)
+
+
+def closed_loop(
+    run: Callable[[dict[str, Any]], Any],
+    feeds: Sequence[dict[str, Any]],
+    callers: int,
+    *,
+    warmup_s: float,
+    duration_s: float,
+    check: Callable[[int, int, Any], None],
+    check_every: int = 16,
+    at_start: Callable[[], None] | None = None,
+    at_end: Callable[[], None] | None = None,
+) -> Window:
+    """``callers`` threads sending requests to ``run`` in a closed loop, for one window.
+
+    Every caller runs once (checked) before they all meet on a barrier; then each sends its
+    next request as soon as the last one returned, for ``warmup_s`` and then the ``duration_s``
+    window, and keeps going until the window has closed, so that the contention is the same
+    from its first second to its last. Every request's ``(start, end)`` is recorded and what
+    counts is decided after the threads have joined, so no caller races the window's edges.
+
+    Args:
+        run: One request: a feed in, the outputs out (thread-safe).
+        feeds: The distinct requests, cycled through (caller ``c`` starts at ``c``).
+        callers: How many threads.
+        warmup_s: Seconds between the barrier and the window.
+        duration_s: The window's length.
+        check: ``check(caller, feed_index, outputs)``: every caller's first outputs, then
+            every ``check_every``-th.
+        check_every: See ``check``.
+        at_start: Called on this thread just before the window opens.
+        at_end: Called on this thread just after it closed.
+
+    Returns:
+        The window and every request's span.
+
+    Raises:
+        BaseException: The first exception a caller raised (the others are stopped).
+    """
+    n = len(feeds)
+    spans: list[list[tuple[float, float]]] = [[] for _ in range(callers)]
+    barrier = threading.Barrier(callers + 1)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def caller(c: int) -> None:
+        try:
+            check(c, c % n, run(feeds[c % n]))
+            barrier.wait()
+            k = 0
+            mine = spans[c]
+            while not stop.is_set():
+                i = (c * 7 + k) % n
+                k += 1
+                t0 = time.perf_counter()
+                out = run(feeds[i])
+                mine.append((t0, time.perf_counter()))
+                if k % check_every == 0:
+                    check(c, i, out)
+        except threading.BrokenBarrierError:
+            pass  # another caller failed first: its exception is the one raised
+        except BaseException as exc:
+            errors.append(exc)
+            stop.set()  # wakes the window's timer: no point measuring a broken server
+            barrier.abort()
+
+    threads = [threading.Thread(target=caller, args=(c,), daemon=True) for c in range(callers)]
+    for t in threads:
+        t.start()
+    start = end = 0.0
+    try:
+        barrier.wait()
+        if not stop.wait(warmup_s):
+            if at_start is not None:
+                at_start()
+            start = time.perf_counter()
+            stop.wait(duration_s)
+            end = time.perf_counter()
+            if at_end is not None:
+                at_end()
+    except threading.BrokenBarrierError:
+        pass
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return Window(start, end, [span for mine in spans for span in mine])
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,10 +435,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     callers = spec["callers"]
     mismatches = [0] * callers
     max_diff = [0.0] * callers
-    latencies: list[list[float]] = [[] for _ in range(callers)]
-    barrier = threading.Barrier(callers + 1, timeout=600)  # a caller that fails breaks it
-    stop = threading.Event()
-    window: dict[str, float] = {}
 
     def check(c: int, i: int, out: Any) -> None:
         diff = float(np.max(np.abs(out[0] - expected[i]))) if out[0].size else 0.0
@@ -292,41 +442,22 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         if not np.allclose(out[0], expected[i], rtol=RTOL, atol=ATOL):
             mismatches[c] += 1
 
-    def caller(c: int) -> None:
-        i = c % INPUTS
-        check(c, i, server.run(feeds[i]))  # every caller once, checked, before the window
-        barrier.wait()
-        k = 0
-        while not stop.is_set():
-            i = (c * 7 + k) % INPUTS
-            k += 1
-            t0 = time.perf_counter()
-            out = server.run(feeds[i])
-            t1 = time.perf_counter()
-            if window["start"] <= t0 and t1 <= window.get("end", float("inf")):
-                latencies[c].append(t1 - t0)
-            if k % 16 == 0:
-                check(c, i, out)
-
-    threads = [threading.Thread(target=caller, args=(c,)) for c in range(callers)]
-    for t in threads:
-        t.start()
-    window["start"] = float("inf")
-    barrier.wait()
-    time.sleep(spec["warmup_s"])
     pooled = hasattr(server, "stats")
-    before = server.stats() if pooled else None
-    window["start"] = time.perf_counter()
-    time.sleep(spec["duration_s"])
-    window["end"] = time.perf_counter()
-    after = server.stats() if pooled else None
-    stop.set()
-    for t in threads:
-        t.join()
-    done = [x for per in latencies for x in per]
+    marks: dict[str, Any] = {}
+    window = closed_loop(
+        server.run,
+        feeds,
+        callers,
+        warmup_s=spec["warmup_s"],
+        duration_s=spec["duration_s"],
+        check=check,
+        at_start=(lambda: marks.update(before=server.stats())) if pooled else None,
+        at_end=(lambda: marks.update(after=server.stats())) if pooled else None,
+    )
+    before, after = marks.get("before"), marks.get("after")
     pss = me.memory_full_info().pss - base_pss
     device = _device_bytes(spec["providers"])
-    elapsed = window["end"] - window["start"]
+    elapsed = window.end - window.start
     stats: dict[str, Any] = {}
     if before is not None and after is not None:
         s = server.stats()
@@ -344,16 +475,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "busy_share": run_s / (after.sessions * elapsed),
         }
     server.close()
-    done.sort()
     return {
         "config": spec["config"],
         "callers": callers,
         "create_s": create_s,
         "warm_up_s": warm_s,
-        "requests": len(done),
-        "requests_per_s": len(done) / elapsed,
-        "p50_ms": 1000 * statistics.median(done) if done else None,
-        "p99_ms": 1000 * done[min(len(done) - 1, int(0.99 * len(done)))] if done else None,
+        **window.summary(),
         "pss_bytes": pss,
         "device_bytes": (
             device - base_device if device is not None and base_device is not None else None
@@ -399,7 +526,10 @@ def references(spec: dict[str, Any]) -> dict[str, Any]:
         feed = rm.sample_inputs(info, batch=1, seq=spec["seq"], seed=i)
         for k, v in feed.items():
             arrays[f"in{i}_{k}"] = v
-        arrays[f"out{i}"] = sess.run(None, feed)[0]
+        outputs = sess.run(None, feed)
+        arrays[f"out{i}"] = outputs[0]
+        for j, value in enumerate(outputs):  # every output, for benchmarks that check them all
+            arrays[f"out{i}_{j}"] = value
         if exact is not None:
             arrays[f"fp32out{i}"] = exact.run(None, feed)[0]
     np.savez(spec["references"], **arrays)
@@ -501,16 +631,27 @@ def ceiling(spec: dict[str, Any]) -> dict[str, Any]:
 # The parent
 
 
-def _child(mode: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def _child(
+    mode: str, spec: dict[str, Any], timeout_s: float, script: Path | None = None
+) -> dict[str, Any]:
+    """``script --child mode spec`` (this file by default) in a fresh interpreter.
+
+    Returns:
+        What the child printed after ``RESULT``, or ``{"error": ...}`` with its last lines.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child", mode, json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-    )
+    script = script or Path(__file__).resolve()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), "--child", mode, json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -544,6 +685,12 @@ def _model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _external_model(path: Path) -> dict[str, Any]:
+    """The inputs of an ONNX file as ``references`` feeds them.
+
+    A symbolic (or unnamed) axis 0 is the batch (one row a request), any other symbolic axis
+    the sequence (``--seq``); fixed dimensions are kept, so a model exported with its batch
+    fixed at 1 is fed one row.
+    """
     import onnx
 
     graph = onnx.load_model(str(path), load_external_data=False).graph
@@ -555,8 +702,8 @@ def _external_model(path: Path) -> dict[str, Any]:
         tensor = value.type.tensor_type
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
         dims = [
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or "batch")
-            for d in tensor.shape.dim
+            d.dim_value if d.HasField("dim_value") else ("batch" if axis == 0 else "seq")
+            for axis, d in enumerate(tensor.shape.dim)
         ]
         inputs[value.name] = [str(dtype), dims]
     return {
