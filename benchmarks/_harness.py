@@ -444,7 +444,7 @@ def _throwaway_session() -> None:
     import onnxruntime as ort
 
     # The same one-node model inspect's measurements warm up with: same baseline definition.
-    from sharedml._measure_child import warmup_model_bytes as _tiny_model_bytes
+    from sharedml.inspection._child import warmup_model_bytes as _tiny_model_bytes
 
     sess = ort.InferenceSession(_tiny_model_bytes(), providers=CPU)
     sess.run(None, {"a": np.ones(1, np.float32)})
@@ -689,7 +689,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"loadavg_start": os.getloadavg()[0]}
 
     # One-time costs of any process that runs ORT (its environment, the CPU provider, the
-    # first thread pool) are paid by a throwaway session, as sharedml._measure does, so that
+    # first thread pool) are paid by a throwaway session, as sharedml.inspection._measure does, so
+    # that
     # the growth below is what the strategy's sessions cost.
     _throwaway_session()
     gc.collect()

@@ -340,7 +340,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     if provider == CUDA:
         ort.preload_dlls()
     import sharedml
-    from sharedml import _device
+    from sharedml.weights import _device
 
     if v.cublas_before and provider == CUDA:
         result_before = _use_cublas(v.cublas_before, cfg["dim"], ort)

@@ -9,7 +9,8 @@ short window. Configurations:
 ``shrink``       every run with the run option ``memory.enable_memory_arena_shrinkage=gpu:0``
                  (ORT returns the arena's unused chunks after each run).
 ``env-arena``    one arena registered in ORT's environment for all sessions
-                 (``sharedml._device.register_shared_arena``, ``session.use_env_allocators=1``).
+                 (``sharedml.weights._device.register_shared_arena``,
+                 ``session.use_env_allocators=1``).
 ``mempool``      that environment arena with ``arena.use_cuda_mempool=1`` (ORT's CUDA memory
                  pool arena, where the installed build knows the key).
 ``external``     every session allocating from torch's caching allocator (provider options
@@ -46,7 +47,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     sys.path[:0] = [str(REPO / "src"), str(REPO)]
     import sharedml
-    from sharedml import _device
+    from sharedml.weights import _device
     from tools import realistic_models as rm
 
     ort.preload_dlls()

@@ -46,7 +46,8 @@ Configurations (``--configs``, comma-separated; ``+modifier`` suffixes combine):
                        session.save_external_prepacked_constant_initializers=1; reloaded by
                        path with optimizations off
     saved-mem          same, but its data file handed over as in extmem
-    pool               sharedml._prepack.build_prepacked_model() (ORT's default level, ALL)
+    pool               sharedml.weights._prepacked.build_prepacked_model() (ORT's default level,
+    ALL)
                        + PrepackedModel.apply(): what the session pool does
 
     +noarena   enable_cpu_mem_arena=False       +nomempat  enable_mem_pattern=False
@@ -241,7 +242,7 @@ class Maker:
             ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
         if base == "pool":
             sys.path.insert(0, str(REPO / "src"))
-            from sharedml import _prepack
+            from sharedml.weights import _prepacked as _prepack
 
             st = (d / "ext.bin").stat()
             self.prepacked = _prepack.build_prepacked_model(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from sharedml._strategies import Runner, SessionSet, StrategyContext
+from sharedml.inspection._strategies import Runner, SessionSet, StrategyContext
 
 
 class _Offset:

@@ -34,7 +34,8 @@ for _name, _value in (
 # onnxruntime_extensions sets PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python in os.environ when it
 # is imported (onnxruntime_extensions/cvt.py). This process keeps its upb backend, but every
 # subprocess a later test starts would inherit the pure-Python one: slower parsing, and a
-# sharedml._proto that (rightly) falls back to importing onnx. Import it here, once, and undo it.
+# sharedml.model._proto that (rightly) falls back to importing onnx. Import it here, once, and undo
+# it.
 _saved = os.environ.get("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION")
 try:
     import onnxruntime_extensions  # noqa: F401
@@ -50,14 +51,15 @@ finally:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "capability(name, ...): needs these onnxruntime capabilities (sharedml._capabilities); "
+        "capability(name, ...): needs these onnxruntime capabilities "
+        "(sharedml.runtime._capabilities); "
         "skipped with the capability's reason where the installed onnxruntime lacks one",
     )
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Skip a test marked ``capability(...)`` where the installed onnxruntime lacks one."""
-    from sharedml._capabilities import capability
+    from sharedml.runtime._capabilities import capability
 
     for mark in item.iter_markers("capability"):
         for name in mark.args:

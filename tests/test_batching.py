@@ -780,7 +780,7 @@ def test_padded_batches_run_at_a_bucket_and_give_each_caller_its_rows(
 
 
 def test_padding_repeats_the_last_real_row() -> None:
-    from sharedml._batching import Request, merge, split
+    from sharedml.pool._batching import Request, merge, split
 
     ids = [np.array([[5, 6]]), np.array([[7, 8], [9, 10]])]
     requests = [Request(None, {"ids": x}, None, len(x), "k") for x in ids]

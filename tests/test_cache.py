@@ -28,8 +28,8 @@ import pytest
 from _models import build_model, feeds, save_model
 
 import sharedml
-from sharedml import _cache
-from sharedml._demo import demo_model_path
+from sharedml.cache import _cache
+from sharedml.inspection._demo import demo_model_path
 
 POSIX = os.name == "posix"
 KINDS = ("models", "prepacked", "demo", "stamps")
@@ -232,7 +232,7 @@ KILLED_PREPACK = textwrap.dedent(
     r"""
     import os, signal, sys
     import sharedml
-    from sharedml import _prepack
+    from sharedml.weights import _prepacked as _prepack
 
     def killed(*args, **kwargs):  # ORT has written the entry's files: die before publishing
         os.kill(os.getpid(), signal.SIGKILL)
@@ -274,7 +274,7 @@ LIVE_BUILD = textwrap.dedent(
     r"""
     import sys
     from pathlib import Path
-    from sharedml import _cache
+    from sharedml.cache import _cache
 
     def build(folder):
         (folder / "half").write_bytes(b"x" * 4096)
@@ -538,7 +538,7 @@ def test_removal_never_follows_a_symlink_out_of_the_cache(tmp_path: Path) -> Non
 
 
 def test_a_size_is_bytes_or_a_number_with_a_binary_unit() -> None:
-    from sharedml._format import parse_bytes
+    from sharedml._units import parse_bytes
 
     assert parse_bytes("123") == 123
     assert parse_bytes("1.5K") == 1536

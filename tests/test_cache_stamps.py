@@ -17,9 +17,9 @@ import pytest
 from _models import build_model, feeds, run_ort, save_model
 
 import sharedml
-import sharedml._cache
 import sharedml._host
-from sharedml._cache import recall_stamp, record_stamp, snapshot
+import sharedml.cache._cache
+from sharedml.cache._cache import recall_stamp, record_stamp, snapshot
 
 POSIX = os.name == "posix"
 # Windows gets no stamps: its st_ctime is the creation time, which no write moves, so a file
@@ -32,7 +32,7 @@ needs_stamps = pytest.mark.skipif(
 @pytest.fixture
 def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let files written by the test itself get stamps (production waits 3 s after a write)."""
-    monkeypatch.setattr(sharedml._cache, "_RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(sharedml.cache._cache, "_RACY_WINDOW_NS", 0)
 
 
 def rewrite_in_place(path: Path, data: bytes) -> None:
@@ -180,7 +180,7 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     assert store.verified
     del store
     sharedml.WeightStore._registry.clear()  # as in a new process: no store, no mapping
-    sharedml._weights._MappedFile._registry.clear()
+    sharedml.weights._store._MappedFile._registry.clear()
 
     hashed: list[Path] = []
     real = sharedml._host.sha256_file
@@ -193,7 +193,7 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     assert sharedml.WeightStore.open(prepared).verified
     assert hashed == []
     sharedml.WeightStore._registry.clear()
-    sharedml._weights._MappedFile._registry.clear()
+    sharedml.weights._store._MappedFile._registry.clear()
 
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
@@ -282,10 +282,10 @@ def test_a_write_during_the_hash_is_not_stamped_as_good(
         return digest
 
     monkeypatch.setattr(sharedml._host, "sha256_file", hash_then_write)
-    assert sharedml._cache.verified_sha256(source, good)
+    assert sharedml.cache._cache.verified_sha256(source, good)
     monkeypatch.setattr(sharedml._host, "sha256_file", real)
-    sharedml._cache._DIGESTS.clear()  # as in a new process
-    assert not sharedml._cache.verified_sha256(source, good)  # hashed again: changed
+    sharedml.cache._cache._DIGESTS.clear()  # as in a new process
+    assert not sharedml.cache._cache.verified_sha256(source, good)  # hashed again: changed
 
 
 @needs_stamps
@@ -293,16 +293,16 @@ def test_a_source_changed_after_its_key_was_read_is_not_stamped(
     tmp_path: Path, no_racy_window: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src, v1, v2 = two_weight_versions(tmp_path)
-    real_prepare = sharedml._prepare.prepare
+    real_prepare = sharedml.prepared._prepare.prepare
 
     def prepare_then_deploy(*args: object, **kwargs: object) -> sharedml.PrepareResult:
         result = real_prepare(*args, **kwargs)  # type: ignore[arg-type]
         retarget(src.parent / "m.data", "v2.bin")  # a deploy lands before the stamp is taken
         return result
 
-    monkeypatch.setattr(sharedml._prepare, "prepare", prepare_then_deploy)
+    monkeypatch.setattr(sharedml.prepared._prepare, "prepare", prepare_then_deploy)
     first = sharedml.prepared_model_for(src)
-    monkeypatch.setattr(sharedml._prepare, "prepare", real_prepare)
+    monkeypatch.setattr(sharedml.prepared._prepare, "prepare", real_prepare)
     np.testing.assert_array_equal(run_ort(first, feeds(64)), run_ort(v1, feeds(64)))
     # No stamp vouches for v2 with v1's key: the source is hashed again and gets v2's entry.
     second = sharedml.prepared_model_for(src)

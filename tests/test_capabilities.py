@@ -14,9 +14,11 @@ import pytest
 from _models import PLACEMENTS, batchable_model, build_model, feeds, save_model
 
 import sharedml
-from sharedml import _capabilities, _device_probe, _graphs
-from sharedml._capabilities import WITHOUT_ENV, capabilities, capability, run_in_child
-from sharedml._onnx import ExternalData, iter_tensors, load_graph
+from sharedml.model._graph import ExternalData, iter_tensors, load_graph
+from sharedml.pool import _graphs
+from sharedml.runtime import _capabilities
+from sharedml.runtime._capabilities import WITHOUT_ENV, capabilities, capability, run_in_child
+from sharedml.weights import _probe as _device_probe
 
 CPU = "CPUExecutionProvider"
 DIM = 256  # MatMul weights of 256 KiB: large enough for ORT to pack and to go external
@@ -68,7 +70,7 @@ def test_a_graph_session_runs_in_a_fresh_process_and_gives_plain_outputs() -> No
     # The iobinding probe drives a real GraphSession on ORT's CPU device in a child. Before the
     # slot bound buffers of its own this crashed (SIGSEGV) on every onnxruntime before 1.30,
     # and on 1.30 and later a second feed was written into the first caller's array.
-    result = run_in_child("iobinding")
+    result = run_in_child("sharedml.pool._graphs:probe_iobinding")
     assert result.ok, result.reason
 
 

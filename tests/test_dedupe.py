@@ -17,10 +17,15 @@ import onnxruntime as ort
 import pytest
 
 import sharedml
-from sharedml import _cache
 from sharedml._errors import UnsafePathError
-from sharedml._onnx import load_graph
-from sharedml._prepare import SharedWeights, WeightsManifest, prepared_model_for, read_manifest
+from sharedml.cache import _cache
+from sharedml.model._graph import load_graph
+from sharedml.prepared._prepare import (
+    SharedWeights,
+    WeightsManifest,
+    prepared_model_for,
+    read_manifest,
+)
 from tests._models import build_model, feeds, save_model
 from tools.families import decoder_pair, renamed_variant
 

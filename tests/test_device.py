@@ -22,13 +22,14 @@ from _models import build_model, feeds, save_model
 from onnx import TensorProto
 
 import sharedml
-from sharedml import _device, _device_probe
-from sharedml._device import DeviceWeightStore
-from sharedml._device_probe import RouteProbe
 from sharedml._host import crash_name
-from sharedml._providers import DML_NO_DEVICE_ROUTE, plan_providers
-from sharedml._route import plan_route
-from sharedml._weights import TensorSlot
+from sharedml.route._planner import plan_route
+from sharedml.runtime._providers import DML_NO_DEVICE_ROUTE, plan_providers
+from sharedml.weights import _device
+from sharedml.weights import _probe as _device_probe
+from sharedml.weights._device import DeviceWeightStore
+from sharedml.weights._probe import RouteProbe
+from sharedml.weights._store import TensorSlot
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -575,7 +576,7 @@ def test_cuda_batching_gives_every_bucket_of_a_conv_model_its_own_session(
 ) -> None:
     from _models import conv_model
 
-    from sharedml import _graphs
+    from sharedml.pool import _graphs
 
     model = conv_model(tmp_path / "conv.onnx")
     plain = ort.InferenceSession(str(model), providers=[CUDA, CPU])

@@ -24,8 +24,8 @@ import onnxruntime as ort
 import pytest
 
 import sharedml
-from sharedml._family import FAMILY_WEIGHTS_PATTERN
-from sharedml._weights import _MappedFile
+from sharedml.prepared._family import FAMILY_WEIGHTS_PATTERN
+from sharedml.weights._store import _MappedFile
 from tools.families import decoder_pair, encoder_heads, renamed_variant
 from tools.realistic_models import mlp
 
@@ -357,7 +357,7 @@ def test_family_members_borrow_one_device_copy_of_each_tensor_on_the_cpu_device(
     CUDA not in ort.get_available_providers(), reason="needs onnxruntime-gpu with a CUDA device"
 )
 def test_family_members_borrow_one_cuda_copy_of_each_tensor(tmp_path: Path) -> None:
-    from sharedml import _device_probe
+    from sharedml.weights import _probe as _device_probe
 
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
@@ -462,7 +462,8 @@ def test_raw_pools_over_a_model_and_its_variant_cost_about_one_copy_prepared_or_
     memory_family: tuple[Path, Path, list[Path], Path], tmp_path: Path
 ) -> None:
     """Raw sharing (prepacking="off"): a prepared family's members map its one weights file;
-    unprepared, the variant's cache entry links the model's entry's file (sharedml._dedupe)."""
+    unprepared, the variant's cache entry links the model's entry's file
+    (sharedml.prepared._dedupe)."""
     base, variant, members, warm = memory_family
     alone, _ = _pss_of_pools([members[0]], "off", warm)
     both, mechanisms = _pss_of_pools(members, "off", warm)
@@ -523,7 +524,7 @@ def decoders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list
 def test_the_decoder_pair_costs_about_one_models_weights_on_every_cpu_route(
     decoders: tuple[Path, Path, list[Path]], tmp_path: Path, route: str, prepared: bool
 ) -> None:
-    from sharedml._family_inspect import measure_family
+    from sharedml.inspection._family import measure_family
 
     dec, past, members = decoders
     # Pool defaults (packed blobs shared across cache entries): the unprepared pair, no family
@@ -583,7 +584,7 @@ def test_inspect_reports_a_familys_distinct_and_total_weights_and_its_memory(
 def test_the_cache_says_which_entries_share_weights_and_pruning_one_keeps_the_other(
     variants: list[Path],
 ) -> None:
-    from sharedml import _cache
+    from sharedml.cache import _cache
 
     feed = {"input": np.ones((1, WIDTH), np.float32)}
     for model in variants[:2]:
@@ -609,7 +610,7 @@ def test_the_cache_says_which_entries_share_weights_and_pruning_one_keeps_the_ot
 def test_without_hard_links_a_prepacked_entry_keeps_its_own_blobs_and_still_matches_plain(
     variants: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sharedml import _cache
+    from sharedml.cache import _cache
 
     feed = {"input": np.ones((1, WIDTH), np.float32)}
     with sharedml.SessionPool(variants[0], sessions=1) as pool:
@@ -638,7 +639,7 @@ def test_an_entry_with_subgraph_weights_is_never_broken_by_another_sharing_its_f
     """
     from _models import build_model, feeds, save_model
 
-    from sharedml import _cache
+    from sharedml.cache import _cache
 
     with_if = save_model(
         build_model(["initializer", "if_initializer"], dim=256), tmp_path / "a.onnx"
@@ -683,7 +684,7 @@ def _pairs_model(path: Path, seed: int) -> Path:
 
 def test_family_inspect_takes_dims_shapes_and_inputs_for_every_member(tmp_path: Path) -> None:
     from sharedml._errors import MeasurementError
-    from sharedml._family_inspect import inspect_family
+    from sharedml.inspection._family import inspect_family
 
     models = [_pairs_model(tmp_path / f"m{i}.onnx", i) for i in (0, 1)]
     with pytest.raises(MeasurementError, match=r"(?s)every symbolic dim set to 1.*--dim"):

@@ -175,7 +175,7 @@ def test_processes_preparing_one_model_at_once_publish_one_valid_entry(tmp_path:
 KILLED_WORKER = textwrap.dedent(
     r"""
     import sys, time
-    import sharedml, sharedml._prepare as prep
+    import sharedml, sharedml.prepared._prepare as prep
     real_prepare = prep.prepare
 
     def stalled(progress_done, progress_total):

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from test_inspect import MiB, fake_measurement, fake_report
 
-from sharedml._inspect import SAME_WITHIN, Finding, findings
+from sharedml.inspection._inspect import SAME_WITHIN, Finding, findings
 
 
 def by_kind(found: tuple[Finding, ...]) -> dict[str, Finding]:

@@ -18,7 +18,7 @@ from _models import batchable_model, conv_model
 from _waiting import DEADLINE_S
 
 import sharedml
-from sharedml import _graphs
+from sharedml.pool import _graphs
 
 CPU_GRAPHS = [("CPUExecutionProvider", {"enable_cuda_graph": "1"})]
 
@@ -258,8 +258,8 @@ def test_session_per_bucket_defaults_to_cuda_batches_that_are_padded_without_gra
 
 
 def test_the_signature_says_whether_a_model_has_convolutions(model: Path, tmp_path: Path) -> None:
-    from sharedml._batching import signature_of
-    from sharedml._onnx import load_graph
+    from sharedml.model._graph import load_graph
+    from sharedml.pool._batching import signature_of
 
     conv = conv_model(tmp_path / "conv.onnx")
     assert signature_of(load_graph(conv), name="conv").convolutions

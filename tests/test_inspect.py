@@ -27,14 +27,14 @@ from _models import build_model, save_model
 from onnx import numpy_helper
 
 import sharedml
-from sharedml._cli_inspect import render_text, write_plot
-from sharedml._format import human_bytes
-from sharedml._inputs import InputSpec
-from sharedml._inspect import InspectReport, inspect, recommend, summarize_weights
-from sharedml._onnx import load_graph
-from sharedml._results import Measurement, MemoryPoint
-from sharedml._tables import indexed_tables
+from sharedml._units import human_bytes
 from sharedml.cli import main
+from sharedml.cli._inspect import render_text, write_plot
+from sharedml.inspection._inspect import InspectReport, inspect, recommend, summarize_weights
+from sharedml.inspection._results import Measurement, MemoryPoint
+from sharedml.model._graph import load_graph
+from sharedml.model._inputs import InputSpec
+from sharedml.model._tables import indexed_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024
@@ -377,7 +377,7 @@ def fake_measurement(
 
 
 def fake_report(measurements: list[Measurement], weights_mib: int = 100) -> InspectReport:
-    from sharedml._inspect import PlacementSummary, TensorInfo, WeightsSummary
+    from sharedml.inspection._inspect import PlacementSummary, TensorInfo, WeightsSummary
 
     weights = WeightsSummary(
         total_bytes=weights_mib * MiB,
@@ -767,8 +767,8 @@ def test_shapes_and_real_inputs_make_it_run_and_are_reported(
 def test_the_numerics_check_catches_outputs_that_differ_from_a_plain_session(
     tmp_path: Path,
 ) -> None:
-    from sharedml._measure import measure, trial_run
-    from sharedml._strategies import Strategy, register_strategy
+    from sharedml.inspection._measure import measure, trial_run
+    from sharedml.inspection._strategies import Strategy, register_strategy
 
     register_strategy(
         Strategy("offset", "plain + 1", "_offset_strategy:offset", default=False), replace=True
@@ -888,7 +888,7 @@ def test_table_headers_are_never_cut(width: int) -> None:
 
 
 def test_the_plot_makes_the_comparison_visible() -> None:
-    from sharedml._cli_inspect import plot_figure
+    from sharedml.cli._inspect import plot_figure
 
     fig = plot_figure(every_strategy_report())
     (ax,) = fig.axes
@@ -909,8 +909,8 @@ def test_where_runs_are_serialized_the_recommendation_is_one_batched_session(
 ) -> None:
     from _models import batchable_model
 
-    from sharedml._inspect import _serialized_for, findings
-    from sharedml._providers import plan_providers
+    from sharedml.inspection._inspect import _serialized_for, findings
+    from sharedml.runtime._providers import plan_providers
 
     dml = "DmlExecutionProvider"
     plan = plan_providers([dml], available=[dml, "CPUExecutionProvider"])
@@ -1117,7 +1117,7 @@ def test_sharedmls_own_cost_is_its_own_line_and_counted_against_plain_sessions(
     tmp_path: Path,
 ) -> None:
     """A small model: what a pool adds to a plain-ORT process is the pool plus sharedml itself."""
-    from sharedml._measure_child import warmup_model_bytes
+    from sharedml.inspection._child import warmup_model_bytes
 
     model = save_model(build_model(["initializer"] * 2, dim=256), tmp_path / "small.onnx")
     report = inspect(model, sessions=2, strategies=["naive", "shared"])

@@ -13,11 +13,16 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from sharedml._errors import MeasurementError, ProviderError
-from sharedml._inputs import generate, input_specs
-from sharedml._measure import measure
-from sharedml._measure_child import _DeviceMemory
-from sharedml._results import Measurement, MemoryPoint, _fit
-from sharedml._strategies import Strategy, get_strategy, register_strategy, registered_strategies
+from sharedml.inspection._child import _DeviceMemory
+from sharedml.inspection._measure import measure
+from sharedml.inspection._results import Measurement, MemoryPoint, _fit
+from sharedml.inspection._strategies import (
+    Strategy,
+    get_strategy,
+    register_strategy,
+    registered_strategies,
+)
+from sharedml.model._inputs import generate, input_specs
 
 MiB = 1024 * 1024
 
@@ -138,7 +143,7 @@ def detector_model() -> onnx.ModelProto:
 
 
 def test_a_whole_shape_sets_the_input_and_the_dimensions_it_shares() -> None:
-    from sharedml._inputs import defaulted_dims
+    from sharedml.model._inputs import defaulted_dims
 
     specs = input_specs(detector_model(), shapes={"images": (2, 3, 320, 256)})
     assert [(s.name, s.shape, s.source) for s in specs] == [
@@ -307,9 +312,9 @@ def test_builtin_strategies_are_registered_in_order() -> None:
 
 def test_registering_a_taken_name_or_a_bad_factory_is_refused() -> None:
     with pytest.raises(ValueError, match="already registered"):
-        register_strategy(Strategy("naive", "again", "sharedml._strategies:_naive"))
+        register_strategy(Strategy("naive", "again", "sharedml.inspection._strategies:_naive"))
     with pytest.raises(ValueError, match="module:function"):
-        register_strategy(Strategy("x-no-colon", "bad", "sharedml._strategies._naive"))
+        register_strategy(Strategy("x-no-colon", "bad", "sharedml.inspection._strategies._naive"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,7 +411,10 @@ def test_a_registered_strategy_runs_in_the_child(tmp_path: Path) -> None:
     onnx.save(embedding_model(), path)
     register_strategy(
         Strategy(
-            "test-plain", "plain sessions, again", "sharedml._strategies:_naive", default=False
+            "test-plain",
+            "plain sessions, again",
+            "sharedml.inspection._strategies:_naive",
+            default=False,
         ),
         replace=True,
     )
@@ -423,7 +431,12 @@ def test_a_failing_child_names_the_strategy_and_its_last_stderr_line(
     with pytest.raises(MeasurementError, match=r"strategy 'single' failed.*NoSuchOp"):
         measure(path, "single", sessions=2)
     register_strategy(
-        Strategy("test-missing", "no such factory", "sharedml._strategies:_nope", default=False),
+        Strategy(
+            "test-missing",
+            "no such factory",
+            "sharedml.inspection._strategies:_nope",
+            default=False,
+        ),
         replace=True,
     )
     with pytest.raises(MeasurementError, match=r"'test-missing'.*AttributeError.*_nope"):
@@ -457,7 +470,7 @@ def test_measuring_stops_before_memory_runs_out_and_says_so(tmp_path: Path) -> N
 def test_without_a_full_memory_reading_rss_is_read_and_the_reason_kept(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from sharedml._memory import metric_of, read_memory
+    from sharedml.inspection._memory import metric_of, read_memory
 
     def refuse(self: psutil.Process) -> None:
         raise psutil.AccessDenied(self.pid)

@@ -9,8 +9,13 @@ import pytest
 from _models import build_model, feeds, save_model
 
 import sharedml
-from sharedml import _prepack
-from sharedml._options import CONFIG_KEYS, clone_session_options, config_entry, graph_settings
+from sharedml.runtime._options import (
+    CONFIG_KEYS,
+    clone_session_options,
+    config_entry,
+    graph_settings,
+)
+from sharedml.weights import _prepacked as _prepack
 
 COPIED = sorted(k for k, policy in CONFIG_KEYS.items() if policy.copied)
 NOT_COPIED = sorted(k for k, policy in CONFIG_KEYS.items() if not policy.copied)

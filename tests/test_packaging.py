@@ -67,7 +67,7 @@ def test_the_cuda_recipe_is_the_dependencies_with_onnxruntime_gpu_instead() -> N
 DETECT = r"""
 import sys, warnings
 import sharedml
-from sharedml import _providers
+from sharedml.runtime import _providers
 assert 'onnxruntime' not in sys.modules  # import sharedml alone checks nothing
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

@@ -20,7 +20,7 @@ from _models import PLACEMENTS, build_model, feeds, save_model
 from _waiting import DEADLINE_S, wait_until
 
 import sharedml
-from sharedml import _providers
+from sharedml.runtime import _providers
 
 DIM = 32
 

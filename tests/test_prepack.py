@@ -15,7 +15,8 @@ import pytest
 from _models import PLACEMENTS, build_model, feeds, save_model
 
 import sharedml
-from sharedml import _host, _prepack
+from sharedml import _host
+from sharedml.weights import _prepacked as _prepack
 
 
 @pytest.fixture(scope="module")

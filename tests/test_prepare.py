@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
-from sharedml._onnx import iter_graphs, tensor_nbytes
+from sharedml.model._graph import iter_graphs, tensor_nbytes
 
 DIM = 64
 
@@ -826,7 +826,8 @@ def deploy(folder: Path, data: bytes) -> None:
 def test_a_source_changed_between_key_and_copy_is_cached_under_its_own_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sharedml import _cache, _prepare
+    from sharedml.cache import _cache
+    from sharedml.prepared import _prepare
 
     monkeypatch.setattr(_cache, "_RACY_WINDOW_NS", 0)  # stamps too, so that none can mislead
     src, data1, data2 = versioned_source(tmp_path)
@@ -932,7 +933,8 @@ def test_a_failure_placing_the_graph_leaves_no_file_and_restores_the_old_weights
 
 
 def test_the_cli_help_quotes_the_defaults_prepare_uses() -> None:
-    from sharedml import _prepare, cli
+    from sharedml import cli
+    from sharedml.prepared import _prepare
 
     assert cli._THRESHOLD == _prepare.DEFAULT_SIZE_THRESHOLD_BYTES
     assert cli._ALIGNMENT == _prepare.DEFAULT_ALIGNMENT_BYTES

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from sharedml import _proto
+from sharedml.model import _proto
 from tests._models import batchable_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_a_pool_never_imports_onnx(tmp_path: Path, batching: bool) -> None:
 def test_the_standalone_classes_are_onnx_classes_whichever_loads_first() -> None:
     code = """
         import json, pickle, sys
-        from sharedml import _proto
+        from sharedml.model import _proto
         ours = _proto.ModelProto
         before = "onnx" in sys.modules
         pickled = pickle.dumps(_proto.parse_model(b""))  # names onnx's module: loads anywhere
@@ -108,7 +108,7 @@ def test_another_protobuf_backend_falls_back_to_onnx() -> None:
     # With the pure-Python backend a message class is made per module: mixing would break.
     code = """
         import json
-        from sharedml import _proto
+        from sharedml.model import _proto
         print(json.dumps({"module": _proto.pb2().__name__}))
     """
     result = _python(code, PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python")

@@ -15,9 +15,9 @@ import pytest
 from _models import batchable_model, build_model, save_model
 
 import sharedml
-import sharedml._pool
-from sharedml import _device_probe, _providers
-from sharedml._providers import (
+import sharedml.pool._pool
+from sharedml.runtime import _providers
+from sharedml.runtime._providers import (
     CPU,
     CUDA,
     DML,
@@ -25,6 +25,7 @@ from sharedml._providers import (
     plan_providers,
     serialize_runs_by_default,
 )
+from sharedml.weights import _probe as _device_probe
 
 ALL = [CPU, CUDA, DML]
 
@@ -166,7 +167,7 @@ def dml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_providers, "available_providers", lambda: [DML, CPU])
     monkeypatch.setattr(_device_probe, "_PROBES", {})
     monkeypatch.delenv(_device_probe.ROUTE_ENV, raising=False)
-    monkeypatch.setattr(sharedml._pool, "_WARNED_SESSIONS", set())
+    monkeypatch.setattr(sharedml.pool._pool, "_WARNED_SESSIONS", set())
 
 
 def dml_pool(model: Path, **kwargs: object) -> sharedml.SessionPool:
@@ -209,7 +210,7 @@ def test_extra_directml_sessions_warn_once_unless_the_caller_says_why(
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*sessions on DmlExecutionProvider")
         sharedml.SessionPool(model, providers=[DML], min_sessions=0, sessions=4).close()  # once
-        sharedml._pool._WARNED_SESSIONS.clear()
+        sharedml.pool._pool._WARNED_SESSIONS.clear()
         sharedml.SessionPool(
             model, providers=[DML], min_sessions=0, sessions=4, per_session_state=True
         ).close()

@@ -31,7 +31,8 @@ from _models import build_model, save_model
 
 import sharedml
 import sharedml.ray
-from sharedml import _cache, _host
+from sharedml import _host
+from sharedml.cache import _cache
 from sharedml.ray import NodeModel, create_pool, prepare_on_node
 from sharedml.ray import _node as node_module
 
@@ -54,7 +55,7 @@ def mlp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _replica(model: str, cache: str, log: str, start: Any, results: Any) -> None:
     """One replica process: open the node's pool once ``start`` lets every replica go."""
     import sharedml.ray
-    from sharedml import _prepare
+    from sharedml.prepared import _prepare
 
     publish, prepare = _cache.publish, _prepare.prepare
 
@@ -151,7 +152,7 @@ def test_lock_timeout_names_the_lock(mlp_model: Path, tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import sys; from sharedml import _cache\n"
+            "import sys; from sharedml.cache import _cache\n"
             f"with _cache.held_lock({name!r}, cache_dir={str(tmp_path)!r}):\n"
             "    print('held', flush=True); sys.stdin.readline()",
         ],

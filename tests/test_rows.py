@@ -17,9 +17,9 @@ from _models import OPSET
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
 import sharedml
-from sharedml._batching import signature_of
-from sharedml._dims import BATCH, ONE, Dim
-from sharedml._rows import Kind, RowAnalysis, rules_table
+from sharedml.pool._batching import signature_of
+from sharedml.pool._dims import BATCH, ONE, Dim
+from sharedml.pool._rows import Kind, RowAnalysis, rules_table
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64

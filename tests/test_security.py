@@ -25,7 +25,7 @@ from _models import build_model, feeds, save_model
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
-from sharedml._cache import clear_stale
+from sharedml.cache._cache import clear_stale
 
 N = 256  # elements of every hand-written tensor: 1 KiB of float32, above every threshold
 NBYTES = 4 * N

@@ -21,10 +21,6 @@ import importlib.metadata as _metadata
 import typing as _typing
 
 if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type checkers and IDEs
-    from sharedml._batching import Batching
-    from sharedml._cache import cache_dir
-    from sharedml._device import DeviceWeightStore, HostWeights
-    from sharedml._device_probe import device_mechanism_available
     from sharedml._errors import (
         CacheError,
         ExternalDataError,
@@ -47,9 +43,8 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
         UnsafePathError,
         WeightsMismatchError,
     )
-    from sharedml._family import FamilyResult, TensorDigest
-    from sharedml._inputs import InputSpec
-    from sharedml._inspect import (
+    from sharedml.cache._cache import cache_dir
+    from sharedml.inspection._inspect import (
         Finding,
         InspectReport,
         PlacementSummary,
@@ -57,20 +52,9 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
         WeightsSummary,
         inspect,
     )
-    from sharedml._measure import measure
-    from sharedml._pool import PoolStats, SessionPool
-    from sharedml._prepare import (
-        PrepareResult,
-        SharedWeights,
-        WeightsManifest,
-        prepare,
-        prepared_model_for,
-        weights_path_for,
-    )
-    from sharedml._providers import ProviderPlan, ProviderSpec
-    from sharedml._results import Measurement, MemoryPoint
-    from sharedml._route import Mechanism, Prepacking, SessionRecipe
-    from sharedml._strategies import (
+    from sharedml.inspection._measure import measure
+    from sharedml.inspection._results import Measurement, MemoryPoint
+    from sharedml.inspection._strategies import (
         Runner,
         SessionSet,
         Strategy,
@@ -78,7 +62,23 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
         register_strategy,
         registered_strategies,
     )
-    from sharedml._weights import TensorSlot, WeightStore, zero_copy_mechanisms
+    from sharedml.model._inputs import InputSpec
+    from sharedml.pool._batching import Batching
+    from sharedml.pool._pool import PoolStats, SessionPool
+    from sharedml.prepared._family import FamilyResult, TensorDigest
+    from sharedml.prepared._prepare import (
+        PrepareResult,
+        SharedWeights,
+        WeightsManifest,
+        prepare,
+        prepared_model_for,
+        weights_path_for,
+    )
+    from sharedml.route._planner import Mechanism, Prepacking, SessionRecipe
+    from sharedml.runtime._providers import ProviderPlan, ProviderSpec
+    from sharedml.weights._device import DeviceWeightStore, HostWeights
+    from sharedml.weights._probe import device_mechanism_available
+    from sharedml.weights._store import TensorSlot, WeightStore, zero_copy_mechanisms
 
 try:
     __version__ = _metadata.version("sharedml")
@@ -163,26 +163,26 @@ _ERRORS = (
     "PoolClosedError PoolTimeout MeasurementError"
 )
 _HOMES = {
-    "_batching": "Batching",
-    "_cache": "cache_dir",
-    "_device": "DeviceWeightStore HostWeights",
-    "_device_probe": "device_mechanism_available",
+    "pool._batching": "Batching",
+    "cache._cache": "cache_dir",
+    "weights._device": "DeviceWeightStore HostWeights",
+    "weights._probe": "device_mechanism_available",
     "_errors": _ERRORS,
-    "_family": "FamilyResult TensorDigest",
-    "_inputs": "InputSpec",
-    "_inspect": "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect",
-    "_measure": "measure",
-    "_pool": "PoolStats SessionPool",
-    "_prepare": (
+    "prepared._family": "FamilyResult TensorDigest",
+    "model._inputs": "InputSpec",
+    "inspection._inspect": "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect",
+    "inspection._measure": "measure",
+    "pool._pool": "PoolStats SessionPool",
+    "prepared._prepare": (
         "PrepareResult SharedWeights WeightsManifest prepare prepared_model_for weights_path_for"
     ),
-    "_providers": "ProviderPlan ProviderSpec",
-    "_results": "Measurement MemoryPoint",
-    "_route": "Mechanism Prepacking SessionRecipe",
-    "_strategies": (
+    "runtime._providers": "ProviderPlan ProviderSpec",
+    "inspection._results": "Measurement MemoryPoint",
+    "route._planner": "Mechanism Prepacking SessionRecipe",
+    "inspection._strategies": (
         "Runner SessionSet Strategy StrategyContext register_strategy registered_strategies"
     ),
-    "_weights": "TensorSlot WeightStore zero_copy_mechanisms",
+    "weights._store": "TensorSlot WeightStore zero_copy_mechanisms",
 }
 _LAZY = {name: module for module, names in _HOMES.items() for name in names.split()}
 
@@ -198,7 +198,8 @@ def __getattr__(name: str) -> _typing.Any:
     if module is None:
         raise AttributeError(f"module 'sharedml' has no attribute {name!r}")
     obj = getattr(_importlib.import_module(f"sharedml.{module}"), name)
-    if getattr(obj, "__module__", "").startswith("sharedml._"):
+    home = getattr(obj, "__module__", "") or ""
+    if home.startswith("sharedml.") and any(p.startswith("_") for p in home.split(".")):
         with _contextlib.suppress(AttributeError, TypeError):  # typing aliases refuse
             obj.__module__ = __name__
     globals()[name] = obj

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from sharedml._pool import PoolStats
+from sharedml.pool._pool import PoolStats
 
 __all__ = ["LATENCY_BUCKETS_S", "TAG_KEYS", "PoolMetrics"]
 

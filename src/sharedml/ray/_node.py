@@ -5,14 +5,15 @@ serve, in one place, with no Ray import:
 
 - :func:`prepare_on_node` puts the prepared model in this node's cache. Replicas that start
   together on a node take turns on a per-model lock of that cache
-  (:func:`sharedml._cache.held_lock`), so one of them prepares and the others find its entry:
+  (:func:`sharedml.cache._cache.held_lock`), so one of them prepares and the others find its entry:
   the cache's atomic publish alone would give them all the same entry, but each would have
   prepared the model first.
 - A model that is already prepared is used where it lies, unless its files sit on a network file
   system: then it is copied into the node's cache (``local_copy``), so that the node's page
   cache, not the network, serves the pages every replica maps.
 - :func:`create_pool` holds the same lock while it opens the pool, so the derived entries the
-  pool builds on first use (the CPU prepacked model, :mod:`sharedml._prepack`) are built once
+  pool builds on first use (the CPU prepacked model, :mod:`sharedml.weights._prepacked`) are built
+  once
   per node too. Replicas of one node therefore open their pools one at a time; the first one
   pays for the builds, the others only map what it built.
 - Decisions for a pool inside a replica: batching on wherever the model can be batched (a server
@@ -33,11 +34,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from sharedml._batching import Batching
-from sharedml._cache import CacheDir, cache_dir, held_lock, kind_folder
 from sharedml._host import filesystem_type, is_remote_filesystem
-from sharedml._pool import _DEFAULT_SESSIONS, SessionPool
-from sharedml._prepare import prepared_model_for, prepared_model_from_bytes, weights_path_for
+from sharedml.cache._cache import CacheDir, cache_dir, held_lock, kind_folder
+from sharedml.pool._batching import Batching
+from sharedml.pool._pool import _DEFAULT_SESSIONS, SessionPool
+from sharedml.prepared._prepare import (
+    prepared_model_for,
+    prepared_model_from_bytes,
+    weights_path_for,
+)
 
 __all__ = [
     "BatchingSetting",

@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from sharedml._batching import Batching
 from sharedml._errors import InvalidInputError, PoolClosedError, RunError
-from sharedml._pool import _DEFAULT_SESSIONS
+from sharedml.pool._batching import Batching
+from sharedml.pool._pool import _DEFAULT_SESSIONS
 from sharedml.ray import _http
 from sharedml.ray._http import (
     JSON,

@@ -1,0 +1,1 @@
+"""The content-keyed cache of prepared models and derived entries (``$SHAREDML_CACHE_DIR``)."""

@@ -1,0 +1,574 @@
+"""The measuring child: creates a strategy's sessions one at a time and records memory.
+
+Started by :func:`sharedml.measure` (``child_main``) with one JSON spec. The child:
+
+1. imports onnxruntime and the strategy, builds the inputs, and creates and drops one tiny
+   session with the same providers, so that loading the providers' libraries and ORT's
+   environment (one-time costs of any process) are not counted;
+2. records the baseline: psutil ``memory_full_info()`` (PSS, USS, RSS), and device memory where
+   it can be read;
+3. for k = 1 .. N: creates session k, then runs sessions 1..k once each, *concurrently* (k
+   threads released together by a ``threading.Barrier``), checks that their outputs agree, and
+   records memory again. Point k is therefore "k sessions, each having run once,
+   concurrently": point N is the total, and the per-extra-session cost is a fit over all points;
+4. compares the first session's first outputs with a default plain session's (the parent's
+   trial run saved them, ``reference_file``): the largest absolute difference, a numerics check
+   of the strategy's settings (a pool's thread count, prepacking) against ORT's defaults;
+5. prints one ``RESULT`` line of JSON on stdout (progress lines before it), or an error as its
+   last stderr line and a non-zero exit status.
+
+A spec with ``"mode": "trial"`` does only the trial run: one plain session with ORT's defaults,
+run once on the inputs; its array outputs are saved for the measurements to compare against.
+
+The headline metric is PSS where the platform has it (Linux): a page mapped by several processes
+counts a share in each, and a file mapped once by this process counts once, which is what "how
+much RAM does this cost" means. Elsewhere it is USS. With glibc, each reading follows
+``malloc_trim(0)``: how much freed heap glibc keeps after session creation varies from run to
+run, so the trimmed figure, what the sessions hold, is the repeatable one; the reading before
+the trim is kept too. Device memory: with CUDA, the child's own usage through NVML (``pynvml``)
+or ``nvidia-smi``; with DirectML it is reported as not measurable; never estimated.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sharedml._host import available_bytes, heap_trim_available, release_freed_heap
+from sharedml.inspection._memory import FALLBACK_NOTES, metric_of, read_memory
+from sharedml.inspection._strategies import Runner, StrategyContext
+from sharedml.model._inputs import generate
+
+__all__ = ["PROGRESS_PREFIX", "RESULT_PREFIX", "SPEC_VERSION", "child_main", "warmup_model_bytes"]
+
+SPEC_VERSION = 2
+RESULT_PREFIX = "RESULT "
+PROGRESS_PREFIX = "PROGRESS "
+
+
+def _memory() -> dict[str, Any]:
+    """This process's memory (:func:`~sharedml.inspection._memory.read_memory`): every metric."""
+    return read_memory()
+
+
+class _DeviceMemory:
+    """This process's device memory, where the provider and platform let it be read."""
+
+    def __init__(self, providers: Sequence[str]) -> None:
+        self.metric: str | None = None
+        self.note: str | None = None
+        self._nvml: Any = None
+        primary = providers[0] if providers else "CPUExecutionProvider"
+        if primary in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+            try:
+                pynvml = importlib.import_module("pynvml")  # optional: nvidia-ml-py
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self.metric = "nvml"
+            except Exception:
+                if shutil.which("nvidia-smi"):
+                    self.metric = "nvidia-smi"
+                else:
+                    self.note = (
+                        "not measurable: neither pynvml (pip install nvidia-ml-py) nor nvidia-smi "
+                        "is available"
+                    )
+        elif primary == "DmlExecutionProvider":
+            self.note = (
+                "not measurable: DirectML reports no per-process device memory that sharedml can "
+                "read; use Task Manager's 'Dedicated GPU memory' column for this process"
+            )
+        elif primary != "CPUExecutionProvider":
+            self.note = f"not measured: sharedml reads device memory only for CUDA, not {primary}"
+        self._seen = False
+
+    def read(self) -> int | None:
+        """Bytes of device memory this process uses now, or None where it cannot be read."""
+        if self.metric is None:
+            return None
+        pid = os.getpid()
+        total = 0
+        found = False
+        try:
+            if self.metric == "nvml":
+                nvml = self._nvml
+                for index in range(nvml.nvmlDeviceGetCount()):
+                    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                    for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                        if proc.pid == pid and proc.usedGpuMemory is not None:
+                            total += int(proc.usedGpuMemory)
+                            found = True
+            else:
+                out = subprocess.run(
+                    [
+                        "nvidia-smi",
+                        "--query-compute-apps=pid,used_memory",
+                        "--format=csv,noheader,nounits",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=True,
+                ).stdout
+                for line in out.splitlines():
+                    fields = [f.strip() for f in line.split(",")]
+                    if len(fields) == 2 and fields[0] == str(pid) and fields[1].isdigit():
+                        total += int(fields[1]) * 1024 * 1024  # nvidia-smi reports MiB
+                        found = True
+        except Exception as exc:
+            self.note = f"not measurable: reading device memory failed ({exc})"
+            self.metric = None
+            return None
+        self._seen = self._seen or found
+        return total
+
+    def finish(self) -> None:
+        if self.metric is not None and not self._seen:
+            # The driver never listed this process: in a container with its own PID namespace
+            # the driver reports host PIDs. Zeros would be invented figures.
+            self.note = (
+                f"not measurable: {self.metric} does not list this process (a container with its "
+                "own PID namespace?)"
+            )
+            self.metric = None
+
+
+def warmup_model_bytes() -> bytes:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "a"], ["b"])],
+        "warmup",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("b", TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    data: bytes = model.SerializeToString()
+    return data
+
+
+def _run_concurrently(
+    runners: Sequence[Runner], feeds: Mapping[str, Any], concurrent: bool
+) -> tuple[float, list[Any]]:
+    """Run every runner once, all together on a barrier or one by one.
+
+    Returns:
+        Wall seconds, and each runner's outputs in order.
+    """
+    outputs: list[Any] = [None] * len(runners)
+    if not concurrent:
+        start = time.perf_counter()
+        for i, run in enumerate(runners):
+            outputs[i] = run(feeds)
+        return time.perf_counter() - start, outputs
+    barrier = threading.Barrier(len(runners) + 1)
+    errors: list[BaseException] = []
+
+    def work(i: int, run: Runner) -> None:
+        try:
+            barrier.wait()
+            outputs[i] = run(feeds)
+        except BaseException as exc:  # re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i, r)) for i, r in enumerate(runners)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return elapsed, outputs
+
+
+def _same_outputs(a: Any, b: Any) -> bool:
+    """Whether two runs' outputs are bitwise equal (lists of arrays, or anything comparable)."""
+    import numpy as np
+
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_outputs(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    return bool(a == b)
+
+
+def _feeds(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The inputs: the caller's arrays (``feeds_file``) where given, the rest generated."""
+    given: dict[str, Any] = {}
+    if spec.get("feeds_file"):
+        from sharedml.model._inputs import load_feeds
+
+        given = load_feeds(spec["feeds_file"])
+    return {
+        i["name"]: given[i["name"]] if i.get("source") == "file" else generate(i)
+        for i in spec["inputs"]
+    }
+
+
+def _comparable(outputs: Sequence[Any]) -> dict[str, Any]:
+    """The numeric array outputs, by position (``out0``...): what a numerics check compares."""
+    import numpy as np
+
+    return {
+        f"out{i}": out
+        for i, out in enumerate(outputs)
+        if isinstance(out, np.ndarray) and out.dtype.kind in "biufc"
+    }
+
+
+def _load_reference(reference_file: str) -> dict[str, Any]:
+    """The saved outputs of a default plain session, by position.
+
+    Loaded before the baseline is read, so that neither they nor the modules that read them
+    count as the sessions' memory.
+    """
+    import numpy as np
+
+    with np.load(reference_file, allow_pickle=False) as saved:
+        return {name: saved[name] for name in saved.files}
+
+
+def _nonfinite(outputs: Mapping[str, Any]) -> int:
+    """How many NaN and infinite values the float outputs hold, all outputs together."""
+    import numpy as np
+
+    return sum(
+        int(out.size - np.count_nonzero(np.isfinite(out)))
+        for out in outputs.values()
+        if out.dtype.kind in "fc"
+    )
+
+
+def _difference(
+    outputs: Sequence[Any], reference: Mapping[str, Any]
+) -> tuple[float | None, int, bool, int]:
+    """How far ``outputs`` are from the saved reference.
+
+    Returns:
+        The largest absolute difference over the outputs compared (None: nothing comparable
+        was saved, shapes, dtypes or NaN positions differ, or either side holds NaN or
+        infinite values), how many outputs were compared, whether all of them had the
+        reference's shape, dtype and NaN positions, and how many NaN or infinite values the
+        two sides hold (the larger count): such outputs are not compared at all.
+    """
+    import numpy as np
+
+    mine = _comparable(outputs)
+    nonfinite = max(_nonfinite(mine), _nonfinite(reference))
+    worst = 0.0
+    for name, ref in reference.items():
+        out = mine.get(name)
+        if out is None or out.shape != ref.shape or out.dtype != ref.dtype:
+            return None, len(reference), False, nonfinite
+        if not np.array_equal(np.isnan(out), np.isnan(ref)):
+            return None, len(reference), False, nonfinite
+        if out.size and not nonfinite:
+            delta = np.abs(out.astype(np.float64) - ref.astype(np.float64))
+            worst = max(worst, float(delta.max()))
+    if nonfinite:
+        return None, len(reference), True, nonfinite
+    return (worst if reference else None), len(reference), True, nonfinite
+
+
+def _child_trial(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """One plain session, ORT's defaults, run once; its outputs saved to ``reference_file``."""
+    import numpy as np
+    import onnxruntime as ort
+
+    feeds = _feeds(spec)
+    sess = ort.InferenceSession(
+        spec["model"],
+        providers=list(spec["providers"]),
+        provider_options=[dict(o) for o in spec["provider_options"]],
+    )
+    start = time.perf_counter()
+    outputs = sess.run(None, feeds)
+    seconds = time.perf_counter() - start
+    names = [o.name for o in sess.get_outputs()]
+    described = []
+    for name, out in zip(names, outputs, strict=False):
+        if isinstance(out, np.ndarray):
+            bad = _nonfinite({name: out}) if out.dtype.kind in "fc" else 0
+            described.append(
+                {"name": name, "dtype": str(out.dtype), "shape": list(out.shape), "nonfinite": bad}
+            )
+        else:
+            described.append({"name": name, "dtype": type(out).__name__, "shape": None})
+    np.savez(spec["reference_file"], **_comparable(outputs))
+    return {"outputs": described, "run_seconds": seconds, "onnxruntime": ort.__version__}
+
+
+def _growth(now: Mapping[str, Any], base: Mapping[str, Any], key: str) -> int | None:
+    a, b = now.get(key), base.get(key)
+    return None if a is None or b is None else a - b
+
+
+DEFAULT_TRAFFIC_SECONDS = 60.0  # per strategy: runs over the tables stop there, partly covered
+
+
+def _traffic_point(
+    base: Mapping[str, Any], base_untrimmed: Mapping[str, Any], metric: str
+) -> dict[str, Any]:
+    """Memory now against the baseline, as a point (no creation, no timed run)."""
+    gc.collect()
+    untrimmed = _memory()
+    release_freed_heap()
+    now = _memory()
+    return {
+        "sessions": 0,
+        "pss_bytes": _growth(now, base, "pss"),
+        "uss_bytes": _growth(now, base, "uss"),
+        "rss_bytes": _growth(now, base, "rss"),
+        "private_bytes": _growth(now, base, "private"),
+        "untrimmed_bytes": _growth(untrimmed, base_untrimmed, metric),
+        "device_bytes": None,
+        "create_seconds": 0.0,
+        "run_seconds": 0.0,
+        "outputs_agree": True,
+    }
+
+
+def _run_over_tables(
+    spec: Mapping[str, Any],
+    runners: Sequence[Runner],
+    feeds: Mapping[str, Any],
+    reading: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run each session over inputs whose ids cover the indexed tables' rows, one at a time.
+
+    After session k has run over them, memory is read: point k. The first session runs
+    until every row is covered or its share of the time (``traffic_seconds`` / N) is up;
+    the others run as many, so that every session read the same rows.
+
+    Returns:
+        The points, and what was done (``runs``, ``runs_needed``, ``rows`` covered per
+        table, ``seconds``, ``partial``, ``error``); no points where there is nothing to run.
+    """
+    from sharedml.model._tables import covering_feeds, runs_to_cover
+
+    tables = list(spec.get("tables") or ())
+    needed = runs_to_cover(tables, spec["inputs"]) if tables else 0
+    if not needed or not runners:
+        return [], {}
+    budget = float(spec.get("traffic_seconds") or DEFAULT_TRAFFIC_SECONDS) / len(runners)
+    points: list[dict[str, Any]] = []
+    allowed = needed
+    start = time.perf_counter()
+    try:
+        for k, run in enumerate(runners, start=1):
+            began = time.perf_counter()
+            done = 0
+            for feed in covering_feeds(tables, spec["inputs"], feeds):
+                if done >= allowed or (k == 1 and time.perf_counter() - began > budget):
+                    break
+                run(feed)
+                done += 1
+            allowed = done
+            point = reading()
+            point["sessions"] = k
+            point["run_seconds"] = time.perf_counter() - began
+            points.append(point)
+    except Exception as exc:  # the model refuses the ids: say so, measure nothing of it
+        text = " ".join((str(exc).strip() or type(exc).__name__).split())
+        return [], {"error": f"{type(exc).__name__}: {text}", "runs_needed": needed}
+    shapes = {str(i["name"]): i["shape"] for i in spec["inputs"]}
+    rows: dict[str, int] = {}
+    for t in tables:
+        if t.get("input") is None or t["input"] not in shapes:
+            continue
+        per_run = 1
+        for axis, d in enumerate(shapes[t["input"]]):
+            if t.get("block") is None or axis != t["block"][0] % len(shapes[t["input"]]):
+                per_run *= int(d)
+        rows[t["name"]] = min(int(t["rows"]), allowed * per_run)
+    return points, {
+        "runs": allowed,
+        "runs_needed": needed,
+        "rows": rows,
+        "seconds": time.perf_counter() - start,
+        "partial": allowed < needed,
+        "error": None,
+    }
+
+
+def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    if spec.get("version") != SPEC_VERSION:
+        raise ValueError(f"spec version {spec.get('version')} is not {SPEC_VERSION}")
+    module_name, _, func_name = spec["factory"].partition(":")
+    factory = getattr(importlib.import_module(module_name), func_name)
+    providers = tuple(spec["providers"])
+    provider_options = tuple(dict(o) for o in spec["provider_options"])
+    ctx = StrategyContext(
+        model_path=Path(spec["model"]),
+        sessions=int(spec["sessions"]),
+        providers=providers,
+        provider_options=provider_options,
+    )
+    feeds = _feeds(spec)
+    plain = _load_reference(spec["reference_file"]) if spec.get("reference_file") else None
+    reserve = int(spec["memory_reserve_bytes"])
+    # DirectML can run neither one session from two threads nor several sessions at once.
+    concurrent = providers[0] != "DmlExecutionProvider"
+    device = _DeviceMemory(providers)
+
+    # sharedml's own modules (and onnx, which they import) load on first use: load them all
+    # now, so that a pooled strategy's first SessionPool does not count ~18 MiB of imports as
+    # its sessions' memory, and plain strategies are measured over the same baseline.
+    import sharedml
+
+    for name in sharedml.__all__:
+        getattr(sharedml, name)
+    # One-time costs of any process that uses these providers: their libraries, ORT's
+    # environment and thread pools. Paid (and released) here, so that they are not counted.
+    warmup = ort.InferenceSession(
+        warmup_model_bytes(), providers=list(providers), provider_options=list(provider_options)
+    )
+    warmup.run(None, {"a": generate({"shape": [1], "dtype": "float32"})})
+    del warmup
+    gc.collect()
+    base_untrimmed = _memory()
+    trimmed = heap_trim_available()
+    release_freed_heap()
+    base = _memory()
+    base_device = device.read()
+    metric = metric_of(base)
+    if metric is None:  # not even RSS: nothing to measure with, and no figure to invent
+        raise RuntimeError(f"this process's memory cannot be read here ({base['error']})")
+    metric_note = None
+    if metric != "pss":
+        why = base["error"] or "this platform has no PSS"
+        metric_note = f"{metric.upper()}, because {why}: {FALLBACK_NOTES[metric]}"
+    start = time.perf_counter()
+    sessions = factory(ctx)
+    setup_seconds = time.perf_counter() - start
+    runners: list[Runner] = []
+    points: list[dict[str, Any]] = []
+    stopped: str | None = None
+    plain_diff: float | None = None
+    plain_compared = 0
+    plain_comparable = True
+    plain_nonfinite = 0
+    largest_step = 0
+    previous = 0
+    reference: Any = None  # the first session's first outputs: every later run must equal them
+    try:
+        for k in range(1, ctx.sessions + 1):
+            if k > 1:
+                room = available_bytes() - reserve
+                if room < 1.5 * largest_step:
+                    stopped = (
+                        f"stopped after {k - 1} of {ctx.sessions} sessions to leave "
+                        f"{reserve / 2**20:.0f} MiB free: each session needs up to "
+                        f"{largest_step / 2**20:.0f} MiB, {max(room, 0) / 2**20:.0f} MiB was "
+                        "left; larger counts are projected"
+                    )
+                    break
+            start = time.perf_counter()
+            runners.append(sessions.add())
+            create_seconds = time.perf_counter() - start
+            run_seconds, outputs = _run_concurrently(runners, feeds, concurrent)
+            if reference is None:
+                reference = outputs[0]
+                if plain is not None:
+                    plain_diff, plain_compared, plain_comparable, plain_nonfinite = _difference(
+                        reference, plain
+                    )
+            agree = all(_same_outputs(out, reference) for out in outputs)
+            gc.collect()
+            untrimmed = _memory()
+            release_freed_heap()
+            now = _memory()
+            dev = device.read()
+            growth = _growth(now, base, metric) or 0
+            largest_step = max(largest_step, growth - previous)
+            previous = growth
+            points.append(
+                {
+                    "sessions": k,
+                    "pss_bytes": _growth(now, base, "pss"),
+                    "uss_bytes": _growth(now, base, "uss"),
+                    "rss_bytes": _growth(now, base, "rss"),
+                    "private_bytes": _growth(now, base, "private"),
+                    "untrimmed_bytes": _growth(untrimmed, base_untrimmed, metric),
+                    "device_bytes": (
+                        dev - base_device if dev is not None and base_device is not None else None
+                    ),
+                    "create_seconds": create_seconds,
+                    "run_seconds": run_seconds,
+                    "outputs_agree": agree,
+                }
+            )
+            print(f"{PROGRESS_PREFIX}{k} {ctx.sessions}", flush=True)
+        traffic_points, traffic = _run_over_tables(
+            spec, runners, feeds, lambda: _traffic_point(base, base_untrimmed, metric)
+        )
+        describe = getattr(sessions, "details", None)
+        details = dict(describe()) if callable(describe) else {}
+    finally:
+        runners.clear()
+        sessions.close()
+    device.finish()
+    if device.metric is None:
+        for point in points:
+            point["device_bytes"] = None
+    return {
+        "metric": metric,
+        "metric_note": metric_note,
+        "baseline_bytes": base[metric],
+        "trimmed": trimmed,
+        "setup_seconds": setup_seconds,
+        "concurrent": concurrent,
+        "points": points,
+        "device_metric": device.metric,
+        "device_note": device.note,
+        "stopped_reason": stopped,
+        "onnxruntime": ort.__version__,
+        "details": details,
+        "plain_max_abs_diff": plain_diff,
+        "plain_outputs_compared": plain_compared,
+        "plain_outputs_comparable": plain_comparable,
+        "plain_outputs_nonfinite": plain_nonfinite,
+        "traffic_points": traffic_points,
+        "traffic": traffic,
+    }
+
+
+def child_main(argv: Sequence[str]) -> int:
+    if len(argv) != 1:
+        print(
+            "usage: child_main SPEC_JSON (run by sharedml.measure)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        spec = json.loads(argv[0])
+        if spec.get("mode") == "trial":
+            print(RESULT_PREFIX + json.dumps(_child_trial(spec)), flush=True)
+            return 0
+        result = _child_measure(spec)
+    except BaseException as exc:  # one line, last on stderr: the parent quotes it
+        text = " ".join((str(exc).strip() or type(exc).__name__).split())
+        print(f"{type(exc).__name__}: {text}", file=sys.stderr, flush=True)
+        return 1
+    if not all(math.isfinite(p["run_seconds"]) for p in result["points"]):
+        print("ValueError: a run time is not finite", file=sys.stderr)
+        return 1
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0

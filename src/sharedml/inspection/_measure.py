@@ -1,0 +1,445 @@
+"""Measure what N sessions of a model cost, each strategy in a fresh subprocess.
+
+This is the parent side: :func:`measure` starts ``python -c "...sharedml.inspection._child..."
+SPEC`` with the strategy, the providers and the inputs as JSON, reads its progress lines, and
+turns its one result line into a :class:`~sharedml.Measurement`. The child
+(:mod:`sharedml.inspection._child`) says what a point is and how memory is read. One process per
+measurement, so that what one strategy allocated (heap kept by the allocator, mapped files,
+thread pools) can neither hide nor inflate another's figures.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sharedml._errors import MeasurementError
+from sharedml._host import child_env
+from sharedml.inspection._child import PROGRESS_PREFIX, RESULT_PREFIX, SPEC_VERSION
+from sharedml.inspection._results import Measurement
+from sharedml.inspection._strategies import get_strategy
+from sharedml.model._inputs import InputSpec, input_specs
+from sharedml.model._tables import IndexedTable
+
+__all__ = [
+    "DEFAULT_MEMORY_RESERVE_BYTES",
+    "FixedCost",
+    "ProgressCallback",
+    "TrialRun",
+    "fixed_cost",
+    "measure",
+    "trial_run",
+]
+
+DEFAULT_MEMORY_RESERVE_BYTES = 512 * 1024 * 1024  # bytes a measurement leaves free for the box
+_STDERR_LINES_KEPT = 50  # of the child's stderr, for error messages
+# -c rather than -m: runpy would import the child module a second time as __main__.
+_CHILD_CODE = (
+    "import sys; from sharedml.inspection._child import child_main; "
+    "sys.exit(child_main(sys.argv[1:]))"
+)
+
+# sharedml's own cost in a process: this child reads its memory with sharedml.inspection._memory
+# run as a
+# file (runpy), so that nothing of sharedml is imported before its first reading; then it imports
+# sharedml, opens a pool as README shows (sessions created in the background), runs its N
+# sessions at once as the measuring child does, and reads again: the pool as a process that used
+# plain onnxruntime before sees it. Less the pooled strategy's own figure, that is sharedml's
+# fixed cost. (A pool closed and read after would count twice what ORT sets up for the first
+# session of a model, which the strategy's figure holds too.)
+_FIXED_COST_CODE = r"""
+import gc, json, runpy, sys
+spec = json.loads(sys.argv[1])
+memory = runpy.run_path(spec["memory_module"])
+import numpy as np, onnxruntime as ort
+
+def reading():
+    gc.collect()
+    memory["trim_heap"]()
+    return memory["read_memory"]()
+
+providers = list(spec["providers"])
+options = [dict(o) for o in spec["provider_options"]]
+warm = ort.InferenceSession(bytes.fromhex(spec["warmup"]), providers=providers,
+                            provider_options=options)
+warm.run(None, {"a": np.zeros(1, np.float32)})
+del warm
+before = reading()
+import sharedml
+sharedml.SessionPool  # what a pool's user imports; the rest loads as the pool needs it
+imported = reading()
+from sharedml.model._inputs import generate, load_feeds
+given = load_feeds(spec["feeds_file"]) if spec.get("feeds_file") else {}
+feeds = {i["name"]: given[i["name"]] if i.get("source") == "file" else generate(i)
+         for i in spec["inputs"]}
+import threading
+n = spec["sessions"]
+pool = sharedml.SessionPool(spec["model"], sessions=n, providers=providers,
+                            provider_options=options)
+pool.wait_ready()
+held = [pool.session() for _ in range(n)]
+sessions = [h.__enter__() for h in held]
+barrier = threading.Barrier(n)
+def work(sess):
+    barrier.wait()
+    sess.run(None, feeds)
+threads = [threading.Thread(target=work, args=(s,)) for s in sessions]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+opened = reading()
+keys = ("pss", "uss", "rss", "private")
+def growth(a, b):
+    return {k: None if a[k] is None or b[k] is None else a[k] - b[k] for k in keys}
+print("RESULT " + json.dumps({"imports": growth(imported, before), "pool": growth(opened, before)}),
+      flush=True)
+"""
+
+ProgressCallback = Callable[[int, int], None]
+"""Called as ``progress(sessions_done, sessions_total)`` while a child measures."""
+
+
+def measure(
+    model: str | os.PathLike[str],
+    strategy: str = "naive",
+    *,
+    sessions: int = 4,
+    providers: Sequence[Any] | None = None,
+    provider_options: Sequence[dict[str, Any]] | None = None,
+    dims: Mapping[str, int] | None = None,
+    inputs: Sequence[InputSpec] | None = None,
+    timeout_s: float | None = None,
+    memory_reserve_bytes: int = DEFAULT_MEMORY_RESERVE_BYTES,
+    progress: ProgressCallback | None = None,
+    feeds: str | os.PathLike[str] | None = None,
+    reference: str | os.PathLike[str] | None = None,
+    tables: Sequence[IndexedTable] = (),
+    traffic_seconds: float | None = None,
+) -> Measurement:
+    """Measure one strategy at ``sessions`` sessions in a fresh subprocess.
+
+    Args:
+        model: The ONNX model.
+        strategy: A registered strategy's name (see :func:`registered_strategies`).
+        sessions: How many sessions to create (all of them run once, concurrently).
+        providers: As for ``onnxruntime.InferenceSession``; default CPU.
+        provider_options: As for ``onnxruntime.InferenceSession``.
+        dims: Sizes of the inputs' symbolic dimensions (default 1); ignored with ``inputs``.
+        inputs: The inputs to generate (default: from the model's signature and ``dims``).
+        timeout_s: Stop the child after this long (``None``: no limit).
+        memory_reserve_bytes: Memory to leave free: the child creates no further session when
+            less than this plus 1.5 times the largest per-session growth seen is available (the
+            machine's available memory, or the cgroup's room), and the rest is projected
+            (:attr:`Measurement.stopped_reason`). Measuring N plain sessions of a large model
+            must not push the machine into swapping or the OOM killer.
+        progress: Called as ``progress(sessions_done, sessions)`` while the child works.
+        feeds: An ``.npz`` file with the values of the ``inputs`` whose ``source`` is
+            ``"file"`` (``sharedml inspect --inputs``).
+        reference: Outputs of a default plain session to compare the first run with
+            (:func:`trial_run` writes them); see :attr:`Measurement.plain_max_abs_diff`.
+        tables: Tables the inputs index (:func:`sharedml.model._tables.indexed_tables`): after
+            the points, each session runs over inputs whose ids cover their rows, and memory
+            is read after each (:attr:`Measurement.traffic_points`).
+        traffic_seconds: Time those runs may take in all (default 60 s); where it runs out,
+            fewer rows are covered and :attr:`Measurement.traffic` says so.
+
+    Returns:
+        The :class:`Measurement`.
+
+    Raises:
+        ValueError: ``sessions`` below 1, an unknown strategy or dimension.
+        ProviderError: a provider this onnxruntime build does not have.
+        ModelError: the model cannot be read (see :mod:`sharedml._errors`).
+        MeasurementError: the child failed; the message names the strategy and the child's
+            last line of stderr.
+
+    Thread safety: safe to call from several threads, but concurrent measurements disturb each
+    other's figures (memory pressure, CPU time); ``inspect`` runs them one after another.
+    """
+    from sharedml.prepared._prepare import load_graph
+    from sharedml.runtime._providers import plan_providers
+
+    if sessions < 1:
+        raise ValueError(f"sessions must be at least 1, not {sessions}.")
+    chosen = get_strategy(strategy)
+    plan = plan_providers(providers, provider_options)
+    path = Path(model)
+    if inputs is None:
+        inputs = input_specs(load_graph(path), dims, model_name=f"'{path}'")
+    if chosen.warm_cache:
+        from sharedml.prepared._prepare import prepared_model_for
+
+        prepared_model_for(path)
+    spec = _spec(path, plan, inputs, feeds) | {
+        "strategy": chosen.name,
+        "factory": chosen.factory,
+        "sessions": sessions,
+        "memory_reserve_bytes": int(memory_reserve_bytes),
+        "reference_file": str(reference) if reference is not None else None,
+        "tables": [t.to_dict() for t in tables],
+        "traffic_seconds": traffic_seconds,
+    }
+    try:
+        raw = _run_child(spec, timeout_s=timeout_s, progress=progress)
+    except _ChildFailed as exc:
+        raise MeasurementError(f"Measuring strategy '{chosen.name}' {exc.how}") from None
+    return Measurement._from_child(chosen, sessions, raw)
+
+
+def _spec(
+    path: Path, plan: Any, inputs: Sequence[InputSpec], feeds: str | os.PathLike[str] | None
+) -> dict[str, Any]:
+    """What every child needs: the model, the providers and how to make the inputs."""
+    return {
+        "version": SPEC_VERSION,
+        "model": str(path.resolve()),
+        "providers": list(plan.providers),
+        "provider_options": [dict(o) for o in plan.provider_options],
+        "inputs": [i.to_dict() for i in inputs],
+        "feeds_file": str(Path(feeds).resolve()) if feeds is not None else None,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialRun:
+    """One plain session with ORT's defaults, run once in a fresh process before measuring.
+
+    Attributes:
+        error: ORT's message where creating or running the session failed, else None.
+        outputs: ``{name, dtype, shape}`` of each output (shape None for non-tensor outputs).
+        run_seconds: The run's wall time.
+        reference: The file holding its numeric outputs (for :func:`measure`'s ``reference``).
+    """
+
+    error: str | None
+    outputs: tuple[Mapping[str, Any], ...] = ()
+    run_seconds: float | None = None
+    reference: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "error": self.error,
+            "outputs": [dict(o) for o in self.outputs],
+            "run_seconds": self.run_seconds,
+        }
+
+
+def trial_run(
+    model: str | os.PathLike[str],
+    *,
+    inputs: Sequence[InputSpec],
+    reference: str | os.PathLike[str],
+    providers: Sequence[Any] | None = None,
+    provider_options: Sequence[dict[str, Any]] | None = None,
+    feeds: str | os.PathLike[str] | None = None,
+    timeout_s: float | None = None,
+) -> TrialRun:
+    """Create one plain session of ``model`` in a fresh process and run it once on ``inputs``.
+
+    A model that fails on the generated inputs (a detector whose symbolic height and width
+    were set to 1) fails here in seconds, before any strategy is measured; its outputs are the
+    reference that every measurement's numerics are checked against.
+
+    Args:
+        model: The ONNX model.
+        inputs: From :func:`sharedml.model._inputs.input_specs`.
+        reference: Where to write the outputs (``.npz``).
+        providers: As for ``onnxruntime.InferenceSession``; default CPU.
+        provider_options: As for ``onnxruntime.InferenceSession``.
+        feeds: As for :func:`measure`.
+        timeout_s: Stop the child after this long.
+
+    Returns:
+        The trial; ``error`` says why it failed (ORT's own message).
+    """
+    from sharedml.runtime._providers import plan_providers
+
+    plan = plan_providers(providers, provider_options)
+    spec = _spec(Path(model), plan, inputs, feeds) | {
+        "mode": "trial",
+        "strategy": "trial",
+        "reference_file": str(reference),
+    }
+    try:
+        raw = _run_child(spec, timeout_s=timeout_s, progress=None)
+    except _ChildFailed as exc:
+        return TrialRun(error=exc.last)
+    return TrialRun(
+        error=None,
+        outputs=tuple(raw["outputs"]),
+        run_seconds=float(raw["run_seconds"]),
+        reference=Path(reference),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedCost:
+    """What sharedml itself costs a process, once, whatever its pools hold.
+
+    A fresh process that has onnxruntime loaded and has run a session reads its memory, imports
+    sharedml, opens a pool of N of the model as README shows (its other sessions created on
+    sharedml's background thread) and runs all N at once: ``pool`` is that growth, what a pool
+    costs a process that used plain onnxruntime before. Less the pooled strategy's own figure
+    (measured over a baseline that had sharedml imported), what remains is sharedml's: its
+    imports, its creation thread and what that thread's heap keeps. Growth per metric (``pss``,
+    ``uss``, ``rss``, ``private``), None where the platform does not give it.
+
+    Attributes:
+        imports: Growth after ``import sharedml`` and loading ``sharedml.SessionPool``.
+        pool: Growth with the pool open and every session run once.
+        error: Why it could not be measured (the child's last line), else None.
+    """
+
+    imports: Mapping[str, int | None]
+    pool: Mapping[str, int | None]
+    error: str | None = None
+
+    def bytes(self, metric: str, pooled: int | None) -> int | None:
+        """Sharedml's own cost in ``metric``: :attr:`pool` less ``pooled``, at least 0.
+
+        Args:
+            metric: The metric.
+            pooled: The pooled strategy's total at the same session count, over a baseline
+                that had sharedml imported (:attr:`Measurement.total_bytes`).
+        """
+        value = self.pool.get(metric)
+        if value is None or pooled is None:
+            return None
+        return max(0, int(value) - int(pooled))
+
+    def imports_bytes(self, metric: str) -> int | None:
+        """What importing sharedml added, in ``metric``."""
+        value = self.imports.get(metric)
+        return None if value is None else max(0, int(value))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"imports": dict(self.imports), "pool": dict(self.pool), "error": self.error}
+
+
+def fixed_cost(
+    model: str | os.PathLike[str],
+    *,
+    inputs: Sequence[InputSpec],
+    sessions: int = 4,
+    providers: Sequence[Any] | None = None,
+    provider_options: Sequence[dict[str, Any]] | None = None,
+    feeds: str | os.PathLike[str] | None = None,
+    timeout_s: float | None = None,
+) -> FixedCost:
+    """Measure sharedml's own per-process cost (:class:`FixedCost`) in a fresh process.
+
+    The model must be prepared already (the pool's first use prepares it; ``inspect`` measures
+    this after the pooled strategies). A failure is returned in ``error``, not raised: the
+    report then says the figure is missing rather than stopping.
+    """
+    from sharedml.inspection import _memory
+    from sharedml.inspection._child import warmup_model_bytes
+    from sharedml.runtime._providers import plan_providers
+
+    plan = plan_providers(providers, provider_options)
+    spec = _spec(Path(model), plan, inputs, feeds) | {
+        "sessions": sessions,
+        "warmup": warmup_model_bytes().hex(),
+        "memory_module": str(Path(_memory.__file__).resolve()),
+    }
+    try:
+        raw = _run_child(spec, timeout_s=timeout_s, progress=None, code=_FIXED_COST_CODE)
+    except _ChildFailed as exc:
+        return FixedCost({}, {}, error=exc.last)
+    return FixedCost(dict(raw["imports"]), dict(raw["pool"]))
+
+
+class _ChildFailed(Exception):
+    """A measuring child failed: ``how`` (for a sentence), ``last`` (its last stderr line)."""
+
+    def __init__(self, how: str, last: str) -> None:
+        super().__init__(how)
+        self.how = how
+        self.last = last
+
+
+def _run_child(
+    spec: Mapping[str, Any],
+    *,
+    timeout_s: float | None,
+    progress: ProgressCallback | None,
+    code: str = _CHILD_CODE,
+) -> dict[str, Any]:
+    cmd = [sys.executable, "-c", code, json.dumps(spec)]
+    stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES_KEPT)
+    result: dict[str, Any] | None = None
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        env=child_env(),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    stderr = proc.stderr
+
+    def drain_stderr() -> None:  # a full pipe would block the child
+        for line in stderr:
+            if line.strip():
+                stderr_tail.append(line.strip())
+
+    drainer = threading.Thread(target=drain_stderr, name="sharedml-measure-stderr", daemon=True)
+    drainer.start()
+    timer: threading.Timer | None = None
+    timed_out = threading.Event()
+    if timeout_s is not None:
+
+        def kill() -> None:
+            timed_out.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout_s, kill)
+        timer.daemon = True
+        timer.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith(PROGRESS_PREFIX):
+                if progress is not None:
+                    done, total = (int(v) for v in line[len(PROGRESS_PREFIX) :].split())
+                    progress(done, total)
+            elif line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX) :])
+        returncode = proc.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if proc.poll() is None:  # interrupted (Ctrl-C) or a callback raised: leave no child
+            proc.kill()
+            proc.wait()
+        drainer.join(timeout=5)
+        proc.stdout.close()
+        proc.stderr.close()
+    last = stderr_tail[-1] if stderr_tail else "(no output on stderr)"
+    if timed_out.is_set():
+        raise _ChildFailed(
+            f"took longer than {timeout_s} s and was stopped. Last stderr line: {last}",
+            f"stopped after {timeout_s} s: {last}",
+        )
+    if returncode != 0 or result is None:
+        if returncode < 0:
+            how = f"was killed by signal {-returncode}"
+            if -returncode == 9:
+                how += " (out of memory?)"
+        else:
+            how = f"exited with status {returncode}"
+        raise _ChildFailed(f"failed: the measuring process {how}: {last}", last)
+    return result

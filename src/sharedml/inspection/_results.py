@@ -1,0 +1,356 @@
+"""What a measurement found: memory points per session count, a fit, and the figures derived.
+
+Byte figures are growth over the measuring child's baseline (Python, numpy and onnxruntime with
+its providers loaded). The per-extra-session cost is a least-squares slope over the measured
+points, constrained to be non-negative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sharedml.inspection._strategies import Strategy
+
+__all__ = ["Measurement", "MemoryPoint"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPoint:
+    """Memory after ``sessions`` sessions were created and each had run once, concurrently.
+
+    Byte figures are growth over the child's baseline; ``None`` where the platform does not
+    report that metric.
+
+    Attributes:
+        sessions: Sessions that exist at this point.
+        pss_bytes: Proportional set size growth (Linux).
+        uss_bytes: Unique set size growth.
+        rss_bytes: Resident set size growth (the working set on Windows).
+        untrimmed_bytes: Growth of the headline metric *before* freed heap was given back to
+            the OS (see :attr:`Measurement.trimmed`): what the process held, free heap that
+            the allocator kept included. Varies from run to run.
+        device_bytes: Device memory growth of the child (CUDA), else ``None``.
+        create_seconds: Time to create the session added at this point (about 0 where the
+            strategy reuses one).
+        run_seconds: Wall time of the concurrent run of all ``sessions`` sessions.
+        outputs_agree: Every session's outputs at this point were bitwise equal to the first
+            session's first run.
+        private_bytes: Private bytes growth (Windows: memory no other process can share;
+            mapped files are not in it), else ``None``.
+    """
+
+    sessions: int
+    pss_bytes: int | None
+    uss_bytes: int | None
+    rss_bytes: int | None
+    untrimmed_bytes: int | None
+    device_bytes: int | None
+    create_seconds: float
+    run_seconds: float
+    outputs_agree: bool = True
+    private_bytes: int | None = None
+
+    def value(self, metric: str) -> int | None:
+        """The figure of ``metric``: pss, uss, rss, private, untrimmed or device."""
+        value: int | None = getattr(self, f"{metric}_bytes")
+        return value
+
+
+def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares (intercept, slope) of y over x, the slope constrained to be >= 0.
+
+    An extra session cannot make the others smaller; a negative slope is measurement noise
+    (a few hundred KiB of thread stacks and allocator state) and would project memory
+    shrinking towards zero. The constrained optimum is then the flat line through the mean.
+
+    Returns:
+        ``None`` with fewer than two distinct x.
+    """
+    if len({x for x, _ in points}) < 2:
+        return None
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    slope = max(0.0, sxy / sxx)
+    return mean_y - slope * mean_x, slope
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What one strategy cost at one session count, measured in a fresh process.
+
+    Attributes:
+        strategy: The strategy's name.
+        summary: The strategy's one-line description.
+        sessions: The session count asked for.
+        metric: The headline memory metric: ``"pss"`` (Linux), ``"uss"``, ``"rss"`` or
+            ``"private"``, the first of them this platform let the child read.
+        points: One point per session count measured, 1..``sessions`` (fewer if
+            ``stopped_reason``).
+        baseline_bytes: The child's own memory before any session (``metric``): Python,
+            numpy and onnxruntime with its providers loaded. Not included in the points.
+        trimmed: Whether freed heap was given back to the OS (glibc ``malloc_trim``) before
+            each reading, so that the figures are what the sessions hold.
+        setup_seconds: Time to set the strategy up before its first session (e.g. a pool
+            opening and verifying its weights file).
+        concurrent: Whether the runs of each point were concurrent (not with DirectML, which
+            cannot run sessions concurrently).
+        device_metric: How device memory was read (``"nvml"``, ``"nvidia-smi"``), or ``None``.
+        device_note: Why device memory is missing, where a GPU provider was used.
+        stopped_reason: Why fewer sessions than asked were created (memory running out).
+        onnxruntime_version: The onnxruntime version of the child.
+        details: What the strategy reported about its sessions (a pool's ``mechanism``,
+            ``mechanism_reason`` and ``runtime_weights``), see :class:`~sharedml.SessionSet`.
+        plain_max_abs_diff: The largest absolute difference of the first session's first
+            outputs from a default plain session's (``inspect``'s trial run), None where not
+            compared (or shapes differ: see ``plain_outputs_comparable``).
+        plain_outputs_compared: How many (numeric array) outputs that compared.
+        plain_outputs_comparable: Every compared output had the plain session's shape, dtype
+            and NaN positions.
+        metric_note: Why the headline metric is not PSS and what that metric leaves out or
+            counts twice (psutil could not read PSS here), else None.
+        plain_outputs_nonfinite: NaN and infinite values in the first session's first outputs
+            (or in the plain session's it was compared with): where there are any, the outputs
+            are not called equal (:attr:`matches_plain` is None).
+        traffic_points: Where the model has tables that inputs index (embeddings: see
+            :func:`sharedml.model._tables.indexed_tables`), memory after the sessions ran over
+            inputs
+            whose indices cover the tables' rows, as traffic does over time: point k is all
+            :attr:`measured_sessions` sessions, sessions 1..k having run over them. Empty where
+            there are no such tables or the runs failed (:attr:`traffic`).
+        traffic: How those runs went: ``runs`` per session, ``rows`` covered per table,
+            ``seconds``, ``error`` (why they failed), ``partial`` (stopped before covering
+            every row, ``seconds`` ran out).
+    """
+
+    strategy: str
+    summary: str
+    sessions: int
+    metric: str
+    points: tuple[MemoryPoint, ...]
+    baseline_bytes: int
+    trimmed: bool
+    setup_seconds: float
+    concurrent: bool
+    device_metric: str | None = None
+    device_note: str | None = None
+    stopped_reason: str | None = None
+    onnxruntime_version: str = ""
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    plain_max_abs_diff: float | None = None
+    plain_outputs_compared: int = 0
+    plain_outputs_comparable: bool = True
+    metric_note: str | None = None
+    plain_outputs_nonfinite: int = 0
+    traffic_points: tuple[MemoryPoint, ...] = ()
+    traffic: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def matches_plain(self) -> bool | None:
+        """Outputs bitwise equal to a default plain session's; None where that is not known.
+
+        Not known where nothing was compared, and where the outputs hold NaN or infinite
+        values: NaN in the same places is no evidence that two runs computed the same thing
+        (a mask of all False gives NaN everywhere, whatever the weights).
+        """
+        if not self.plain_outputs_compared or self.plain_outputs_nonfinite:
+            return None
+        return self.plain_outputs_comparable and self.plain_max_abs_diff == 0.0
+
+    @property
+    def matches_plain_reason(self) -> str | None:
+        """Why :attr:`matches_plain` is not True: one clause, or None where it is True."""
+        if not self.plain_outputs_compared:
+            return "not compared: no numeric outputs, or no plain session's outputs to compare"
+        if self.plain_outputs_nonfinite:
+            return (
+                f"not compared: the outputs hold {self.plain_outputs_nonfinite} NaN or infinite "
+                "values"
+            )
+        if not self.plain_outputs_comparable:
+            return "the outputs differ in shape or type from a plain session's"
+        if self.plain_max_abs_diff:
+            return f"the outputs differ by up to {self.plain_max_abs_diff:.3g}"
+        return None
+
+    @property
+    def measured_sessions(self) -> int:
+        """The largest session count actually measured."""
+        return self.points[-1].sessions if self.points else 0
+
+    def fit(self, metric: str | None = None) -> tuple[float, float] | None:
+        """(intercept, per-session slope) in bytes: least squares over the points, slope >= 0.
+
+        Returns ``None`` with fewer than two points or where the metric is missing.
+        """
+        metric = metric or self.metric
+        pts = [(p.sessions, p.value(metric)) for p in self.points]
+        known = [(x, float(y)) for x, y in pts if y is not None]
+        if len(known) != len(pts):
+            return None
+        return _fit(known)
+
+    @property
+    def per_session_bytes(self) -> int | None:
+        """What each extra session costs (slope of the fit); ``None`` from a single point."""
+        fit = self.fit()
+        return None if fit is None else round(fit[1])
+
+    @property
+    def intercept_bytes(self) -> int | None:
+        """The fit's value at zero sessions: what the strategy costs once, whatever N is."""
+        fit = self.fit()
+        return None if fit is None else round(fit[0])
+
+    def projected_bytes(self, sessions: int, metric: str | None = None) -> int | None:
+        """Memory at ``sessions`` sessions from the fit (``None`` where there is no fit)."""
+        fit = self.fit(metric)
+        if fit is None:
+            return None
+        return max(0, round(fit[0] + fit[1] * sessions))
+
+    def total(self, metric: str | None = None) -> int | None:
+        """Memory at :attr:`sessions`: measured, or projected if measuring stopped early."""
+        metric = metric or self.metric
+        if self.points and self.measured_sessions == self.sessions:
+            return self.points[-1].value(metric)
+        return self.projected_bytes(self.sessions, metric)
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Memory of all N sessions after each ran once (headline metric)."""
+        return self.total()
+
+    def _traffic_fit(self, metric: str | None = None) -> tuple[float, float] | None:
+        """(intercept, slope) of what running over the tables added, against sessions run."""
+        metric = metric or self.metric
+        if not self.traffic_points or not self.points:
+            return None
+        before = self.points[-1].value(metric)
+        added = [(p.sessions, p.value(metric)) for p in self.traffic_points]
+        if before is None or any(v is None for _k, v in added):
+            return None
+        known = [(k, float(v) - before) for k, v in added if v is not None]
+        if len(known) == 1:  # one session: what it added, none of it known to be shared
+            return 0.0, known[0][1]
+        return _fit(known)
+
+    def traffic_total(self, metric: str | None = None) -> int | None:
+        """Memory of all N sessions once each ran over the tables' rows (measured or projected).
+
+        None where there are no indexed tables, or running over them failed.
+        """
+        metric = metric or self.metric
+        if not self.traffic_points:
+            return None
+        if self.measured_sessions == self.sessions and len(self.traffic_points) == self.sessions:
+            return self.traffic_points[-1].value(metric)
+        return self.traffic_projected_bytes(self.sessions, metric)
+
+    @property
+    def traffic_bytes(self) -> int | None:
+        """:meth:`traffic_total` of the headline metric."""
+        return self.traffic_total()
+
+    @property
+    def traffic_per_session_bytes(self) -> int | None:
+        """What each extra session costs once every session has run over the tables' rows."""
+        fit, added = self.fit(), self._traffic_fit()
+        if fit is None or added is None:
+            return None
+        return round(fit[1] + added[1])
+
+    def traffic_projected_bytes(self, sessions: int, metric: str | None = None) -> int | None:
+        """Memory at ``sessions`` sessions that all ran over the tables' rows (two fits)."""
+        fit, added = self.fit(metric), self._traffic_fit(metric)
+        if fit is None or added is None:
+            return None
+        return max(0, round(fit[0] + added[0] + (fit[1] + added[1]) * sessions))
+
+    @property
+    def init_seconds(self) -> float:
+        """Setup plus creating every session."""
+        return self.setup_seconds + sum(p.create_seconds for p in self.points)
+
+    @property
+    def outputs_agree(self) -> bool:
+        """Every run of every session gave the same outputs as the first one."""
+        return all(p.outputs_agree for p in self.points)
+
+    @property
+    def first_run_seconds(self) -> float | None:
+        """The first run of the first session, alone."""
+        return self.points[0].run_seconds if self.points else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (what ``sharedml inspect --json`` prints under ``strategies``)."""
+        last = self.points[-1] if self.points else None
+        return {
+            "summary": self.summary,
+            "metric": self.metric,
+            "metric_note": self.metric_note,
+            "total_bytes": self.total_bytes,
+            "total_is_projected": bool(self.points) and self.measured_sessions != self.sessions,
+            "per_session_bytes": self.per_session_bytes,
+            "intercept_bytes": self.intercept_bytes,
+            "pss_bytes": self.total("pss"),
+            "uss_bytes": self.total("uss"),
+            "rss_bytes": self.total("rss"),
+            "private_bytes": self.total("private"),
+            "untrimmed_bytes": self.total("untrimmed"),
+            "device_bytes": last.device_bytes if last is not None else None,
+            "device_metric": self.device_metric,
+            "device_note": self.device_note,
+            "baseline_bytes": self.baseline_bytes,
+            "trimmed": self.trimmed,
+            "init_seconds": self.init_seconds,
+            "setup_seconds": self.setup_seconds,
+            "first_run_seconds": self.first_run_seconds,
+            "concurrent_runs": self.concurrent,
+            "outputs_agree": self.outputs_agree,
+            "matches_plain": self.matches_plain,
+            "matches_plain_reason": self.matches_plain_reason,
+            "plain_outputs_nonfinite": self.plain_outputs_nonfinite,
+            "plain_max_abs_diff": self.plain_max_abs_diff,
+            "plain_outputs_compared": self.plain_outputs_compared,
+            "details": dict(self.details),
+            "measured_sessions": self.measured_sessions,
+            "stopped_reason": self.stopped_reason,
+            "points": [dataclasses.asdict(p) for p in self.points],
+            "traffic_bytes": self.traffic_bytes,
+            "traffic_per_session_bytes": self.traffic_per_session_bytes,
+            "traffic": dict(self.traffic),
+            "traffic_points": [dataclasses.asdict(p) for p in self.traffic_points],
+        }
+
+    @classmethod
+    def _from_child(cls, strategy: Strategy, sessions: int, raw: Mapping[str, Any]) -> Measurement:
+        points = tuple(MemoryPoint(**p) for p in raw["points"])
+        traffic_points = tuple(MemoryPoint(**p) for p in raw.get("traffic_points") or ())
+        return cls(
+            strategy=strategy.name,
+            summary=strategy.summary,
+            sessions=sessions,
+            metric=raw["metric"],
+            points=points,
+            baseline_bytes=int(raw["baseline_bytes"]),
+            trimmed=bool(raw["trimmed"]),
+            setup_seconds=float(raw["setup_seconds"]),
+            concurrent=bool(raw["concurrent"]),
+            device_metric=raw.get("device_metric"),
+            device_note=raw.get("device_note"),
+            stopped_reason=raw.get("stopped_reason"),
+            onnxruntime_version=str(raw.get("onnxruntime", "")),
+            details=dict(raw.get("details") or {}),
+            plain_max_abs_diff=raw.get("plain_max_abs_diff"),
+            plain_outputs_compared=int(raw.get("plain_outputs_compared") or 0),
+            plain_outputs_comparable=bool(raw.get("plain_outputs_comparable", True)),
+            metric_note=raw.get("metric_note"),
+            plain_outputs_nonfinite=int(raw.get("plain_outputs_nonfinite") or 0),
+            traffic_points=traffic_points,
+            traffic=dict(raw.get("traffic") or {}),
+        )

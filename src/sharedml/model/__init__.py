@@ -1,0 +1,5 @@
+"""ONNX models as sharedml reads them.
+
+The protobuf messages, the one walk over a model's tensors and its external data, input
+specs, and the tables that inputs index.
+"""

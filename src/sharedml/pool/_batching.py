@@ -1,0 +1,513 @@
+"""Dynamic batching: requests that wait for a session are merged along axis 0 into one Run.
+
+The pool (:mod:`sharedml.pool._pool`) decides *when* requests merge (the ones queued while every
+session was busy, oldest first); this module decides *whether* they may and *how*:
+
+- A model is batchable when axis 0 of every input is dynamic and the row-independence
+  analysis (:mod:`sharedml.pool._rows`) proves that every output's axis 0 holds one entry per input
+  row, computed from that row alone: no node combines values across rows (a batch statistic,
+  a Softmax over axis 0, a time-major RNN, dynamic quantization's one scale per tensor, ...).
+  :func:`signature_of` refuses other models with :class:`~sharedml.NotBatchableError`, naming
+  the node, its op type, the input its rows came from and why, and the opt-in
+  (``Batching(rows_independent=True)``) for a caller who knows better.
+- Every request is validated against the signature before it is merged (names, dtype, rank,
+  fixed dimensions), so a bad request fails alone, with :class:`~sharedml.InvalidInputError`.
+- Requests merge when they have the same input names, dtypes and non-batch dimensions, the same
+  ``output_names``, and no ``run_options`` (or the very same ``RunOptions`` object). A request
+  of zero rows never merges and is never padded: it runs alone, as an unbatched run would.
+- Outputs are split back by rows into arrays each caller owns. An output whose axis 0 does not
+  have the merged row count at run time means the model is not batch-consistent after all: the
+  members are run one by one instead (and the pool stops merging after repeated evidence).
+- :func:`same_results` compares a merged run's rows with solo runs of the same requests: the
+  pool's check of its first merged batches (defence in depth behind the analysis).
+
+What merging costs in accuracy: kernels may pick another blocking for another batch size, so
+outputs can differ from a solo run in the last bits of float precision (``docs/batching.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sharedml._errors import InvalidInputError, NotBatchableError
+from sharedml.model import _proto
+
+__all__ = [
+    "ADAPTIVE_DELAY_SHARE",
+    "CONVOLUTION_OPS",
+    "Batching",
+    "Request",
+    "Signature",
+    "bucket_for",
+    "merge",
+    "same_results",
+    "signature_of",
+    "split",
+]
+
+# With Batching(max_delay_ms=None): the most a session waits for the rows it expects, as a share
+# of the latest batch's run time. Waiting costs the rows already there at most this share of a
+# run when the expected rows do not come; when they come, the batch runs them all at once.
+ADAPTIVE_DELAY_SHARE = 0.5
+
+# Ops whose CUDA kernels keep cuDNN plans for the last input shape only (conv.cc,
+# conv_transpose.cc, contrib FusedConv/NhwcConv): a new batch size rebuilds them.
+CONVOLUTION_OPS = frozenset(("Conv", "ConvTranspose", "FusedConv", "NhwcConv"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Batching:
+    """How a pool merges waiting requests (``SessionPool(batching=...)``).
+
+    Attributes:
+        max_batch_size: The most rows (summed over axis 0 of the merged requests) in one Run.
+        max_delay_ms: How long a session that found fewer rows waiting than it could run
+            waits for more before it runs. ``None`` (default): adaptive. A session waits for as
+            many rows as the pool's latest batch had, for at most half that batch's run time
+            (``ADAPTIVE_DELAY_SHARE``); it never waits after a lone request, so an idle pool
+            adds no latency. Callers that loop on the pool (a closed loop: each sends its next
+            request when its result is back) then meet in one batch instead of alternating
+            between a lone run and the rest. A number: wait up to that many milliseconds for
+            ``max_batch_size`` rows. 0: never wait; batches form only from the requests that
+            queued while every session was busy.
+        pad_to_buckets: Pad each batch (a lone request too) to the next power of two rows
+            (at most ``max_batch_size``), repeating its last row; the padding's outputs are
+            dropped. None (default): on for every provider but the CPU's, and always with CUDA
+            graphs. GPU providers choose kernels per input shape (cuDNN searches convolution
+            algorithms for each new batch size, a CUDA graph is captured per shape): buckets
+            bound the shapes to ``log2(max_batch_size) + 1``, which ``warm_up`` then settles.
+            On the CPU kernels need no warm-up per shape, and padding would only cost work.
+        session_per_bucket: Give every bucket an ONNX Runtime session of its own, with the
+            batch dim fixed (the pool's sessions then hold one per bucket, all lent the same
+            weights). None (default): on where batches are padded on a CUDA device without
+            CUDA graphs, for models with convolutions. ORT's CUDA ``Conv`` keeps the cuDNN
+            plans of the last input shape only and rebuilds them whenever the shape changes,
+            so one session fed batches of alternating sizes rebuilds every convolution's
+            plans at almost every batch (a ResNet-50-like model served 46 requests/s instead
+            of 2,000 on an H200). Each extra session costs its activation memory, so models
+            without convolutions keep one session for every batch size (BERT-like on an H200,
+            two sessions, 16 callers: 3,021 requests/s in 1,248 MiB of device memory, against
+            3,032 in 3,038 MiB with a session per bucket, one run). Needs the batch dim to be
+            named (``dim_param``), else the pool's own sessions run every shape.
+        share_rows: With several sessions and the adaptive delay, split the rows in play
+            evenly over the sessions that batch (the rows their latest batches had, or more
+            where more are held and queued), so that their batches run side by side instead
+            of one session taking every waiting row while the others idle. None (default): on
+            for every provider but the CPU's, never when runs are serialized. A GPU runs each
+            session's batch in a stream of its own: 16 callers of one row on a BERT-like model
+            on an H200, two sessions: 2,530 requests/s (2.0x the 8 plain sessions of that run)
+            with one session taking every waiting row, 2,854 (2.4x) with the rows shared
+            (``benchmarks/results/gpu-serving-bert-allrows.json``, ``-share.json``). On the
+            CPU the sessions' batches compete for the same cores, and one batch of all the
+            rows measured faster (two sessions, 16 callers, MLP, one run each: 1,751 against
+            1,612 requests/s).
+        copy_outputs: Give each caller arrays of its own, copied out of the batch's outputs
+            (in the caller's thread, after the session went back). False: each caller's
+            outputs are views of the batch's output arrays (its own rows only, so writes
+            never reach another caller), which saves copying every output once; a view
+            keeps the whole batch's output (``max_batch_size`` times a request's bytes at
+            most) alive for as long as the caller holds it. A run that was not merged returns
+            ORT's arrays either way.
+        rows_independent: Take the caller's word that every output row depends only on its own
+            input row, and merge without the row-independence analysis (for a model it cannot
+            prove, e.g. one with a custom operator). The pool still checks its first merged
+            batches against solo runs and stops merging on a mismatch. False (default): merge
+            only models the analysis proves.
+    """
+
+    max_batch_size: int = 32
+    max_delay_ms: float | None = None
+    pad_to_buckets: bool | None = None
+    session_per_bucket: bool | None = None
+    share_rows: bool | None = None
+    copy_outputs: bool = True
+    rows_independent: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            rows = operator.index(self.max_batch_size)
+        except TypeError:
+            rows = 0
+        if rows < 1 or isinstance(self.max_batch_size, bool):
+            raise ValueError(
+                f"max_batch_size must be an integer >= 1, not {self.max_batch_size!r}."
+            )
+        delay: object = self.max_delay_ms
+        if delay is not None and (
+            not isinstance(delay, (int, float))
+            or isinstance(delay, bool)
+            or not math.isfinite(delay)
+            or delay < 0
+        ):
+            raise ValueError(
+                f"max_delay_ms must be None (adaptive) or a finite number >= 0, not {delay!r}."
+            )
+        for name in ("pad_to_buckets", "session_per_bucket", "share_rows"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(
+                    f"{name} must be True, False or None, not {getattr(self, name)!r}."
+                )
+        for name in ("copy_outputs", "rows_independent"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}.")
+
+    def pads(self, provider: str, *, cuda_graphs: bool = False) -> bool:
+        """Whether batches on ``provider`` are padded to buckets (see ``pad_to_buckets``)."""
+        if cuda_graphs:
+            return True  # a graph per batch size otherwise
+        if self.pad_to_buckets is None:
+            return provider != "CPUExecutionProvider"
+        return self.pad_to_buckets
+
+    def shares_rows(self, provider: str, *, serialized: bool = False) -> bool:
+        """Whether sessions split the rows in play under the adaptive delay (``share_rows``)."""
+        if self.max_delay_ms is not None or serialized:
+            return False
+        if self.share_rows is None:
+            return provider != "CPUExecutionProvider"
+        return self.share_rows
+
+    def sessions_per_bucket(
+        self, provider: str, *, cuda_graphs: bool = False, convolutions: bool = True
+    ) -> bool:
+        """Whether each bucket gets a session of its own (see ``session_per_bucket``).
+
+        Never with CUDA graphs, which fix the dims per graph already; only where batches are
+        padded (else every batch size would be a session). ``convolutions``: whether the
+        model has any (``Signature.convolutions``); the default needs them.
+        """
+        if cuda_graphs or not self.pads(provider):
+            return False
+        if self.session_per_bucket is None:
+            return provider == "CUDAExecutionProvider" and convolutions
+        return self.session_per_bucket
+
+    def buckets(self) -> list[int]:
+        """The rows a padded batch can have: the powers of two below ``max_batch_size``, and it."""
+        sizes, size = [], 1
+        while size < self.max_batch_size:
+            sizes.append(size)
+            size *= 2
+        return [*sizes, self.max_batch_size]
+
+    @classmethod
+    def parse(cls, value: object) -> Batching | None:
+        """``True`` -> the defaults, ``False``/``None`` -> no batching, a Batching -> itself."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        raise ValueError(
+            f"batching must be True, False, 'auto' or a sharedml.Batching, not {value!r}."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    name: str
+    type: str
+    dtype: Any  # numpy dtype, or None for types batching cannot check
+    shape: tuple[int | None, ...] | None  # None entries: dynamic; None: no shape known
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """A model's inputs and outputs as a batching pool checks requests against them.
+
+    Attributes:
+        inputs: By name, in the model's order.
+        outputs: Output names, in order.
+        convolutions: Whether any graph of the model has a convolution (``CONVOLUTION_OPS``),
+            which decides ``Batching.session_per_bucket``'s default.
+    """
+
+    inputs: Mapping[str, _Input]
+    outputs: tuple[str, ...]
+    convolutions: bool = False
+
+    def request(
+        self,
+        output_names: Sequence[str] | None,
+        feed: Mapping[str, Any],
+        run_options: Any | None,
+    ) -> Request:
+        """Validate one request and put it in the form the pool merges.
+
+        Only what an unbatched run would refuse is refused; anything else that cannot merge
+        (inputs of different batch sizes, lists, scalars, device tensors) runs alone.
+
+        Raises:
+            InvalidInputError: a missing or unknown input, or an array whose dtype, rank or
+                fixed dimensions differ from the model's.
+        """
+        missing = [n for n in self.inputs if n not in feed]
+        unknown = [n for n in feed if n not in self.inputs]
+        if missing or unknown:
+            parts = []
+            if missing:
+                parts.append(f"missing input(s) {', '.join(map(repr, missing))}")
+            if unknown:
+                parts.append(f"unknown input(s) {', '.join(map(repr, unknown))}")
+            raise InvalidInputError(
+                f"The feed has {' and '.join(parts)}; the model's inputs are "
+                f"{', '.join(map(repr, self.inputs))}."
+            )
+        arrays: dict[str, Any] = {}
+        rows: int | None = None
+        mergeable = True
+        key_parts: list[Any] = []
+        for name, spec in self.inputs.items():
+            value = feed[name]
+            arrays[name] = value
+            if not isinstance(value, np.ndarray):
+                # A list, a scalar, an OrtValue: ORT converts and checks it; it runs alone.
+                mergeable = False
+                continue
+            self._check(spec, value)
+            if value.ndim == 0:
+                mergeable = False
+                continue
+            if rows is None:
+                rows = int(value.shape[0])
+            elif rows != int(value.shape[0]):
+                mergeable = False  # ORT may broadcast such inputs; batching must not merge them
+            key_parts.append((name, value.dtype.str, value.shape[1:]))
+        outputs = tuple(output_names) if output_names is not None else None
+        key: Any = None
+        if mergeable and rows is not None:
+            key = (tuple(key_parts), outputs, id(run_options) if run_options is not None else None)
+        if not rows:
+            key = None  # zero rows: nothing to merge or pad; it runs alone, as ORT would
+        return Request(outputs, arrays, run_options, rows or 0, key)
+
+    @staticmethod
+    def _check(spec: _Input, value: np.ndarray) -> None:
+        strings = spec.dtype is np.object_ and value.dtype.kind in "OUS"
+        if spec.dtype is not None and value.dtype != spec.dtype and not strings:
+            raise InvalidInputError(
+                f"Input '{spec.name}' must be {spec.type} ({np.dtype(spec.dtype).name}), "
+                f"not {value.dtype.name}."
+            )
+        if spec.shape is None:
+            return
+        if value.ndim != len(spec.shape):
+            raise InvalidInputError(
+                f"Input '{spec.name}' must have rank {len(spec.shape)} "
+                f"(shape {_shape_text(spec.shape)}), not {value.ndim} (shape {value.shape})."
+            )
+        for axis, (want, got) in enumerate(zip(spec.shape, value.shape, strict=True)):
+            if want is not None and want != got:
+                raise InvalidInputError(
+                    f"Input '{spec.name}' must have {want} on axis {axis} (shape "
+                    f"{_shape_text(spec.shape)}), not {got} (shape {value.shape})."
+                )
+
+
+def _shape_text(shape: Sequence[int | None]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def _value_info(value: Any) -> tuple[str, Any, tuple[int | None, ...] | None]:
+    """(type text, numpy dtype or None, dims with None for dynamic) of a graph input/output."""
+    tensor = value.type.tensor_type if value.type.HasField("tensor_type") else None
+    if tensor is None:
+        return value.type.WhichOneof("value") or "unknown", None, None
+    try:
+        dtype: Any = _proto.np_dtype(tensor.elem_type).type
+    except Exception:
+        dtype = None
+    type_text = f"tensor({_proto.pb2().TensorProto.DataType.Name(tensor.elem_type).lower()})"
+    if dtype is not None and np.dtype(dtype).kind in "OSU":
+        dtype = np.object_
+    if not tensor.HasField("shape"):
+        return type_text, dtype, None
+    # A negative dim_value is not valid ONNX, but Paddle's exporter writes -1 for dynamic dims
+    # (PP-OCR, PicoDet) and ORT accepts any size there: dynamic, as ORT treats it.
+    dims = tuple(
+        d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None
+        for d in tensor.shape.dim
+    )
+    return type_text, dtype, dims
+
+
+@dataclasses.dataclass
+class Request:
+    """One caller's run, validated.
+
+    Attributes:
+        output_names: As given to ``run`` (None: every output).
+        feed: The inputs, as numpy arrays where they can be merged.
+        run_options: As given.
+        rows: Its batch size (axis 0).
+        key: Requests with equal keys merge; None runs alone.
+    """
+
+    output_names: tuple[str, ...] | None
+    feed: dict[str, Any]
+    run_options: Any
+    rows: int
+    key: Any
+
+
+def signature_of(
+    model: Any, *, name: str, rows_independent: bool = False, max_rows: int | None = None
+) -> Signature:
+    """The batching signature of a model, or why it cannot be batched.
+
+    Args:
+        model: The model's ``onnx.ModelProto`` (external data not loaded).
+        name: How messages name the model.
+        rows_independent: Skip the row-independence analysis (the caller's word,
+            ``Batching.rows_independent``); inputs are still checked.
+        max_rows: The most rows a merged run will hold (default: ``Batching``'s default
+            ``max_batch_size``).
+
+    Raises:
+        NotBatchableError: an input whose axis 0 is fixed (or that is a scalar), or a node
+            that combines rows or that the analysis cannot prove keeps them apart.
+    """
+    from sharedml.model._graph import iter_graphs
+    from sharedml.pool._rows import RowAnalysis
+
+    initializers = {t.name for t in model.graph.initializer}
+    inputs: dict[str, _Input] = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue  # IR < 4: an initializer listed as an input with a default
+        type_text, dtype, dims = _value_info(value)
+        if dims is not None and (len(dims) == 0 or dims[0] is not None):
+            what = "a scalar" if len(dims) == 0 else f"fixed at {dims[0]} on axis 0"
+            raise NotBatchableError(
+                f"Input '{value.name}' of {name} is {what} (shape {_shape_text(dims)}): batching "
+                "merges requests along a dynamic axis 0 of every input. Run it without batching "
+                "(batching=False)."
+            )
+        inputs[value.name] = _Input(value.name, type_text, dtype, dims)
+    if not rows_independent:
+        # The outputs' declared shapes are not trusted (exporters declare [] for unknown
+        # shapes, and a declared [N, ...] proves nothing about the rows): the analysis derives
+        # every output's layout from the inputs.
+        bound = Batching.max_batch_size if max_rows is None else max_rows
+        refusal = RowAnalysis(model, max_rows=bound).refusal()
+        if refusal is not None:
+            raise NotBatchableError(
+                f"{name} cannot merge requests: {refusal.describe()}, so merged requests could "
+                "hand one caller values computed from another caller's rows. Run it without "
+                "batching (batching=False); if you know that every output row depends only on "
+                "its own input row, say so with batching=sharedml.Batching(rows_independent=True)."
+            )
+    op_types = {node.op_type for g, _ in iter_graphs(model.graph) for node in g.node}
+    return Signature(
+        inputs,
+        tuple(o.name for o in model.graph.output),
+        convolutions=bool(op_types & CONVOLUTION_OPS),
+    )
+
+
+def bucket_for(rows: int, limit: int) -> int:
+    """The smallest power of two >= ``rows``, at most ``limit``: the rows of a padded batch."""
+    bucket = 1
+    while bucket < rows:
+        bucket *= 2
+    return min(bucket, max(limit, rows))
+
+
+def merge(requests: Sequence[Request], *, rows: int | None = None) -> dict[str, Any]:
+    """One feed holding every request's rows, in order (same key assumed).
+
+    Args:
+        requests: The requests, each of ``request.rows`` rows.
+        rows: Pad to this many rows by repeating the last one (a real row, so that no model
+            meets inputs it was never given: zeros can be an invalid token id or a 0/0).
+    """
+    first = requests[0].feed
+    merged = {}
+    for name in first:
+        parts = [r.feed[name] for r in requests]
+        total = sum(len(part) for part in parts)
+        if rows is not None and rows > total:
+            parts.append(np.repeat(parts[-1][-1:], rows - total, axis=0))
+        merged[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    return merged
+
+
+def split(
+    outputs: Sequence[Any],
+    requests: Sequence[Request],
+    *,
+    rows: int | None = None,
+    copy: bool = True,
+) -> list[list[Any]] | None:
+    """Each request's rows of ``outputs``, as arrays it owns; None if the rows do not add up.
+
+    Args:
+        outputs: A run's outputs over the merged feed.
+        requests: The requests merged, in order.
+        rows: The merged feed's rows, padding included (default: the requests' rows).
+        copy: False: views of ``outputs`` instead of copies; :func:`owned` copies them later
+            (the pool does so in each caller's own thread, after the session is free again).
+    """
+    total = sum(r.rows for r in requests)
+    expected = total if rows is None else rows
+    for out in outputs:
+        if len(out) != expected:  # arrays (axis 0) and sequence outputs (lists) alike
+            return None
+    per_request: list[list[Any]] = []
+    start = 0
+    for request in requests:
+        stop = start + request.rows
+        part = [out[start:stop] for out in outputs]
+        per_request.append(owned(part) if copy else part)
+        start = stop
+    return per_request
+
+
+def same_results(merged: Sequence[Any], solo: Sequence[Any], *, rtol: float) -> bool:
+    """Whether a request's rows of a merged run equal its solo run, up to float rounding.
+
+    A merged run may pick other kernel blockings than a solo one, so floats may differ in their
+    last bits; a row that took another caller's values differs by far more. Floats compare
+    within ``rtol`` of the output's largest finite magnitude (NaN and inf where the solo run
+    has them); everything else exactly.
+    """
+    if len(merged) != len(solo):
+        return False
+    for m, s in zip(merged, solo, strict=True):
+        if not isinstance(m, np.ndarray) or not isinstance(s, np.ndarray):
+            if m != s:
+                return False
+            continue
+        if m.shape != s.shape or m.dtype != s.dtype:
+            return False
+        if m.dtype.kind not in "fc":
+            if not np.array_equal(m, s):
+                return False
+            continue
+        finite = np.isfinite(s)
+        if not np.array_equal(finite, np.isfinite(m)) or not np.array_equal(
+            m[~finite], s[~finite], equal_nan=True
+        ):
+            return False
+        if finite.any():
+            scale = float(np.max(np.abs(s[finite])))
+            diff = float(np.max(np.abs(m[finite].astype(np.float64) - s[finite])))
+            if diff > rtol * max(scale, np.finfo(s.dtype).tiny):
+                return False
+    return True
+
+
+def owned(part: Sequence[Any]) -> list[Any]:
+    """A request's outputs from :func:`split` with ``copy=False``, as arrays of its own.
+
+    A view would keep the whole batch's output alive for as long as any caller holds its
+    rows; sequence outputs (lists) are already new lists.
+    """
+    return [out.copy() if isinstance(out, np.ndarray) else out for out in part]

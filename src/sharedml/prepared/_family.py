@@ -1,0 +1,468 @@
+"""Model families: several graphs that hold the same tensors, prepared over ONE weights file.
+
+``prepare([a, b, c], folder)`` writes ``folder/<a's name>``, ``folder/<b's name>``, ... and one
+weights file, ``folder/family-<sha16>.weights``, that holds each *distinct* tensor once. Two
+tensors are one tensor when their dtype, shape, length and SHA-256 of their bytes are equal
+(:class:`TensorDigest`), whatever their names and wherever they sat (an initializer, a
+``Constant``, a subgraph, an external file): Optimum's ``decoder_model.onnx`` and
+``decoder_with_past_model.onnx``, or an encoder exported once per task head, then cost one
+copy on disk and, through :class:`sharedml.WeightStore` (which maps each weights *file* once
+per process, whichever graph names it), one copy in memory.
+
+Each graph is an ordinary prepared model (manifest format 2, one weights file), so every route
+and tool that reads prepared models reads a family member unchanged.
+
+Redeploying: the weights file is named by its content, so a new content never overwrites a
+file a running pool maps. Graphs land by ``os.replace``; afterwards, ``family-*.weights`` files
+of the folder that no ``*.onnx`` in it refers to are removed (a pool that still maps one keeps
+its pages: an unlinked mapping survives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import re
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from onnx import ModelProto
+
+from sharedml import _host
+from sharedml._errors import (
+    FamilyError,
+    InvalidModelError,
+    ModelNotFoundError,
+    PrepareError,
+    SharedMLError,
+)
+from sharedml._host import fsync_dir
+from sharedml.model._graph import (
+    ExternalData,
+    external_locations,
+    inline_bytes,
+    iter_tensors,
+    load_graph,
+    read_model,
+    set_external,
+)
+from sharedml.prepared._prepare import (
+    _END_ALIGNMENT_BYTES,
+    _ZEROS,
+    ProgressCallback,
+    WeightsManifest,
+    _create_temp,
+    _output_error,
+    _remove_dead_temps,
+    _replace_metadata,
+    _SourceReader,
+    check_settings,
+    plan_weights,
+    read_manifest,
+)
+
+__all__ = ["FAMILY_WEIGHTS_PATTERN", "FamilyResult", "TensorDigest", "prepare_family"]
+
+# The names prepare gives a family's weights file: the first 16 hex digits of its SHA-256.
+# Only files named so are ever removed by prepare (a user's own files in the folder are not).
+FAMILY_WEIGHTS_PATTERN = re.compile(r"family-[0-9a-f]{16}\.weights")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class TensorDigest:
+    """A tensor's content identity: equal digests are the same tensor, whatever its name.
+
+    Attributes:
+        data_type: ONNX ``TensorProto.DataType``.
+        dims: Its shape.
+        length: Its data in bytes.
+        sha256: Hex SHA-256 of those bytes.
+    """
+
+    data_type: int
+    dims: tuple[int, ...]
+    length: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyResult:
+    """What ``prepare([...], folder)`` wrote.
+
+    Attributes:
+        model_paths: The prepared graphs, in the order of the sources.
+        weights_path: The one weights file they share.
+        tensors_total: Tensors moved out of all graphs, counted per graph.
+        tensors_distinct: Distinct tensors (by :class:`TensorDigest`) in the weights file.
+        bytes_total: Their data, counted per graph: what separate prepares would store.
+        bytes_distinct: Data bytes of the distinct tensors (without padding).
+        manifest: The record every graph carries (one file: the same record in each).
+        removed: ``family-*.weights`` files of the folder that no graph refers to any more,
+            removed after the graphs landed.
+    """
+
+    model_paths: tuple[Path, ...]
+    weights_path: Path
+    tensors_total: int
+    tensors_distinct: int
+    bytes_total: int
+    bytes_distinct: int
+    manifest: WeightsManifest
+    removed: tuple[Path, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (what ``sharedml prepare A B -o DIR --json`` prints)."""
+        return {
+            "model_paths": [str(p) for p in self.model_paths],
+            "weights_path": str(self.weights_path),
+            "tensors_total": self.tensors_total,
+            "tensors_distinct": self.tensors_distinct,
+            "bytes_total": self.bytes_total,
+            "bytes_distinct": self.bytes_distinct,
+            "weights_file_bytes": self.manifest.size_bytes,
+            "weights_sha256": self.manifest.sha256,
+            "removed": [str(p) for p in self.removed],
+        }
+
+
+class _DedupingWriter:
+    """Appends tensors at their alignment; a tensor already in the file is rolled back.
+
+    The file's SHA-256 runs along: each tensor (with its padding) is hashed into a copy of the
+    running digest, kept only when the tensor turns out to be new, so the file is never read
+    back to hash it.
+    """
+
+    def __init__(self, fh: Any) -> None:
+        self._fh = fh
+        self.position = 0
+        self.sha = hashlib.sha256()
+        self.offsets: dict[TensorDigest, int] = {}
+
+    def _padding(self, alignment: int) -> int:
+        return -self.position % alignment
+
+    def add(
+        self, data_type: int, dims: tuple[int, ...], chunks: Any, length: int, alignment: int
+    ) -> tuple[int, bool]:
+        """Write one tensor's ``chunks``; returns (its offset, whether it was new)."""
+        start = self.position
+        candidate = self.sha.copy()
+        content = hashlib.sha256()
+        pad = self._padding(alignment)
+        while pad:
+            step = min(pad, len(_ZEROS))
+            piece = memoryview(_ZEROS)[:step]
+            self._fh.write(piece)
+            candidate.update(piece)
+            pad -= step
+        offset = start + self._padding(alignment)
+        written = 0
+        for chunk in chunks:
+            self._fh.write(chunk)
+            candidate.update(chunk)
+            content.update(chunk)
+            written += len(chunk)
+        if written != length:  # pragma: no cover - plan_weights checked every length
+            raise InvalidModelError(f"A tensor gave {written} bytes, its plan said {length}.")
+        key = TensorDigest(data_type, dims, length, content.hexdigest())
+        known = self.offsets.get(key)
+        if known is not None:  # already in the file: forget what was just written
+            self._fh.seek(start)
+            self._fh.truncate()
+            return known, False
+        self.offsets[key] = offset
+        self.position = offset + length
+        self.sha = candidate
+        return offset, True
+
+    def finish(self) -> None:
+        pad = -self.position % _END_ALIGNMENT_BYTES
+        while pad:
+            step = min(pad, len(_ZEROS))
+            piece = memoryview(_ZEROS)[:step]
+            self._fh.write(piece)
+            self.sha.update(piece)
+            self.position += step
+            pad -= step
+
+
+def _check_members(sources: Sequence[Path], out_dir: Path) -> None:
+    """Refuse clashing names, missing members and members inside the output folder.
+
+    Raises:
+        FamilyError, ModelNotFoundError, PrepareError: before anything is written.
+    """
+    if not sources:
+        raise FamilyError("prepare was given an empty list of models: name at least one.")
+    seen: dict[str, Path] = {}
+    for src in sources:
+        other = seen.setdefault(src.name, src)
+        if other is not src:
+            raise FamilyError(
+                f"Two members of the family have the file name '{src.name}' ('{other}' and "
+                f"'{src}'): both would be written to the same path in the output folder. "
+                "Rename one of them. Nothing was written."
+            )
+    for src in sources:
+        if not src.is_file():
+            raise ModelNotFoundError(
+                f"Family member '{src}' does not exist (or is not a file). Nothing was written."
+            )
+    if out_dir.exists() and (out_dir.is_symlink() or not out_dir.is_dir()):
+        raise PrepareError(
+            f"The output of a family, '{out_dir}', must be a folder (not a file or a symlink). "
+            "Nothing was written."
+        )
+    real_out = os.path.realpath(out_dir)
+    for src in sources:
+        model = load_graph(src)
+        inputs = [src] + [
+            src.parent / loc for loc in sorted(external_locations(model.graph)) if "\0" not in loc
+        ]
+        for path in inputs:
+            real = os.path.realpath(path)
+            if os.path.commonpath([real_out, real]) == real_out:
+                what = "is" if path == src else f"has external data '{path}', which is"
+                raise FamilyError(
+                    f"Family member '{src}' {what} inside the output folder '{out_dir}': "
+                    "prepare would write over its own source. Write the family to another "
+                    "folder. Nothing was written."
+                )
+
+
+def _referenced(folder: Path) -> set[str] | None:
+    """Weights file names that the ``*.onnx`` files of ``folder`` refer to; None if unsure."""
+    names: set[str] = set()
+    for graph in folder.glob("*.onnx"):
+        try:
+            manifest = read_manifest(load_graph(graph))
+        except SharedMLError:
+            return None  # an unreadable graph might refer to anything: remove nothing
+        if manifest is not None:
+            names.update(f.file for f in manifest.files)
+    return names
+
+
+def _remove_unreferenced(folder: Path, keep: str) -> tuple[Path, ...]:
+    referenced = _referenced(folder)
+    if referenced is None:
+        return ()
+    removed = []
+    for path in sorted(folder.iterdir()):
+        name = path.name
+        if name == keep or name in referenced or not FAMILY_WEIGHTS_PATTERN.fullmatch(name):
+            continue
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                path.unlink()
+                removed.append(path)
+    return tuple(removed)
+
+
+def _only_ours(path: Path) -> bool:
+    """Whether ``path`` is this user's, nobody else may write it, and it has one link."""
+    if os.name != "posix":
+        return True
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        and st.st_nlink == 1
+    )
+
+
+def _replace_weights(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` over ``path``; where the folder forbids it, say whose file is in the way.
+
+    Raises:
+        PrepareError: a sticky folder (``/tmp``, a shared deploy folder) keeps another user's
+            file at ``path``, which this user may not replace.
+    """
+    try:
+        os.replace(tmp, path)
+    except PermissionError as exc:
+        try:
+            owner = os.lstat(path).st_uid
+        except OSError:
+            raise exc from None
+        if os.name != "posix" or owner == os.geteuid():
+            raise
+        raise PrepareError(
+            f"'{path}' belongs to user id {owner}, and this folder does not let you replace "
+            "another user's file (sticky bit). It is not used: that user could change a running "
+            "pool's weights through it. Remove it (as its owner) or prepare into a folder of "
+            "your own. Nothing was written."
+        ) from exc
+
+
+def _same_content(path: Path, sha256: str, size: int) -> bool:
+    try:
+        if path.is_symlink() or path.stat().st_size != size:
+            return False
+        with open(path, "rb") as fh:
+            return hashlib.file_digest(fh, "sha256").hexdigest() == sha256
+    except OSError:
+        return False
+
+
+def prepare_family(
+    sources: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    *,
+    size_threshold_bytes: int,
+    alignment_bytes: int,
+    progress: ProgressCallback | None = None,
+) -> FamilyResult:
+    """Prepare several models into ``out_dir`` over one weights file of distinct tensors.
+
+    Called by :func:`sharedml.prepare` when its ``src`` is a list; see it for the settings.
+
+    Raises:
+        FamilyError: two sources share a file name, or a source (or its external data) is
+            inside ``out_dir``.
+        ModelNotFoundError: a source does not exist.
+        PrepareError, OutputError, ModelError: as :func:`sharedml.prepare`. Every check runs
+            before anything is written; a failure while writing leaves no new file behind.
+    """
+    check_settings(size_threshold_bytes, alignment_bytes)
+    paths = [Path(s) for s in sources]
+    folder = Path(out_dir)
+    _check_members(paths, folder)
+    for src in paths:
+        out = folder / src.name
+        with contextlib.suppress(OSError):
+            st = os.lstat(out)
+            if not stat.S_ISREG(st.st_mode):
+                raise PrepareError(
+                    f"prepare would replace '{out}', which is {_host.file_kind(st.st_mode)}; it "
+                    "replaces only regular files. Remove it or choose another folder. Nothing "
+                    "was written."
+                )
+    placeholder = "family.weights"  # the real name is known once the content is
+    layout = WeightsManifest(placeholder, 0, "", alignment_bytes, 0)
+
+    writing = folder
+    tmp_weights: Path | None = None
+    tmp_graphs: list[Path] = []
+    graphs: list[ModelProto] = []
+    total_tensors = total_bytes = distinct_bytes = 0
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _remove_dead_temps(folder)
+        writing = folder / placeholder
+        fd, tmp_weights = _create_temp(writing)
+        plans = []
+        with os.fdopen(fd, "wb") as fh:
+            writer = _DedupingWriter(fh)
+            for src in paths:
+                model, model_bytes = read_model(src)
+                reader = _SourceReader(model_bytes)
+                del model_bytes
+                try:
+                    plan = plan_weights(model, src, size_threshold_bytes)
+                    plans.append(plan)
+                    grand = sum(p.moving_bytes for p in plans)
+                    for index, item in enumerate(plan.moving):
+                        tensor = item.tensor
+                        chunks = (
+                            [inline_bytes(tensor)]
+                            if item.piece is None
+                            else reader.read(index, item.piece, tensor.name)
+                        )
+                        offset, new = writer.add(
+                            tensor.data_type,
+                            tuple(tensor.dims),
+                            chunks,
+                            item.nbytes,
+                            layout.alignment_for(item.nbytes),
+                        )
+                        set_external(tensor, placeholder, offset, item.nbytes)
+                        total_tensors += 1
+                        total_bytes += item.nbytes
+                        distinct_bytes += item.nbytes if new else 0
+                        if progress is not None:
+                            progress(total_bytes, grand)
+                finally:
+                    reader.close()
+                graphs.append(model)
+            writer.finish()
+            fh.flush()
+            os.fsync(fh.fileno())
+        sha = writer.sha.hexdigest()
+        name = f"family-{sha[:16]}.weights"
+        manifest = dataclasses.replace(
+            layout, file=name, size_bytes=writer.position, sha256=sha, tensors=len(writer.offsets)
+        )
+        for src, model in zip(paths, graphs, strict=True):
+            for tensor_ref in _moved(model, placeholder):
+                _relocate(tensor_ref, name)
+            _replace_metadata(model, manifest)
+            writing = folder / src.name
+            fd, tmp = _create_temp(writing)
+            tmp_graphs.append(tmp)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(model.SerializeToString())
+                fh.flush()
+                os.fsync(fh.fileno())
+        weights_path = folder / name
+        writing = weights_path
+        # Content-named: an existing file of this name that already holds these bytes (checked,
+        # not assumed) may be mapped by a running pool: it is kept, not replaced. Only if it is
+        # ours alone, though: a file another user planted (or can write, or has a second name
+        # for) would let them change a live pool's weights later; it is replaced by a rename.
+        if _same_content(weights_path, sha, writer.position) and _only_ours(weights_path):
+            tmp_weights.unlink()
+        else:
+            _replace_weights(tmp_weights, weights_path)
+        tmp_weights = None
+        # Weights first: until a graph lands, it refers to the weights file it referred to.
+        for src, tmp in zip(paths, tmp_graphs, strict=True):
+            writing = folder / src.name
+            os.replace(tmp, folder / src.name)
+        tmp_graphs = []
+        fsync_dir(folder)
+    except OSError as exc:
+        if isinstance(exc, SharedMLError):
+            raise
+        raise _output_error(writing, exc) from exc
+    finally:
+        for leftover in (tmp_weights, *tmp_graphs):
+            if leftover is not None:
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
+    removed = _remove_unreferenced(folder, keep=name)
+    if removed:
+        fsync_dir(folder)
+    return FamilyResult(
+        model_paths=tuple(folder / src.name for src in paths),
+        weights_path=weights_path,
+        tensors_total=total_tensors,
+        tensors_distinct=len(writer.offsets),
+        bytes_total=total_bytes,
+        bytes_distinct=distinct_bytes,
+        manifest=manifest,
+        removed=removed,
+    )
+
+
+def _moved(model: ModelProto, location: str) -> list[Any]:
+    return [
+        ref.tensor
+        for ref in iter_tensors(model.graph)
+        if (info := ExternalData.of(ref.tensor)) is not None and info.location == location
+    ]
+
+
+def _relocate(tensor: Any, location: str) -> None:
+    for entry in tensor.external_data:
+        if entry.key == "location":
+            entry.value = location

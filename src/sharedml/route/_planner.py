@@ -1,0 +1,594 @@
+"""The route planner: one place decides how a pool's sessions get their weights.
+
+``plan_route(model, ...)`` takes any model path and the caller's settings and returns a
+:class:`SessionRecipe`: the prepared model, the weights mapped once for the process, the
+:class:`Mechanism` that lends them to ORT, why that one, and everything needed to build one
+session's options and create it. A pool only holds the recipe; every routing rule is here.
+
+The rules, in order:
+
+1. The model is prepared (cached by content) and its weights file mapped once per process
+   (:func:`sharedml.prepared_model_for`, :class:`sharedml.WeightStore`).
+2. On CUDA weights go to the device once and every session borrows the device buffers
+   (:class:`~sharedml.Mechanism` ``DEVICE``), if a route probed in a child process works with
+   the installed ORT; otherwise sessions use host weights, with a warning. On DirectML no
+   device route can work: every session uploads its own device copy, and ORT loads the
+   weights from the file (``ORT_MMAP``), which holds no host copy after the upload; the
+   reason says so, without a warning (a pool of one session is DirectML's default anyway).
+3. On the CPU, with ``prepacking`` ``auto`` or ``shared``, sessions load ORT's saved
+   optimized form of the model where ORT packs or derives any weight: ``PREPACKED_FILE`` where
+   it holds prepacked blobs (one copy of the packed weights too), ``OPTIMIZED_FILE`` where ORT
+   packs nothing but its optimizers derive weights (fused Conv+BN, folded dequantization: one
+   copy of those). Otherwise raw weights are borrowed zero-copy by the best host mechanism
+   measured on this ORT (``IN_MEMORY_FILE``, ``ADD_INITIALIZER``, ``ORT_MMAP``), with
+   prepacking off unless ``prepacking="per-session"``.
+4. With ``prepacking="off"`` only the raw weights are shared. Where ORT's optimizers derive
+   weights, every session derives and keeps its own copy of those: the pool warns and says so
+   in its reason (the saved optimized model, built once into the cache, tells).
+5. Each CPU session gets ``cores // max_sessions`` intra-op threads unless the template sets a
+   count: N sessions that each use every core oversubscribe the CPU. A session's thread count
+   can change the numerics of some kernels (dynamic quantization: ``DynamicQuantizeLSTM``,
+   ``MatMulInteger``'s dynamically quantized inputs); outputs then differ from a plain session
+   with ORT's default thread count, and equal a plain session given the same count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
+from sharedml._host import release_freed_heap, usable_cores
+from sharedml.cache._cache import CacheDir
+from sharedml.prepared._prepare import prepared_model_for, prepared_model_from_bytes
+from sharedml.runtime._capabilities import capability
+from sharedml.runtime._options import clone_session_options, config_entry
+from sharedml.runtime._providers import CPU, CUDA, DML, DML_NO_DEVICE_ROUTE, ProviderPlan
+from sharedml.weights._store import WeightStore, zero_copy_mechanisms
+
+__all__ = ["Mechanism", "Prepacking", "SessionRecipe", "plan_route"]
+
+
+class Mechanism(str, enum.Enum):
+    """How a pool's sessions get the one copy of the weights (``pool.mechanism``).
+
+    A ``str`` enum: ``pool.mechanism == "device"`` works.
+    """
+
+    PREPACKED_FILE = "prepacked-file"
+    """CPU: sessions load ORT's saved prepacked model by path and map its data file: raw,
+    derived and prepacked weights, one copy."""
+    OPTIMIZED_FILE = "optimized-file"
+    """CPU: as ``prepacked-file``, for a model ORT packs nothing of: the saved optimized model
+    shares the weights ORT's optimizers derive (fused, folded, dequantized), one copy."""
+    IN_MEMORY_FILE = "in-memory-file"
+    """CPU: the mapped weights file is lent whole to every session (ORT's in-memory external
+    data files, with ``session.use_external_initializer_file_buffers_directly=1``)."""
+    ADD_INITIALIZER = "add-initializer"
+    """CPU: each tensor is lent as an ``OrtValue`` over a slice of the map (``add_initializer``)."""
+    ORT_MMAP = "ort-mmap"
+    """CPU: ORT maps the weights file itself; sessions share the page cache."""
+    DEVICE = "device"
+    """GPU: weights uploaded once per device, every session borrows the device buffers."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+HOST = (Mechanism.IN_MEMORY_FILE, Mechanism.ADD_INITIALIZER, Mechanism.ORT_MMAP)
+SAVED_MODEL = (Mechanism.PREPACKED_FILE, Mechanism.OPTIMIZED_FILE)  # chosen, never requested
+
+
+class Prepacking(str, enum.Enum):
+    """What to do with ORT's CPU weight prepacking (``SessionPool(prepacking=...)``)."""
+
+    AUTO = "auto"
+    """Share the packed weights too where ORT packs or derives any weight, else raw weights."""
+    SHARED = "shared"
+    """The prepacked-file route, or an error if it cannot be built."""
+    OFF = "off"
+    """Share raw weights with prepacking off: least memory, unpacked kernels."""
+    PER_SESSION = "per-session"
+    """ORT's own behaviour: each session packs a private copy of every packed weight."""
+
+    @classmethod
+    def parse(cls, value: object) -> Prepacking:
+        """``None``/``False``/``True`` mean ``auto``/``off``/``per-session``.
+
+        Raises:
+            ValueError: anything else that is not one of the values.
+        """
+        aliases: dict[object, Prepacking] = {None: cls.AUTO, False: cls.OFF, True: cls.PER_SESSION}
+        if isinstance(value, bool) or value is None:
+            return aliases[value]
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                "prepacking must be 'auto', 'shared', 'off' or 'per-session' (or None, False, "
+                f"True), not {value!r}."
+            ) from None
+
+
+def _parse_mechanism(value: object) -> Mechanism | None:
+    """``"auto"`` -> None (the planner chooses); a name -> its Mechanism."""
+    if value == "auto":
+        return None
+    try:
+        return Mechanism(value)
+    except ValueError:
+        names = ", ".join(repr(m.value) for m in Mechanism if m not in SAVED_MODEL)
+        raise ValueError(f"mechanism must be 'auto' or one of {names}, not {value!r}.") from None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SessionRecipe:
+    """Everything a pool needs to create sessions that share one copy of the weights.
+
+    Attributes:
+        source_path: The model as the caller gave it.
+        model_path: The prepared model (``source_path`` itself if prepare wrote it).
+        load_path: The file each session loads: the prepared model, or its prepacked form.
+        mechanism: How sessions get the weights.
+        reason: Why this mechanism, in one or two sentences (``pool.mechanism_reason``).
+        plan: The providers and the settings they need.
+        weights: The host weights, mapped once for the process.
+        prepacking: The prepacking setting the route was planned for.
+        intra_op_threads: Intra-op threads per session where the template sets none, or None
+            to leave ORT's default.
+        device_store: The device copy of the weights (``DEVICE``), else None.
+        prepacked: The saved optimized model (``PREPACKED_FILE``, ``OPTIMIZED_FILE``), else
+            None.
+        runtime_stats: What ORT's optimized form of the model holds
+            (:class:`sharedml.weights._prepacked.PrepackStats`: derived and packed bytes) where the
+            planner read it, else None.
+        template: The caller's ``SessionOptions`` template (never modified).
+        configure: Called with each session's options before creation.
+    """
+
+    source_path: Path
+    model_path: Path
+    load_path: Path
+    mechanism: Mechanism
+    reason: str
+    plan: ProviderPlan
+    weights: WeightStore
+    prepacking: Prepacking
+    intra_op_threads: int | None
+    device_store: Any = None
+    prepacked: Any = None
+    runtime_stats: Any = None
+    template: Any = None
+    configure: Callable[[Any], None] | None = None
+
+    def options(self) -> Any:
+        """A fresh ``SessionOptions`` for one session of this recipe."""
+        import onnxruntime as ort
+
+        so = clone_session_options(self.template)
+        if self.intra_op_threads is not None and so.intra_op_num_threads == 0:
+            so.intra_op_num_threads = self.intra_op_threads
+        if self.prepacked is not None:
+            self.prepacked.apply(so)
+        elif (
+            self.prepacking is not Prepacking.AUTO
+            or config_entry(so, "session.disable_prepacking") is None
+        ):
+            # Raw weights shared: prepacking off unless asked for, since with it on every
+            # session packs a private copy of each MatMul/Conv weight, exactly the memory the
+            # pool exists to save.
+            off = "0" if self.prepacking is Prepacking.PER_SESSION else "1"
+            so.add_session_config_entry("session.disable_prepacking", off)
+        for key, value in self.plan.config_entries:
+            if config_entry(so, key) is None:
+                so.add_session_config_entry(key, value)
+        if self.plan.disable_mem_pattern:
+            so.enable_mem_pattern = False
+        if self.plan.sequential_execution:
+            so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        if self.device_store is not None:
+            self.device_store.register(so)
+        elif self.prepacked is None:
+            # (The prepacked model is loaded by path: ORT must map its data file itself, or it
+            # ignores the prepacked blobs; see PrepackedModel.apply.)
+            self.weights.register(so, self.mechanism.value)
+        if self.configure is not None:
+            self.configure(so)
+        return so
+
+    def create_session(
+        self, *, dims: Mapping[str, int] | None = None, cuda_graph: bool = True
+    ) -> Any:
+        """Create one ``onnxruntime.InferenceSession`` of this recipe.
+
+        Args:
+            dims: Symbolic dims to fix (``add_free_dimension_override_by_name``), name -> value.
+            cuda_graph: False: ``enable_cuda_graph`` off whatever the plan says (a session that
+                only reports the model's inputs and outputs).
+
+        Raises:
+            SessionCreationError: onnxruntime refused; the message names the model and providers.
+        """
+        import onnxruntime as ort
+
+        so = self.options()
+        for name, value in (dims or {}).items():
+            so.add_free_dimension_override_by_name(name, value)
+        provider_options = [dict(o) for o in self.plan.provider_options]
+        if not cuda_graph:
+            for options in provider_options:
+                options.pop("enable_cuda_graph", None)
+        try:
+            sess = ort.InferenceSession(
+                str(self.load_path),
+                so,
+                providers=list(self.plan.providers),
+                provider_options=provider_options,
+            )
+        except SharedMLError:
+            raise
+        except Exception as exc:
+            raise SessionCreationError(
+                f"onnxruntime could not create a session for '{self.source_path}' (prepared as "
+                f"'{self.model_path}') with {list(self.plan.providers)}: {exc}"
+            ) from exc
+        if self.prepacked is not None:
+            # ORT packs every weight again at load to validate the mapped blobs, then frees
+            # that work; glibc keeps the freed pages unless trimmed.
+            release_freed_heap()
+        return sess
+
+
+def plan_route(
+    model: str | os.PathLike[str] | bytes,
+    *,
+    plan: ProviderPlan,
+    max_sessions: int,
+    sess_options: Any | None = None,
+    configure: Callable[[Any], None] | None = None,
+    mechanism: str = "auto",
+    prepacking: object = Prepacking.AUTO,
+    cache_dir: CacheDir = None,
+    verify_weights: bool = True,
+    size_threshold_bytes: int | None = None,
+) -> SessionRecipe:
+    """Decide how ``max_sessions`` sessions of ``model`` get their weights (see the module).
+
+    Args:
+        model: Any ONNX model path, or a model's bytes (without external data).
+        plan: From :func:`sharedml.runtime._providers.plan_providers`.
+        max_sessions: The most sessions that will exist at once (threads and map budget).
+        sess_options: The caller's template ``SessionOptions`` (not modified).
+        configure: Called with each session's options before creation.
+        mechanism: ``"auto"`` or a :class:`Mechanism` value other than ``prepacked-file`` and
+            ``optimized-file`` (which the planner chooses).
+        prepacking: A :class:`Prepacking` value (or an alias, see :meth:`Prepacking.parse`).
+        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
+        verify_weights: Check the weights' SHA-256 when first mapped in the process.
+        size_threshold_bytes: Passed to prepare for models it prepares (None: its default).
+
+    Returns:
+        The recipe.
+
+    Raises:
+        ValueError: an unknown mechanism or prepacking, or a combination that contradicts itself.
+        ProviderError: ``mechanism="device"`` and no device route works here.
+        SharedMLError: the model, its weights or the cache cannot be used.
+    """
+    plan, graphs_reason = _without_unusable_graphs(plan)
+    recipe = _plan(
+        model,
+        plan=plan,
+        max_sessions=max_sessions,
+        sess_options=sess_options,
+        configure=configure,
+        mechanism=mechanism,
+        prepacking=prepacking,
+        cache_dir=cache_dir,
+        verify_weights=verify_weights,
+        size_threshold_bytes=size_threshold_bytes,
+    )
+    if graphs_reason:
+        recipe = dataclasses.replace(recipe, reason=f"{recipe.reason} {graphs_reason}".strip())
+    return recipe
+
+
+def _without_unusable_graphs(plan: ProviderPlan) -> tuple[ProviderPlan, str]:
+    """The plan without ``enable_cuda_graph`` where graphs cannot run here, and why."""
+    from sharedml.pool import _graphs
+
+    why = _graphs.graphs_unavailable(plan.primary, plan.provider_options[0])
+    if not why:
+        return plan, ""
+    options = list(plan.provider_options)
+    options[0] = {k: v for k, v in options[0].items() if k != "enable_cuda_graph"}
+    return (
+        dataclasses.replace(plan, provider_options=tuple(options)),
+        f"CUDA graphs are off: {why}.",
+    )
+
+
+def _plan(
+    model: str | os.PathLike[str] | bytes,
+    *,
+    plan: ProviderPlan,
+    max_sessions: int,
+    sess_options: Any | None,
+    configure: Callable[[Any], None] | None,
+    mechanism: str,
+    prepacking: object,
+    cache_dir: CacheDir,
+    verify_weights: bool,
+    size_threshold_bytes: int | None,
+) -> SessionRecipe:
+    """:func:`plan_route` for a plan whose options can run here."""
+    requested = _parse_mechanism(mechanism)
+    packing = Prepacking.parse(prepacking)
+    if packing is Prepacking.SHARED and requested is not None:
+        raise ValueError(
+            "prepacking='shared' chooses the weight mechanism itself; leave mechanism='auto'."
+        )
+    kwargs: dict[str, Any] = (
+        {} if size_threshold_bytes is None else {"size_threshold_bytes": size_threshold_bytes}
+    )
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        source = Path("<model bytes>")
+        model_path = prepared_model_from_bytes(
+            bytes(model), cache_dir=cache_dir, verify=verify_weights, **kwargs
+        )
+    elif isinstance(model, (str, os.PathLike)):
+        source = Path(model)
+        model_path = prepared_model_for(
+            source, cache_dir=cache_dir, verify=verify_weights, **kwargs
+        )
+    else:
+        raise TypeError(
+            f"model must be a path (str or os.PathLike) or the model's bytes, not "
+            f"{type(model).__name__}."
+        )
+    weights = WeightStore.open(model_path, verify=verify_weights, cache_dir=cache_dir)
+    if requested is Mechanism.IN_MEMORY_FILE and not capability("files-in-memory").available:
+        raise ProviderError(
+            f"mechanism='in-memory-file' cannot be used: {capability('files-in-memory').reason}. "
+            "Use mechanism='auto', which picks what this onnxruntime can do."
+        )
+    common: dict[str, Any] = {
+        "source_path": source,
+        "model_path": model_path,
+        "plan": plan,
+        "weights": weights,
+        "prepacking": packing,
+        "template": sess_options,
+        "configure": configure,
+        "intra_op_threads": (
+            max(1, usable_cores() // max_sessions) if plan.primary == CPU else None
+        ),
+    }
+
+    if plan.primary == DML:
+        return _directml_recipe(requested, common)
+    device_reason = ""
+    if requested is Mechanism.DEVICE or (requested is None and plan.primary == CUDA):
+        device_store, device_reason = _device_weights(weights, plan, forced=requested is not None)
+        if device_store is not None:
+            return SessionRecipe(
+                load_path=model_path,
+                mechanism=Mechanism.DEVICE,
+                reason=device_reason,
+                device_store=device_store,
+                **common,
+            )
+    host = (
+        Mechanism(zero_copy_mechanisms()[0]) if requested in (None, Mechanism.DEVICE) else requested
+    )
+    if (
+        plan.primary == CPU
+        and requested is None
+        and packing in (Prepacking.AUTO, Prepacking.SHARED)
+    ):
+        prepacked, reason = _prepacked_weights(
+            weights,
+            sess_options,
+            cache_dir,
+            max_sessions,
+            forced=packing is Prepacking.SHARED,
+            verify=verify_weights,
+            source=source,
+        )
+        if prepacked is not None:
+            return SessionRecipe(
+                load_path=prepacked.model_path,
+                mechanism=(
+                    Mechanism.PREPACKED_FILE
+                    if prepacked.stats.prepacked_blobs
+                    else Mechanism.OPTIMIZED_FILE
+                ),
+                reason=reason,
+                prepacked=prepacked,
+                runtime_stats=prepacked.stats,
+                **common,
+            )
+    else:
+        reason = ""
+    stats = None
+    if plan.primary == CPU and packing is Prepacking.OFF and device_reason == "":
+        stats, derived_reason = _derived_weights_check(
+            weights, sess_options, cache_dir, source, verify=verify_weights
+        )
+        reason = " ".join(r for r in (reason, derived_reason) if r)
+    reason = " ".join(r for r in (device_reason, reason, _host_reason(host, packing)) if r)
+    return SessionRecipe(
+        load_path=model_path, mechanism=host, reason=reason, runtime_stats=stats, **common
+    )
+
+
+def _optimized_model(
+    weights: WeightStore, sess_options: Any, cache_dir: CacheDir, *, verify: bool
+) -> Any:
+    """ORT's saved optimized (and prepacked) form of the model: a cache entry, built once."""
+    from sharedml.weights import _prepacked as _prepack
+
+    files = weights.manifest.files
+    return _prepack.build_prepacked_model(
+        weights.model_path,
+        weights.path
+        if len(files) == 1
+        else {f.file: weights.model_path.parent / f.file for f in files},
+        cache_dir,
+        sess_options=sess_options,
+        weights_digest="sha256:" + ",".join(f.sha256 for f in sorted(files, key=lambda f: f.file)),
+        verify=verify,
+    )
+
+
+def _derived_weights_check(
+    weights: WeightStore, sess_options: Any, cache_dir: CacheDir, source: Path, *, verify: bool
+) -> tuple[Any, str]:
+    """For ``prepacking="off"``: does ORT derive weights that every session then keeps itself?
+
+    Reads ORT's saved optimized form of the model (built once into the cache; the same entry
+    the default route uses). Where ORT derives weights, warns and returns the sentence for the
+    pool's reason. Never fails the pool: a model whose optimized form cannot be built gets a
+    reason saying the check could not be made.
+    """
+    try:
+        prepacked = _optimized_model(weights, sess_options, cache_dir, verify=verify)
+    except CacheError:
+        raise
+    except (SharedMLError, ValueError) as exc:
+        return None, f"Whether ORT derives weights of this model could not be checked ({exc})."
+    derived = prepacked.stats.derived_bytes
+    if not derived:
+        return prepacked.stats, ""
+    message = (
+        f"prepacking='off' shares only the raw weights of '{source}': ORT's optimizers derive "
+        f"{derived / 2**20:.1f} MiB of weights from them (fused, folded or dequantized), which "
+        "every session derives and keeps for itself. prepacking='auto' (the default) shares "
+        "those too."
+    )
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return prepacked.stats, message
+
+
+def _host_reason(mechanism: Mechanism, packing: Prepacking) -> str:
+    how = {
+        Mechanism.IN_MEMORY_FILE: "the mapped weights file is lent whole to every session",
+        Mechanism.ADD_INITIALIZER: "each tensor is lent to every session from the mapped file",
+        Mechanism.ORT_MMAP: "ORT maps the weights file in every session (one page-cache copy)",
+    }.get(mechanism, str(mechanism))
+    packs = (
+        "each session packs a private copy of its packed weights (prepacking='per-session')"
+        if packing is Prepacking.PER_SESSION
+        else "prepacking is off, so kernels run on unpacked weights"
+    )
+    return f"Raw weights shared: {how}; {packs}."
+
+
+# DirectML: no device route (DML_NO_DEVICE_ROUTE), so every session holds its own device copy.
+# Of the host routes, ORT loading the weights from the file frees its host copy once uploaded;
+# the in-memory file keeps the whole map resident for the pool's life, one more copy of the
+# weights; add-initializer's tensors are copied too. Figures: docs/directml.md.
+_DML_MECHANISM = Mechanism.ORT_MMAP
+
+
+def _directml_recipe(requested: Mechanism | None, common: dict[str, Any]) -> SessionRecipe:
+    """The DirectML route: a host mechanism, and each session's own device copy, said plainly."""
+    if requested is Mechanism.DEVICE:
+        raise ProviderError(
+            f"mechanism='device' with DmlExecutionProvider: {DML_NO_DEVICE_ROUTE}. Use "
+            "mechanism='auto': one session with batching keeps one device copy."
+        )
+    host = requested or _DML_MECHANISM
+    how = {
+        Mechanism.ORT_MMAP: (
+            "ORT loads them from the prepared model's weights file and frees its host copy "
+            "after the upload (the least memory measured on DirectML)"
+        ),
+        Mechanism.IN_MEMORY_FILE: (
+            "the mapped weights file is lent to every session and stays resident for the "
+            "pool's life, beside the device copies"
+        ),
+        Mechanism.ADD_INITIALIZER: (
+            "each tensor is lent from the mapped file, and ORT copies it to the device "
+            "(it warns that the user-supplied initializer's memory location differs)"
+        ),
+    }[host]
+    reason = f"{DML_NO_DEVICE_ROUTE}. Host weights ({host.value}): {how}."
+    return SessionRecipe(load_path=common["model_path"], mechanism=host, reason=reason, **common)
+
+
+def _device_weights(weights: WeightStore, plan: ProviderPlan, *, forced: bool) -> tuple[Any, str]:
+    """The device store for this plan, or (None, why not) after warning the caller."""
+    from sharedml.weights import _device
+    from sharedml.weights import _probe as _device_probe
+
+    provider, device_id = plan.primary, plan.device_id
+    has_store = provider in _device.DEVICE_TYPES and provider != CPU
+    route = _device_probe.select_route(provider, device_id) if has_store else None
+    if route is not None:
+        store = _device.DeviceWeightStore.for_store(weights, provider, device_id, route=route)
+        return store, (
+            f"Weights uploaded once to {provider} device {device_id} (route '{route}', "
+            f"{store.device_bytes / 2**20:.0f} MiB); every session borrows those buffers."
+        )
+    probes = _device_probe.probe_routes(provider, device_id) if has_store else ()
+    tried = "; ".join(f"{p.route}: {p.reason}" for p in probes) or "nothing to try"
+    if forced:
+        raise ProviderError(
+            f"No device weight route works for {provider} on device {device_id} with this "
+            f"onnxruntime build ({tried}); use mechanism='auto' to fall back to host-mapped "
+            "weights."
+        )
+    message = (
+        f"Device weight sharing is unavailable for {provider} here ({tried}): every session "
+        "will upload its own copy of the weights to the device."
+    )
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return None, message
+
+
+def _prepacked_weights(
+    weights: WeightStore,
+    sess_options: Any,
+    cache_dir: CacheDir,
+    sessions: int,
+    *,
+    forced: bool,
+    verify: bool,
+    source: Path,
+) -> tuple[Any, str]:
+    """The prepacked model where it pays (or is forced), else (None, why not)."""
+    from sharedml.weights import _prepacked as _prepack
+
+    saves = capability("prepacked-save")
+    if not saves.available:
+        # Not a failure: this onnxruntime has no such route, and the raw one is correct.
+        if forced:
+            raise SessionCreationError(
+                f"prepacking='shared' needs ORT's saved prepacked model, but {saves.reason}. "
+                "Use prepacking='auto' (raw weights shared) or a newer onnxruntime."
+            )
+        return None, f"The saved prepacked model is not used: {saves.reason}."
+    try:
+        prepacked = _optimized_model(weights, sess_options, cache_dir, verify=verify)
+    except CacheError:
+        raise  # an untrusted cache is the caller's to fix, on every route alike
+    except SharedMLError as exc:
+        if forced:
+            raise
+        warnings.warn(
+            f"sharedml: sharing prepacked weights failed for '{source}', the pool shares raw "
+            f"weights with prepacking off instead: {exc}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None, f"The prepacked model could not be built ({exc})."
+    decision = _prepack.choose_cpu_route(prepacked.stats, sessions=sessions)
+    if forced or decision.route is _prepack.CpuRoute.PREPACKED_FILE:
+        return prepacked, decision.reason
+    return None, decision.reason

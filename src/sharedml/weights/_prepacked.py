@@ -1,0 +1,840 @@
+"""The CPU route that gives N sessions one copy of the weights AND ORT's prepacked kernel speed.
+
+The problem: at session creation ORT's CPU kernels "prepack" constant weights (MatMul, Gemm,
+the quantized MatMuls, Conv, RNNs...) into a kernel layout in that session's heap, and its
+optimizers derive new weights (NCHWc filters, folded constants), also per session. Shared raw
+weights or not, N sessions then hold N packed copies; with prepacking off the raw weights are
+shared but batched kernels run about 2x slower.
+
+The route: ORT can save the optimized model with its prepacked blobs next to the raw initializers
+in the data file (``session.save_external_prepacked_constant_initializers=1``). A session that
+loads that model *by path* maps the blobs and the derived weights from the file, so all sessions
+of all processes share the same page-cache pages: one copy, at prepacked speed. The saved model
+is a ``prepacked`` entry of the cache (:mod:`sharedml.cache._cache`), keyed by ORT build and CPU.
+
+Decisions, each measured (figures and commands: ``docs/cpu-prepacking.md``):
+
+* Sessions load the saved model by path, never through the in-memory-file route: with it ORT
+  ignores the blobs and every session packs again.
+* ORT still packs every weight at load to validate the mapped blob, then frees that work; the
+  pool trims the heap after each creation (:func:`sharedml._host.release_freed_heap`), or
+  glibc keeps the freed pages.
+* Small initializers stay inline in the saved model: ORT maps each external initializer per
+  session, and Linux caps maps per process (``vm.max_map_count``).
+* :func:`choose_cpu_route` takes the route only where ORT packs or derives a weight, and not
+  where the maps of all sessions would crowd the per-process map limit.
+* The C API's prepacked-weights container is not reachable from Python (``InferenceSession``
+  cannot adopt a session made through ctypes), so this file route is the one Python has.
+
+Thread safety: :func:`build_prepacked_model` may run concurrently, also in several processes,
+for one key: builders race to the cache's atomic publish and the losers use the winner's entry.
+:meth:`PrepackedModel.apply` writes only to the ``SessionOptions`` it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import mmap
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sharedml import _host
+from sharedml._errors import (
+    CacheError,
+    ExternalDataError,
+    ModelNotFoundError,
+    SessionCreationError,
+)
+from sharedml.cache._cache import CacheDir, CacheEntry, ensure_entry, iter_entries
+from sharedml.model._graph import (
+    ExternalData,
+    external_locations,
+    iter_graphs,
+    iter_tensors,
+    load_graph,
+)
+from sharedml.model._proto import ModelProto, parse_model
+from sharedml.runtime._capabilities import capability
+from sharedml.runtime._options import config_entry, graph_settings
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+__all__ = [
+    "CpuRoute",
+    "CpuRouteDecision",
+    "PrepackStats",
+    "PrepackedModel",
+    "build_prepacked_model",
+    "choose_cpu_route",
+    "inspect_prepacked_model",
+]
+
+_KIND = "prepacked"  # the cache's entry kind
+_MODEL_NAME = "model.onnx"
+_DATA_NAME = "model.data"
+_FORMAT = 2  # bump when an entry's layout, or what goes into its key, changes
+_PAGE_BYTES = mmap.PAGESIZE  # bytes; a blob at a page-aligned offset is mapped without slack
+
+# Initializers below this size stay inside the saved .onnx instead of its data file: a small
+# tensor costs each session a private copy of a few KiB, where an external one costs a map.
+_DEFAULT_MIN_EXTERNAL_BYTES = 64 * 1024  # bytes
+
+
+class CpuRoute(enum.Enum):
+    """How a pool gives its CPU sessions their weights."""
+
+    PREPACKED_FILE = "prepacked-file"
+    """Sessions load :attr:`PrepackedModel.model_path` after :meth:`PrepackedModel.apply`: raw,
+    derived and packed weights are mapped from one file, once for all sessions; packed speed."""
+
+    SHARED_RAW = "shared-raw"
+    """Sessions borrow the raw weights zero-copy with ``session.disable_prepacking=1``: one copy,
+    near-zero session creation time, unpacked kernels."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepackStats:
+    """What a saved prepacked model holds, read from its protobuf (no session is created).
+
+    Attributes:
+        external_initializers: initializers whose data lives in the data file.
+        raw_bytes: bytes of those initializers' raw data.
+        prepacked_blobs: prepacked buffers saved next to them.
+        prepacked_bytes: bytes of those buffers. 0 means ORT packs nothing of this model on this
+            CPU.
+        derived_bytes: bytes of external initializers that the source model does not have, made
+            by ORT's optimizers (NCHWc-reordered filters, folded or fused constants). On the
+            shared-raw route every session makes its own copy of these. 0 when unknown.
+        unaligned_blobs: blobs whose file offset is not page-aligned (mapped with some slack).
+        maps_per_session: memory maps one session makes of the data file: one per blob, plus
+            one per external initializer without a blob.
+    """
+
+    external_initializers: int
+    raw_bytes: int
+    prepacked_blobs: int
+    prepacked_bytes: int
+    derived_bytes: int
+    unaligned_blobs: int
+    maps_per_session: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuRouteDecision:
+    """The route :func:`choose_cpu_route` picked, and why (one sentence, for logs and reports)."""
+
+    route: CpuRoute
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepackedModel:
+    """An optimized model whose data file carries ORT's prepacked weights, to load N times.
+
+    Attributes:
+        model_path: The optimized model. Pass ``str(model_path)`` to ``InferenceSession``: ORT
+            must open the data file itself.
+        data_path: Its data file (raw and derived initializers, prepacked blobs), next to it.
+        key: The cache key of this entry (hex).
+        stats: What the data file holds.
+        hold: Keeps the cache entry from removal while sessions may map its data file.
+    """
+
+    model_path: Path
+    data_path: Path
+    key: str
+    stats: PrepackStats
+    hold: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def apply(self, so: ort.SessionOptions) -> None:
+        """Set what a session needs to load this model with shared prepacked weights.
+
+        Nothing has to be kept alive for the session: ORT maps ``data_path`` itself.
+
+        * ``graph_optimization_level = ORT_DISABLE_ALL``: the graph is already optimized at the
+          level the key records; optimizing again is redundant work per session.
+        * ``session.disable_prepacking = 0``, where the options said otherwise: with prepacking
+          off the kernels ignore the blobs and run unpacked.
+        * Deliberately not set, and not to be set by the caller either:
+          ``add_external_initializers_from_files_in_memory`` for this file (ORT then ignores the
+          blobs and each session packs a private copy), nor a weight store's registration for
+          the *source* model's weights file (this model does not read it).
+
+        Args:
+            so: The options of ONE session, modified in place.
+        """
+        import onnxruntime as ort
+
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if config_entry(so, "session.disable_prepacking") not in (None, "0"):
+            so.add_session_config_entry("session.disable_prepacking", "0")
+
+    @classmethod
+    def _of(cls, entry: CacheEntry) -> PrepackedModel:
+        try:
+            stats = PrepackStats(**entry.meta["stats"])
+        except (KeyError, TypeError) as exc:
+            raise CacheError(
+                f"The cache entry '{entry.path}' has no readable prepack figures ({exc}). Remove "
+                "it; sharedml builds it again."
+            ) from None
+        return cls(entry.file(_MODEL_NAME), entry.file(_DATA_NAME), entry.key, stats, entry.hold)
+
+
+def build_prepacked_model(
+    prepared_model: str | os.PathLike[str],
+    weights_file: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None,
+    cache_dir: CacheDir = None,
+    *,
+    sess_options: ort.SessionOptions | None = None,
+    weights_digest: str | None = None,
+    min_external_bytes: int = _DEFAULT_MIN_EXTERNAL_BYTES,
+    verify: bool = True,
+    share: bool = True,
+) -> PrepackedModel:
+    """Return the cached prepacked form of ``prepared_model``, building it first if needed.
+
+    Identical weights are shared across entries (``share``): an initializer whose raw bytes and
+    prepacked blobs equal those of one in another prepacked entry of the same ORT build and
+    CPU (whatever its name or model) is pointed at that entry's data file, hard-linked into
+    this entry's folder, so every model's sessions map the same pages (see
+    :func:`_share_identical` and ``docs/families.md``).
+
+    A build creates one CPU session over ``prepared_model`` that saves its optimized graph with
+    ``session.save_external_prepacked_constant_initializers=1`` into the cache's temporary
+    folder, reloads the result once as :meth:`PrepackedModel.apply` would (ORT validates every
+    blob against a fresh pack, so a bad entry fails here and not in the pool), and publishes it.
+    A build costs about one fully optimized session creation, one reload and about twice the
+    weights written to disk.
+
+    The key covers what changes the bytes ORT writes or whether an ORT would accept them: this
+    entry format, the onnxruntime version and build, the CPU fingerprint, the prepared model's
+    bytes, the weights (``weights_digest``, or a SHA-256 of ``weights_file``) and their size,
+    the optimization level, the config entries that change the graph
+    (:data:`sharedml.runtime._options.CONFIG_KEYS`) and ``min_external_bytes``.
+
+    Args:
+        prepared_model: A model whose large initializers are external data in ``weights_file``
+            (small ones may be inline; it may also have no external data at all).
+        weights_file: The one external data file ``prepared_model`` refers to, or None if it has
+            none. ORT reads it zero-copy through a read-only map registered under the name the
+            model uses, so it need not sit where the model's ``location`` points. A model over
+            several weights files (a cache entry that shares tensors with others) passes them
+            all, as ``{location: path}``.
+        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
+        sess_options: The options the pool gives its sessions. Only the optimization level and
+            the config entries that change the optimized graph are used; free-dimension
+            overrides and custom ops are not carried. None means ORT's defaults.
+        weights_digest: A content digest of ``weights_file`` that the caller already has (a
+            prepared model's manifest records its SHA-256). Without it the file is hashed.
+        min_external_bytes: Initializers smaller than this stay inline in the saved model.
+        verify: Check a published entry's files against the SHA-256 recorded when it was built
+            (a stamp spares re-reading unchanged files).
+        share: Point identical initializers (raw bytes and blobs) at other entries' data files
+            through hard links, so that models holding the same weights share their pages.
+
+    Returns:
+        The entry; its ``stats`` feed :func:`choose_cpu_route`.
+
+    Raises:
+        ValueError: ``sess_options`` sets ``session.disable_prepacking=1``, or the model has
+            external data and ``weights_file`` is None.
+        ModelNotFoundError: ``prepared_model`` or ``weights_file`` does not exist.
+        ExternalDataError: ``prepared_model`` refers to more than one external data file.
+        SessionCreationError: onnxruntime could not build or reload the model; no entry is kept.
+        CacheError: the cache folder fails sharedml's permission policy.
+
+    Thread safety: safe to call concurrently, also from several processes sharing ``cache_dir``.
+    Leaves the process's heap trimmed after a build.
+    """
+    import onnxruntime as ort
+
+    prepared_model = Path(prepared_model)
+    try:
+        model_bytes = prepared_model.read_bytes()
+    except FileNotFoundError:
+        raise ModelNotFoundError(
+            f"Model '{prepared_model}' does not exist. Pass the path of a prepared model."
+        ) from None
+    source = parse_model(model_bytes)
+    files: dict[str, Path] = {}
+    if isinstance(weights_file, Mapping):
+        files = {location: Path(path) for location, path in weights_file.items()}
+        missing = sorted(external_locations(source.graph) - set(files))
+        if missing:
+            raise ExternalDataError(
+                f"Model '{prepared_model}' keeps weights in {', '.join(missing)}, which "
+                "weights_file does not give."
+            )
+    else:
+        location = _single_external_location(source, prepared_model)
+        if location is not None and weights_file is None:
+            raise ValueError(
+                f"Model '{prepared_model}' keeps weights in the external file '{location}', but "
+                "weights_file is None. Pass the path of that file."
+            )
+        if location is not None and weights_file is not None:
+            files = {location: Path(weights_file)}
+    if config_entry(sess_options, "session.disable_prepacking") == "1":
+        raise ValueError(
+            "sess_options sets session.disable_prepacking=1, but the prepacked route exists to "
+            "keep prepacking on. Use the shared-raw route, or drop that entry."
+        )
+    weights_size = 0
+    for weights_path in files.values():
+        try:
+            weights_size += weights_path.stat().st_size
+        except FileNotFoundError:
+            raise ModelNotFoundError(
+                f"Weights file '{weights_path}' of model '{prepared_model}' does not exist."
+            ) from None
+    if files and weights_digest is None:
+        weights_digest = "sha256:" + ",".join(
+            _host.sha256_file(files[name]) for name in sorted(files)
+        )
+    key_material = _key_material(
+        model_bytes, weights_digest, weights_size, sess_options, min_external_bytes
+    )
+    level, carried = key_material["optimization_level"], key_material["config"]
+    key = hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()[:32]
+
+    def build(tmp: Path) -> dict[str, Any]:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel(level)
+        # At ORT_ENABLE_ALL, ORT warns that the saved model is hardware-specific: expected here
+        # (the key names the CPU), so only errors are logged.
+        so.log_severity_level = 3
+        for k, v in carried.items():
+            so.add_session_config_entry(k, v)
+        so.optimized_model_filepath = str(tmp / _MODEL_NAME)
+        so.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", _DATA_NAME
+        )
+        so.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes",
+            str(min_external_bytes),
+        )
+        so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+        weights_maps: list[Any] = []
+        if files and capability("files-in-memory").available:
+            import numpy as np
+
+            names = sorted(files)
+            weights_maps = [np.memmap(files[n], dtype=np.uint8, mode="r") for n in names]
+            so.add_external_initializers_from_files_in_memory(
+                names, weights_maps, [m.nbytes for m in weights_maps]
+            )
+            so.add_session_config_entry(
+                "session.use_external_initializer_file_buffers_directly", "1"
+            )
+        elif files:
+            _check_read_by_path(prepared_model, files)  # ORT reads the weights file itself
+        try:
+            ort.InferenceSession(str(prepared_model), so, providers=["CPUExecutionProvider"])
+            if not (tmp / _DATA_NAME).exists():  # nothing was large enough to go external
+                (tmp / _DATA_NAME).write_bytes(b"")
+            _read_only_own_data(tmp, files)
+            _drop_sharedml_metadata(tmp / _MODEL_NAME, key)
+            stats = inspect_prepacked_model(tmp / _MODEL_NAME, source_model=source)
+            own_index = _blob_index(tmp / _MODEL_NAME)
+            unshared = (tmp / _MODEL_NAME).read_bytes()
+            sharing = _share_identical(tmp, own_index, key_material, cache_dir) if share else None
+
+            def check_reload() -> None:
+                check = ort.SessionOptions()
+                PrepackedModel(tmp / _MODEL_NAME, tmp / _DATA_NAME, key, stats).apply(check)
+                ort.InferenceSession(
+                    str(tmp / _MODEL_NAME), check, providers=["CPUExecutionProvider"]
+                )
+
+            try:
+                check_reload()
+            except Exception:
+                if sharing is None:
+                    raise
+                # ORT refused the shared form: keep the entry's own blobs (still correct).
+                (tmp / _MODEL_NAME).write_bytes(unshared)
+                for linked in sharing.files:
+                    (tmp / linked).unlink()
+                sharing = None
+                check_reload()
+            if sharing is not None and _DATA_NAME not in external_locations(
+                load_graph(str(tmp / _MODEL_NAME)).graph
+            ):
+                # Every initializer now points at other entries' files: ORT's own copy of them
+                # is dead weight (byte-identical to the linked file), kept empty as an entry
+                # with nothing external keeps it.
+                (tmp / _DATA_NAME).unlink()
+                (tmp / _DATA_NAME).write_bytes(b"")
+        except Exception as exc:
+            raise SessionCreationError(
+                f"onnxruntime could not save or reload the prepacked form of '{prepared_model}': "
+                f"{exc}. Use the shared-raw route for this model."
+            ) from exc
+        finally:
+            del weights_maps
+            _host.release_freed_heap()  # the two sessions freed about twice the weights
+        return {
+            "source": str(prepared_model),
+            "key_material": key_material,
+            "stats": dataclasses.asdict(stats),
+            # What a later entry may share: every external initializer's content and place.
+            "blobs": sharing.index if sharing is not None else own_index,
+            "shared": sharing.summary() if sharing is not None else None,
+        }
+
+    entry = ensure_entry(_KIND, key, build, cache_dir=cache_dir, verify=verify)
+    return PrepackedModel._of(entry)
+
+
+# --------------------------------------------------------------------------------------------
+# Sharing identical packed weights across entries (model families)
+
+_SHARED_PREFIX = "shared-"  # name of a data file hard-linked from another prepacked entry
+# The key material two entries must agree on for one's blobs to be offered to the other. ORT
+# still validates every blob at load (it packs again and compares), and contents are compared
+# by SHA-256 here, so this only avoids pointless offers.
+_SHARING_FIELDS = ("format", "ort_version", "ort_build", "cpu", "optimization_level", "config")
+
+
+def _blob_index(model_path: Path) -> list[dict[str, Any]]:
+    """Each external initializer of a saved model: its content digests and external entries.
+
+    ``match`` identifies the content: dtype, shape, SHA-256 of the raw bytes, and for each
+    prepacked blob its key, kernel tag and SHA-256. Equal ``match``: the same weight, packed the
+    same way.
+    """
+    import numpy as np
+
+    model = load_graph(str(model_path))
+    maps: dict[str, Any] = {}
+    index = []
+    for ref in iter_tensors(model.graph):
+        info = ExternalData.of(ref.tensor)
+        if info is None or info.length is None or info.malformed:
+            continue
+        data: Any = maps.get(info.location)
+        if data is None:
+            path = model_path.parent / info.location
+            data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else b""
+            maps[info.location] = data
+        blobs = []
+        for key, value in info.entries:
+            if key.startswith("prepacked_"):
+                tag, *parts = value.split("|")
+                for part in parts:
+                    offset, size = (int(v) for v in part.split(";")[:2])
+                    blobs.append(
+                        [key, tag, hashlib.sha256(data[offset : offset + size]).hexdigest()]
+                    )
+        raw = hashlib.sha256(data[info.offset : info.offset + info.length]).hexdigest()
+        index.append(
+            {
+                "name": ref.tensor.name,
+                "file": info.location,
+                "match": [ref.tensor.data_type, list(ref.tensor.dims), info.length, raw, blobs],
+                "entries": [list(e) for e in info.entries],
+            }
+        )
+    return index
+
+
+@dataclasses.dataclass
+class _Sharing:
+    """What :func:`_share_identical` did to an entry being built."""
+
+    index: list[dict[str, Any]]
+    files: dict[str, str]  # linked file name -> the entry key it came from
+    tensors: int
+    bytes: int
+
+    def summary(self) -> dict[str, Any]:
+        return {"files": self.files, "tensors": self.tensors, "bytes": self.bytes}
+
+
+def _share_identical(
+    tmp: Path, own: list[dict[str, Any]], key_material: dict[str, Any], cache_dir: CacheDir
+) -> _Sharing | None:
+    """Point this entry's initializers at identical ones of other entries; None if none match.
+
+    Each matching initializer takes the other entry's external entries (raw data and blob
+    offsets) with the location of a hard link to that entry's data file, made in ``tmp``. The
+    linked bytes are hashed again before they are used: another entry's record is not trusted
+    for content. This entry's own data file keeps its copy on disk (ORT wrote it), but no
+    session maps those ranges any more; where every initializer is shared, the build empties
+    the file. Hard links unavailable (another filesystem, Windows
+    without rights): those tensors keep this entry's own copy; ``meta["shared"]`` says what was.
+    """
+    wanted = {json.dumps(t["match"]): t for t in own}
+    offers: dict[str, tuple[CacheEntry, dict[str, Any]]] = {}
+    for entry in iter_entries(_KIND, cache_dir=cache_dir):
+        if isinstance(entry, CacheError) or entry.path == tmp:
+            continue
+        theirs = entry.meta.get("key_material") or {}
+        if any(theirs.get(f) != key_material.get(f) for f in _SHARING_FIELDS):
+            continue
+        barred: set[str] | None = None  # read only for an entry that has a match
+        for tensor in entry.meta.get("blobs") or ():
+            match = json.dumps(tensor.get("match"))
+            if match in wanted and match not in offers and tensor.get("file") in entry.files:
+                if barred is None:
+                    barred = _subgraph_files(entry.path / _MODEL_NAME)
+                if tensor.get("file") not in barred:
+                    offers[match] = (entry, tensor)
+    if not offers:
+        return None
+    model = load_graph(str(tmp / _MODEL_NAME))
+    refs = list(iter_tensors(model.graph))
+    by_name = {ref.tensor.name: ref.tensor for ref in refs}
+    in_subgraph = {ref.tensor.name for ref in refs if ref.depth}
+    linked: dict[tuple[str, str], str] = {}  # (entry key, file) -> name in tmp
+    files: dict[str, str] = {}
+    shared_tensors = shared_bytes = 0
+    index = []
+    for item in own:
+        offer = offers.get(json.dumps(item["match"]))
+        if offer is None or item["name"] in in_subgraph:  # see _subgraph_files
+            index.append(item)
+            continue
+        entry, tensor = offer
+        name = linked.get((entry.key, tensor["file"]))
+        if name is None:
+            name = entry.link_file(tensor["file"], tmp, _SHARED_PREFIX, ".data")
+            if name is None:
+                index.append(item)  # no hard link here: keep this entry's own copy
+                continue
+            linked[(entry.key, tensor["file"])] = name
+            files[name] = entry.key
+        entries = [[k, name if k == "location" else v] for k, v in tensor["entries"]]
+        probe = {"file": name, "entries": entries}
+        if not _same_bytes(tmp, probe, item):
+            index.append(item)
+            continue
+        proto = by_name[item["name"]]
+        del proto.external_data[:]
+        for k, v in entries:
+            added = proto.external_data.add()
+            added.key, added.value = k, v
+        index.append({**item, "file": name, "entries": entries})
+        shared_tensors += 1
+        shared_bytes += int(item["match"][2]) + sum(
+            int(p.split(";")[1])
+            for k, v in entries
+            if k.startswith("prepacked_")
+            for p in v.split("|")[1:]
+        )
+    for name in set(files) - {i["file"] for i in index}:
+        (tmp / name).unlink()  # linked, then every tensor of it failed the byte check
+        files.pop(name)
+    if not shared_tensors:
+        return None
+    (tmp / _MODEL_NAME).write_bytes(model.SerializeToString())
+    return _Sharing(index, files, shared_tensors, shared_bytes)
+
+
+def _subgraph_files(model_path: Path) -> set[str]:
+    """The data files that tensors inside subgraphs (``If``/``Loop``/``Scan`` bodies) refer to.
+
+    ORT has onnx's checker validate the external data of subgraph tensors when it loads a model,
+    and onnx (1.22 and later) refuses a data file with more than one hard link ("a potential
+    hardlink attack"); main-graph initializers are not checked so. Measured on silero-vad:
+    linking such an entry's data file from another entry broke the lending entry's next load.
+    So such a file is never lent, and a subgraph tensor never points at a link.
+    """
+    try:
+        model = load_graph(str(model_path))
+    except Exception:
+        return {_DATA_NAME}  # unreadable: lend nothing of it (its own load will say why)
+    files = set()
+    for ref in iter_tensors(model.graph):
+        info = ExternalData.of(ref.tensor) if ref.depth else None
+        if info is not None:
+            files.add(info.location)
+    return files
+
+
+def _same_bytes(tmp: Path, theirs: dict[str, Any], ours: dict[str, Any]) -> bool:
+    """Whether the ranges ``theirs`` names in ``tmp`` hold exactly ``ours``' digests."""
+    import numpy as np
+
+    try:
+        data: Any = np.memmap(tmp / theirs["file"], dtype=np.uint8, mode="r")
+        entries = dict(theirs["entries"])
+        offset, length = int(entries["offset"]), int(entries["length"])
+        if hashlib.sha256(data[offset : offset + length]).hexdigest() != ours["match"][3]:
+            return False
+        digests = []
+        for key, value in theirs["entries"]:
+            if key.startswith("prepacked_"):
+                tag, *parts = value.split("|")
+                for part in parts:
+                    o, n = (int(v) for v in part.split(";")[:2])
+                    digests.append([key, tag, hashlib.sha256(data[o : o + n]).hexdigest()])
+        return bool(digests == ours["match"][4])
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _key_material(
+    model_bytes: bytes,
+    weights_digest: str | None,
+    weights_size: int,
+    sess_options: Any,
+    min_external_bytes: int,
+) -> dict[str, Any]:
+    """What a prepacked entry's key covers (see :func:`build_prepacked_model`)."""
+    import onnxruntime as ort
+
+    level, carried = graph_settings(sess_options)
+    return {
+        "format": _FORMAT,
+        "ort_version": ort.__version__,
+        "ort_build": _ort_build_info(),
+        "cpu": _host.cpu_fingerprint(),
+        "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
+        "weights_digest": weights_digest,
+        "weights_size": weights_size,
+        "optimization_level": level,
+        "config": carried,
+        "min_external_bytes": min_external_bytes,
+    }
+
+
+def inspect_prepacked_model(
+    model_path: str | os.PathLike[str], *, source_model: ModelProto | None = None
+) -> PrepackStats:
+    """Count what a saved prepacked model's data file holds, from its protobuf alone.
+
+    Args:
+        model_path: A model saved with ``session.save_external_prepacked_constant_initializers=1``
+            (or any model: one without blobs reports ``prepacked_blobs=0``).
+        source_model: The model it was optimized from (external data not loaded), to tell
+            initializers the optimizers made (``derived_bytes``); None reports 0 for those.
+
+    Returns:
+        The figures :func:`choose_cpu_route` decides on.
+    """
+    model = load_graph(str(model_path))
+    source_names = (
+        {ref.name for ref in iter_tensors(source_model.graph)} if source_model is not None else None
+    )
+    external = raw = blobs = packed = derived = unaligned = maps = 0
+    for ref in iter_tensors(model.graph):
+        info = ExternalData.of(ref.tensor)
+        if info is None:
+            continue
+        external += 1
+        own_blobs = 0
+        for key, value in info.entries:
+            if key.startswith("prepacked_"):
+                # "<op type>+<hash>|<offset>;<size>;<checksum>|<offset>;<size>;<checksum>..."
+                for part in value.split("|")[1:]:
+                    offset, size = (int(v) for v in part.split(";")[:2])
+                    own_blobs += 1
+                    packed += size
+                    unaligned += offset % _PAGE_BYTES != 0
+        length = info.length or 0
+        raw += length
+        blobs += own_blobs
+        if source_names is not None and ref.name not in source_names:
+            derived += length
+        # A session maps each blob; the raw data of a packed weight is read, packed to check the
+        # blob, and dropped, so it is not mapped; an unpacked initializer is mapped once.
+        maps += own_blobs if own_blobs else 1
+    return PrepackStats(external, raw, blobs, packed, derived, unaligned, maps)
+
+
+def choose_cpu_route(
+    stats: PrepackStats, *, sessions: int, max_map_count: int | None = None
+) -> CpuRouteDecision:
+    """Pick the CPU weight route for ``sessions`` sessions of one model.
+
+    PREPACKED_FILE wherever ORT packs or derives anything: memory is then about that of
+    SHARED_RAW, or far less where the optimizers derive weights (each shared-raw session keeps
+    its own derived copies), and packed kernels are faster as soon as a MatMul has more than one
+    row. The costs are disk (about twice the weights), a one-off build, and slower session
+    creation (ORT packs again to validate); hence SHARED_RAW when there is nothing to gain, or
+    when the file maps of all sessions would crowd the kernel's per-process map limit. Figures:
+    ``docs/cpu-prepacking.md``.
+
+    Args:
+        stats: From :func:`inspect_prepacked_model` or ``PrepackedModel.stats``.
+        sessions: How many sessions of this model the process will hold at most.
+        max_map_count: The per-process memory-map limit; None reads ``vm.max_map_count``.
+
+    Returns:
+        The route and a one-sentence reason.
+    """
+    if stats.prepacked_bytes == 0 and stats.derived_bytes == 0:
+        return CpuRouteDecision(
+            CpuRoute.SHARED_RAW,
+            "ORT neither prepacks nor derives any weight of this model on this CPU, so the saved "
+            "copy would only double the disk use and slow session creation.",
+        )
+    limit = max_map_count if max_map_count is not None else _host.max_map_count()
+    maps = stats.maps_per_session * sessions
+    if maps > limit // 2:  # leave half the limit to the rest of the process
+        return CpuRouteDecision(
+            CpuRoute.SHARED_RAW,
+            f"{sessions} sessions would make {maps} memory maps of the data file, over half of "
+            f"vm.max_map_count ({limit}); raise min_external_bytes or vm.max_map_count.",
+        )
+    derived = (
+        f"{stats.derived_bytes / 2**20:.1f} MiB of weights that ORT's optimizers derive (fused, "
+        "folded or dequantized)"
+    )
+    if stats.prepacked_blobs == 0:
+        return CpuRouteDecision(
+            CpuRoute.PREPACKED_FILE,
+            f"ORT packs no weight of this model on this CPU, but its saved optimized model "
+            f"carries {derived}: mapped once for every session (mechanism 'optimized-file').",
+        )
+    what = f"{stats.prepacked_blobs} prepacked blobs ({stats.prepacked_bytes / 2**20:.1f} MiB)"
+    if stats.derived_bytes:
+        what += f" and {derived}"
+    return CpuRouteDecision(CpuRoute.PREPACKED_FILE, f"{what} are mapped once for every session.")
+
+
+def _check_read_by_path(prepared_model: Path, files: Mapping[str, Path]) -> None:
+    """Where ORT cannot be handed the weights in memory, they must sit where the model says."""
+    for location, path in files.items():
+        expected = prepared_model.parent / location
+        if not (expected.exists() and os.path.samefile(expected, path)):
+            raise ExternalDataError(
+                f"Model '{prepared_model}' keeps weights in '{location}', given as '{path}': "
+                f"this onnxruntime reads them only from '{expected}' "
+                f"({capability('files-in-memory').reason}). Pass the model's own weights file."
+            )
+
+
+def _read_only_own_data(folder: Path, files: Mapping[str, Path]) -> None:
+    """Make the saved model in ``folder`` read no file but its own data file.
+
+    ORT does not always save the tensors inside subgraphs (``If``/``Loop``/``Scan`` bodies) as
+    it saves the main graph's. Measured with the test models' subgraph weights: 1.20.1 leaves
+    them pointing at the source's weights file; 1.24.4 saves every initializer of a subgraph
+    twice, first as the source had it (pointing at the source's weights file), then as it saved
+    it (in the data file, with its prepacked blobs); 1.32.0 saves each once, in its own file.
+    Reloaded from the cache, the first fails ("should be stored in .../model.weights, but it
+    doesn't exist"), the second too ("initializer name is not unique"). So here each name keeps
+    one copy, the last that ORT saved inline or in the data file, and a tensor that still
+    points at a source file gets its bytes copied to the end of the data file, page-aligned.
+    The entry then reads nothing outside its folder, on every version.
+
+    Raises:
+        ExternalDataError: a tensor points at a file that is neither the data file nor one of
+            ``files``.
+    """
+    model_path = folder / _MODEL_NAME
+    model = load_graph(str(model_path))
+    changed = False
+
+    def foreign(tensor: Any) -> bool:
+        info = ExternalData.of(tensor)
+        return info is not None and info.location != _DATA_NAME
+
+    for graph, _depth in iter_graphs(model.graph):
+        # Of the copies of one name, the last that is inline or in the data file (the last at
+        # all where every copy points elsewhere): what ORT itself saved last for it.
+        last: dict[str, int] = {}
+        for i, tensor in enumerate(graph.initializer):
+            if (
+                tensor.name not in last
+                or not foreign(tensor)
+                or foreign(graph.initializer[last[tensor.name]])
+            ):
+                last[tensor.name] = i
+        kept = [t for i, t in enumerate(graph.initializer) if last[t.name] == i]
+        if len(kept) != len(graph.initializer):
+            del graph.initializer[:]
+            graph.initializer.extend(kept)
+            changed = True
+    copied: dict[tuple[str, int, int], int] = {}  # (file, offset, length) -> offset in data
+    with open(folder / _DATA_NAME, "ab") as data:
+        for ref in iter_tensors(model.graph):
+            info = ExternalData.of(ref.tensor)
+            if info is None or info.location == _DATA_NAME:
+                continue
+            source = files.get(info.location)
+            if source is None or info.length is None or info.malformed:
+                raise ExternalDataError(
+                    f"onnxruntime saved tensor '{ref.name}' of its optimized model pointing at "
+                    f"'{info.location}', a file the build did not give it."
+                )
+            where = (info.location, info.offset, info.length)
+            offset = copied.get(where)
+            if offset is None:
+                end = data.seek(0, os.SEEK_END)
+                offset = end + (-end % _PAGE_BYTES)
+                data.write(b"\0" * (offset - end))
+                _copy_range(source, info.offset, info.length, data)
+                copied[where] = offset
+            kept = [(k, v) for k, v in info.entries if k not in ("location", "offset", "length")]
+            del ref.tensor.external_data[:]
+            for k, v in [
+                ("location", _DATA_NAME),
+                ("offset", str(offset)),
+                ("length", str(info.length)),
+                *kept,
+            ]:
+                entry = ref.tensor.external_data.add()
+                entry.key, entry.value = k, v
+            changed = True
+    if changed:
+        model_path.write_bytes(model.SerializeToString())
+
+
+def _copy_range(source: Path, offset: int, length: int, out: Any) -> None:
+    """Append ``length`` bytes of ``source`` from ``offset`` to ``out``, a chunk at a time."""
+    with open(source, "rb") as fh:
+        fh.seek(offset)
+        left = length
+        while left:
+            chunk = fh.read(min(left, _host.HASH_CHUNK_BYTES))
+            if not chunk:
+                raise ExternalDataError(
+                    f"Weights file '{source}' ends before byte {offset + length} that its "
+                    "model's tensors need: it was truncated. Prepare the model again."
+                )
+            out.write(chunk)
+            left -= len(chunk)
+
+
+def _drop_sharedml_metadata(model_path: Path, key: str) -> None:
+    """Replace the source's ``sharedml.*`` metadata (its weights manifest) with this entry's key.
+
+    ORT copies the prepared model's metadata into the saved one, but the manifest describes a
+    weights file this model does not read: ``WeightStore.open`` or the prepare cache would take
+    the saved model for a prepared one and look for (and verify) the wrong file.
+    """
+    model = load_graph(str(model_path))
+    kept = [p for p in model.metadata_props if not p.key.startswith("sharedml.")]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key="sharedml.prepacked", value=json.dumps({"key": key}))
+    # Raw bytes, not onnx.save: only the graph is rewritten, the data file is left as ORT wrote it.
+    model_path.write_bytes(model.SerializeToString())
+
+
+def _single_external_location(model: ModelProto, path: Path) -> str | None:
+    locations = external_locations(model.graph)
+    if len(locations) > 1:
+        raise ExternalDataError(
+            f"Model '{path}' refers to {len(locations)} external data files "
+            f"({', '.join(sorted(locations))}); the prepacked route takes a model prepared into "
+            "one weights file. Run sharedml.prepare on it first."
+        )
+    return next(iter(locations), None)
+
+
+def _ort_build_info() -> str:
+    import onnxruntime as ort
+
+    get = getattr(ort, "get_build_info", None)
+    return str(get()) if get is not None else ""
