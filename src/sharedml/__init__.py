@@ -48,7 +48,7 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
         WeightsMismatchError,
     )
     from sharedml._family import FamilyResult, TensorDigest
-    from sharedml._inputs import InputSpec
+    from sharedml._inputs import ChosenSize, InputSpec
     from sharedml._inspect import (
         Finding,
         InspectReport,
@@ -57,7 +57,7 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
         WeightsSummary,
         inspect,
     )
-    from sharedml._measure import measure
+    from sharedml._measure import FixedCost, measure
     from sharedml._pool import PoolStats, SessionPool
     from sharedml._prepare import (
         PrepareResult,
@@ -78,6 +78,7 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
         register_strategy,
         registered_strategies,
     )
+    from sharedml._tables import IndexedTable
     from sharedml._weights import TensorSlot, WeightStore, zero_copy_mechanisms
 
 try:
@@ -120,6 +121,9 @@ __all__ = [
     "PlacementSummary",
     "TensorInfo",
     "InputSpec",
+    "ChosenSize",
+    "IndexedTable",
+    "FixedCost",
     "measure",
     "Measurement",
     "MemoryPoint",
@@ -169,9 +173,10 @@ _HOMES = {
     "_device_probe": "device_mechanism_available",
     "_errors": _ERRORS,
     "_family": "FamilyResult TensorDigest",
-    "_inputs": "InputSpec",
+    "_inputs": "ChosenSize InputSpec",
     "_inspect": "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect",
-    "_measure": "measure",
+    "_measure": "FixedCost measure",
+    "_tables": "IndexedTable",
     "_pool": "PoolStats SessionPool",
     "_prepare": (
         "PrepareResult SharedWeights WeightsManifest prepare prepared_model_for weights_path_for"
