@@ -69,13 +69,18 @@ def _annotations_of(obj: object) -> list[str]:
     return [str(a) for a in getattr(obj, "__annotations__", {}).values()]
 
 
+def _private_module(name: str) -> bool:
+    parts = name.split(".")
+    return parts[0] == "sharedml" and any(p.startswith("_") for p in parts[1:])
+
+
 def test_every_sharedml_type_a_public_signature_names_is_exported() -> None:
     missing = set()
     for name in sharedml.__all__:
         obj = getattr(sharedml, name)
         for hint in _annotations_of(obj):
             for ident in re.findall(r"[A-Z][A-Za-z0-9_]+", hint):
-                for module in [m for n, m in sys.modules.items() if n.startswith("sharedml._")]:
+                for module in [m for n, m in sys.modules.items() if _private_module(n)]:
                     value = getattr(module, ident, None)
                     ours = isinstance(value, type) and value.__module__.startswith("sharedml")
                     if ours and ident not in sharedml.__all__:

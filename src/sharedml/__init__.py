@@ -52,7 +52,7 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
         WeightsSummary,
         inspect,
     )
-    from sharedml.inspection._measure import measure
+    from sharedml.inspection._measure import FixedCost, measure
     from sharedml.inspection._results import Measurement, MemoryPoint
     from sharedml.inspection._strategies import (
         Runner,
@@ -62,7 +62,8 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
         register_strategy,
         registered_strategies,
     )
-    from sharedml.model._inputs import InputSpec
+    from sharedml.model._inputs import ChosenSize, InputSpec
+    from sharedml.model._tables import IndexedTable
     from sharedml.pool._batching import Batching
     from sharedml.pool._pool import PoolStats, SessionPool
     from sharedml.prepared._family import FamilyResult, TensorDigest
@@ -120,6 +121,9 @@ __all__ = [
     "PlacementSummary",
     "TensorInfo",
     "InputSpec",
+    "ChosenSize",
+    "IndexedTable",
+    "FixedCost",
     "measure",
     "Measurement",
     "MemoryPoint",
@@ -169,9 +173,12 @@ _HOMES = {
     "weights._probe": "device_mechanism_available",
     "_errors": _ERRORS,
     "prepared._family": "FamilyResult TensorDigest",
-    "model._inputs": "InputSpec",
-    "inspection._inspect": "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect",
-    "inspection._measure": "measure",
+    "model._inputs": "ChosenSize InputSpec",
+    "model._tables": "IndexedTable",
+    "inspection._inspect": (
+        "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect"
+    ),
+    "inspection._measure": "FixedCost measure",
     "pool._pool": "PoolStats SessionPool",
     "prepared._prepare": (
         "PrepareResult SharedWeights WeightsManifest prepare prepared_model_for weights_path_for"
