@@ -47,7 +47,8 @@ import numpy as np
 
 from sharedml._errors import InvalidInputError, SharedMLError
 from sharedml.model._inputs import UNNAMED_DIM
-from sharedml.runtime._capabilities import capability, probe_input, probe_model
+from sharedml.runtime._capabilities import probe_input, probe_model
+from sharedml.runtime._providers import GRAPH_DEVICES, cuda_graphs_enabled, graphs_unavailable
 
 __all__ = [
     "probe_iobinding",
@@ -71,40 +72,6 @@ DEFAULT_MAX_GRAPHS = 8  # slots per session: each holds device buffers and a cap
 
 class GraphLimitError(SharedMLError, ValueError):
     """A CUDA-graph session was given more distinct input shapes than it keeps graphs for."""
-
-
-# The providers whose graphs a pool drives, and the device name of their buffers. (Tests add
-# the CPU provider: the machinery then runs, capture aside, on machines without a GPU.)
-GRAPH_DEVICES: dict[str, str] = {"CUDAExecutionProvider": "cuda"}
-
-
-def _graphs_requested(provider: str, provider_options: Mapping[str, str]) -> bool:
-    flag = str(provider_options.get("enable_cuda_graph", "0")).lower() in ("1", "true")
-    return flag and provider in GRAPH_DEVICES
-
-
-def graphs_unavailable(provider: str, provider_options: Mapping[str, str]) -> str:
-    """Why the CUDA graphs that ``provider_options`` ask for cannot run here; "" where they can.
-
-    They need IOBinding to work as :class:`GraphSession` uses it, which is tried once per
-    process in a child (capability ``iobinding``, :mod:`sharedml.runtime._capabilities`); "" also
-    where
-    the options ask for no graphs.
-    """
-    if not _graphs_requested(provider, provider_options):
-        return ""
-    iobinding = capability("iobinding")
-    return "" if iobinding.available else iobinding.reason
-
-
-def cuda_graphs_enabled(provider: str, provider_options: Mapping[str, str]) -> bool:
-    """Whether ``provider``'s options turn CUDA graphs on (``enable_cuda_graph=1``), and they can.
-
-    They can where :func:`graphs_unavailable` has no reason against them.
-    """
-    return _graphs_requested(provider, provider_options) and not graphs_unavailable(
-        provider, provider_options
-    )
 
 
 class _SharedExclusive:

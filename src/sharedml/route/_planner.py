@@ -48,7 +48,14 @@ from sharedml.cache._cache import CacheDir
 from sharedml.prepared._prepare import prepared_model_for, prepared_model_from_bytes
 from sharedml.runtime._capabilities import capability
 from sharedml.runtime._options import clone_session_options, config_entry
-from sharedml.runtime._providers import CPU, CUDA, DML, DML_NO_DEVICE_ROUTE, ProviderPlan
+from sharedml.runtime._providers import (
+    CPU,
+    CUDA,
+    DML,
+    DML_NO_DEVICE_ROUTE,
+    ProviderPlan,
+    graphs_unavailable,
+)
 from sharedml.weights._store import WeightStore, zero_copy_mechanisms
 
 __all__ = ["Mechanism", "Prepacking", "SessionRecipe", "plan_route"]
@@ -300,9 +307,7 @@ def plan_route(
 
 def _without_unusable_graphs(plan: ProviderPlan) -> tuple[ProviderPlan, str]:
     """The plan without ``enable_cuda_graph`` where graphs cannot run here, and why."""
-    from sharedml.pool import _graphs
-
-    why = _graphs.graphs_unavailable(plan.primary, plan.provider_options[0])
+    why = graphs_unavailable(plan.primary, plan.provider_options[0])
     if not why:
         return plan, ""
     options = list(plan.provider_options)

@@ -27,13 +27,18 @@ What was verified where (DirectML ran in software under Wine, not on Windows): R
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sharedml._errors import ProviderError
 from sharedml._host import check_one_onnxruntime
+from sharedml.runtime._capabilities import capability
 
 __all__ = [
+    "GRAPH_DEVICES",
+    "cuda_graphs_enabled",
+    "graphs_requested",
+    "graphs_unavailable",
     "CPU",
     "CUDA",
     "CUDA_SESSION_DEFAULTS",
@@ -212,3 +217,36 @@ def serialize_runs_by_default(plan: ProviderPlan, ort_version: str | None = None
 
         ort_version = ort.__version__
     return _version_tuple(ort_version) >= (1, 18)
+
+
+# The providers whose graphs a pool drives, and the device name of their buffers. (Tests add
+# the CPU provider: the machinery then runs, capture aside, on machines without a GPU.)
+GRAPH_DEVICES: dict[str, str] = {"CUDAExecutionProvider": "cuda"}
+
+
+def graphs_requested(provider: str, provider_options: Mapping[str, str]) -> bool:
+    flag = str(provider_options.get("enable_cuda_graph", "0")).lower() in ("1", "true")
+    return flag and provider in GRAPH_DEVICES
+
+
+def graphs_unavailable(provider: str, provider_options: Mapping[str, str]) -> str:
+    """Why the CUDA graphs that ``provider_options`` ask for cannot run here; "" where they can.
+
+    They need IOBinding to work as the pool's graph sessions use it, which is tried once per
+    process in a child (capability ``iobinding``, :mod:`sharedml.runtime._capabilities`); ""
+    also where the options ask for no graphs.
+    """
+    if not graphs_requested(provider, provider_options):
+        return ""
+    iobinding = capability("iobinding")
+    return "" if iobinding.available else iobinding.reason
+
+
+def cuda_graphs_enabled(provider: str, provider_options: Mapping[str, str]) -> bool:
+    """Whether ``provider``'s options turn CUDA graphs on (``enable_cuda_graph=1``), and they can.
+
+    They can where :func:`graphs_unavailable` has no reason against them.
+    """
+    return graphs_requested(provider, provider_options) and not graphs_unavailable(
+        provider, provider_options
+    )
