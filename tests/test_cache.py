@@ -740,7 +740,7 @@ def test_a_clear_between_a_pools_lookup_and_its_mapping_does_not_fail_the_pool(
     # process then removed it, and the pool failed with ModelNotFoundError.
     root = tmp_path / "c"
     source = save_model(build_model(["initializer"], dim=64), tmp_path / "m.onnx")
-    real_open = sharedml.WeightStore.open.__func__  # type: ignore[attr-defined]
+    real_open = sharedml.weights.WeightStore.open.__func__  # type: ignore[attr-defined]
     cleared: list[str] = []
 
     def open_after_a_clear(cls: type, model_path: Path, **kwargs: object) -> object:
@@ -749,7 +749,7 @@ def test_a_clear_between_a_pools_lookup_and_its_mapping_does_not_fail_the_pool(
             cleared.append(out.stdout)
         return real_open(cls, model_path, **kwargs)
 
-    monkeypatch.setattr(sharedml.WeightStore, "open", classmethod(open_after_a_clear))
+    monkeypatch.setattr(sharedml.weights.WeightStore, "open", classmethod(open_after_a_clear))
     with sharedml.SessionPool(source, sessions=1, cache_dir=root, prepacking="off") as pool:
         assert pool.run(None, feeds(64))[0].shape == (1, 64)
     assert "in use by a live process" in cleared[0]

@@ -175,11 +175,11 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     source: Path, no_racy_window: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prepared = sharedml.prepare(source, source.parent / "prepared" / "m.onnx").model_path
-    weights = sharedml.weights_path_for(prepared)
-    store = sharedml.WeightStore.open(prepared)
+    weights = sharedml.prepared.weights_path_for(prepared)
+    store = sharedml.weights.WeightStore.open(prepared)
     assert store.verified
     del store
-    sharedml.WeightStore._registry.clear()  # as in a new process: no store, no mapping
+    sharedml.weights.WeightStore._registry.clear()  # as in a new process: no store, no mapping
     sharedml.weights._store._MappedFile._registry.clear()
 
     hashed: list[Path] = []
@@ -190,9 +190,9 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
         return real(path, sha)
 
     monkeypatch.setattr(sharedml._host, "sha256_file", counting)
-    assert sharedml.WeightStore.open(prepared).verified
+    assert sharedml.weights.WeightStore.open(prepared).verified
     assert hashed == []
-    sharedml.WeightStore._registry.clear()
+    sharedml.weights.WeightStore._registry.clear()
     sharedml.weights._store._MappedFile._registry.clear()
 
     data = bytearray(weights.read_bytes())
@@ -200,7 +200,7 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     os.chmod(weights, 0o644)
     rewrite_in_place(weights, bytes(data))
     with pytest.raises(sharedml.WeightsMismatchError, match="modified"):
-        sharedml.WeightStore.open(prepared)
+        sharedml.weights.WeightStore.open(prepared)
     assert hashed == [weights]
 
 

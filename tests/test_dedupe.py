@@ -84,7 +84,7 @@ def test_pools_over_both_give_plain_outputs_and_map_each_file_once(
             for got, want in zip(pool.run(None, feed), _plain(src, feed), strict=True):
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         # b's store maps a's weights file itself (its inode), and its own file only besides
-        sa, sb = (sharedml.WeightStore.open(prepared_model_for(p)) for p in pair)
+        sa, sb = (sharedml.weights.WeightStore.open(prepared_model_for(p)) for p in pair)
         assert sa.file_key in sb.file_keys.values() and len(sb.file_keys) == 2
 
 
@@ -93,9 +93,9 @@ def test_pools_over_both_give_plain_outputs_and_map_each_file_once(
 def test_the_device_store_uploads_each_shared_tensor_once(
     pair: tuple[Path, Path], route: str
 ) -> None:
-    hosts = [sharedml.WeightStore.open(prepared_model_for(p)) for p in pair]
-    first = sharedml.DeviceWeightStore.for_store(hosts[0], CPU, 0, route=route)
-    second = sharedml.DeviceWeightStore.for_store(hosts[1], CPU, 0, route=route)
+    hosts = [sharedml.weights.WeightStore.open(prepared_model_for(p)) for p in pair]
+    first = sharedml.weights.DeviceWeightStore.for_store(hosts[0], CPU, 0, route=route)
+    second = sharedml.weights.DeviceWeightStore.for_store(hosts[1], CPU, 0, route=route)
     extra = sum(s.length for s in hosts[1].slots if s.file == hosts[1].manifest.file)
     assert extra >= 2**20
     # the second adds its extra layer, not a second copy of the shared tensors
@@ -188,7 +188,7 @@ def test_a_tampered_lender_is_not_linked_and_the_borrower_is_rebuilt(
 def test_removing_the_lender_leaves_the_borrower_whole(pair: tuple[Path, Path]) -> None:
     a, b = (prepared_model_for(p) for p in pair)
     for prepared in (a, b):  # a lookup holds its entry until a store maps it; then let go
-        sharedml.WeightStore.open(prepared).close()
+        sharedml.weights.WeightStore.open(prepared).close()
     removed = _cache.remove_entries([e for e in _cache.list_entries() if e.path == a.parent])
     assert removed and not a.parent.exists()
     feed = feeds(DIM)

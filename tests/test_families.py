@@ -97,8 +97,8 @@ def test_members_of_a_family_share_one_mapping_of_the_weights_file(
 ) -> None:
     result = sharedml.prepare(variants[:2], tmp_path / "family")
     before = _MappedFile.live()
-    a = sharedml.WeightStore.open(result.model_paths[0])
-    b = sharedml.WeightStore.open(result.model_paths[1])
+    a = sharedml.weights.WeightStore.open(result.model_paths[0])
+    b = sharedml.weights.WeightStore.open(result.model_paths[1])
     assert a is not b and a.mapping_id == b.mapping_id
     assert _MappedFile.live() == before + 1
     a.close()
@@ -185,7 +185,7 @@ def test_a_family_member_whose_shared_weights_file_is_gone_is_a_clear_error(
     result = sharedml.prepare(variants[:2], tmp_path / "family")
     result.weights_path.unlink()
     with pytest.raises(sharedml.WeightsMismatchError, match="missing"):
-        sharedml.WeightStore.open(result.model_paths[1])
+        sharedml.weights.WeightStore.open(result.model_paths[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ def _decoder_feeds(dec: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarr
 
 
 def _device_sessions(
-    path: Path, store: sharedml.DeviceWeightStore, provider: str
+    path: Path, store: sharedml.weights.DeviceWeightStore, provider: str
 ) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -314,10 +314,10 @@ def _device_sessions(
 def _device_family_check(tmp_path: Path, provider: str, route: str) -> None:
     dec, past = decoder_pair(tmp_path / "src")
     family = sharedml.prepare([dec, past], tmp_path / "family")
-    hosts = [sharedml.WeightStore.open(p) for p in family.model_paths]
-    first = sharedml.DeviceWeightStore.for_store(hosts[0], provider, 0, route=route)
+    hosts = [sharedml.weights.WeightStore.open(p) for p in family.model_paths]
+    first = sharedml.weights.DeviceWeightStore.for_store(hosts[0], provider, 0, route=route)
     alone = first.device_bytes
-    second = sharedml.DeviceWeightStore.for_store(hosts[1], provider, 0, route=route)
+    second = sharedml.weights.DeviceWeightStore.for_store(hosts[1], provider, 0, route=route)
     assert second is not first  # per model: its own tensor names
     assert set(second.tensor_names) == {s.name for s in hosts[1].slots}
     print(f"{provider} {route}: one member {alone} B on the device, both {second.device_bytes} B")

@@ -171,8 +171,10 @@ def test_bad_feeds_raise_and_return_the_session(model: Path, fast_switching: Non
         assert len(errors) == 40 and len(goods) == 40
         for out in goods:
             np.testing.assert_array_equal(out, reference)
+        # The second session is made in the background: on a loaded machine it may come later.
+        wait_until(lambda: pool.stats().sessions == 2, what="the second session")
         stats = pool.stats()
-        assert stats.sessions == 2 and stats.busy == 0 and stats.failed_runs == 40
+        assert stats.busy == 0 and stats.failed_runs == 40
         assert stats.replaced == 0
 
 

@@ -484,7 +484,9 @@ def test_many_tiny_tensors_do_not_each_cost_a_page(tmp_path: Path) -> None:
     assert result.tensors_moved == TINY_TENSORS
     assert result.manifest.size_bytes <= 2 * result.bytes_moved + 4096
     assert output_bytes <= 2 * input_bytes + 4096, (output_bytes, input_bytes)
-    store = sharedml.WeightStore.open(result.model_path)  # the store accepts the packed offsets
+    store = sharedml.weights.WeightStore.open(
+        result.model_path
+    )  # the store accepts the packed offsets
     assert len(store.slots) == TINY_TENSORS
     data = (src.parent / "w.bin").read_bytes()
     for slot in store.slots[:: TINY_TENSORS // 100]:
@@ -535,7 +537,7 @@ def mixed_size_model(folder: Path) -> tuple[Path, dict[str, np.ndarray]]:
 def test_packed_small_tensors_load_through_every_mechanism(tmp_path: Path, mechanism: str) -> None:
     src, arrays = mixed_size_model(tmp_path / "src")
     result = sharedml.prepare(src, tmp_path / "out" / "m.onnx", size_threshold_bytes=0)
-    store = sharedml.WeightStore.open(result.model_path)
+    store = sharedml.weights.WeightStore.open(result.model_path)
     for slot in store.slots:
         assert slot.offset % result.manifest.alignment_for(slot.length) == 0
         itemsize = np.dtype(arrays[slot.name].dtype).itemsize
@@ -563,7 +565,7 @@ def test_a_format_1_prepared_model_still_loads(tmp_path: Path) -> None:
     old.parent.mkdir()
     old.write_bytes(model.SerializeToString())
     (old.parent / "m.weights").write_bytes(result.weights_path.read_bytes())
-    store = sharedml.WeightStore.open(old)
+    store = sharedml.weights.WeightStore.open(old)
     assert store.manifest.small_alignment_bytes == store.manifest.alignment_bytes == 4096
     del store
     np.testing.assert_array_equal(run_ort(old, feeds(DIM)), run_ort(src, feeds(DIM)))
@@ -573,7 +575,7 @@ def test_a_format_1_prepared_model_still_loads(tmp_path: Path) -> None:
     old.chmod(0o644)
     old.write_bytes(model.SerializeToString())
     with pytest.raises(sharedml.InvalidModelError, match=r"format 99.*prepare the model again"):
-        sharedml.WeightStore.open(old)
+        sharedml.weights.WeightStore.open(old)
 
 
 @pytest.mark.parametrize("alignment", [2**40, 2**31, 3 * 4096])

@@ -522,7 +522,7 @@ def test_files_that_are_not_models_are_clear_errors(
     for attempt in (
         lambda: sharedml.prepare(path, tmp_path / "out" / "m.onnx"),
         lambda: sharedml.SessionPool(path, sessions=1),
-        lambda: sharedml.WeightStore.open(path),
+        lambda: sharedml.weights.WeightStore.open(path),
     ):
         with pytest.raises(error) as info:
             attempt()
@@ -571,7 +571,7 @@ def test_damaged_weights_file_is_detected_at_load(
     else:
         weights.unlink()
     with pytest.raises(sharedml.WeightsMismatchError) as info:
-        sharedml.WeightStore.open(model)
+        sharedml.weights.WeightStore.open(model)
     assert_names(info.value, weights)
     assert "again" in str(info.value)  # the fix: prepare again
     with pytest.raises(sharedml.WeightsMismatchError):
@@ -700,9 +700,9 @@ def test_verification_is_not_skipped_because_an_unverified_store_is_open(
     stat_before = weights.stat()
     weights.write_bytes(data)
     os.utime(weights, ns=(stat_before.st_atime_ns, stat_before.st_mtime_ns))
-    unverified = sharedml.WeightStore.open(model, verify=False)
+    unverified = sharedml.weights.WeightStore.open(model, verify=False)
     with pytest.raises(sharedml.WeightsMismatchError):
-        sharedml.WeightStore.open(model, verify=True)
+        sharedml.weights.WeightStore.open(model, verify=True)
     del unverified
 
 
