@@ -447,7 +447,7 @@ def test_the_owner_cannot_copy_over_prepared_weights(
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout: small tensors are packed, so the output stays a small multiple of the input (issue 17)
+# Layout: small tensors are packed, so the output stays a small multiple of the input
 
 TINY_TENSORS = 100_000
 
@@ -600,7 +600,7 @@ def test_the_largest_alignment_costs_nothing_for_small_tensors(tmp_path: Path) -
 
 
 # ---------------------------------------------------------------------------------------------
-# Outputs: never an input, never anything but a regular file, any legal name (issue 17)
+# Outputs: never an input, never anything but a regular file, any legal name
 
 
 def data_model(folder: Path, *, name: str = "model.onnx", data: str = "model.onnx.data") -> Path:
@@ -681,7 +681,7 @@ def test_an_output_that_is_not_a_regular_file_is_refused(
             pytest.skip("creating a device node needs root (and a system that allows it)")
     mode = os.lstat(target).st_mode
     if kind == "folder" and which == "graph":
-        # An existing folder as the graph output means "into it", as cp does (issue 18).
+        # An existing folder as the graph output means "into it", as cp does.
         result = sharedml.prepare(src, out / "p.onnx")
         assert result.model_path == target / "m.onnx" and result.weights_path.is_file()
         return
@@ -707,7 +707,7 @@ def test_a_240_character_output_name_works(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Write failures: a SharedMLError (and an OSError) naming the path and the fix (issue 17)
+# Write failures: a SharedMLError (and an OSError) naming the path and the fix
 
 
 def assert_output_error(exc: BaseException, path: Path, fix: str) -> None:
@@ -797,7 +797,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path, where: 
 
 
 # ---------------------------------------------------------------------------------------------
-# The cache key and the prepared bytes come from the same read (issue 17)
+# The cache key and the prepared bytes come from the same read
 
 
 def versioned_source(folder: Path) -> tuple[Path, bytes, bytes]:
@@ -934,7 +934,7 @@ def test_a_failure_placing_the_graph_leaves_no_file_and_restores_the_old_weights
 
 def test_the_cli_help_quotes_the_defaults_prepare_uses() -> None:
     from sharedml import cli
-    from sharedml.prepared import _prepare
+    from sharedml.prepared import _format, _plan
 
-    assert cli._THRESHOLD == _prepare.DEFAULT_SIZE_THRESHOLD_BYTES
-    assert cli._ALIGNMENT == _prepare.DEFAULT_ALIGNMENT_BYTES
+    assert cli._THRESHOLD == _plan.DEFAULT_SIZE_THRESHOLD_BYTES
+    assert cli._ALIGNMENT == _format.DEFAULT_ALIGNMENT_BYTES

@@ -66,7 +66,7 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
     from sharedml.model._tables import IndexedTable
     from sharedml.pool._batching import Batching
     from sharedml.pool._pool import PoolStats, SessionPool
-    from sharedml.prepared._family import FamilyResult, TensorDigest
+    from sharedml.prepared._family import FamilyResult, TensorDigest, prepare_family
     from sharedml.prepared._prepare import (
         PrepareResult,
         SharedWeights,
@@ -90,6 +90,7 @@ __all__ = [
     "__version__",
     # Preparing models
     "prepare",
+    "prepare_family",
     "PrepareResult",
     "FamilyResult",
     "TensorDigest",
@@ -172,7 +173,7 @@ _HOMES = {
     "weights._device": "DeviceWeightStore HostWeights",
     "weights._probe": "device_mechanism_available",
     "_errors": _ERRORS,
-    "prepared._family": "FamilyResult TensorDigest",
+    "prepared._family": "FamilyResult TensorDigest prepare_family",
     "model._inputs": "ChosenSize InputSpec",
     "model._tables": "IndexedTable",
     "inspection._inspect": (
