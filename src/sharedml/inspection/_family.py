@@ -23,7 +23,7 @@ from typing import Any
 from sharedml._errors import MeasurementError
 from sharedml._host import HashingWriter
 from sharedml.model._graph import read_model
-from sharedml.prepared._format import TensorDigest
+from sharedml.prepared._format import TensorDigest, digest_of
 from sharedml.prepared._plan import DEFAULT_SIZE_THRESHOLD_BYTES, plan_weights
 from sharedml.prepared._source import SourceReader
 
@@ -80,7 +80,7 @@ def family_weights(
             for index, item in enumerate(plan.moving):
                 content = HashingWriter()  # to nowhere: the tensor's own digest
                 content.write_all(reader.chunks(index, item))
-                key = TensorDigest.of(item.tensor, content)
+                key = digest_of(item.tensor, content)
                 tensors += 1
                 total += item.nbytes
                 if key not in seen:

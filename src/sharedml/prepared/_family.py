@@ -25,7 +25,7 @@ import dataclasses
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from sharedml.prepared._format import (
     TensorDigest,
     WeightsManifest,
     WeightsWriter,
+    digest_of,
     file_matches,
     read_manifest,
     write_manifest,
@@ -120,12 +121,14 @@ class _DedupingWriter:
         self.writer = writer
         self.offsets: dict[TensorDigest, int] = {}
 
-    def add(self, tensor: TensorProto, chunks: Any, length: int) -> tuple[int, bool]:
+    def add(
+        self, tensor: TensorProto, chunks: Iterable[bytes | memoryview], length: int
+    ) -> tuple[int, bool]:
         """Write one tensor's ``chunks``; returns (its offset, whether it was new)."""
         mark = self.writer.mark()
         content = HashingWriter()  # to nowhere: the tensor's own digest
         offset = self.writer.add(content.through(chunks), length)
-        key = TensorDigest.of(tensor, content)
+        key = digest_of(tensor, content)
         known = self.offsets.get(key)
         if known is not None:  # already in the file: forget what was just written
             self.writer.rollback(mark)

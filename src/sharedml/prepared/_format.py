@@ -42,6 +42,7 @@ __all__ = [
     "WeightsManifest",
     "WeightsWriter",
     "check_alignment",
+    "digest_of",
     "file_matches",
     "read_manifest",
     "weights_path_for",
@@ -105,11 +106,6 @@ class TensorDigest:
     length: int
     sha256: str
 
-    @classmethod
-    def of(cls, tensor: TensorProto, hashed: HashingWriter) -> TensorDigest:
-        """The digest of ``tensor`` whose bytes, and only those, went through ``hashed``."""
-        return cls(tensor.data_type, tuple(tensor.dims), hashed.position, hashed.hexdigest())
-
     def as_json(self) -> list[Any]:
         """The form a cache entry records (:meth:`from_json` reads it back)."""
         return [self.data_type, list(self.dims), self.length, self.sha256]
@@ -122,6 +118,11 @@ class TensorDigest:
             return cls(int(data_type), tuple(int(d) for d in dims), int(length), str(sha))
         except (TypeError, ValueError):
             return None
+
+
+def digest_of(tensor: TensorProto, hashed: HashingWriter) -> TensorDigest:
+    """The digest of ``tensor``, whose bytes (and only those) went through ``hashed``."""
+    return TensorDigest(tensor.data_type, tuple(tensor.dims), hashed.position, hashed.hexdigest())
 
 
 @dataclasses.dataclass(frozen=True)

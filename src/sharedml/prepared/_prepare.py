@@ -21,7 +21,7 @@ import stat
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 from sharedml import _host
 from sharedml._errors import (
@@ -46,7 +46,7 @@ from sharedml.cache._cache import (
 from sharedml.model._graph import external_locations, read_model, set_external
 from sharedml.model._proto import ModelProto, parse_model
 from sharedml.prepared._dedupe import share_with_entries
-from sharedml.prepared._family import prepare_family
+from sharedml.prepared._family import FamilyResult, prepare_family
 from sharedml.prepared._files import (
     create_temp,
     keep_a_link,
@@ -73,9 +73,6 @@ from sharedml.prepared._plan import (
     plan_weights,
 )
 from sharedml.prepared._source import SourceReader, hash_sources, reads
-
-if TYPE_CHECKING:
-    from sharedml.prepared._family import FamilyResult
 
 __all__ = [
     "PrepareResult",
