@@ -549,6 +549,31 @@ def test_packed_small_tensors_load_through_every_mechanism(tmp_path: Path, mecha
         np.testing.assert_array_equal(got, want)
 
 
+def test_the_weights_writer_records_the_digest_of_exactly_the_bytes_it_left(
+    tmp_path: Path,
+) -> None:
+    # A family's writer rolls back a tensor the file holds already: the file and its recorded
+    # digest must be what they would be had that tensor never been written.
+    from sharedml.prepared._format import WeightsManifest, WeightsWriter
+
+    layout = WeightsManifest("w.weights", 0, "", 4096, 2)
+    pieces = [bytes([n]) * size for n, size in ((1, 5000), (2, 10_000), (3, 70))]
+    with open(tmp_path / "w.weights", "wb") as fh:
+        writer = WeightsWriter(fh, layout)
+        first = writer.add([pieces[0][:10], pieces[0][10:]], len(pieces[0]))
+        mark = writer.mark()
+        writer.add([pieces[1]], len(pieces[1]))
+        writer.rollback(mark)
+        last = writer.add([pieces[2]], len(pieces[2]))
+        manifest = writer.finish()
+    data = (tmp_path / "w.weights").read_bytes()
+    assert (first, last) == (0, 5000 + (-5000 % 64))  # 70 bytes start at a multiple of 64
+    assert data[first : first + 5000] == pieces[0] and data[last : last + 70] == pieces[2]
+    assert len(data) == manifest.size_bytes == 8192  # the file ends on a page
+    assert hashlib.sha256(data).hexdigest() == manifest.sha256
+    assert sharedml.WeightsManifest.from_json(manifest.to_json()) == manifest
+
+
 def test_a_format_1_prepared_model_still_loads(tmp_path: Path) -> None:
     # Format 1 aligned every tensor to alignment_bytes; those offsets satisfy today's rule.
     src = save_model(build_model(["initializer"], dim=DIM), tmp_path / "m.onnx")
