@@ -20,12 +20,8 @@ import sharedml
 from sharedml._errors import UnsafePathError
 from sharedml.cache import _cache
 from sharedml.model._graph import load_graph
-from sharedml.prepared._prepare import (
-    SharedWeights,
-    WeightsManifest,
-    prepared_model_for,
-    read_manifest,
-)
+from sharedml.prepared._format import SharedWeights, WeightsManifest, read_manifest
+from sharedml.prepared._prepare import prepared_model_for
 from tests._models import build_model, feeds, save_model
 from tools.families import decoder_pair, renamed_variant
 

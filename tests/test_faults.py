@@ -764,7 +764,7 @@ def test_the_next_prepare_removes_what_killed_prepares_left_and_never_a_live_one
         assert writing and all(n.endswith(".tmp") for n in writing)
         other = save_model(build_model(["initializer"], dim=64), tmp_path / "other.onnx")
         if family:
-            sharedml.prepare([other], dst.parent)
+            sharedml.prepare_family([other], dst.parent)
         else:
             sharedml.prepare(other, dst.parent / "other.onnx")
         left = {p.name for p in dst.parent.iterdir() if p.name.endswith(".tmp")}

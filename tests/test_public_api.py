@@ -16,7 +16,8 @@ import sharedml
 
 # The layers of the public face. Changing one is an API change: say so in CHANGELOG.md.
 APPLICATION = {
-    "SessionPool", "PoolStats", "Batching", "prepare", "PrepareResult", "FamilyResult",
+    "SessionPool", "PoolStats", "Batching", "prepare", "prepare_family", "PrepareResult",
+    "FamilyResult",
     "prepared_model_for", "inspect", "InspectReport", "Finding", "InputSpec", "cache_dir",
 }  # fmt: skip
 MODULES = {
@@ -27,7 +28,8 @@ MODULES = {
     "sharedml.route": {"SessionRecipe", "Mechanism", "Prepacking"},
     "sharedml.runtime": {"ProviderPlan", "ProviderSpec"},
     "sharedml.prepared": {
-        "prepare", "PrepareResult", "FamilyResult", "TensorDigest", "WeightsManifest",
+        "prepare", "prepare_family", "PrepareResult", "FamilyResult", "TensorDigest",
+        "WeightsManifest",
         "SharedWeights", "weights_path_for", "prepared_model_for",
     },
     "sharedml.cache": {"cache_dir"},

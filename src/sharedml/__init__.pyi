@@ -78,6 +78,7 @@ from sharedml.pool._batching import Batching as Batching
 from sharedml.pool._pool import PoolStats as PoolStats
 from sharedml.pool._pool import SessionPool as SessionPool
 from sharedml.prepared._family import FamilyResult as FamilyResult
+from sharedml.prepared._family import prepare_family as prepare_family
 from sharedml.prepared._prepare import PrepareResult as PrepareResult
 from sharedml.prepared._prepare import prepare as prepare
 from sharedml.prepared._prepare import prepared_model_for as prepared_model_for

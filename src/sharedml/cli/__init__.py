@@ -92,10 +92,10 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _prepare_family(args: argparse.Namespace, options: dict[str, int]) -> int:
-    from sharedml.prepared._prepare import prepare
+    from sharedml.prepared._family import prepare_family
 
     with _progress(not args.json, "preparing") as progress:
-        result = prepare(list(args.model), args.output, progress=progress, **options)
+        result = prepare_family(args.model, args.output, progress=progress, **options)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0

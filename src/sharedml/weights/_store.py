@@ -44,7 +44,7 @@ from sharedml._errors import (
 from sharedml.cache._cache import CacheDir, hold_entry, verified_sha256
 from sharedml.model import _proto
 from sharedml.model._graph import ExternalData, Placement, iter_tensors, load_graph, tensor_nbytes
-from sharedml.prepared._prepare import WeightsManifest, read_manifest
+from sharedml.prepared._format import WeightsManifest, read_manifest
 
 if TYPE_CHECKING:
     import onnx
