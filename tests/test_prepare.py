@@ -573,7 +573,7 @@ def test_the_weights_writer_records_the_digest_of_exactly_the_bytes_it_left(
     assert data[first : first + 5000] == pieces[0] and data[last : last + 70] == pieces[2]
     assert len(data) == manifest.size_bytes == 8192  # the file ends on a page
     assert hashlib.sha256(data).hexdigest() == manifest.sha256
-    assert sharedml.WeightsManifest.from_json(manifest.to_json()) == manifest
+    assert sharedml.prepared.WeightsManifest.from_json(manifest.to_json()) == manifest
 
 
 def test_a_format_1_prepared_model_still_loads(tmp_path: Path) -> None:
