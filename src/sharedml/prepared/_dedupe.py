@@ -36,7 +36,9 @@ from typing import Any
 import numpy as np
 
 from sharedml._errors import CacheError
-from sharedml.cache._cache import CacheDir, iter_entries, verified_sha256
+from sharedml.cache._entries import iter_entries
+from sharedml.cache._root import Cache
+from sharedml.cache._stamps import verified_sha256
 from sharedml.model._graph import ExternalData, iter_tensors, load_graph, set_external
 from sharedml.prepared._prepare import (
     _END_ALIGNMENT_BYTES,
@@ -135,11 +137,11 @@ def _sha256(data: Any) -> str:
 
 
 def _offers(
-    tmp: Path, wanted: set[TensorMatch], layout: list[int], cache_dir: CacheDir
+    tmp: Path, wanted: set[TensorMatch], layout: list[int], cache: Cache
 ) -> dict[TensorMatch, tuple[Any, dict[str, Any]]]:
     """For each wanted match, the first other entry that recorded it (and is usable)."""
     offers: dict[TensorMatch, tuple[Any, dict[str, Any]]] = {}
-    for entry in iter_entries(_KIND, cache_dir=cache_dir):
+    for entry in iter_entries(_KIND, cache=cache):
         if isinstance(entry, CacheError) or entry.path == tmp:
             continue
         if entry.meta.get("layout") != layout:
@@ -168,7 +170,7 @@ def _replace_file(path: Path, data: bytes) -> None:
         raise
 
 
-def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedupe:
+def share_with_entries(tmp: Path, model_name: str, cache: Cache) -> Dedupe:
     """Point the tensors of the entry being built in ``tmp`` at identical ones of other entries.
 
     ``tmp/model_name`` is a model that :func:`sharedml.prepare` just wrote (one weights file).
@@ -190,7 +192,7 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
     own_file = manifest.file
     sha = {own_file: manifest.sha256}
     wanted = {m for item in own if (m := TensorMatch.from_json(item["match"])) is not None}
-    offers = _offers(tmp, wanted, layout, cache_dir) if wanted else {}
+    offers = _offers(tmp, wanted, layout, cache) if wanted else {}
     if not offers:
         return unchanged
 
@@ -213,7 +215,7 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
             if name is None:
                 continue  # no hard link here: keep this entry's own copy
             # The whole file, as the new manifest records it (a stamp spares the read).
-            if not verified_sha256(tmp / name, digest, cache_dir=cache_dir):
+            if not verified_sha256(tmp / name, digest, cache=cache):
                 (tmp / name).unlink()
                 continue
             linked[(entry.key, theirs["file"])] = name

@@ -49,18 +49,11 @@ from sharedml._errors import (
     UnsafePathError,
 )
 from sharedml._host import fsync_dir
-from sharedml.cache._cache import (
-    Built,
-    CacheDir,
-    Snapshot,
-    ensure_entry,
-    lend_hold,
-    recall_stamp,
-    record_stamp,
-    snapshot,
-    temp_is_stale,
-    temp_owner,
-)
+from sharedml.cache._entries import Built, ensure_entry
+from sharedml.cache._files import temp_is_stale, temp_owner
+from sharedml.cache._locks import lend_hold
+from sharedml.cache._root import Cache, CacheDir
+from sharedml.cache._stamps import Snapshot, recall_stamp, record_stamp, snapshot
 from sharedml.model._graph import (
     ExternalSlice,
     Placement,
@@ -616,7 +609,7 @@ def _replace_metadata(model: ModelProto, manifest: WeightsManifest) -> None:
 
 
 # Temporary outputs: ``.<output name>.<owner>-<12 hex>.tmp`` beside the output (the owner, see
-# sharedml.cache._cache.temp_owner, since this version; older ones have none).
+# sharedml.cache._files.temp_owner, since this version; older ones have none).
 _TEMP_NAME = re.compile(
     r"\.(?P<name>.+)\.(?:(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)-)?[0-9a-f]{12}\.tmp"
 )
@@ -632,7 +625,7 @@ def _create_temp(final: Path) -> tuple[int, Path]:
     everyone but root, while the renames that prepare itself replaces files with still work.
     Windows: 0666, since there a read-only file cannot be replaced by a rename.
 
-    The name records this process (:func:`sharedml.cache._cache.temp_owner`), so that the next
+    The name records this process (:func:`sharedml.cache._files.temp_owner`), so that the next
     prepare into the folder removes what a killed one left (:func:`_remove_dead_temps`), and
     keeps at most what fits NAME_MAX with its owner and random part, so that an output name of
     up to 255 bytes works.
@@ -658,7 +651,7 @@ def _remove_dead_temps(folder: Path) -> tuple[Path, ...]:
     A ``kill -9`` while prepare writes leaves its hidden temporary files (a weights file's
     worth each), which nothing else ever removes. Only files named as :func:`_create_temp`
     names them, owned by this user, and stale (their process is gone from this host, or they
-    are a day old: see :func:`sharedml.cache._cache.temp_is_stale`) are removed: never a live
+    are a day old: see :func:`sharedml.cache._files.temp_is_stale`) are removed: never a live
     prepare's, in this process or another.
     """
     removed = []
@@ -1074,11 +1067,12 @@ def prepared_model_for(
     keyed by the digest prepare computed over the very bytes it copied, not by the lookup's:
     a source changed between the two (a deploy in progress) lands under its own key, never
     under the old content's. A stamp of the source files spares parsing and hashing them again
-    while they are unchanged (see :mod:`sharedml.cache._cache`).
+    while they are unchanged (see :mod:`sharedml.cache._stamps`).
 
     Args:
         model_path: Any ONNX model.
-        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
+        cache_dir: The cache folder: a path, a :class:`sharedml.cache.Cache`, or None for
+            :func:`sharedml.cache_dir`.
         size_threshold_bytes: Passed to :func:`sharedml.prepare`; part of the cache key.
         verify: Check every file of the entry against the SHA-256 recorded when it was built
             (a stamp spares re-reading unchanged files); False checks the graph only (the
@@ -1101,6 +1095,7 @@ def prepared_model_for(
     caller gets a complete entry, and no entry is ever modified after it is published.
     """
     path = Path(model_path)
+    cache = Cache.at(cache_dir)  # resolved once, for every step below
     size_threshold_bytes = check_threshold(size_threshold_bytes)
     # A copied prepared model must not be found by a later call that wants the model itself.
     params = f"{_KEY_VERSION}:{size_threshold_bytes}{':copy' if copy_prepared else ''}"
@@ -1110,8 +1105,8 @@ def prepared_model_for(
         entry = ensure_entry(
             "models",
             key,
-            lambda tmp: _prepare_into(path, tmp, size_threshold_bytes, cache_dir),
-            cache_dir=cache_dir,
+            lambda tmp: _prepare_into(path, tmp, size_threshold_bytes, cache),
+            cache=cache,
             verify=checked,
         )
         # The caller gets a path, and holds the entry only once it maps it: until then the
@@ -1119,7 +1114,7 @@ def prepared_model_for(
         lend_hold(entry)
         return entry.file(_PREPARED_NAME)
 
-    known = recall_stamp("prepared", path, params, cache_dir=cache_dir)
+    known = recall_stamp("prepared", path, params, cache=cache)
     if known is not None:  # the source is unchanged since it was hashed: skip parse and hash
         return entry_for(known)
     before = snapshot(path)  # before the read: a stamp must not vouch for a later write
@@ -1133,7 +1128,7 @@ def prepared_model_for(
     _host.release_freed_heap()
     prepared = entry_for(key)
     # Recorded only if no file changed since `before`: else the build may hold other bytes.
-    record_stamp("prepared", before, key, params, cache_dir=cache_dir)
+    record_stamp("prepared", before, key, params, cache=cache)
     return prepared
 
 
@@ -1141,7 +1136,7 @@ def _prepare_into(
     src: Path,
     folder: Path,
     size_threshold_bytes: int,
-    cache_dir: CacheDir = None,
+    cache: Cache,
     *,
     source: str | None = None,
 ) -> Built:
@@ -1161,7 +1156,7 @@ def _prepare_into(
 
     # Tensors that other entries hold already are linked, not stored again
     # (sharedml.prepared._dedupe).
-    dedupe = share_with_entries(folder, _PREPARED_NAME, cache_dir)
+    dedupe = share_with_entries(folder, _PREPARED_NAME, cache)
     return Built(
         meta={
             "source": source if source is not None else str(src.absolute()),
@@ -1192,6 +1187,7 @@ def prepared_model_from_bytes(
         ExternalDataError: the model refers to external data files.
         CacheError: the cache folder fails sharedml's permission policy.
     """
+    cache = Cache.at(cache_dir)  # resolved once, for every step below
     size_threshold_bytes = check_threshold(size_threshold_bytes)
     try:
         model = parse_model(data)
@@ -1220,13 +1216,11 @@ def prepared_model_from_bytes(
         source = folder / "source.onnx"
         source.write_bytes(data)
         try:
-            return _prepare_into(
-                source, folder, size_threshold_bytes, cache_dir, source=_BYTES_SOURCE
-            )
+            return _prepare_into(source, folder, size_threshold_bytes, cache, source=_BYTES_SOURCE)
         finally:
             source.unlink()
 
     checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
-    entry = ensure_entry("models", key, build, cache_dir=cache_dir, verify=checked)
+    entry = ensure_entry("models", key, build, cache=cache, verify=checked)
     lend_hold(entry)  # as prepared_model_for does
     return entry.file(_PREPARED_NAME)
