@@ -845,3 +845,67 @@ def test_a_reader_that_leaves_early_gets_no_broken_pipe_error(tmp_path: Path) ->
             err = proc.stderr.read().decode()
         assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
         assert err == "", err
+
+
+# --------------------------------------------------------------------------------------------
+# The Cache object: resolved once, carried to everything that uses it
+
+
+def test_a_cache_object_keeps_the_folder_it_was_resolved_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(first))
+    cache = Cache.at(None)
+    assert Cache.at(cache) is cache  # a Cache passed on is not resolved again
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(second))
+    demo = demo_model_path(cache_dir=cache)
+    source = save_model(build_model(["initializer"]), tmp_path / "m.onnx")
+    with sharedml.SessionPool(source, sessions=1, cache_dir=cache) as pool:
+        assert pool.run(None, feeds(64))[0].shape == (1, 64)
+    assert demo.is_relative_to(first)
+    assert [e.kind for e in sharedml.cache.list_entries(cache_dir=cache)].count("models") == 1
+    assert not second.exists()
+
+
+def test_a_weight_store_verifies_against_the_cache_it_was_opened_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store is opened unverified, and verified later, after $SHAREDML_CACHE_DIR changed:
+    # the stamp of that check belongs in the store's cache, not in whatever the variable names
+    # by then (which nothing else of this store uses).
+    first, second = tmp_path / "first", tmp_path / "second"
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(first))
+    source = save_model(build_model(["initializer"], seed=7), tmp_path / "m.onnx")
+    prepared = sharedml.prepare(source, tmp_path / "prepared.onnx").model_path
+    store = sharedml.WeightStore.open(prepared, verify=False)
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(second))
+    assert sharedml.WeightStore.open(prepared, verify=True) is store
+    assert store.verified
+    assert list((first / "stamps").iterdir())
+    assert not second.exists()
+    store.close()
+
+
+def test_the_default_folder_is_the_platforms_user_cache_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import platformdirs
+    import platformdirs.windows
+
+    monkeypatch.delenv("SHAREDML_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if sys.platform.startswith("linux"):
+        assert sharedml.cache_dir() == tmp_path / "xdg" / "sharedml"
+        monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty: unset, as the XDG spec says
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        assert sharedml.cache_dir() == tmp_path / "home" / ".cache" / "sharedml"
+    # Windows' rules (the local application data folder, given through platformdirs' override
+    # variable where this is not Windows): %LOCALAPPDATA%\sharedml, as before platformdirs
+    # named it; no author folder, no "Cache" folder below it.
+    monkeypatch.setenv("WIN_PD_OVERRIDE_LOCAL_APPDATA", r"C:\Users\u\AppData\Local")
+    monkeypatch.setattr(platformdirs, "PlatformDirs", platformdirs.windows.Windows)
+    assert str(sharedml.cache_dir()) == os.path.join(r"C:\Users\u\AppData\Local", "sharedml")
+    assert sharedml.cache_dir(tmp_path / "mine") == tmp_path / "mine"
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "env"))
+    assert sharedml.cache_dir() == tmp_path / "env"
