@@ -43,7 +43,7 @@ if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type check
         UnsafePathError,
         WeightsMismatchError,
     )
-    from sharedml.cache._root import cache_dir
+    from sharedml.cache._root import Cache, cache_dir
     from sharedml.inspection._inspect import (
         Finding,
         InspectReport,
@@ -98,6 +98,7 @@ __all__ = [
     "weights_path_for",
     "prepared_model_for",
     "cache_dir",
+    "Cache",
     # Sharing weights
     "SessionPool",
     "PoolStats",
@@ -168,7 +169,7 @@ _ERRORS = (
 )
 _HOMES = {
     "pool._batching": "Batching",
-    "cache._root": "cache_dir",
+    "cache._root": "Cache cache_dir",
     "weights._device": "DeviceWeightStore HostWeights",
     "weights._probe": "device_mechanism_available",
     "_errors": _ERRORS,
