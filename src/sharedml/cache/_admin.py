@@ -71,7 +71,7 @@ class EntryStatus:
         last_used: When a process last opened it (its lock file's mtime), else ``created``.
         source: The model it was made from, as its builder recorded it.
         ort: The onnxruntime version and build it is valid for (prepacked entries), else None.
-        busy: A live process holds it (None: this platform cannot tell, see :data:`LOCKING`).
+        busy: A live process holds it (None: this platform cannot tell, see ``LOCKING``).
         problem: Why it is unusable (damaged, not private, a symlink), else None.
         linked: Its files that other entries hard-link too (identical weights shared across
             models), with the file's link count: removing this entry frees none of their bytes
@@ -125,7 +125,7 @@ class CacheSummary:
             entries of one kind counts once.
         stamps: ``(files, bytes)`` of the stamps folder.
         temporary: ``(items, bytes)`` of builds in progress or left by killed builds.
-        locking: :data:`LOCKING`.
+        locking: ``sharedml.cache.LOCKING``.
         foreign: ``(items, bytes)`` in the kind folders that sharedml did not make (left alone).
     """
 
@@ -312,7 +312,7 @@ def _kind_folders(cache: Cache) -> Iterator[tuple[str, Path]]:
     """The kind folders that exist and pass the policy; nothing is created.
 
     Raises:
-        CacheError: the cache folder exists and is not sharedml's (see :func:`_adopt`).
+        CacheError: the cache folder exists and is not sharedml's (see :class:`Cache`).
     """
     root = cache.adopted()
     for kind in ENTRY_KINDS:
@@ -499,7 +499,7 @@ def _remove_unlocked(path: Path) -> str | None:
     """Remove an entry where there is no ``flock`` (Windows): its files in place.
 
     Windows refuses to delete a file that a process has open or mapped. The lock file goes
-    first: every process that holds the entry keeps it open (:func:`_hold_open`), so removal
+    first: every process that holds the entry keeps it open (``hold_entry``), so removal
     stops at the first refusal with the entry whole ("busy"). Then the largest files (a map
     outside any hold would be of those), ``entry.json`` last. (Moving the folder aside first,
     as where entries are locked, proves nothing here: Wine renames a folder whose files are
@@ -595,7 +595,7 @@ def prune_cache(
     Damaged entries go first, then entries unused for ``older_than_s``, then the least
     recently used until the entries take at most ``max_bytes`` on disk (each file once, as
     ``du`` counts it), and no more than that needs; entries in use are kept. Temporaries of
-    killed builds are removed too (:func:`clear_stale`). What sharedml did not make is left.
+    killed builds are removed too (``clear_stale``). What sharedml did not make is left.
 
     Raises:
         ValueError: neither limit given, or a negative one.

@@ -225,7 +225,7 @@ def _hold_open(folder: Path) -> EntryHold | None:
 
     Windows refuses to delete a file that another handle has open (Python opens files without
     ``FILE_SHARE_DELETE``), and removal deletes the lock file first
-    (:func:`_remove_unlocked`), so it stops there while any process holds the entry: also one
+    (``remove_entries``), so it stops there while any process holds the entry: also one
     whose files ORT read and closed (a prepacked model it may load again for a new session).
     The last use is recorded first: while a handle is open the lock file's times cannot be set.
     """

@@ -96,7 +96,7 @@ def _is_own_marker(path: Path) -> bool:
 def is_own_item(folder: str, child: os.DirEntry[str] | Path) -> bool:
     """Whether ``child`` of the cache's ``folder`` (a kind, stamps, locks) is sharedml's.
 
-    An entry is named by its key, or holds an ``entry.json`` (keys given to :func:`publish`
+    An entry is named by its key, or holds an ``entry.json`` (keys given to ``publish``
     directly); stamps and locks have names of their own; temporary names end in ``.tmp``.
     """
     name = child.name
