@@ -900,10 +900,12 @@ def test_the_default_folder_is_the_platforms_user_cache_folder(
         monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty: unset, as the XDG spec says
         monkeypatch.setenv("HOME", str(tmp_path / "home"))
         assert sharedml.cache_dir() == tmp_path / "home" / ".cache" / "sharedml"
-    # Windows' rules (the local application data folder, given through platformdirs' override
-    # variable where this is not Windows): %LOCALAPPDATA%\sharedml, as before platformdirs
-    # named it; no author folder, no "Cache" folder below it.
-    monkeypatch.setenv("WIN_PD_OVERRIDE_LOCAL_APPDATA", r"C:\Users\u\AppData\Local")
+    # Windows' rules (the local application data folder, which platformdirs reads from the
+    # environment where this is not Windows: its override variable since 4.x, %LOCALAPPDATA%
+    # before): %LOCALAPPDATA%\sharedml, as before platformdirs named it; no author folder, no
+    # "Cache" folder below it.
+    for name in ("WIN_PD_OVERRIDE_LOCAL_APPDATA", "LOCALAPPDATA"):
+        monkeypatch.setenv(name, r"C:\Users\u\AppData\Local")
     monkeypatch.setattr(platformdirs, "PlatformDirs", platformdirs.windows.Windows)
     assert str(sharedml.cache_dir()) == os.path.join(r"C:\Users\u\AppData\Local", "sharedml")
     assert sharedml.cache_dir(tmp_path / "mine") == tmp_path / "mine"
