@@ -37,7 +37,8 @@ def add_parser(sub: Any) -> None:
         "cache",
         help="show, check and prune sharedml's cache of prepared and prepacked models",
         description=(
-            "sharedml's cache ($SHAREDML_CACHE_DIR, default ~/.cache/sharedml) holds each "
+            "sharedml's cache (--cache-dir, else $SHAREDML_CACHE_DIR, else the user's cache "
+            "folder, e.g. ~/.cache/sharedml) holds each "
             "model prepared once (models/), ORT's prepacked form of it per ORT build and CPU "
             "(prepacked/) and the demo model (demo/). Entries that a live process has open are "
             "never removed."
