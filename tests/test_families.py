@@ -596,22 +596,22 @@ def test_inspect_reports_a_familys_distinct_and_total_weights_and_its_memory(
 def test_the_cache_says_which_entries_share_weights_and_pruning_one_keeps_the_other(
     variants: list[Path],
 ) -> None:
-    from sharedml.cache import _cache
+    import sharedml.cache
 
     feed = {"input": np.ones((1, WIDTH), np.float32)}
     for model in variants[:2]:
         with sharedml.SessionPool(model, sessions=1) as pool:
             assert pool.mechanism == "prepacked-file", pool.mechanism_reason
             pool.run(None, feed)
-    prepacked = [e for e in _cache.list_entries() if e.kind == "prepacked"]
+    prepacked = [e for e in sharedml.cache.list_entries() if e.kind == "prepacked"]
     assert len(prepacked) == 2
     user = next(e for e in prepacked if e.uses)  # the second one built links the first's file
     lender = next(e for e in prepacked if e is not user)
     assert user.uses == (lender.key,)
     assert set(user.linked.values()) == {2} and set(lender.linked.values()) == {2}
-    _cache.remove_entries([lender])
+    sharedml.cache.remove_entries([lender])
     assert not lender.path.exists()
-    verified = _cache.verify_entries()
+    verified = sharedml.cache.verify_entries()
     assert user.key in {e.key for e in verified}
     assert all(e.problem is None for e in verified)  # the link kept the lender's bytes
     with sharedml.SessionPool(variants[1], sessions=1) as pool:
@@ -622,7 +622,7 @@ def test_the_cache_says_which_entries_share_weights_and_pruning_one_keeps_the_ot
 def test_without_hard_links_a_prepacked_entry_keeps_its_own_blobs_and_still_matches_plain(
     variants: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sharedml.cache import _cache
+    import sharedml.cache
 
     feed = {"input": np.ones((1, WIDTH), np.float32)}
     with sharedml.SessionPool(variants[0], sessions=1) as pool:
@@ -635,7 +635,7 @@ def test_without_hard_links_a_prepacked_entry_keeps_its_own_blobs_and_still_matc
     with sharedml.SessionPool(variants[1], sessions=1) as pool:
         assert pool.mechanism == "prepacked-file"
         np.testing.assert_array_equal(pool.run(None, feed)[0], _plain(variants[1], feed)[0])
-    prepacked = [e for e in _cache.list_entries() if e.kind == "prepacked"]
+    prepacked = [e for e in sharedml.cache.list_entries() if e.kind == "prepacked"]
     assert len(prepacked) == 2 and all(not e.uses and not e.linked for e in prepacked)
 
 
@@ -651,7 +651,7 @@ def test_an_entry_with_subgraph_weights_is_never_broken_by_another_sharing_its_f
     """
     from _models import build_model, feeds, save_model
 
-    from sharedml.cache import _cache
+    import sharedml.cache
 
     with_if = save_model(
         build_model(["initializer", "if_initializer"], dim=256), tmp_path / "a.onnx"
@@ -664,7 +664,7 @@ def test_an_entry_with_subgraph_weights_is_never_broken_by_another_sharing_its_f
             assert pool.mechanism == "prepacked-file", pool.mechanism_reason
             want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
             np.testing.assert_array_equal(pool.run(None, feed)[0], want.run(None, feed)[0])
-    prepacked = {e.key: e for e in _cache.list_entries() if e.kind == "prepacked"}
+    prepacked = {e.key: e for e in sharedml.cache.list_entries() if e.kind == "prepacked"}
     assert len(prepacked) == 2
     # Sharing happens only when the lender's file holds no subgraph tensor.
     assert any(e.uses for e in prepacked.values()) is not lender_has_subgraphs

@@ -853,10 +853,10 @@ def deploy(folder: Path, data: bytes) -> None:
 def test_a_source_changed_between_key_and_copy_is_cached_under_its_own_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sharedml.cache import _cache
+    from sharedml.cache import _stamps
     from sharedml.prepared import _prepare
 
-    monkeypatch.setattr(_cache, "_RACY_WINDOW_NS", 0)  # stamps too, so that none can mislead
+    monkeypatch.setattr(_stamps, "RACY_WINDOW_NS", 0)  # stamps too, so that none can mislead
     src, data1, data2 = versioned_source(tmp_path)
     v1, v2 = tmp_path / "v1" / "m.onnx", tmp_path / "v2" / "m.onnx"
     real_prepare = _prepare.prepare

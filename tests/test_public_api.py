@@ -32,7 +32,10 @@ MODULES = {
         "WeightsManifest",
         "SharedWeights", "weights_path_for", "prepared_model_for",
     },
-    "sharedml.cache": {"cache_dir"},
+    "sharedml.cache": {
+        "Cache", "cache_dir", "cache_summary", "list_entries", "verify_entries", "prune_cache",
+        "clear_cache",
+    },
     "sharedml.measure": {
         "measure", "Measurement", "MemoryPoint", "FixedCost", "Strategy", "StrategyContext",
         "SessionSet", "Runner", "register_strategy", "registered_strategies", "WeightsSummary",

@@ -25,7 +25,8 @@ from _models import build_model, feeds, save_model
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
-from sharedml.cache._cache import clear_stale
+from sharedml.cache import Cache
+from sharedml.cache._entries import clear_stale
 
 N = 256  # elements of every hand-written tensor: 1 KiB of float32, above every threshold
 NBYTES = 4 * N
@@ -886,7 +887,7 @@ def test_clear_stale_removes_only_old_temporary_folders(source: Path, tmp_path: 
         folder.mkdir()
         (folder / "model.weights").write_bytes(b"partial")
     os.utime(old, (1, 1))
-    assert clear_stale(root) == 1
+    assert clear_stale(Cache(root)) == 1
     assert not old.exists() and young.exists() and entry.is_file()
-    assert clear_stale(root, older_than_s=-1) == 1
+    assert clear_stale(Cache(root), older_than_s=-1) == 1
     assert not young.exists() and entry.is_file()

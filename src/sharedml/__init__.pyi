@@ -69,7 +69,7 @@ from sharedml._errors import (
 from sharedml._errors import (
     WeightsMismatchError as WeightsMismatchError,
 )
-from sharedml.cache._cache import cache_dir as cache_dir
+from sharedml.cache._root import cache_dir as cache_dir
 from sharedml.inspection._inspect import Finding as Finding
 from sharedml.inspection._inspect import InspectReport as InspectReport
 from sharedml.inspection._inspect import inspect as inspect

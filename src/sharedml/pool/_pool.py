@@ -67,7 +67,7 @@ from sharedml._errors import (
     SharedMLError,
 )
 from sharedml._host import release_freed_heap, usable_cores
-from sharedml.cache._cache import CacheDir
+from sharedml.cache._root import CacheDir
 from sharedml.model._graph import load_graph
 from sharedml.pool._batching import (
     ADAPTIVE_DELAY_SHARE,
@@ -529,7 +529,8 @@ class SessionPool:
             background thread per process (default): callers are served meanwhile. That thread
             costs a few MiB once per process (its own malloc arena: figures in README).
             ``False``: the constructor returns with every up-front session created.
-        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
+        cache_dir: The cache: a path, a :class:`sharedml.cache.Cache`, or None for
+            :func:`sharedml.cache_dir`; resolved once, carried by the pool's route recipe.
         verify_weights: Check the weights' SHA-256 when they are first mapped in the process.
         serialize_creation: Create one session at a time, process-wide (default). ``False``:
             the first ``min_sessions`` sessions are created on up to one thread per core (ORT

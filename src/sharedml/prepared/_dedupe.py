@@ -6,10 +6,10 @@ every tensor of its weights file is looked up by content
 bytes; never the name) among the tensors that other ``models`` entries recorded. A tensor
 found there is not kept in the new entry's own weights file: its graph points at a hard link
 to the other entry's file (``shared-<sha16>.weights``, named by that file's SHA-256), whose
-bytes are checked before they are used. The entry's manifest lists the linked
-files (format 3, :class:`sharedml.SharedWeights`), and the weight store maps each file once per
-process by inode (:class:`sharedml.WeightStore`), so the pools of both models, on the raw route
-and the device route, use one copy, and other processes share its pages.
+bytes are checked before they are used. The entry's manifest lists the linked files (format
+3, :class:`sharedml.prepared.SharedWeights`), and the weight store maps each file once per
+process by inode (:class:`sharedml.weights.WeightStore`), so the pools of both models, on the
+raw route and the device route, use one copy, and other processes share its pages.
 
 What is never shared, and why (ORT has onnx's checker validate the external data of tensors in
 subgraphs, and onnx refuses a data file with more than one hard link, "a potential hardlink
@@ -34,7 +34,9 @@ from typing import Any
 import numpy as np
 
 from sharedml._errors import CacheError
-from sharedml.cache._cache import CacheDir, iter_entries, verified_sha256
+from sharedml.cache._entries import iter_entries
+from sharedml.cache._root import Cache
+from sharedml.cache._stamps import verified_sha256
 from sharedml.model._graph import ExternalData, iter_tensors, load_graph, set_external
 from sharedml.prepared._files import COPY_CHUNK_BYTES, create_temp, replace_file
 from sharedml.prepared._format import (
@@ -111,11 +113,11 @@ def _sha256(data: Any) -> str:
 
 
 def _offers(
-    tmp: Path, wanted: set[TensorDigest], layout: list[int], cache_dir: CacheDir
+    tmp: Path, wanted: set[TensorDigest], layout: list[int], cache: Cache
 ) -> dict[TensorDigest, tuple[Any, dict[str, Any]]]:
     """For each wanted match, the first other entry that recorded it (and is usable)."""
     offers: dict[TensorDigest, tuple[Any, dict[str, Any]]] = {}
-    for entry in iter_entries(_KIND, cache_dir=cache_dir):
+    for entry in iter_entries(_KIND, cache=cache):
         if isinstance(entry, CacheError) or entry.path == tmp:
             continue
         if entry.meta.get("layout") != layout:
@@ -127,7 +129,7 @@ def _offers(
     return offers
 
 
-def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedupe:
+def share_with_entries(tmp: Path, model_name: str, cache: Cache) -> Dedupe:
     """Point the tensors of the entry being built in ``tmp`` at identical ones of other entries.
 
     ``tmp/model_name`` is a model that :func:`sharedml.prepare` just wrote (one weights file).
@@ -149,7 +151,7 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
     own_file = manifest.file
     sha = {own_file: manifest.sha256}
     wanted = {m for item in own if (m := TensorDigest.from_json(item["match"])) is not None}
-    offers = _offers(tmp, wanted, layout, cache_dir) if wanted else {}
+    offers = _offers(tmp, wanted, layout, cache) if wanted else {}
     if not offers:
         return unchanged
 
@@ -172,7 +174,7 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
             if name is None:
                 continue  # no hard link here: keep this entry's own copy
             # The whole file, as the new manifest records it (a stamp spares the read).
-            if not verified_sha256(tmp / name, digest, cache_dir=cache_dir):
+            if not verified_sha256(tmp / name, digest, cache=cache):
                 (tmp / name).unlink()
                 continue
             linked[(entry.key, theirs["file"])] = name

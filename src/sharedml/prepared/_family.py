@@ -6,7 +6,7 @@ tensors are one tensor when their dtype, shape, length and SHA-256 of their byte
 (:class:`TensorDigest`), whatever their names and wherever they sat (an initializer, a
 ``Constant``, a subgraph, an external file): Optimum's ``decoder_model.onnx`` and
 ``decoder_with_past_model.onnx``, or an encoder exported once per task head, then cost one
-copy on disk and, through :class:`sharedml.WeightStore` (which maps each weights *file* once
+copy on disk and, through :class:`sharedml.weights.WeightStore` (which maps each weights *file* once
 per process, whichever graph names it), one copy in memory.
 
 Each graph is an ordinary prepared model (manifest format 2, one weights file), so every route

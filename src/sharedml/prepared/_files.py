@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from sharedml._errors import OutputError, PrepareError
-from sharedml.cache._cache import temp_is_stale, temp_owner
+from sharedml.cache._files import temp_is_stale, temp_owner
 
 __all__ = [
     "COPY_CHUNK_BYTES",
@@ -33,7 +33,7 @@ __all__ = [
 COPY_CHUNK_BYTES = 16 * 1024 * 1024  # bytes copied at a time: bounds prepare's peak memory
 _NAME_MAX_BYTES = 255  # bytes in one file name (NAME_MAX on Linux, macOS and NTFS)
 # Temporary outputs: ``.<output name>.<owner>-<12 hex>.tmp`` beside the output (the owner, see
-# sharedml.cache._cache.temp_owner; older ones have none).
+# sharedml.cache._files.temp_owner; older ones have none).
 _TEMP_NAME = re.compile(
     r"\.(?P<name>.+)\.(?:(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)-)?[0-9a-f]{12}\.tmp"
 )
@@ -51,7 +51,7 @@ def create_temp(final: Path) -> tuple[int, Path]:
     everyone but root, while the renames that prepare itself replaces files with still work.
     Windows: 0666, since there a read-only file cannot be replaced by a rename.
 
-    The name records this process (:func:`sharedml.cache._cache.temp_owner`), so that the next
+    The name records this process (:func:`sharedml.cache._files.temp_owner`), so that the next
     prepare into the folder removes what a killed one left (:func:`remove_dead_temps`), and
     keeps at most what fits NAME_MAX with its owner and random part, so that an output name of
     up to 255 bytes works.
@@ -113,7 +113,7 @@ def remove_dead_temps(folder: Path) -> tuple[Path, ...]:
     A ``kill -9`` while prepare writes leaves its hidden temporary files (a weights file's
     worth each), which nothing else ever removes. Only files named as :func:`create_temp`
     names them, owned by this user, and stale (their process is gone from this host, or they
-    are a day old: see :func:`sharedml.cache._cache.temp_is_stale`) are removed: never a live
+    are a day old: see :func:`sharedml.cache._files.temp_is_stale`) are removed: never a live
     prepare's, in this process or another.
 
     Returns:

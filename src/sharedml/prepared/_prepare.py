@@ -33,16 +33,10 @@ from sharedml._errors import (
     SharedMLError,
 )
 from sharedml._host import fsync_dir
-from sharedml.cache._cache import (
-    Built,
-    CacheDir,
-    Snapshot,
-    ensure_entry,
-    lend_hold,
-    recall_stamp,
-    record_stamp,
-    snapshot,
-)
+from sharedml.cache._entries import Built, ensure_entry
+from sharedml.cache._locks import lend_hold
+from sharedml.cache._root import Cache, CacheDir
+from sharedml.cache._stamps import Snapshot, recall_stamp, record_stamp, snapshot
 from sharedml.model._graph import external_locations, read_model, set_external
 from sharedml.model._proto import ModelProto, parse_model
 from sharedml.prepared._dedupe import share_with_entries
@@ -446,11 +440,12 @@ def prepared_model_for(
     keyed by the digest prepare computed over the very bytes it copied, not by the lookup's:
     a source changed between the two (a deploy in progress) lands under its own key, never
     under the old content's. A stamp of the source files spares parsing and hashing them again
-    while they are unchanged (see :mod:`sharedml.cache._cache`).
+    while they are unchanged (see :mod:`sharedml.cache._stamps`).
 
     Args:
         model_path: Any ONNX model.
-        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
+        cache_dir: The cache folder: a path, a :class:`sharedml.cache.Cache`, or None for
+            :func:`sharedml.cache_dir`.
         size_threshold_bytes: Passed to :func:`sharedml.prepare`; part of the cache key.
         verify: Check every file of the entry against the SHA-256 recorded when it was built
             (a stamp spares re-reading unchanged files); False checks the graph only (the
@@ -477,13 +472,14 @@ def prepared_model_for(
     # A copied prepared model must not be found by a later call that wants the model itself.
     params = f"{_KEY_VERSION}:{size_threshold_bytes}{':copy' if copy_prepared else ''}"
     checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
+    cache = Cache.at(cache_dir)  # resolved once, for every step below
 
     def entry_for(key: str) -> Path:
         entry = ensure_entry(
             "models",
             key,
-            lambda tmp: _prepare_into(path, tmp, size_threshold_bytes, cache_dir),
-            cache_dir=cache_dir,
+            lambda tmp: _prepare_into(path, tmp, size_threshold_bytes, cache),
+            cache=cache,
             verify=checked,
         )
         # The caller gets a path, and holds the entry only once it maps it: until then the
@@ -491,7 +487,7 @@ def prepared_model_for(
         lend_hold(entry)
         return entry.file(_PREPARED_NAME)
 
-    known = recall_stamp("prepared", path, params, cache_dir=cache_dir)
+    known = recall_stamp("prepared", path, params, cache=cache)
     if known is not None:  # the source is unchanged since it was hashed: skip parse and hash
         return entry_for(known)
     before = snapshot(path)  # before the read: a stamp must not vouch for a later write
@@ -505,7 +501,7 @@ def prepared_model_for(
     _host.release_freed_heap()
     prepared = entry_for(key)
     # Recorded only if no file changed since `before`: else the build may hold other bytes.
-    record_stamp("prepared", before, key, params, cache_dir=cache_dir)
+    record_stamp("prepared", before, key, params, cache=cache)
     return prepared
 
 
@@ -513,7 +509,7 @@ def _prepare_into(
     src: Path,
     folder: Path,
     size_threshold_bytes: int,
-    cache_dir: CacheDir = None,
+    cache: Cache,
     *,
     source: str | None = None,
 ) -> Built:
@@ -531,7 +527,7 @@ def _prepare_into(
         ) from exc
     # Tensors that other entries hold already are linked, not stored again
     # (sharedml.prepared._dedupe).
-    dedupe = share_with_entries(folder, _PREPARED_NAME, cache_dir)
+    dedupe = share_with_entries(folder, _PREPARED_NAME, cache)
     return Built(
         meta={
             "source": source if source is not None else str(src.absolute()),
@@ -583,6 +579,7 @@ def prepared_model_from_bytes(
         )
     del model
     reader = SourceReader(data)  # no external slice to read: the digest is the bytes'
+    cache = Cache.at(cache_dir)  # resolved once, for every step below
     key = _key_of(reader.hexdigest(), size_threshold_bytes)
     reader.close()
 
@@ -590,13 +587,11 @@ def prepared_model_from_bytes(
         source = folder / "source.onnx"
         source.write_bytes(data)
         try:
-            return _prepare_into(
-                source, folder, size_threshold_bytes, cache_dir, source=_BYTES_SOURCE
-            )
+            return _prepare_into(source, folder, size_threshold_bytes, cache, source=_BYTES_SOURCE)
         finally:
             source.unlink()
 
     checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
-    entry = ensure_entry("models", key, build, cache_dir=cache_dir, verify=checked)
+    entry = ensure_entry("models", key, build, cache=cache, verify=checked)
     lend_hold(entry)  # as prepared_model_for does
     return entry.file(_PREPARED_NAME)
