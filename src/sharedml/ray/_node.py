@@ -37,7 +37,7 @@ from typing import Any, Literal
 from sharedml._host import filesystem_type, is_remote_filesystem
 from sharedml.cache._cache import CacheDir, cache_dir, held_lock, kind_folder
 from sharedml.pool._batching import Batching
-from sharedml.pool._pool import _DEFAULT_SESSIONS, SessionPool
+from sharedml.pool._pool import DEFAULT_SESSIONS, SessionPool
 from sharedml.prepared._prepare import (
     prepared_model_for,
     prepared_model_from_bytes,
@@ -322,7 +322,7 @@ def create_pool(
     ) as turn:
         share = cpus if cpus is not None else _replica_cpus()
         if "sess_options" not in pool_options and share is not None:
-            count = pool_options.get("max_sessions") or sessions or _DEFAULT_SESSIONS
+            count = pool_options.get("max_sessions") or sessions or DEFAULT_SESSIONS
             pool_options["sess_options"] = _session_options(count, share)
         pool = SessionPool(
             turn.path,
