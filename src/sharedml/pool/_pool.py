@@ -47,7 +47,14 @@ from sharedml._errors import (
 )
 from sharedml.cache._cache import CacheDir
 from sharedml.model._graph import load_graph
-from sharedml.pool._batching import Batching, Request, Signature, signature_of
+from sharedml.pool._batching import (
+    Batching,
+    BatchingDefault,
+    BatchingSetting,
+    Request,
+    Signature,
+    signature_of,
+)
 from sharedml.pool._creation import (
     CREATION_LOCK,
     background_creator,
@@ -317,12 +324,14 @@ class SessionPool:
             ``"per-session"`` (also ``True``): ORT's own behaviour: each session packs a private
             copy of every packed weight.
         batching: Merge the requests that queue while every session is busy into one ``Run``
-            (see :class:`~sharedml.Batching` and ``docs/batching.md``): ``True`` (defaults), a
-            ``Batching``, or ``False``. Only models whose rows the row-independence analysis
-            proves apart are merged (or with ``Batching(rows_independent=True)``, the caller's
-            word). ``"auto"``: on wherever the analysis proves the model batchable, else off.
-            ``None`` (default): as ``"auto"`` where the provider runs one ``Run`` at a time,
-            else off. :attr:`batching_reason` says which and why.
+            (see :class:`~sharedml.Batching` and ``docs/batching.md``), one meaning per
+            spelling: ``"auto"``: wherever the row-independence analysis proves the model
+            batchable, else off; ``True``: the defaults, or ``NotBatchableError``; a
+            ``Batching``: its settings; ``False``: never. Left out: ``"auto"`` where the
+            provider runs one ``Run`` at a time, else ``False``. ``None`` is deprecated (it
+            meant "left out"). :attr:`batching_reason` says which and why. Only models whose
+            rows the analysis proves apart are merged (or with
+            ``Batching(rows_independent=True)``, the caller's word).
         per_session_state: Say that each caller needs a session of its own (state kept in the
             session, CUDA or DML graph capture): no warning for extra sessions where runs are
             serialized.
@@ -365,7 +374,7 @@ class SessionPool:
         configure: Callable[[Any], None] | None = None,
         mechanism: str = "auto",
         prepacking: str | bool | None = "auto",
-        batching: bool | Batching | str | None = None,
+        batching: BatchingSetting | BatchingDefault | None = BatchingDefault.BY_PROVIDER,
         per_session_state: bool = False,
         create_in_background: bool = True,
         cache_dir: CacheDir = None,
@@ -402,8 +411,19 @@ class SessionPool:
             raise ValueError(f"min_sessions ({self._min}) is more than max_sessions ({self._max}).")
         if serialized and self._max > 1 and not per_session_state:
             self._warn_serialized_sessions()
-        auto = batching == "auto"
-        wanted = None if auto else Batching.parse(batching)
+        if batching is None:
+            warnings.warn(
+                "SessionPool(batching=None) is deprecated and will be refused in a future "
+                "release: leave batching out for the default ('auto' where the provider runs one "
+                "Run at a time, else False), or write 'auto', True, False or a sharedml.Batching.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            batching = BatchingDefault.BY_PROVIDER
+        by_default = batching is BatchingDefault.BY_PROVIDER
+        setting = ("auto" if serialized else None) if by_default else Batching.parse(batching)
+        auto = setting == "auto"
+        wanted = setting if isinstance(setting, Batching) else None
 
         self._run_lock: FairLock | None = run_lock_for(self.plan) if serialized else None
         graphs = cuda_graphs_enabled(self.plan.primary, self.plan.provider_options[0])
@@ -427,12 +447,12 @@ class SessionPool:
         chosen: Batching | None = None
         self._signature: Signature | None = None
         reason = "batching was not asked for (batching=False)"
-        if batching is None and not serialized:
+        if by_default and not serialized:
             reason = (
                 "batching is on by default only where the provider runs one Run at a time; "
                 "pass batching=True to merge requests"
             )
-        if wanted is not None or auto or (batching is None and serialized):
+        if wanted is not None or auto:
             asked = wanted or Batching()
             try:
                 self._signature = signature_of(

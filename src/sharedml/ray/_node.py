@@ -32,11 +32,11 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from sharedml._host import filesystem_type, is_remote_filesystem
 from sharedml.cache._cache import CacheDir, cache_dir, held_lock, kind_folder
-from sharedml.pool._batching import Batching
+from sharedml.pool._batching import BatchingSetting
 from sharedml.pool._pool import DEFAULT_SESSIONS, SessionPool
 from sharedml.prepared._prepare import (
     prepared_model_for,
@@ -53,11 +53,6 @@ __all__ = [
 ]
 
 _BUILT_KINDS = ("models", "prepacked")  # the cache entries a pool may build on first use
-
-BatchingSetting = bool | Batching | Literal["auto"]
-"""``"auto"``: on wherever the row-independence analysis proves the model batchable (the
-pool's ``batching="auto"``: ``pool.batching_reason`` says why not); else as
-``SessionPool(batching=...)``."""
 
 
 @dataclasses.dataclass(frozen=True)
