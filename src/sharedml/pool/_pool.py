@@ -189,6 +189,60 @@ def _timeout_argument(timeout_s: object) -> float | None:
     return float(timeout_s)
 
 
+def _decide_batching(
+    wanted: Batching | None,
+    *,
+    auto: bool,
+    by_default: bool,
+    serialized: bool,
+    model_path: Path,
+    name: str,
+) -> tuple[Batching | None, Signature | None, str]:
+    """Whether a pool merges requests: its settings, the model's signature, and why.
+
+    Args:
+        wanted: The settings asked for (``True`` or a ``Batching``); None: not asked for.
+        auto: ``"auto"``: merge if the analysis proves the model batchable, else say why not.
+        by_default: ``batching`` was left out.
+        serialized: The provider runs one ``Run`` at a time.
+        model_path: The prepared model, whose graph the analysis reads.
+        name: How messages name the model.
+
+    Raises:
+        NotBatchableError: settings were asked for and the model cannot be proven batchable.
+    """
+    reason = "batching was not asked for (batching=False)"
+    if by_default and not serialized:
+        reason = (
+            "batching is on by default only where the provider runs one Run at a time; "
+            "pass batching=True to merge requests"
+        )
+    if wanted is None and not auto:
+        return None, None, reason
+    asked = wanted or Batching()
+    try:
+        signature = signature_of(
+            load_graph(model_path),
+            name=name,
+            rows_independent=asked.rows_independent,
+            max_rows=asked.max_batch_size,
+        )
+    except NotBatchableError as exc:
+        if wanted is not None:
+            raise  # asked for: say why not; by default: run unbatched, and say why
+        reason = f"not merging requests: {exc}"
+        _log.info("sharedml: %s", reason)
+        return None, None, reason
+    reason = (
+        "merging requests: the caller said each output row depends only on its own input row "
+        "(Batching(rows_independent=True))"
+        if asked.rows_independent
+        else "merging requests: the row-independence analysis proved that every output row "
+        "depends only on its own input row"
+    )
+    return asked, signature, reason
+
+
 class _Sessions:
     """How the pool's sessions are made, run and let go: the scheduler's session source.
 
@@ -444,36 +498,14 @@ class SessionPool:
             verify_weights=verify_weights,
             size_threshold_bytes=size_threshold_bytes,
         )
-        chosen: Batching | None = None
-        self._signature: Signature | None = None
-        reason = "batching was not asked for (batching=False)"
-        if by_default and not serialized:
-            reason = (
-                "batching is on by default only where the provider runs one Run at a time; "
-                "pass batching=True to merge requests"
-            )
-        if wanted is not None or auto:
-            asked = wanted or Batching()
-            try:
-                self._signature = signature_of(
-                    load_graph(self.recipe.model_path),
-                    name=f"model '{self.source_path}'",
-                    rows_independent=asked.rows_independent,
-                    max_rows=asked.max_batch_size,
-                )
-                chosen = asked
-                reason = (
-                    "merging requests: the caller said each output row depends only on its own "
-                    "input row (Batching(rows_independent=True))"
-                    if asked.rows_independent
-                    else "merging requests: the row-independence analysis proved that every "
-                    "output row depends only on its own input row"
-                )
-            except NotBatchableError as exc:
-                if wanted is not None:
-                    raise  # asked for: say why not; by default: run unbatched, and say why
-                reason = f"not merging requests: {exc}"
-                _log.info("sharedml: %s", reason)
+        chosen, self._signature, reason = _decide_batching(
+            wanted,
+            auto=auto,
+            by_default=by_default,
+            serialized=serialized,
+            model_path=self.recipe.model_path,
+            name=f"model '{self.source_path}'",
+        )
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
         self._sessions = _Sessions(
             self.recipe,

@@ -766,29 +766,13 @@ class Scheduler:
     def stats(self) -> PoolStats:
         """A snapshot of the counters (``SessionPool.stats``)."""
         with self.cond:
-            c = self.counters
             return PoolStats(
                 sessions=len(self._idle) + self._busy,
                 busy=self._busy,
                 waiting=len(self._queue),
                 max_sessions=self._max,
-                runs=c.runs,
-                failed_runs=c.failed_runs,
-                waits=c.waits,
-                wait_seconds=c.wait_seconds,
-                created=c.created,
-                replaced=c.replaced,
-                create_seconds=c.create_seconds,
-                creation_failures=c.creation_failures,
-                batches=c.batches,
-                batched_rows=c.batched_rows,
-                max_batch_rows=c.max_batch_rows,
-                padded_rows=c.padded_rows,
-                fill_wait_seconds=c.fill_wait_seconds,
-                run_seconds=c.run_seconds,
                 batching=self.batching is not None,
-                batch_checks=c.batch_checks,
-                batch_mismatches=c.batch_mismatches,
+                **self.counters.published(),
             )
 
     def close(self, timeout_s: float | None, *, deadline: float | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 __all__ = ["Counters", "PoolStats"]
 
@@ -32,6 +33,14 @@ class Counters:
     batch_checks: int = 0
     batch_mismatches: int = 0
     split_failures: int = 0
+
+    def published(self) -> dict[str, Any]:
+        """The counters that :class:`PoolStats` shows, by field name."""
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name in _PUBLISHED
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,3 +109,6 @@ class PoolStats:
     def mean_batch_rows(self) -> float:
         """Rows per batch, on average (0 without batching)."""
         return self.batched_rows / self.batches if self.batches else 0.0
+
+
+_PUBLISHED = frozenset(field.name for field in dataclasses.fields(PoolStats))
