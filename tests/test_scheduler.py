@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from _waiting import DEADLINE_S, wait_until
 
-from sharedml import Batching, InvalidInputError, PoolClosedError
+from sharedml import Batching, InvalidInputError, PoolClosedError, SessionCreationError
 from sharedml.pool._batching import Request
+from sharedml.pool._creation import create_with_retries
 from sharedml.pool._scheduler import Scheduler
 
 POISON = -1.0  # a row holding this fails any run it is in, as a bad input would
@@ -257,3 +258,54 @@ def test_a_leader_interrupted_in_its_run_fails_its_followers_and_returns_the_ses
     assert (stats.busy, stats.sessions, stats.failed_runs) == (0, 1, 3)
     source.interrupt_merged = False
     np.testing.assert_array_equal(scheduler.run(request(rows(1, 5)))[0], rows(1, 5) * 2.0 + 1.0)
+
+
+class FlakySessions(FakeSessions):
+    """Sessions whose creation fails ``failures`` times first."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def create(self) -> Any:
+        with self.lock:
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("injected creation failure")
+        return super().create()
+
+
+def test_a_failed_creation_gives_its_slot_back() -> None:
+    source = FlakySessions(failures=1)
+    scheduler = Scheduler(source, max_sessions=1)
+    with pytest.raises(RuntimeError, match="injected"):
+        scheduler.run(request(rows(1, 0)))
+    stats = scheduler.stats()
+    assert (stats.sessions, stats.busy, stats.failed_runs) == (0, 0, 0)
+    session = scheduler.checkout(timeout_s=DEADLINE_S)  # the slot came back: created now
+    scheduler.checkin(session)
+    assert scheduler.stats().created == 1
+    scheduler.close(None, deadline=None)
+
+
+def test_background_creation_retries_and_tells_the_waiting_caller_of_a_failure() -> None:
+    source = FlakySessions(failures=2)
+    scheduler = Scheduler(source, max_sessions=1)
+    scheduler.add_sessions([], reserved=1)  # the one session is on its way
+    _, outcomes = start([lambda: scheduler.checkout(None)])
+    wait_until(lambda: scheduler.stats().waiting == 1, what="the caller to queue")
+    create_with_retries(
+        1,
+        create=scheduler.create_session,
+        created=scheduler.add_session,
+        failed=lambda error, final: scheduler.creation_failed(error),
+        finished=scheduler.unreserve,
+        stopping=threading.Event(),
+    )
+    wait_until(lambda: 0 in outcomes, what="the caller to hear")
+    assert isinstance(outcomes[0], SessionCreationError)
+    assert "injected creation failure" in str(outcomes[0])
+    stats = scheduler.stats()
+    assert (stats.creation_failures, stats.created, stats.sessions) == (2, 1, 1)
+    scheduler.checkin(scheduler.checkout(timeout_s=DEADLINE_S))  # the retry's session serves
+    scheduler.close(None, deadline=None)
