@@ -521,8 +521,9 @@ def test_unserialized_creation_creates_the_first_sessions_in_parallel(
     with sharedml.SessionPool(model, sessions=4, serialize_creation=False) as pool:
         assert counting.peak == 2 and counting.calls == 4
         assert pool.stats().sessions == 4 and pool.stats().created == 4
-        sessions = [pool._idle[i] for i in range(4)]
-        assert len({id(s) for s in sessions}) == 4
+        with contextlib.ExitStack() as held:
+            sessions = [held.enter_context(pool.session()) for _ in range(4)]
+            assert len({id(s) for s in sessions}) == 4
         assert_allclose_to_plain(pool, model)
 
 

@@ -25,6 +25,10 @@ MODULES = {
         "WeightStore", "TensorSlot", "zero_copy_mechanisms", "DeviceWeightStore", "HostWeights",
         "device_mechanism_available",
     },
+    "sharedml.pool": {
+        "SessionPool", "PoolStats", "Batching", "BatchingDefault", "BatchingSetting",
+        "DEFAULT_SESSIONS",
+    },
     "sharedml.route": {"SessionRecipe", "Mechanism", "Prepacking"},
     "sharedml.runtime": {"ProviderPlan", "ProviderSpec"},
     "sharedml.prepared": {

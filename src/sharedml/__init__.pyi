@@ -5,6 +5,7 @@ Integrators and plug-in authors import the public modules named at the end.
 
 from sharedml import cache as cache
 from sharedml import measure as measure
+from sharedml import pool as pool
 from sharedml import prepared as prepared
 from sharedml import route as route
 from sharedml import runtime as runtime
@@ -75,8 +76,8 @@ from sharedml.inspection._inspect import InspectReport as InspectReport
 from sharedml.inspection._inspect import inspect as inspect
 from sharedml.model._inputs import InputSpec as InputSpec
 from sharedml.pool._batching import Batching as Batching
-from sharedml.pool._pool import PoolStats as PoolStats
 from sharedml.pool._pool import SessionPool as SessionPool
+from sharedml.pool._stats import PoolStats as PoolStats
 from sharedml.prepared._family import FamilyResult as FamilyResult
 from sharedml.prepared._family import prepare_family as prepare_family
 from sharedml.prepared._prepare import PrepareResult as PrepareResult

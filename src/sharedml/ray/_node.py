@@ -32,13 +32,13 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from sharedml._host import filesystem_type, is_remote_filesystem
 from sharedml.cache._locks import held_lock
 from sharedml.cache._root import Cache, CacheDir
-from sharedml.pool._batching import Batching
-from sharedml.pool._pool import _DEFAULT_SESSIONS, SessionPool
+from sharedml.pool._batching import BatchingSetting
+from sharedml.pool._pool import DEFAULT_SESSIONS, SessionPool
 from sharedml.prepared._prepare import (
     prepared_model_for,
     prepared_model_from_bytes,
@@ -54,11 +54,6 @@ __all__ = [
 ]
 
 _BUILT_KINDS = ("models", "prepacked")  # the cache entries a pool may build on first use
-
-BatchingSetting = bool | Batching | Literal["auto"]
-"""``"auto"``: on wherever the row-independence analysis proves the model batchable (the
-pool's ``batching="auto"``: ``pool.batching_reason`` says why not); else as
-``SessionPool(batching=...)``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +320,7 @@ def create_pool(
     ) as turn:
         share = cpus if cpus is not None else _replica_cpus()
         if "sess_options" not in pool_options and share is not None:
-            count = pool_options.get("max_sessions") or sessions or _DEFAULT_SESSIONS
+            count = pool_options.get("max_sessions") or sessions or DEFAULT_SESSIONS
             pool_options["sess_options"] = _session_options(count, share)
         pool = SessionPool(
             turn.path,
