@@ -446,12 +446,23 @@ def test_session_options_template_is_applied_not_modified(model: Path) -> None:
         template.get_session_config_entry("session.disable_prepacking")
 
 
+@pytest.mark.parametrize(("old", "new"), [(True, "per-session"), (False, "off"), (None, "auto")])
+def test_a_boolean_prepacking_still_works_for_a_release_and_says_what_to_write(
+    model: Path, old: bool | None, new: str
+) -> None:
+    with pytest.warns(DeprecationWarning, match=f"prepacking='{new}'") as caught:
+        pool = sharedml.SessionPool(model, sessions=1, prepacking=old)
+    with pool:
+        assert pool.recipe.prepacking == new
+    assert caught[0].filename == __file__  # the warning names the caller's line
+
+
 def test_prepacking_can_be_turned_on(model: Path) -> None:
     seen: list[str] = []
     with sharedml.SessionPool(
         model,
         sessions=1,
-        prepacking=True,
+        prepacking="per-session",
         configure=lambda so: seen.append(so.get_session_config_entry("session.disable_prepacking")),
     ) as pool:
         np.testing.assert_allclose(

@@ -370,13 +370,14 @@ class SessionPool:
             ``"device"``, ``"in-memory-file"``, ``"add-initializer"``, ``"ort-mmap"``.
         prepacking: What to do with ORT's CPU weight prepacking (see
             :class:`~sharedml.Prepacking` and ``docs/cpu-prepacking.md``):
-            ``"auto"`` (default, also ``None``): on CPU, share the *packed* weights too, through
+            ``"auto"`` (default): on CPU, share the *packed* weights too, through
             ORT's saved prepacked model (built once, cached per ORT build and CPU), wherever ORT
             packs or derives any weight of the model; otherwise share the raw weights.
             ``"shared"``: the prepacked-file route, or an error if it cannot be built.
-            ``"off"`` (also ``False``): share raw weights, prepacking off (unpacked kernels).
-            ``"per-session"`` (also ``True``): ORT's own behaviour: each session packs a private
-            copy of every packed weight.
+            ``"off"``: share raw weights, prepacking off (unpacked kernels).
+            ``"per-session"``: ORT's own behaviour: each session packs a private copy of every
+            packed weight. ``None``, ``False`` and ``True`` (the same as ``"auto"``, ``"off"``
+            and ``"per-session"``) still work for one release, with a ``DeprecationWarning``.
         batching: Merge the requests that queue while every session is busy into one ``Run``
             (see :class:`~sharedml.Batching` and ``docs/batching.md``), one meaning per
             spelling: ``"auto"``: wherever the row-independence analysis proves the model

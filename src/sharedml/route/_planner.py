@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
-from sharedml._host import release_freed_heap, usable_cores
+from sharedml._host import release_freed_heap, usable_cores, warn_deprecated
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.prepared._prepare import prepared_model_for, prepared_model_from_bytes
 from sharedml.runtime._capabilities import capability
@@ -105,20 +105,28 @@ class Prepacking(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: object) -> Prepacking:
-        """``None``/``False``/``True`` mean ``auto``/``off``/``per-session``.
+        """One of the values, by its name (``"auto"``, ``"shared"``, ``"off"``, ``"per-session"``).
+
+        ``None``, ``False`` and ``True`` (``"auto"``, ``"off"`` and ``"per-session"``) are
+        accepted for one release with a ``DeprecationWarning``: ``True`` reads as "share the
+        packed weights" to a user of a sharing library, and means each session's private copy.
 
         Raises:
             ValueError: anything else that is not one of the values.
         """
         aliases: dict[object, Prepacking] = {None: cls.AUTO, False: cls.OFF, True: cls.PER_SESSION}
         if isinstance(value, bool) or value is None:
-            return aliases[value]
+            new = aliases[value]
+            warn_deprecated(
+                f"prepacking={value!r} is deprecated: write prepacking={new.value!r} (the same "
+                "meaning); the old spelling goes in the next release."
+            )
+            return new
         try:
             return cls(value)
         except ValueError:
             raise ValueError(
-                "prepacking must be 'auto', 'shared', 'off' or 'per-session' (or None, False, "
-                f"True), not {value!r}."
+                f"prepacking must be 'auto', 'shared', 'off' or 'per-session', not {value!r}."
             ) from None
 
 
