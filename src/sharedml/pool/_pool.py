@@ -88,6 +88,7 @@ from sharedml.pool._graphs import (
     ShapeSessions,
     cuda_graphs_enabled,
 )
+from sharedml.pool._relax import RELAXED_REASON, relaxed_recipe
 from sharedml.route._planner import Mechanism, SessionRecipe, plan_route
 from sharedml.runtime._providers import (
     DML,
@@ -632,8 +633,8 @@ class SessionPool:
         self._ready = threading.Event()  # every up-front session exists (or never will)
         self._stopping = threading.Event()  # close(): background creation stops
 
-        self.recipe: SessionRecipe = plan_route(
-            model,
+        route = functools.partial(  # again below for a graph served with its axis 0 relaxed
+            plan_route,
             plan=self.plan,
             max_sessions=self._max,
             sess_options=sess_options,
@@ -644,6 +645,7 @@ class SessionPool:
             verify_weights=verify_weights,
             size_threshold_bytes=size_threshold_bytes,
         )
+        self.recipe: SessionRecipe = route(model)
         self.batching: Batching | None = None
         self._signature: Signature | None = None
         self._batching_reason = "batching was not asked for (batching=False)"
@@ -655,19 +657,26 @@ class SessionPool:
         if wanted is not None or auto or (batching is None and serialized):
             chosen = wanted or Batching()
             try:
+                graph = load_graph(self.recipe.model_path)
                 self._signature = signature_of(
-                    load_graph(self.recipe.model_path),
+                    graph,
                     name=f"model '{self.source_path}'",
                     rows_independent=chosen.rows_independent,
                     max_rows=chosen.max_batch_size,
+                    relax=True,
                 )
+                if self._signature.relaxed is not None:
+                    self.recipe = relaxed_recipe(
+                        self.recipe, graph, self._signature.relaxed, route, cache_dir=cache_dir
+                    )
                 self.batching = chosen
                 self._batching_reason = (
                     "merging requests: the caller said each output row depends only on its own "
                     "input row (Batching(rows_independent=True))"
-                    if chosen.rows_independent
+                    if chosen.rows_independent and self._signature.relaxed is None
                     else "merging requests: the row-independence analysis proved that every "
                     "output row depends only on its own input row"
+                    + (RELAXED_REASON if self._signature.relaxed is not None else "")
                 )
             except NotBatchableError as exc:
                 if wanted is not None:
