@@ -31,12 +31,15 @@ import dataclasses
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sharedml._errors import InvalidInputError, NotBatchableError
 from sharedml.model import _proto
+
+if TYPE_CHECKING:
+    from sharedml.pool._rows import RowAnalysis
 
 __all__ = [
     "ADAPTIVE_DELAY_SHARE",
@@ -235,7 +238,7 @@ class Signature:
     inputs: Mapping[str, _Input]
     outputs: tuple[str, ...]
     convolutions: bool = False
-    relaxed: Any = None
+    relaxed: RowAnalysis | None = None
 
     def request(
         self,
@@ -394,7 +397,7 @@ def signature_of(
     initializers = {t.name for t in model.graph.initializer}
     inputs: dict[str, _Input] = {}
     bound = Batching.max_batch_size if max_rows is None else max_rows
-    relaxed = None
+    relaxed: RowAnalysis | None = None
     for value in model.graph.input:
         if value.name in initializers:
             continue  # IR < 4: an initializer listed as an input with a default
@@ -432,7 +435,7 @@ def signature_of(
     )
 
 
-def _relaxable(model: Any, name: str, input_name: str, shape: str, bound: int) -> Any:
+def _relaxable(model: Any, name: str, input_name: str, shape: str, bound: int) -> RowAnalysis:
     """The ``fixed_rows`` analysis of a model with input ``input_name`` fixed at 1 on axis 0.
 
     Raises:
