@@ -1120,6 +1120,7 @@ def relaxed_merged_vs_solo(
     """Every one-row request's rows of one relaxed run equal its run on the source model."""
     solo = [run(source, f) for f in feeds]
     merged = run(relaxed, {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
+    assert all(len(b) == len(feeds) for b in merged), [b.shape for b in merged]
     for row, outs in enumerate(solo):
         for a, b in zip(outs, merged, strict=True):
             np.testing.assert_allclose(b[row : row + 1], a, rtol=1e-4, atol=1e-5)
@@ -1157,7 +1158,8 @@ def test_value_info_on_the_rows_axis_is_relaxed_and_unproven_shapes_are_dropped(
         [
             helper.make_tensor_value_info("x", F, [1, "S", 4]),  # an input, as some exporters do
             helper.make_tensor_value_info("f", F, ["S", 4]),  # the rows folded with S
-            helper.make_tensor_value_info("s", I64, [3]),  # a shape: no rows
+            helper.make_tensor_value_info("s", I64, [3]),  # Shape(x): sized by the rows
+            helper.make_tensor_value_info("flat", I64, [2]),  # static
             helper.make_tensor_value_info("nowhere", F, [1, 4]),  # no value of the graph
         ]
     )
@@ -1166,8 +1168,8 @@ def test_value_info_on_the_rows_axis_is_relaxed_and_unproven_shapes_are_dropped(
     declared = {v.name: v.type.tensor_type.shape.dim for v in relaxed.graph.value_info}
     assert declared["x"][0].dim_param == ROWS_DIM
     assert not declared["f"][0].HasField("dim_value") and not declared["f"][0].dim_param
-    assert declared["s"][0].dim_value == 3
-    assert "nowhere" not in declared
+    assert declared["flat"][0].dim_value == 2
+    assert "s" not in declared and "nowhere" not in declared
     relaxed_merged_vs_solo(source, relaxed, one_row_feeds(_seq_feeds()))
 
 
@@ -1258,7 +1260,31 @@ def _fixed_unused_reshape() -> ModelProto:
     )
 
 
+def _fixed_shape_declared_for_a_count() -> ModelProto:
+    # A value sized by the row count that no rule follows (a window of N entries), declared
+    # [1] as traced at one row: Tile by its shape repeats the rows N times, not once.
+    m = model(
+        [
+            helper.make_node("Shape", ["x"], ["sh"]),
+            helper.make_node("Gather", ["sh", "zero"], ["n"], axis=0),
+            helper.make_node("HannWindow", ["n"], ["w"]),
+            helper.make_node("Shape", ["w"], ["ws"]),
+            helper.make_node("Concat", ["ws", "one"], ["reps"], axis=0),
+            helper.make_node("Tile", ["x", "reps"], ["y"], name="tile_by_count"),
+        ],
+        [("x", F, [1, 4])],
+        [("y", F, [1, 4])],
+        [ints("zero", 0), ints("one", [1])],
+    )
+    m.graph.value_info.append(helper.make_tensor_value_info("w", F, [1]))
+    return m
+
+
 PINNED = {
+    "a declared shape traced at one row, of a value sized by the row count": (
+        _fixed_shape_declared_for_a_count,
+        r"'tile_by_count' \(Tile\)",
+    ),
     "an unused Reshape traced at one row": (_fixed_unused_reshape, r"'left_over' \(Reshape\)"),
     "Reshape to [1, -1]": (_fixed_flatten_to_one, r"'flatten_to_one' \(Reshape\).*literal 1"),
     "Reshape to a shape traced at one row": (

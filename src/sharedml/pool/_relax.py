@@ -10,7 +10,7 @@ to 1 on the rows' axis, ...), the pool serves it from a copy of its *prepared* g
 axis is a symbolic dim instead (:func:`relaxed_graph`): the graph's inputs and outputs, and the
 ``value_info`` of every value that holds the rows. Values declared with the rows folded into
 another size lose that dim (ONNX Runtime infers it again); declared shapes of values the
-analysis did not reach are dropped.
+analysis did not reach, or that depend on the row count, are dropped.
 
 The relaxed graph is a ``models`` cache entry of its own (:func:`relaxed_model_for`), keyed by
 the prepared graph's bytes, whose weights files are hard links to the prepared model's: the
@@ -93,8 +93,10 @@ def relaxed_graph(model: ModelProto, analysis: RowAnalysis) -> ModelProto:
         kept = []
         for value in graph.value_info:
             fact = facts.get(value.name)
-            if fact is None or fact.kind is Kind.MIXED:
-                continue  # not proven: ONNX Runtime infers its shape itself
+            if fact is None or fact.kind in (Kind.MIXED, Kind.SIZED):
+                # Not proven, or sized by the row count (declared as traced at one row):
+                # ONNX Runtime infers its shape itself.
+                continue
             if fact.rows:
                 _relax_value(value, fact)
             kept.append(value)

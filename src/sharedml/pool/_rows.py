@@ -2636,7 +2636,13 @@ class RowAnalysis:
                     ins.append(scope.get(name) or self._unknown(name, where))
             for name, fact in zip(node.output, self._node(node, ins, where, scope), strict=False):
                 if name:
-                    if fact.shape is None and fact.plain and name in self._declared:
+                    if (
+                        fact.shape is None
+                        and fact.plain
+                        and name in self._declared
+                        # traced at one row: a shape sized by the row count reads 1 there
+                        and not (self.fixed_rows and fact.kind is Kind.SIZED)
+                    ):
                         fact = dataclasses.replace(fact, shape=self._declared[name])
                     scope[name] = fact
                     self.facts[name] = fact
