@@ -235,7 +235,13 @@ def test_a_merged_run_that_fails_is_rerun_one_by_one_so_only_the_culprit_fails(
 @pytest.mark.parametrize(
     ("inputs", "outputs", "nodes", "match"),
     [
-        ([("x", [1, 4])], [("y", ["n", 4])], [("Relu", ["x"], ["y"])], "Input 'x'.*fixed at 1"),
+        ([("x", [2, 4])], [("y", ["n", 4])], [("Relu", ["x"], ["y"])], "Input 'x'.*fixed at 2"),
+        (
+            [("x", [1, 4])],
+            [("y", [4])],
+            [("Squeeze", ["x"], ["y"])],  # every size-1 axis: the rows' too, at one row
+            r"Input 'x'.*fixed at 1 on axis 0.*\(Squeeze\).*squeezes every size-1 axis",
+        ),
         (
             [("x", ["n", 4])],
             [("y", ["n", 4])],
@@ -845,3 +851,110 @@ def test_auto_merges_wherever_the_model_is_proven_batchable(model: Path) -> None
     with sharedml.SessionPool(model, sessions=1, batching="auto") as pool:
         assert pool.batching == sharedml.Batching()
         assert "row-independence analysis proved" in pool.batching_reason
+
+
+# ----------------------------------------------------------------------------------------------
+# Models exported with axis 0 fixed at 1
+
+
+def fixed_at_one(source: Path, path: Path) -> Path:
+    """A copy of the model at ``source`` with axis 0 of its inputs and outputs fixed at 1."""
+    import onnx
+
+    model = onnx.load(source)
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.shape.dim[0].Clear()
+        value.type.tensor_type.shape.dim[0].dim_value = 1
+    return save_model(model, path)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+@pytest.mark.parametrize("batching", [True, "auto"])
+def test_a_model_fixed_at_one_row_is_served_batched_and_merged_rows_equal_solo_runs(
+    tmp_path: Path, kind: str, batching: Any
+) -> None:
+    from _models import conv_model
+
+    if kind == "mlp":
+        dynamic = batchable_model(tmp_path / "d.onnx", dim=DIM, extra_input=True)
+        feeds = [{k: v[:1] for k, v in feed(1, seed).items()} for seed in range(4)]
+    else:
+        dynamic = conv_model(tmp_path / "d.onnx")
+        rng = np.random.default_rng(0)
+        feeds = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(4)]
+    path = fixed_at_one(dynamic, tmp_path / "fixed.onnx")
+    before = _sha256(path)
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with sharedml.SessionPool(path, sessions=1, batching=batching) as pool:
+        assert pool.batching is not None
+        assert "relaxed" in pool.batching_reason and "fixes axis 0 at 1" in pool.batching_reason
+        assert pool.source_path == path and pool.model_path.parent != path.parent
+        outs = queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, f) for f in feeds])
+        stats = pool.stats()
+        with pytest.raises(sharedml.InvalidInputError, match="must have 1 on axis 0"):
+            pool.run(None, {k: np.concatenate([v, v]) for k, v in feeds[0].items()})
+    assert stats.batches == 1 and stats.max_batch_rows == 4
+    assert stats.batch_checks == 1 and stats.batch_mismatches == 0  # the pool's own check
+    for f, out in zip(feeds, outs, strict=True):
+        np.testing.assert_allclose(out[0], plain.run(None, f)[0], rtol=1e-5, atol=1e-6)
+    assert _sha256(path) == before  # the model as given is never written
+
+
+def _pinned_model(path: Path) -> Path:
+    """x: [1, 4] -> Reshape to [1, -1] (named 'to_one_row') -> y: [1, 4]."""
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "s"], ["y"], name="to_one_row")],
+        "pinned",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        initializer=[numpy_helper.from_array(np.array([1, -1], np.int64), "s")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    return save_model(model, path)
+
+
+def test_a_fixed_model_whose_reshape_ties_axis_0_to_one_runs_unbatched_saying_which_node(
+    tmp_path: Path,
+) -> None:
+    path = _pinned_model(tmp_path / "pinned.onnx")
+    with sharedml.SessionPool(path, sessions=1, batching="auto") as pool:
+        assert pool.batching is None
+        assert "'to_one_row' (Reshape)" in pool.batching_reason
+        assert "fixed at 1 on axis 0" in pool.batching_reason
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        np.testing.assert_array_equal(pool.run(None, {"x": x})[0], x)
+    with pytest.raises(sharedml.NotBatchableError, match=r"'to_one_row' \(Reshape\)"):
+        sharedml.SessionPool(path, sessions=1, batching=True)
+
+
+def test_a_fixed_model_whose_weights_cannot_be_linked_into_the_cache_runs_unbatched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    path = fixed_at_one(batchable_model(tmp_path / "d.onnx", dim=DIM), tmp_path / "f.onnx")
+
+    def no_links(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)  # the cache on another file system
+    with sharedml.SessionPool(path, sessions=1, batching="auto") as pool:
+        assert pool.batching is None
+        assert "cannot be hard-linked into the cache" in pool.batching_reason
+        x = np.ones((1, DIM), np.float32)
+        np.testing.assert_allclose(
+            pool.run(None, {"x": x})[0], run_plain(path, {"x": x}), rtol=1e-5, atol=1e-6
+        )
+
+
+def run_plain(path: Path, feed: dict[str, np.ndarray]) -> np.ndarray:
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, feed)[0]

@@ -7,6 +7,7 @@ everything), and an accepted one to give every caller its solo outputs when merg
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -888,8 +889,13 @@ _STEPS = (
 
 
 @st.composite
-def random_graphs(draw: st.DrawFn) -> ModelProto:
-    """A chain of 1-4 random ops over x: float[N, 3, 4], some of them mixing rows."""
+def random_graphs(draw: st.DrawFn, traced: bool = False) -> ModelProto:
+    """A chain of 1-4 random ops over x: float[N, 3, 4], some of them mixing rows.
+
+    ``traced``: x is declared [1, 3, 4], as an export traced at one row writes it, and steps
+    may use constants traced there (a 1 where the rows are, in a Reshape's shape or an
+    Expand's, joined to the rows).
+    """
     shape: list[Any] = ["N", 3, 4]
     nodes: list[Any] = []
     inits: list[TensorProto] = []
@@ -899,7 +905,7 @@ def random_graphs(draw: st.DrawFn) -> ModelProto:
         rank = len(shape)
         if rank == 0:
             break
-        kind = draw(st.sampled_from(_STEPS))
+        kind = draw(st.sampled_from(_STEPS + (_FIXED_STEPS if traced else ())))
         out = f"t{step}"
         c = f"c{step}"
         axis = draw(st.integers(0, rank - 1))
@@ -944,6 +950,8 @@ def random_graphs(draw: st.DrawFn) -> ModelProto:
             options = [[-1], [0, -1], [-1, total], [total, -1]]
             if rank >= 2:
                 options.append([*([0] * (rank - 1)), -1])
+            if traced:
+                options += [[1, -1], [1, total], [-1, 1, total]]  # traced at one row
             target = draw(st.sampled_from(options))
             inits.append(ints(c, target))
             nodes.append(helper.make_node("Reshape", [cur, c], [out]))
@@ -981,6 +989,16 @@ def random_graphs(draw: st.DrawFn) -> ModelProto:
             inits.append(ints(c, [0]))
             nodes.append(helper.make_node("Gather", [cur, c], [out], axis=axis))
             shape = [1 if k == axis else d for k, d in enumerate(shape)]
+        elif kind == "joined":
+            # Expand(ones, its shape traced at one row) joined to the rows on some axis.
+            traced = [1 if d == "N" else d for d in shape]
+            inits += [const(c, np.ones([1] * rank)), ints(f"{c}s", traced)]
+            nodes += [
+                helper.make_node("Expand", [c, f"{c}s"], [f"{c}e"]),
+                helper.make_node("Concat", [cur, f"{c}e"], [out], axis=axis),
+            ]
+            if shape[axis] != "N":
+                shape = [2 * d if k == axis else d for k, d in enumerate(shape)]
         elif kind == "lpnorm":
             nodes.append(helper.make_node("LpNormalization", [cur], [out], axis=axis))
         elif kind == "argmax":
@@ -1012,7 +1030,10 @@ def random_graphs(draw: st.DrawFn) -> ModelProto:
             ]
         cur = out
     nodes.append(helper.make_node("Identity", [cur], ["y"]))
-    return model(nodes, [("x", F, ["N", 3, 4])], Y, inits)
+    return model(nodes, [("x", F, [1 if traced else "N", 3, 4])], Y, inits)
+
+
+_FIXED_STEPS = ("joined", "reshape", "reshape")
 
 
 @settings(
@@ -1055,3 +1076,279 @@ def test_the_docs_hold_the_rule_table_as_the_code_has_it() -> None:
         sys.path.remove(str(root))
     doc = DOCS.read_text()
     assert f"{BEGIN}\n{table()}{END}" in doc, "run: python tools/batching_rules.py --write"
+
+
+# ----------------------------------------------------------------------------------------------
+# Models exported with axis 0 fixed at 1: relaxed where no constant ties the rows to one
+
+from sharedml.pool._relax import ROWS_DIM, relaxed_graph  # noqa: E402
+
+
+def fixed_at_one(m: ModelProto) -> ModelProto:
+    """``m`` as an exporter tracing one row writes it: axis 0 of its inputs and outputs is 1."""
+    out = ModelProto()
+    out.CopyFrom(m)
+    for value in (*out.graph.input, *out.graph.output):
+        if value.type.tensor_type.HasField("shape") and value.type.tensor_type.shape.dim:
+            value.type.tensor_type.shape.dim[0].Clear()
+            value.type.tensor_type.shape.dim[0].dim_value = 1
+    return out
+
+
+def relaxed_or_why(m: ModelProto) -> tuple[ModelProto | None, str | None]:
+    """The relaxed graph of a fixed-1 model, or the refusal's message."""
+    try:
+        sig = signature_of(m, name="m", relax=True)
+    except sharedml.NotBatchableError as exc:
+        return None, str(exc)
+    assert sig.relaxed is not None
+    return relaxed_graph(m, sig.relaxed), None
+
+
+def one_row_feeds(feeds: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """Each request of ``feeds`` cut into requests of one row (what a fixed-1 model takes)."""
+    return [
+        {k: v[r : r + 1] for k, v in f.items()}
+        for f in feeds
+        for r in range(len(next(iter(f.values()))))
+    ]
+
+
+def relaxed_merged_vs_solo(
+    source: ModelProto, relaxed: ModelProto, feeds: Sequence[dict[str, np.ndarray]]
+) -> None:
+    """Every one-row request's rows of one relaxed run equal its run on the source model."""
+    solo = [run(source, f) for f in feeds]
+    merged = run(relaxed, {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
+    assert all(len(b) == len(feeds) for b in merged), [b.shape for b in merged]
+    for row, outs in enumerate(solo):
+        for a, b in zip(outs, merged, strict=True):
+            np.testing.assert_allclose(b[row : row + 1], a, rtol=1e-4, atol=1e-5)
+
+
+FIXED_ONE_NORMAL = {
+    "MLP": (_mlp, x_feeds(rows=(1, 3, 2))),
+    "CNN with BatchNorm (inference)": NORMAL["CNN with BatchNorm (inference)"],
+    "transformer encoder with an attention mask": (_encoder, _encoder_feeds()),
+    "rows folded into [N*S, H] and back": (_folded_rows, _seq_feeds()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIXED_ONE_NORMAL))
+def test_a_model_fixed_at_one_row_is_relaxed_and_merged_rows_equal_its_solo_runs(
+    case: str,
+) -> None:
+    build, feeds = FIXED_ONE_NORMAL[case]
+    source = fixed_at_one(build())
+    with pytest.raises(sharedml.NotBatchableError, match="fixed at 1 on axis 0"):
+        signature_of(source, name="m")  # without relax: refused, as before
+    relaxed, why = relaxed_or_why(source)
+    assert relaxed is not None, why
+    for value in (*relaxed.graph.input, *relaxed.graph.output):
+        dims = value.type.tensor_type.shape.dim
+        assert not dims or dims[0].dim_param == ROWS_DIM
+    assert relaxed.graph.input[0].type.tensor_type.shape.dim[0].dim_param == ROWS_DIM
+    assert source.graph.input[0].type.tensor_type.shape.dim[0].dim_value == 1  # a copy
+    relaxed_merged_vs_solo(source, relaxed, one_row_feeds(feeds))
+
+
+def test_value_info_on_the_rows_axis_is_relaxed_and_unproven_shapes_are_dropped() -> None:
+    source = fixed_at_one(_folded_rows())
+    source.graph.value_info.extend(
+        [
+            helper.make_tensor_value_info("x", F, [1, "S", 4]),  # an input, as some exporters do
+            helper.make_tensor_value_info("f", F, ["S", 4]),  # the rows folded with S
+            helper.make_tensor_value_info("s", I64, [3]),  # Shape(x): sized by the rows
+            helper.make_tensor_value_info("flat", I64, [2]),  # static
+            helper.make_tensor_value_info("nowhere", F, [1, 4]),  # no value of the graph
+        ]
+    )
+    relaxed, why = relaxed_or_why(source)
+    assert relaxed is not None, why
+    declared = {v.name: v.type.tensor_type.shape.dim for v in relaxed.graph.value_info}
+    assert declared["x"][0].dim_param == ROWS_DIM
+    assert not declared["f"][0].HasField("dim_value") and not declared["f"][0].dim_param
+    assert declared["flat"][0].dim_value == 2
+    assert "s" not in declared and "nowhere" not in declared
+    relaxed_merged_vs_solo(source, relaxed, one_row_feeds(_seq_feeds()))
+
+
+def _fixed_flatten_to_one() -> ModelProto:
+    # Reshape(x, [1, -1]): at one row a flatten; with more, every row in one.
+    return model(
+        [
+            helper.make_node("Reshape", ["x", "s"], ["f"], name="flatten_to_one"),
+            helper.make_node("MatMul", ["f", "w"], ["y"]),
+        ],
+        [("x", F, [1, 2, 2])],
+        [("y", F, [1, 3])],
+        [ints("s", [1, -1]), weight("w", 4, 3)],
+    )
+
+
+def _fixed_reshape_of_a_traced_shape() -> ModelProto:
+    # An attention head split traced at one row: [1, S, H] -> [1, S, heads, dh].
+    return model(
+        [
+            helper.make_node("Reshape", ["x", "s"], ["h"], name="split_heads"),
+            helper.make_node("Transpose", ["h"], ["t"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", ["t", "back"], ["y"]),
+        ],
+        [("x", F, [1, 3, 4])],
+        [("y", F, [1, 3, 4])],
+        [ints("s", [1, 3, 2, 2]), ints("back", [1, 3, 4])],
+    )
+
+
+def _fixed_cls_token_expanded() -> ModelProto:
+    # A ViT's class token: Expand(cls, [1, 1, 4]) traced at one row, joined to the patches.
+    return model(
+        [
+            helper.make_node("Expand", ["cls", "cls_shape"], ["c"], name="expand_cls"),
+            helper.make_node("Concat", ["c", "x"], ["y"], axis=1, name="join_cls"),
+        ],
+        [("x", F, [1, 3, 4])],
+        [("y", F, [1, 4, 4])],
+        [const("cls", np.ones((1, 1, 4))), ints("cls_shape", [1, 1, 4])],
+    )
+
+
+def _fixed_constant_of_shape_joined() -> ModelProto:
+    # A padding column made by ConstantOfShape from a constant shape, joined to the rows.
+    return model(
+        [
+            helper.make_node("Concat", ["one", "three"], ["shape"], axis=0),
+            helper.make_node(
+                "ConstantOfShape", ["shape"], ["pad"], value=const("", [0.0]), name="pad_column"
+            ),
+            helper.make_node("Concat", ["x", "pad"], ["y"], axis=1),
+        ],
+        [("x", F, [1, 4])],
+        [("y", F, [1, 7])],
+        [ints("one", [1]), ints("three", [3])],
+    )
+
+
+def _fixed_first_row_sliced() -> ModelProto:
+    return model(
+        [helper.make_node("Slice", ["x", "z", "o", "z"], ["y"], name="first_row")],
+        [("x", F, [1, 4])],
+        [("y", F, [1, 4])],
+        [ints("z", [0]), ints("o", [1])],
+    )
+
+
+def _fixed_resized_to_sizes() -> ModelProto:
+    return model(
+        [helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode="nearest", name="up")],
+        [("x", F, [1, 2, 3, 3])],
+        [("y", F, [1, 2, 6, 6])],
+        [ints("sizes", [1, 2, 6, 6])],
+    )
+
+
+def _fixed_unused_reshape() -> ModelProto:
+    # A value no output needs: ORT runs its node all the same, and it fails for more rows.
+    return model(
+        [
+            helper.make_node("Relu", ["x"], ["y"]),
+            helper.make_node("Reshape", ["x", "s"], ["unused"], name="left_over"),
+        ],
+        [("x", F, [1, 4])],
+        [("y", F, [1, 4])],
+        [ints("s", [1, 4])],
+    )
+
+
+def _fixed_shape_declared_for_a_count() -> ModelProto:
+    # A value sized by the row count that no rule follows (a window of N entries), declared
+    # [1] as traced at one row: Tile by its shape repeats the rows N times, not once.
+    m = model(
+        [
+            helper.make_node("Shape", ["x"], ["sh"]),
+            helper.make_node("Gather", ["sh", "zero"], ["n"], axis=0),
+            helper.make_node("HannWindow", ["n"], ["w"]),
+            helper.make_node("Shape", ["w"], ["ws"]),
+            helper.make_node("Concat", ["ws", "one"], ["reps"], axis=0),
+            helper.make_node("Tile", ["x", "reps"], ["y"], name="tile_by_count"),
+        ],
+        [("x", F, [1, 4])],
+        [("y", F, [1, 4])],
+        [ints("zero", 0), ints("one", [1])],
+    )
+    m.graph.value_info.append(helper.make_tensor_value_info("w", F, [1]))
+    return m
+
+
+PINNED = {
+    "a declared shape traced at one row, of a value sized by the row count": (
+        _fixed_shape_declared_for_a_count,
+        r"'tile_by_count' \(Tile\)",
+    ),
+    "an unused Reshape traced at one row": (_fixed_unused_reshape, r"'left_over' \(Reshape\)"),
+    "Reshape to [1, -1]": (_fixed_flatten_to_one, r"'flatten_to_one' \(Reshape\).*literal 1"),
+    "Reshape to a shape traced at one row": (
+        _fixed_reshape_of_a_traced_shape,
+        r"'split_heads' \(Reshape\).*would not stay whole",
+    ),
+    "Expand to a constant shape, joined to the rows": (
+        _fixed_cls_token_expanded,
+        r"'expand_cls' \(Expand\).*constant shape \[1, 1, 4\].*'join_cls' \(Concat\)",
+    ),
+    "ConstantOfShape from a constant shape, joined to the rows": (
+        _fixed_constant_of_shape_joined,
+        r"'pad_column' \(ConstantOfShape\).*constant shape \[1, 3\]",
+    ),
+    "Slice of the first row": (_fixed_first_row_sliced, r"'first_row' \(Slice\)"),
+    "Resize to constant sizes": (_fixed_resized_to_sizes, r"'up' \(Resize\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PINNED))
+def test_a_fixed_model_whose_constants_tie_axis_0_to_one_is_refused_naming_the_node(
+    case: str,
+) -> None:
+    build, match = PINNED[case]
+    source = build()
+    relaxed, why = relaxed_or_why(source)
+    assert relaxed is None and why is not None
+    assert "Input 'x'" in why and "fixed at 1 on axis 0" in why
+    assert re.search(match, why), why
+    # And relaxing it anyway really breaks it: ORT fails, or a caller gets other values.
+    analysis = RowAnalysis(source, fixed_rows=True)
+    analysis.outputs()
+    forced = relaxed_graph(source, analysis)
+    rng = np.random.default_rng(0)
+    shape = [d.dim_value for d in source.graph.input[0].type.tensor_type.shape.dim]
+    feeds = [{"x": rng.standard_normal(shape).astype(np.float32) + k} for k in range(3)]
+    try:
+        relaxed_merged_vs_solo(source, forced, feeds)
+    except Exception:
+        return
+    pytest.fail("the refused model gave every caller its solo outputs when relaxed")
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
+@given(random_graphs(traced=True), st.integers(0, 2**16))
+def test_any_fixed_graph_the_analysis_relaxes_gives_every_caller_its_solo_outputs(
+    m: ModelProto, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    feeds = [
+        {"x": (rng.standard_normal((1, 3, 4)) * (k + 1) + k).astype(np.float32)} for k in range(3)
+    ]
+    try:
+        for f in feeds:
+            run(m, f)
+    except Exception:
+        assume(False)  # the generator built a graph ORT refuses at one row
+    relaxed, _why = relaxed_or_why(m)
+    if relaxed is None:
+        event("refused")
+        return
+    event("relaxed")
+    relaxed_merged_vs_solo(m, relaxed, feeds)

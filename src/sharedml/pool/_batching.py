@@ -33,12 +33,15 @@ import math
 import operator
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from sharedml._errors import InvalidInputError, NotBatchableError
 from sharedml.model import _proto
+
+if TYPE_CHECKING:
+    from sharedml.pool._rows import RowAnalysis
 
 __all__ = [
     "ADAPTIVE_DELAY_SHARE",
@@ -261,11 +264,15 @@ class Signature:
         outputs: Output names, in order.
         convolutions: Whether any graph of the model has a convolution (``CONVOLUTION_OPS``),
             which decides ``Batching.session_per_bucket``'s default.
+        relaxed: The analysis that proved a model with axis 0 fixed at 1 batchable with that
+            axis relaxed (:mod:`sharedml.pool._relax`), else None. Requests are still checked
+            against the model's own shapes (one row each).
     """
 
     inputs: Mapping[str, _Input]
     outputs: tuple[str, ...]
     convolutions: bool = False
+    relaxed: RowAnalysis | None = None
 
     def request(
         self,
@@ -392,7 +399,12 @@ class Request:
 
 
 def signature_of(
-    model: Any, *, name: str, rows_independent: bool = False, max_rows: int | None = None
+    model: Any,
+    *,
+    name: str,
+    rows_independent: bool = False,
+    max_rows: int | None = None,
+    relax: bool = False,
 ) -> Signature:
     """The batching signature of a model, or why it cannot be batched.
 
@@ -403,21 +415,32 @@ def signature_of(
             ``Batching.rows_independent``); inputs are still checked.
         max_rows: The most rows a merged run will hold (default: ``Batching``'s default
             ``max_batch_size``).
+        relax: Accept inputs whose axis 0 is fixed at 1 where the analysis proves that the
+            graph holds the rows apart with that axis relaxed (``Signature.relaxed``; the
+            caller then runs the relaxed graph). Needs the analysis: ``rows_independent``
+            does not skip it for such a model.
 
     Raises:
         NotBatchableError: an input whose axis 0 is fixed (or that is a scalar), or a node
-            that combines rows or that the analysis cannot prove keeps them apart.
+            that combines rows or that the analysis cannot prove keeps them apart (for an
+            input fixed at 1 with ``relax``: the node that ties axis 0 to 1).
     """
     from sharedml.model._graph import iter_graphs
     from sharedml.pool._rows import RowAnalysis
 
     initializers = {t.name for t in model.graph.initializer}
     inputs: dict[str, _Input] = {}
+    bound = Batching.max_batch_size if max_rows is None else max_rows
+    relaxed: RowAnalysis | None = None
     for value in model.graph.input:
         if value.name in initializers:
             continue  # IR < 4: an initializer listed as an input with a default
         type_text, dtype, dims = _value_info(value)
-        if dims is not None and (len(dims) == 0 or dims[0] is not None):
+        if relax and dims and dims[0] == 1 and relaxed is None:
+            relaxed = _relaxable(model, name, value.name, _shape_text(dims), bound)
+        if dims and dims[0] == 1 and relaxed is not None:
+            pass  # served relaxed; a request still holds one row
+        elif dims is not None and (len(dims) == 0 or dims[0] is not None):
             what = "a scalar" if len(dims) == 0 else f"fixed at {dims[0]} on axis 0"
             raise NotBatchableError(
                 f"Input '{value.name}' of {name} is {what} (shape {_shape_text(dims)}): batching "
@@ -425,11 +448,10 @@ def signature_of(
                 "(batching=False)."
             )
         inputs[value.name] = _Input(value.name, type_text, dtype, dims)
-    if not rows_independent:
+    if not rows_independent and relaxed is None:
         # The outputs' declared shapes are not trusted (exporters declare [] for unknown
         # shapes, and a declared [N, ...] proves nothing about the rows): the analysis derives
         # every output's layout from the inputs.
-        bound = Batching.max_batch_size if max_rows is None else max_rows
         refusal = RowAnalysis(model, max_rows=bound).refusal()
         if refusal is not None:
             raise NotBatchableError(
@@ -443,7 +465,34 @@ def signature_of(
         inputs,
         tuple(o.name for o in model.graph.output),
         convolutions=bool(op_types & CONVOLUTION_OPS),
+        relaxed=relaxed,
     )
+
+
+def _relaxable(model: Any, name: str, input_name: str, shape: str, bound: int) -> RowAnalysis:
+    """The ``fixed_rows`` analysis of a model with input ``input_name`` fixed at 1 on axis 0.
+
+    Raises:
+        NotBatchableError: naming the node that ties axis 0 to 1 (or that mixes rows).
+    """
+    from sharedml.pool._rows import Kind, RowAnalysis
+
+    analysis = RowAnalysis(model, max_rows=bound, fixed_rows=True)
+    refusal = analysis.refusal()
+    if refusal is None:
+        # ORT runs every node, used or not: one that fails for more rows fails the run.
+        refusal = next(
+            (f.refusal for f in analysis.facts.values() if f.kind is Kind.MIXED and f.refusal),
+            None,
+        )
+    if refusal is not None:
+        raise NotBatchableError(
+            f"Input '{input_name}' of {name} is fixed at 1 on axis 0 (shape {shape}), and "
+            f"serving it batched with that axis relaxed cannot be proven right: "
+            f"{refusal.describe()}. Run it without batching (batching=False), or export it "
+            "with a dynamic axis 0."
+        )
+    return analysis
 
 
 def bucket_for(rows: int, limit: int) -> int:

@@ -2,7 +2,7 @@
 
 The pool is the client side of the split: it owns the lifecycle of its sessions; how a session
 gets its weights is the route planner's (:mod:`sharedml.route._planner`), which hands the pool a
-:class:`~sharedml.SessionRecipe`; whether requests may merge is the batching module's
+:class:`~sharedml.route.SessionRecipe`; whether requests may merge is the batching module's
 (:mod:`sharedml.pool._batching`); who runs when, and which requests merge into one ``Run``, is
 the scheduler's (:mod:`sharedml.pool._scheduler`); creation and its retries are
 :mod:`sharedml.pool._creation`'s, the device's fair run lock :mod:`sharedml.pool._runlock`'s.
@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import math
 import operator
@@ -47,6 +48,7 @@ from sharedml._errors import (
 )
 from sharedml.cache._root import CacheDir
 from sharedml.model._graph import load_graph
+from sharedml.model._proto import ModelProto
 from sharedml.pool._batching import (
     Batching,
     BatchingDefault,
@@ -68,6 +70,7 @@ from sharedml.pool._graphs import (
     ShapeSessions,
     cuda_graphs_enabled,
 )
+from sharedml.pool._relax import RELAXED_REASON, relaxed_recipe
 from sharedml.pool._runlock import FairLock, SerializedSession, run_lock_for
 from sharedml.pool._scheduler import Scheduler, closed_error, is_session_fatal, run_error
 from sharedml.pool._stats import PoolStats
@@ -197,8 +200,11 @@ def _decide_batching(
     serialized: bool,
     model_path: Path,
     name: str,
-) -> tuple[Batching | None, Signature | None, str]:
-    """Whether a pool merges requests: its settings, the model's signature, and why.
+) -> tuple[Batching | None, Signature | None, str, ModelProto | None]:
+    """Whether a pool merges requests: its settings, the model's signature, why, and its graph.
+
+    A model that fixes axis 0 at 1 batches where the analysis proves that axis can be relaxed
+    (``signature.relaxed``): the caller then serves the graph relaxed (``pool/_relax``).
 
     Args:
         wanted: The settings asked for (``True`` or a ``Batching``); None: not asked for.
@@ -218,29 +224,32 @@ def _decide_batching(
             "pass batching=True to merge requests"
         )
     if wanted is None and not auto:
-        return None, None, reason
+        return None, None, reason, None
     asked = wanted or Batching()
+    graph = load_graph(model_path)
     try:
         signature = signature_of(
-            load_graph(model_path),
+            graph,
             name=name,
             rows_independent=asked.rows_independent,
             max_rows=asked.max_batch_size,
+            relax=True,
         )
     except NotBatchableError as exc:
         if wanted is not None:
             raise  # asked for: say why not; by default: run unbatched, and say why
         reason = f"not merging requests: {exc}"
         _log.info("sharedml: %s", reason)
-        return None, None, reason
+        return None, None, reason, None
+    relaxed = signature.relaxed is not None
     reason = (
         "merging requests: the caller said each output row depends only on its own input row "
         "(Batching(rows_independent=True))"
-        if asked.rows_independent
+        if asked.rows_independent and not relaxed
         else "merging requests: the row-independence analysis proved that every output row "
-        "depends only on its own input row"
+        "depends only on its own input row" + (RELAXED_REASON if relaxed else "")
     )
-    return asked, signature, reason
+    return asked, signature, reason, graph
 
 
 class _Sessions:
@@ -366,10 +375,10 @@ class SessionPool:
             that cannot be read back from a template (free-dimension overrides, custom ops).
         mechanism: How sessions get the shared weights: ``"auto"`` (the route planner picks:
             device buffers on a GPU provider where a route works, else the best zero-copy host
-            mechanism measured on the installed ORT) or a :class:`~sharedml.Mechanism` value:
+            mechanism measured on the installed ORT) or a :class:`~sharedml.route.Mechanism` value:
             ``"device"``, ``"in-memory-file"``, ``"add-initializer"``, ``"ort-mmap"``.
         prepacking: What to do with ORT's CPU weight prepacking (see
-            :class:`~sharedml.Prepacking` and ``docs/cpu-prepacking.md``):
+            :class:`~sharedml.route.Prepacking` and ``docs/cpu-prepacking.md``):
             ``"auto"`` (default): on CPU, share the *packed* weights too, through
             ORT's saved prepacked model (built once, cached per ORT build and CPU), wherever ORT
             packs or derives any weight of the model; otherwise share the raw weights.
@@ -488,8 +497,8 @@ class SessionPool:
         self._ready = threading.Event()  # every up-front session exists (or never will)
         self._stopping = threading.Event()  # close(): background creation stops
 
-        self.recipe: SessionRecipe = plan_route(
-            model,
+        route = functools.partial(  # again below for a graph served with its axis 0 relaxed
+            plan_route,
             plan=self.plan,
             max_sessions=self._max,
             sess_options=sess_options,
@@ -500,7 +509,8 @@ class SessionPool:
             verify_weights=verify_weights,
             size_threshold_bytes=size_threshold_bytes,
         )
-        chosen, self._signature, reason = _decide_batching(
+        self.recipe: SessionRecipe = route(model)
+        chosen, self._signature, reason, graph = _decide_batching(
             wanted,
             auto=auto,
             by_default=by_default,
@@ -508,6 +518,15 @@ class SessionPool:
             model_path=self.recipe.model_path,
             name=f"model '{self.source_path}'",
         )
+        if graph is not None and self._signature is not None and self._signature.relaxed:
+            try:  # the sessions load the prepared graph with axis 0 relaxed
+                self.recipe = relaxed_recipe(self.recipe, graph, self._signature.relaxed, route)
+            except NotBatchableError as exc:
+                if wanted is not None:
+                    raise
+                chosen, self._signature, reason = None, None, f"not merging requests: {exc}"
+                _log.info("sharedml: %s", reason)
+        del graph
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
         self._sessions = _Sessions(
             self.recipe,
@@ -593,12 +612,12 @@ class SessionPool:
 
     @property
     def weights(self) -> WeightStore:
-        """The :class:`~sharedml.WeightStore` mapping the weights once for the process."""
+        """The :class:`~sharedml.weights.WeightStore` mapping the weights once for the process."""
         return self.recipe.weights
 
     @property
     def mechanism(self) -> Mechanism:
-        """How the sessions get the weights (see :class:`~sharedml.Mechanism`)."""
+        """How the sessions get the weights (see :class:`~sharedml.route.Mechanism`)."""
         return self.recipe.mechanism
 
     @property

@@ -91,6 +91,15 @@ Value = Any  # an element of a followed small tensor: Dim (integers), float or b
 
 
 @dataclasses.dataclass(frozen=True)
+class Pin:
+    """A node that made a tensor of a constant shape with 1 on axis 0 (see ``fixed_rows``)."""
+
+    node: str
+    op_type: str
+    shape: tuple[Dim, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Fact:
     """What one tensor's values depend on, and its shape where it is known.
 
@@ -103,6 +112,9 @@ class Fact:
         value: A small tensor's elements, flattened (rank 0 or 1 only), where known.
         sources: The model inputs whose rows (or row count) it depends on.
         refusal: ``MIXED``: why.
+        pin: With ``fixed_rows``: the node that gave a tensor without rows a literal 1 on
+            axis 0 from a constant shape (an export's batch of one), which a refusal names
+            where that tensor meets the rows.
     """
 
     kind: Kind
@@ -112,6 +124,7 @@ class Fact:
     value: tuple[Value, ...] | None = None
     sources: frozenset[str] = frozenset()
     refusal: Refusal | None = None
+    pin: Pin | None = None
 
     @property
     def rank(self) -> int | None:
@@ -268,7 +281,27 @@ class _Node:
             tuple(shape) if shape is not None else None,
             value=val,
             sources=self.sources if sized else frozenset(),
+            pin=next((f.pin for f in self.ins if f is not None and f.pin is not None), None),
         )
+
+    def pinned(self, fact: Fact, shape_input: int) -> Fact:
+        """``fact``, marked as pinned by this node where ``fixed_rows`` finds it so.
+
+        Pinned: a static result of rank >= 1 with a literal 1 on axis 0 whose shape came from
+        the static values of input ``shape_input`` (a constant shape, as an export traced at
+        batch 1 writes it).
+        """
+        given = self.input(shape_input)
+        if (
+            not self.analysis.fixed_rows
+            or fact.kind is not Kind.STATIC
+            or not fact.shape
+            or fact.shape[0] != ONE
+            or given is None
+            or given.kind is not Kind.STATIC
+        ):
+            return fact
+        return dataclasses.replace(fact, pin=Pin(self.name(), self.op, fact.shape))
 
     def rows(self, shape: Sequence[Dim] | None, axis: int, fold: Dim = ONE) -> Fact:
         """A result holding the rows on ``axis``."""
@@ -717,7 +750,7 @@ def _constant_of_shape(n: _Node) -> Fact:
             count = product(dims).const
             if count is not None and count <= _MAX_VALUES:
                 value = [fill] * count
-        return n.plain(dims, value, sized=False)
+        return n.pinned(n.plain(dims, value, sized=False), 0)
     return _spread(n, Fact(Kind.STATIC, ()), dims, [ONE] * len(dims), dims)
 
 
@@ -742,6 +775,13 @@ def _reshape_rows(n: _Node, f: Fact, out: list[Dim]) -> Fact:
                 break
             continue
         if product(out[:b]) == prefix:
+            if n.analysis.fixed_rows and f.axis == 0 and b > 0:
+                # [1, -1] of an export traced at batch 1: its 1 stood for the rows, and the
+                # -1 would take them all. (A shape written for any batch has 0 or -1 there.)
+                raise _Refused(
+                    f"reshapes {list(f.shape)} to {out}: its shape puts a literal 1 where the "
+                    "rows were, fixed for one row when the model was exported"
+                )
             return n.rows(out, b, fold)
         break
     raise _Refused(
@@ -787,7 +827,9 @@ def _reshape(n: _Node) -> Fact:
             return n.plain(None, sized=f.kind is Kind.SIZED)
         out = _reshape_target(n, f, target, allowzero) if f.shape is not None else target
         value = f.value if (f.value is not None and len(out) <= 1) else None
-        return n.plain(out, value, sized=None if value is not None else f.kind is Kind.SIZED)
+        return n.pinned(
+            n.plain(out, value, sized=None if value is not None else f.kind is Kind.SIZED), 1
+        )
     return _reshape_rows(n, f, _reshape_target(n, f, target, allowzero))
 
 
@@ -1191,7 +1233,7 @@ def _expand(n: _Node) -> Fact:
                 raise _Refused("expands another axis to a size that depends on the row count")
         out[pos] = shape[f.axis]
         return n.rows(out, pos, f.fold)
-    return _spread(n, f, padded_t, padded_in, out)
+    return n.pinned(_spread(n, f, padded_t, padded_in, out), 1)
 
 
 def _spread(n: _Node, f: Fact, sizes: Sequence[Dim], base: Sequence[Dim], out: list[Dim]) -> Fact:
@@ -1230,7 +1272,7 @@ def _tile(n: _Node) -> Fact:
             if k != f.axis and r.has_batch:
                 raise _Refused("repeats another axis by the row count")
         return n.rows(out, f.axis, f.fold)
-    return _spread(n, f, reps, shape, out)
+    return n.pinned(_spread(n, f, reps, shape, out), 1)
 
 
 @_rule("Pad", summary="pads other axes; never the rows'")
@@ -2452,11 +2494,24 @@ class RowAnalysis:
         max_rows: The most rows a merged run holds (``Batching.max_batch_size``): a Slice of
             the rows' axis up to at least that many keeps them all (exporters write "to the
             end" as 2**31 - 1, 10**9, ...). Default: no bound below 2**31 - 1.
+        fixed_rows: The model was exported with axis 0 fixed at 1, and is to be served with
+            that axis relaxed (:mod:`sharedml.pool._relax`). Its constants were traced at one
+            row, so a literal 1 may stand where the rows go: a Reshape of the rows whose shape
+            has a 1 before the rows' new axis (``[1, -1]``) is refused, and a refusal where a
+            tensor with a constant shape of 1 on axis 0 (``Expand``, ``ConstantOfShape``,
+            ``Tile``, ``Reshape``) meets the rows names the node that made it.
+
+    Attributes:
+        facts: After :meth:`outputs`, the fact of every value it reached, subgraphs included.
     """
 
-    def __init__(self, model: ModelProto, *, max_rows: int = _TO_THE_END) -> None:
+    def __init__(
+        self, model: ModelProto, *, max_rows: int = _TO_THE_END, fixed_rows: bool = False
+    ) -> None:
         self.model = model
         self.max_rows = max_rows
+        self.fixed_rows = fixed_rows
+        self.facts: dict[str, Fact] = {}
         self._opsets: dict[str, int] = {o.domain or "": int(o.version) for o in model.opset_import}
         self._declared: dict[str, tuple[Dim, ...]] = {}
         self._batch_params: set[str] = set()
@@ -2518,6 +2573,7 @@ class RowAnalysis:
         for value in graph.input:
             if value.name not in initializers:
                 facts[value.name] = self._input_fact(value)
+        self.facts.update(facts)
         return facts
 
     def _declared_shapes(self) -> dict[str, tuple[Dim, ...]]:
@@ -2563,6 +2619,7 @@ class RowAnalysis:
             scope[t.name] = _tensor_fact(t)
         for value, fact in zip(graph.input, inputs, strict=False):
             scope[value.name] = fact
+            self.facts[value.name] = fact
         self._run_nodes(graph, scope, where)
         return [scope.get(o.name, self._unknown(o.name, where)) for o in graph.output]
 
@@ -2579,9 +2636,16 @@ class RowAnalysis:
                     ins.append(scope.get(name) or self._unknown(name, where))
             for name, fact in zip(node.output, self._node(node, ins, where, scope), strict=False):
                 if name:
-                    if fact.shape is None and fact.plain and name in self._declared:
+                    if (
+                        fact.shape is None
+                        and fact.plain
+                        and name in self._declared
+                        # traced at one row: a shape sized by the row count reads 1 there
+                        and not (self.fixed_rows and fact.kind is Kind.SIZED)
+                    ):
                         fact = dataclasses.replace(fact, shape=self._declared[name])
                     scope[name] = fact
+                    self.facts[name] = fact
 
     def _node(
         self, node: NodeProto, ins: list[Fact | None], where: str, scope: MutableMapping[str, Fact]
@@ -2623,9 +2687,18 @@ class RowAnalysis:
             Fact(Kind.SIZED if sized else Kind.STATIC, sources=n.sources if sized else frozenset())
         ] * count
 
-    @staticmethod
-    def _mixed(n: _Node, reason: str) -> Fact:
+    def _mixed(self, n: _Node, reason: str) -> Fact:
         refusal = Refusal(n.name(), n.op, reason, tuple(sorted(n.sources)))
+        pin = next((f.pin for f in n.ins if f is not None and f.pin is not None), None)
+        if self.fixed_rows and pin is not None:
+            # The node that fixed the shape for one row is the one to change (or to blame).
+            refusal = Refusal(
+                pin.node,
+                pin.op_type,
+                f"makes a tensor of the constant shape {list(pin.shape)}, its axis 0 fixed at "
+                f"1 when the model was exported; where it meets the rows, node {n.name()} "
+                f"({n.op}) {reason}",
+            )
         return Fact(Kind.MIXED, sources=n.sources, refusal=refusal)
 
     def outputs(self) -> list[tuple[str, Fact]]:
