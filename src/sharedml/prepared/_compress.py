@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from sharedml import _host
-from sharedml._errors import CompressError, missing_package
-from sharedml.cache._cache import Built, CacheDir, ensure_entry, lend_hold
+from sharedml._errors import CacheError, CompressError, missing_package
+from sharedml.cache._cache import Built, CacheDir, ensure_entry, lend_hold, open_entry
 from sharedml.model._graph import load_graph
 from sharedml.prepared._prepare import (
     DEFAULT_SIZE_THRESHOLD_BYTES,
@@ -92,6 +92,19 @@ class WeightsFormat(enum.Enum):
         # int4: 32 as llama.cpp's Q4 formats use, for accuracy (ORT's default is 128); int8
         # keeps ORT's 128, where a block's rounding error is already small.
         return {WeightsFormat.INT8: 128, WeightsFormat.INT4: 32}.get(self, 0)
+
+    @property
+    def accuracy_level(self) -> int | None:
+        """``MatMulNBits``'s ``accuracy_level``: what type its CPU kernel computes in.
+
+        int8 computes in int8 (4): each row's activations are quantized on their own, block by
+        block along K, so rows stay independent (a merged batch gave bitwise the solo rows),
+        and the kernel keeps no float copy of the weights. At the default (float compute) this
+        AVX2 CPU's 8-bit kernel held a float copy (56 MiB where the int8 weights are 17, for
+        64 MiB of float matrices). int4 keeps float compute: its int8-compute kernel gave merged
+        rows 1.7% away from solo rows (another kernel for one row), float compute 5e-6.
+        """
+        return 4 if self is WeightsFormat.INT8 else None
 
     @classmethod
     def parse(cls, value: object) -> WeightsFormat:
@@ -392,7 +405,11 @@ def _quantize(model: Any, fmt: WeightsFormat, quantizer: Any) -> tuple[Any, int]
     before = {n.name: n for g in _graphs(model.graph) for n in g.initializer}
     for graph in _graphs(model.graph):
         _gemms_to_matmuls(graph)
-    kwargs: dict[str, Any] = {"block_size": fmt.block_size, "is_symmetric": False}
+    kwargs: dict[str, Any] = {
+        "block_size": fmt.block_size,
+        "is_symmetric": False,
+        "accuracy_level": fmt.accuracy_level,
+    }
     if fmt.bits != 4:  # only 1.22+ takes bits (checked by _quantizer); 4 is every version's
         kwargs["bits"] = fmt.bits
     q = quantizer(model, **kwargs)
@@ -513,7 +530,8 @@ def _entry_key(float_path: Path, fmt: WeightsFormat) -> str:
     covers every byte of the model; the prefix keeps these keys apart from prepare's own.
     """
     digest = _host.sha256_file(float_path)
-    text = f"sharedml-compressed:{_KEY_VERSION}:{fmt.value}:{fmt.block_size}:{digest}"
+    settings = f"{fmt.value}:{fmt.block_size}:{fmt.accuracy_level}"
+    text = f"sharedml-compressed:{_KEY_VERSION}:{settings}:{digest}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -564,6 +582,15 @@ def compressed_model_for(
     if fmt is WeightsFormat.FLOAT:
         return float_path
     _refuse_if_nothing(float_path, named)
+    key = _entry_key(float_path, fmt)
+    checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
+    with contextlib.suppress(CacheError):  # a damaged entry: ensure_entry below rebuilds it
+        entry = open_entry("models", key, cache_dir=cache_dir, verify=checked)
+        if entry is not None:
+            # Built before: no quantizer import and no probe here. Both cost a process about
+            # 50 MiB (onnx-ir, sympy), more than a compressed model saves on small weights.
+            lend_hold(entry)
+            return entry.file(_PREPARED_NAME)
     why = compression_unavailable(fmt)
     if why is not None:
         raise CompressError(f"Cannot compress '{named}' to {fmt.value}: {why}.")
@@ -593,9 +620,6 @@ def compressed_model_for(
             sha256={result.weights_path.name: result.prepared.manifest.sha256},
         )
 
-    checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
-    entry = ensure_entry(
-        "models", _entry_key(float_path, fmt), build, cache_dir=cache_dir, verify=checked
-    )
+    entry = ensure_entry("models", key, build, cache_dir=cache_dir, verify=checked)
     lend_hold(entry)  # as prepared_model_for: held until the caller maps it
     return entry.file(_PREPARED_NAME)
