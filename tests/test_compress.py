@@ -19,6 +19,9 @@ from onnx import TensorProto, helper, numpy_helper
 import sharedml
 from sharedml._errors import CompressError
 from sharedml.cache._cache import list_entries
+from sharedml.cli import main
+from sharedml.cli._inspect import compressed_lines
+from sharedml.inspection._compressed import compare_outputs
 from sharedml.pool._batching import signature_of
 from sharedml.pool._pool import SessionPool
 from sharedml.prepared._compress import (
@@ -293,3 +296,54 @@ def test_compressed_weights_cost_well_under_the_float_size(tmp_path: Path) -> No
             f"MiB ({cost / float_cost:.2f}x), route {measured[strategy].details.get('mechanism')}"
         )
         assert cost <= bound * float_cost
+
+
+# --------------------------------------------------------------------------------------------
+# sharedml inspect --compress
+
+
+def test_compare_outputs_gives_abs_and_relative_differences_and_top1_agreement() -> None:
+    want = np.array([[1.0, 3.0, 2.0], [4.0, 0.0, -1.0]], np.float32)
+    got = np.array([[1.0, 2.0, 2.5], [4.0, 0.5, -1.0]], np.float32)  # row 0's class changes
+    hidden = np.ones((2, 3, 4), np.float32)
+    (logits, states) = compare_outputs(
+        {"out0": want, "out1": hidden}, {"out0": got, "out1": hidden}
+    )
+    assert logits.max_abs_diff == 1.0 and logits.max_rel_diff == 0.25
+    assert logits.top1_agreement == 0.5 and logits.top1_rows == 2
+    assert states.max_abs_diff == 0.0 and states.top1_agreement is None  # not classifier-like
+
+
+def test_inspect_reports_compressed_memory_speed_and_accuracy(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
+    report = sharedml.inspect(
+        model, sessions=1, strategies=["shared"], dims={"N": 16}, compress="int4"
+    )
+    measured = {m.strategy: m for m in report.measurements}
+    assert set(measured) == {"shared", "shared-int4"}
+    assert measured["shared-int4"].total_bytes is not None
+    assert measured["shared-int4"].first_run_seconds is not None
+    assert report.compressed is not None and report.compressed.error is None
+    (logits,) = report.compressed.outputs
+    assert 0 < logits.max_rel_diff <= TOLERANCE["int4"]
+    assert logits.top1_rows == 16 and logits.top1_agreement is not None
+    # Deliberate differences are reported in their own section, not as a numerics finding.
+    assert all("shared-int4" not in f.text for f in report.findings)
+    assert json.loads(json.dumps(report.to_dict()))["compressed"]["weights"] == "int4"
+    lines = compressed_lines(report)
+    assert lines[0].startswith("memory (") and "MiB float" in lines[0]
+    assert any("top-1 agreement" in line and "/16 rows" in line for line in lines)
+
+
+def test_inspect_compress_refuses_a_model_with_nothing_to_compress_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
+    path = conv_model(tmp_path / "conv.onnx")
+    code = main(["inspect", str(path), "--compress", "int4"])
+    out, err = capsys.readouterr()
+    assert code != 0 and out == ""
+    assert err.count("\n") == 1 and err.startswith("sharedml: error: ")
+    assert "nothing to compress" in err and str(path) in err
