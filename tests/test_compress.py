@@ -35,7 +35,7 @@ WIDTH = 256
 CLASSES = 10
 # The largest difference from the float model, as a fraction of the float output's largest
 # magnitude, on this generated classifier (Gaussian weights: a hard case for 4 bits). Measured
-# 0.7% (int8) and 12% (int4) on onnxruntime 1.32; docs/compress.md has real models' figures.
+# 0.9% (int8) and 10.4% (int4) on onnxruntime 1.32; docs/compress.md has real models' figures.
 TOLERANCE = {"int8": 0.02, "int4": 0.2}
 
 
