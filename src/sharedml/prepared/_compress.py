@@ -98,11 +98,12 @@ class WeightsFormat(enum.Enum):
         """``MatMulNBits``'s ``accuracy_level``: what type its CPU kernel computes in.
 
         int8 computes in int8 (4): each row's activations are quantized on their own, block by
-        block along K, so rows stay independent (a merged batch gave bitwise the solo rows),
-        and the kernel keeps no float copy of the weights. At the default (float compute) this
-        AVX2 CPU's 8-bit kernel held a float copy (56 MiB where the int8 weights are 17, for
-        64 MiB of float matrices). int4 keeps float compute: its int8-compute kernel gave merged
-        rows 1.7% away from solo rows (another kernel for one row), float compute 5e-6.
+        block along K, so rows stay independent (a merged batch gave bitwise the solo rows).
+        At the default (float compute) this AVX2 CPU's 8-bit kernel dequantized the weights
+        into float scratch on every run: a process with 64 MiB of float matrices (17 MiB as
+        int8) grew by 72 MiB, 24 MiB once glibc gave the freed heap back; in int8, 25 MiB
+        either way. int4 keeps float compute: its int8-compute kernel gave merged rows 1.7%
+        away from solo rows (another kernel for one row), float compute 5e-6.
         """
         return 4 if self is WeightsFormat.INT8 else None
 
