@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -211,32 +212,32 @@ def test_compress_writes_a_prepared_model_that_pools_map_as_it_is(
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["small.onnx", "small.weights"]
 
 
+@pytest.fixture
+def fresh_probe() -> Iterator[None]:
+    """What the installed onnxruntime can do is measured again in the test, and after it."""
+    compression_unavailable.cache_clear()
+    yield
+    compression_unavailable.cache_clear()
+
+
+@pytest.mark.usefixtures("fresh_probe")
 def test_eight_bits_are_refused_clearly_where_the_quantizer_writes_four_only(
     monkeypatch: pytest.MonkeyPatch, model: Path, tmp_path: Path
 ) -> None:
     # onnxruntime before 1.22 has no matmul_nbits_quantizer module: import it as missing.
     monkeypatch.setitem(sys.modules, "onnxruntime.quantization.matmul_nbits_quantizer", None)
-    compression_unavailable.cache_clear()
-    try:
-        with pytest.raises(CompressError, match=r"needs onnxruntime 1\.22 or later"):
-            compressed_model_for(model, weights="int8", cache_dir=tmp_path / "cache")
-    finally:
-        monkeypatch.undo()
-        compression_unavailable.cache_clear()
+    with pytest.raises(CompressError, match=r"needs onnxruntime 1\.22 or later"):
+        compressed_model_for(model, weights="int8", cache_dir=tmp_path / "cache")
 
 
+@pytest.mark.usefixtures("fresh_probe")
 def test_a_missing_quantizer_dependency_names_the_package_to_install(
     monkeypatch: pytest.MonkeyPatch, model: Path, tmp_path: Path
 ) -> None:
     monkeypatch.delitem(sys.modules, "onnxruntime.quantization.matmul_nbits_quantizer", False)
     monkeypatch.setitem(sys.modules, "onnx_ir", None)
-    compression_unavailable.cache_clear()
-    try:
-        with pytest.raises(CompressError, match=r"pip install onnx-ir"):
-            compressed_model_for(model, weights="int4", cache_dir=tmp_path / "cache")
-    finally:
-        monkeypatch.undo()
-        compression_unavailable.cache_clear()
+    with pytest.raises(CompressError, match=r"pip install onnx-ir"):
+        compressed_model_for(model, weights="int4", cache_dir=tmp_path / "cache")
 
 
 _CHILD = textwrap.dedent(
