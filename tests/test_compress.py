@@ -381,3 +381,12 @@ def test_inspect_compress_refuses_a_model_with_nothing_to_compress_in_one_line(
     assert code != 0 and out == ""
     assert err.count("\n") == 1 and err.startswith("sharedml: error: ")
     assert "nothing to compress" in err and str(path) in err
+
+
+def test_inspect_compress_takes_one_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = classifier(tmp_path / "a.onnx"), classifier(tmp_path / "b.onnx", seed=1)
+    code = main(["inspect", str(a), str(b), "--compress", "int8"])
+    out, err = capsys.readouterr()
+    assert code != 0 and out == "" and "--compress inspects one model" in err

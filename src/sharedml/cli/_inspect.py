@@ -254,6 +254,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.sessions < 1:
         raise ValueError(f"--sessions must be at least 1, not {args.sessions}.")
     if len(args.model) > 1:
+        if args.compress:
+            raise ValueError("--compress inspects one model; give one model file.")
         return _cmd_inspect_family(args)
     args.model = args.model[0] if args.model else None
     dims = parse_dims(args.dim)
