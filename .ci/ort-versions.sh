@@ -15,7 +15,7 @@ DIRECTML_LAST="1.24.4"
 FLOOR="$(sed -n 's/^ *"onnxruntime>=\([0-9.]*\);.*/\1/p' pyproject.toml)"
 [ -n "$FLOOR" ] || { echo "ort-versions: no onnxruntime floor found in pyproject.toml" >&2; exit 1; }
 FLOOR_TESTS=(tests/test_capabilities.py tests/test_graphs.py tests/test_prepack.py
-  tests/test_device.py tests/test_pool.py)
+  tests/test_device.py tests/test_pool.py tests/test_compress.py)
 
 venv_with() {  # venv_with VERSION: a fresh venv with sharedml[test] and onnxruntime==VERSION
   local version="$1" venv=".venv-ort-$1" start=$SECONDS

@@ -34,7 +34,8 @@ MODULES = {
     "sharedml.prepared": {
         "prepare", "prepare_family", "PrepareResult", "FamilyResult", "TensorDigest",
         "WeightsManifest",
-        "SharedWeights", "weights_path_for", "prepared_model_for",
+        "SharedWeights", "weights_path_for", "prepared_model_for", "compress", "CompressResult",
+        "WeightsFormat", "compressed_model_for",
     },
     "sharedml.cache": {
         "Cache", "cache_dir", "cache_summary", "list_entries", "verify_entries", "prune_cache",
@@ -43,7 +44,8 @@ MODULES = {
     "sharedml.measure": {
         "measure", "Measurement", "MemoryPoint", "FixedCost", "Strategy", "StrategyContext",
         "SessionSet", "Runner", "register_strategy", "registered_strategies", "WeightsSummary",
-        "PlacementSummary", "TensorInfo", "ChosenSize", "IndexedTable",
+        "PlacementSummary", "TensorInfo", "ChosenSize", "IndexedTable", "CompressedAccuracy",
+        "OutputAccuracy",
     },
 }  # fmt: skip
 

@@ -14,6 +14,9 @@ from sharedml._errors import (
     CacheError as CacheError,
 )
 from sharedml._errors import (
+    CompressError as CompressError,
+)
+from sharedml._errors import (
     ExternalDataError as ExternalDataError,
 )
 from sharedml._errors import (

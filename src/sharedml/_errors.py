@@ -12,7 +12,8 @@ subclass inherits it too, so callers can catch either::
     ├── WeightsMismatchError                 a prepared weights file changed after prepare
     ├── PrepareError                         prepare refused (e.g. it would overwrite its source)
     │   ├── OutputError (OSError)            its outputs cannot be written (full disk, no access)
-    │   └── FamilyError (ValueError)         a family's members clash or sit in the output folder
+    │   ├── FamilyError (ValueError)         a family's members clash or sit in the output folder
+    │   └── CompressError (ValueError)       compressed weights asked for where none can be made
     ├── CacheError                           a cache folder or entry that cannot be trusted or used
     ├── ProviderError                        an execution provider that cannot be used here
     ├── SessionCreationError                 ONNX Runtime refused to create a session
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 __all__ = [
     "CacheError",
+    "CompressError",
     "ExternalDataError",
     "FamilyError",
     "InvalidInputError",
@@ -97,6 +99,14 @@ class FamilyError(PrepareError, ValueError):
 
     Two members with one file name (both would be written to the same path), or a member (or
     one of its external data files) inside the output folder, which prepare would overwrite.
+    """
+
+
+class CompressError(PrepareError, ValueError):
+    """Compressed weights were asked for where none can be made.
+
+    The model holds no MatMul or Gemm weight to compress, or the installed onnxruntime cannot
+    write or run the asked-for format (8-bit blocks need onnxruntime 1.22 or later).
     """
 
 

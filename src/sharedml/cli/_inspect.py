@@ -103,6 +103,12 @@ def add_parser(sub: Any) -> None:
         metavar="NAME",
         help="measure this strategy (repeatable; default: every default strategy, listed below)",
     )
+    p.add_argument(
+        "--compress",
+        choices=["int8", "int4"],
+        help="also measure a pool over the model's MatMul/Gemm weights compressed to 8- or 4-bit "
+        "blocks (built once into the cache) and compare its outputs with the float model's",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument(
         "--plot",
@@ -250,6 +256,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.sessions < 1:
         raise ValueError(f"--sessions must be at least 1, not {args.sessions}.")
     if len(args.model) > 1:
+        if args.compress:
+            raise ValueError("--compress inspects one model; give one model file.")
         return _cmd_inspect_family(args)
     args.model = args.model[0] if args.model else None
     dims = parse_dims(args.dim)
@@ -268,6 +276,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 feeds=args.inputs,
                 strategies=args.strategies,
                 progress=progress,
+                compress=args.compress,
             )
     except MeasurementError as exc:
         if exc.report is None:
@@ -591,6 +600,16 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         out.print(Padding(proj, (0, 0, 0, 2), expand=False))
         out.print()
 
+    if report.compressed is not None:
+        c = report.compressed
+        heading(
+            f"Compressed weights ({c.weights})",
+            "  (MatMul/Gemm weights in blocks; against the float model, on the inputs above)",
+        )
+        for line in compressed_lines(report):
+            para(line)
+        out.print()
+
     heading("Recommendation")
     for finding in report.findings or ():
         para(f"- {finding.text}")
@@ -599,6 +618,41 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
     if plot is not None:
         out.print()
         para(f"Wrote {plot}", indent=0)
+
+
+def compressed_lines(report: Any) -> list[str]:
+    """The compressed-weights section: memory and first run against the float pool, accuracy."""
+    c = report.compressed
+    by_name = {m.strategy: m for m in report.measurements}
+    lines = []
+    mine, floats = by_name.get(c.strategy), by_name.get("shared")
+    if mine is not None:
+        memory = f"memory ({report.metric.upper()}, {mine.measured_sessions} sessions): "
+        memory += f"{_mib(mine.total_bytes)} MiB"
+        if floats is not None and floats.total_bytes and mine.total_bytes is not None:
+            ratio = mine.total_bytes / floats.total_bytes
+            memory += f" against {_mib(floats.total_bytes)} MiB float ({ratio:.2f}x)"
+        lines.append(memory)
+        first, float_first = mine.first_run_seconds, floats and floats.first_run_seconds
+        if first is not None:
+            speed = f"first run: {human_seconds(first)}"
+            if float_first:
+                speed += f" against {human_seconds(float_first)} float"
+            lines.append(speed + " (one run of one session, alone: not a throughput figure)")
+    if c.error is not None:
+        lines.append(f"accuracy: not compared, the compressed model failed: {c.error}")
+    elif not c.outputs:
+        lines.append("accuracy: not compared (no float outputs of the same shape)")
+    for o in c.outputs:
+        text = (
+            f"{o.name}: largest difference {o.max_abs_diff:.3g} ({o.max_rel_diff:.2%} of the "
+            "float output's largest magnitude)"
+        )
+        if o.top1_agreement is not None:
+            agree = round(o.top1_agreement * o.top1_rows)
+            text += f", top-1 agreement {agree}/{o.top1_rows} rows ({o.top1_agreement:.0%})"
+        lines.append(text)
+    return lines
 
 
 def plot_figure(report: Any) -> Any:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._units import human_bytes, human_seconds
+from sharedml.inspection._compressed import CompressedAccuracy
 from sharedml.inspection._measure import FixedCost, measure
 from sharedml.inspection._results import Measurement
 from sharedml.inspection._strategies import (
@@ -333,6 +334,9 @@ class InspectReport:
         tables: Weights that inputs index (embeddings), read only where they point: every
             strategy ran over inputs covering their rows after its points
             (:attr:`Measurement.traffic_points`).
+        compressed: With ``compress``: the compressed model's accuracy against the float
+            model on the same inputs (its memory and run time are the measurement of its
+            strategy, :attr:`CompressedAccuracy.strategy`); else None.
     """
 
     model_path: Path
@@ -351,6 +355,7 @@ class InspectReport:
     error: str | None = None
     fixed_cost: FixedCost | None = None
     tables: tuple[IndexedTable, ...] = ()
+    compressed: CompressedAccuracy | None = None
 
     @property
     def after_traffic(self) -> bool:
@@ -458,6 +463,7 @@ class InspectReport:
             "runtime_weights": self.runtime_weights,
             "findings": [f.to_dict() for f in self.findings],
             "recommendation": self.recommendation,
+            "compressed": self.compressed.to_dict() if self.compressed is not None else None,
         }
 
 
@@ -1215,6 +1221,7 @@ def inspect(
     projection_sessions: Sequence[int] = DEFAULT_PROJECTION_SESSIONS,
     timeout_s: float | None = None,
     progress: InspectProgress | None = None,
+    compress: str | None = None,
 ) -> InspectReport:
     """Report what ``model`` holds and what ``sessions`` sessions of it cost per strategy.
 
@@ -1242,6 +1249,11 @@ def inspect(
         projection_sessions: Session counts to project memory to (N is added).
         timeout_s: Stop any one measurement after this long.
         progress: Called as ``progress(description, steps_done, steps_total)``.
+        compress: ``"int8"`` or ``"int4"``: also measure a pool over the model's compressed
+            weights (strategy ``shared-<format>``: memory and run time, as every strategy), and
+            compare its outputs with the float model's on the same inputs
+            (:attr:`InspectReport.compressed`: largest absolute and relative difference, top-1
+            agreement of classifier-like outputs). See ``docs/compress.md``.
 
     Returns:
         The :class:`InspectReport`.
@@ -1254,6 +1266,8 @@ def inspect(
         ValueError: ``sessions`` below 1, an unknown strategy, dimension or input, a shape or
             feeds file that does not fit the model.
         FileNotFoundError: ``feeds`` does not exist.
+        CompressError: ``compress`` was given for a model with nothing to compress, or an
+            onnxruntime that cannot make the format.
         MeasurementError: the trial run failed (its ``report`` attribute holds the partial
             report: the static part, the inputs and the error), or a measuring subprocess
             failed (the message names the strategy).
@@ -1279,6 +1293,14 @@ def inspect(
     )
     if not names:
         raise ValueError("Name at least one strategy to measure.")
+    compressed_format = None
+    if compress is not None:
+        from sharedml.prepared._compress import WeightsFormat
+
+        compressed_format = WeightsFormat.parse(compress)
+        if compressed_format is WeightsFormat.FLOAT:
+            raise ValueError("compress must be 'int8' or 'int4' (the float model is measured).")
+        names = (*names, f"{SHARED}-{compressed_format.value}")
     chosen = [get_strategy(n) for n in dict.fromkeys(names)]
     plan = plan_providers(providers, provider_options)  # fails early on a missing provider
 
@@ -1312,6 +1334,8 @@ def inspect(
 
     total_steps = sessions * len(chosen)
 
+    accuracy: CompressedAccuracy | None = None
+
     def report(
         measured: Sequence[Measurement],
         found: tuple[Finding, ...],
@@ -1337,7 +1361,16 @@ def inspect(
             error=error,
             fixed_cost=fixed,
             tables=tables,
+            compressed=accuracy,
         )
+
+    compressed_path = None
+    if compressed_format is not None:  # refused here, before any process is started
+        from sharedml.prepared._compress import compressed_model_for
+
+        if progress is not None:
+            progress(f"compressing the weights to {compressed_format.value} (cached)", 0, 0)
+        compressed_path = compressed_model_for(path, weights=compressed_format)
 
     measurements: list[Measurement] = []
     with tempfile.TemporaryDirectory(prefix="sharedml-inspect-") as scratch:
@@ -1364,6 +1397,23 @@ def inspect(
             exc = MeasurementError(message)
             exc.report = report((), (), trial_dict, message)
             raise exc
+        if compressed_format and compressed_path and trial.reference is not None:
+            from sharedml.inspection._compressed import compressed_accuracy
+
+            if progress is not None:
+                what = f"{compressed_format.value}: one run on the same inputs, for accuracy"
+                progress(what, 0, total_steps)
+            accuracy = compressed_accuracy(
+                compressed_path,
+                compressed_format,
+                reference=trial.reference,
+                inputs=inputs,
+                scratch=Path(scratch),
+                providers=plan.providers,
+                provider_options=plan.provider_options,
+                feeds=feeds,
+                timeout_s=timeout_s,
+            )
         for index, strategy in enumerate(chosen):
             done_before = index * sessions
 
@@ -1421,8 +1471,11 @@ def inspect(
         if fixed is not None and fixed.error is None and SHARED in by_name
         else None
     )
+    # Compressed weights change the outputs on purpose: their own section reports them
+    # (InspectReport.compressed); the findings compare the float model's strategies.
+    float_only = {n: m for n, m in by_name.items() if get_strategy(n).weights == "float"}
     found = findings(
-        by_name,
+        float_only,
         sessions=sessions,
         weights_bytes=weights.total_bytes,
         unshared=weights.unshared,

@@ -179,6 +179,10 @@ def measure(
         from sharedml.prepared._prepare import prepared_model_for
 
         prepared_model_for(path)
+    if chosen.weights != "float":  # the one-off compression is not the sessions' memory either
+        from sharedml.prepared._compress import compressed_model_for
+
+        compressed_model_for(path, weights=chosen.weights)
     spec = _spec(path, plan, inputs, feeds) | {
         "strategy": chosen.name,
         "factory": chosen.factory,

@@ -88,6 +88,9 @@ class Strategy:
         warm_cache: The strategy uses sharedml's prepared-model cache: the parent prepares the
             model first, so that the one-time prepare is not counted as the sessions' memory.
         default: Measured by ``inspect`` when no strategies are named.
+        weights: The weights format the strategy's pool asks for (``"float"``, ``"int8"``,
+            ``"int4"``: :class:`~sharedml.prepared._compress.WeightsFormat`); the parent builds
+            a compressed cache entry first, as it prepares for ``warm_cache``.
     """
 
     name: str
@@ -95,6 +98,7 @@ class Strategy:
     factory: str
     warm_cache: bool = False
     default: bool = True
+    weights: str = "float"
 
 
 _REGISTRY: dict[str, Strategy] = {}
@@ -175,7 +179,7 @@ class _PlainSessions:
 class _PoolSessions:
     """A :class:`sharedml.SessionPool` grown one session at a time by holding checkouts."""
 
-    def __init__(self, ctx: StrategyContext, *, prepacking: str) -> None:
+    def __init__(self, ctx: StrategyContext, *, prepacking: str, weights: str = "float") -> None:
         from sharedml.pool._pool import SessionPool
 
         self._stack = contextlib.ExitStack()
@@ -191,6 +195,7 @@ class _PoolSessions:
             provider_options=[dict(o) for o in ctx.provider_options],
             prepacking=prepacking,
             serialize_runs=False,
+            weights=weights,
         )
 
     def add(self) -> Runner:
@@ -231,6 +236,14 @@ def _shared_private_packs(ctx: StrategyContext) -> SessionSet:
     return _PoolSessions(ctx, prepacking="per-session")
 
 
+def _shared_int8(ctx: StrategyContext) -> SessionSet:
+    return _PoolSessions(ctx, prepacking="auto", weights="int8")
+
+
+def _shared_int4(ctx: StrategyContext) -> SessionSet:
+    return _PoolSessions(ctx, prepacking="auto", weights="int4")
+
+
 for _strategy in (
     Strategy(NAIVE, "N plain onnxruntime.InferenceSession, ORT defaults", f"{_MODULE}:_naive"),
     Strategy(
@@ -252,6 +265,18 @@ for _strategy in (
         warm_cache=True,
     ),
     Strategy(SINGLE, "one plain session shared by all N threads", f"{_MODULE}:_single"),
+    # Compressed weights (docs/compress.md): measured when asked for (inspect --compress).
+    *(
+        Strategy(
+            f"{SHARED}-{bits}",
+            f"SessionPool(..., weights='{bits}'): MatMul/Gemm weights in {bits} blocks",
+            f"{_MODULE}:_shared_{bits}",
+            warm_cache=True,
+            default=False,
+            weights=bits,
+        )
+        for bits in ("int8", "int4")
+    ),
 ):
     register_strategy(_strategy)
 del _strategy

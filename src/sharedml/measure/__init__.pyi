@@ -1,5 +1,7 @@
 from typing import Any
 
+from sharedml.inspection._compressed import CompressedAccuracy as CompressedAccuracy
+from sharedml.inspection._compressed import OutputAccuracy as OutputAccuracy
 from sharedml.inspection._inspect import PlacementSummary as PlacementSummary
 from sharedml.inspection._inspect import TensorInfo as TensorInfo
 from sharedml.inspection._inspect import WeightsSummary as WeightsSummary

@@ -416,6 +416,10 @@ class SessionPool:
             process, first come first served. ``None``: on for DirectML on ORT versions where
             concurrent DML sessions crash.
         size_threshold_bytes: Passed to :func:`sharedml.prepare` for models it prepares.
+        weights: ``"float"`` (default: the model's own weights), or ``"int8"`` / ``"int4"``:
+            its MatMul and Gemm weights quantized to 8- or 4-bit blocks (onnxruntime's
+            ``MatMulNBits``), built once into the cache and shared like any prepared model
+            (``docs/compress.md``). Raises ``CompressError`` where nothing can be compressed.
 
     Raises:
         SharedMLError: see :mod:`sharedml._errors`; the model, provider or first session failed.
@@ -447,6 +451,7 @@ class SessionPool:
         serialize_creation: bool = True,
         serialize_runs: bool | None = None,
         size_threshold_bytes: int | None = None,
+        weights: str = "float",
     ) -> None:
         self._state = _State.OPENING
         self._pid = os.getpid()
@@ -508,6 +513,7 @@ class SessionPool:
             cache_dir=cache_dir,
             verify_weights=verify_weights,
             size_threshold_bytes=size_threshold_bytes,
+            weights=weights,
         )
         self.recipe: SessionRecipe = route(model)
         chosen, self._signature, reason, graph = _decide_batching(

@@ -1,3 +1,7 @@
+from sharedml.prepared._compress import CompressResult as CompressResult
+from sharedml.prepared._compress import WeightsFormat as WeightsFormat
+from sharedml.prepared._compress import compress as compress
+from sharedml.prepared._compress import compressed_model_for as compressed_model_for
 from sharedml.prepared._family import FamilyResult as FamilyResult
 from sharedml.prepared._family import prepare_family as prepare_family
 from sharedml.prepared._format import SharedWeights as SharedWeights

@@ -45,6 +45,7 @@ from typing import Any
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
 from sharedml._host import release_freed_heap, usable_cores, warn_deprecated
 from sharedml.cache._root import Cache, CacheDir
+from sharedml.prepared._compress import WeightsFormat, compressed_model_for
 from sharedml.prepared._prepare import prepared_model_for, prepared_model_from_bytes
 from sharedml.runtime._capabilities import capability
 from sharedml.runtime._options import clone_session_options, config_entry
@@ -274,6 +275,7 @@ def plan_route(
     cache_dir: CacheDir = None,
     verify_weights: bool = True,
     size_threshold_bytes: int | None = None,
+    weights: WeightsFormat | str = WeightsFormat.FLOAT,
 ) -> SessionRecipe:
     """Decide how ``max_sessions`` sessions of ``model`` get their weights (see the module).
 
@@ -290,6 +292,9 @@ def plan_route(
             :func:`sharedml.cache_dir`. Resolved once here; the recipe carries it.
         verify_weights: Check the weights' SHA-256 when first mapped in the process.
         size_threshold_bytes: Passed to prepare for models it prepares (None: its default).
+        weights: ``"float"``, or compressed MatMul/Gemm weights (``"int8"``, ``"int4"``): the
+            model is compressed once into the cache and the sessions share that file
+            (:mod:`sharedml.prepared._compress`).
 
     Returns:
         The recipe.
@@ -312,6 +317,7 @@ def plan_route(
         cache=cache,
         verify_weights=verify_weights,
         size_threshold_bytes=size_threshold_bytes,
+        compressed=WeightsFormat.parse(weights),
     )
     if graphs_reason:
         recipe = dataclasses.replace(recipe, reason=f"{recipe.reason} {graphs_reason}".strip())
@@ -343,6 +349,7 @@ def _plan(
     cache: Cache,
     verify_weights: bool,
     size_threshold_bytes: int | None,
+    compressed: WeightsFormat = WeightsFormat.FLOAT,
 ) -> SessionRecipe:
     """:func:`plan_route` for a plan whose options can run here."""
     requested = _parse_mechanism(mechanism)
@@ -366,6 +373,14 @@ def _plan(
         raise TypeError(
             f"model must be a path (str or os.PathLike) or the model's bytes, not "
             f"{type(model).__name__}."
+        )
+    if compressed is not WeightsFormat.FLOAT:  # compressed once from the prepared float model
+        model_path = compressed_model_for(
+            model_path,
+            weights=compressed,
+            cache_dir=cache,
+            verify=verify_weights,
+            source=source,
         )
     weights = WeightStore.open(model_path, verify=verify_weights, cache_dir=cache)
     if requested is Mechanism.IN_MEMORY_FILE and not capability("files-in-memory").available:
