@@ -698,6 +698,15 @@ def test_family_inspect_takes_dims_shapes_and_inputs_for_every_member(tmp_path: 
         assert report.plain_bytes is not None and report.pooled_bytes is not None
 
 
+def test_family_inspect_past_its_timeout_is_one_measurement_error(tmp_path: Path) -> None:
+    from sharedml._errors import MeasurementError
+    from sharedml.inspection._family import inspect_family
+
+    models = [_pairs_model(tmp_path / f"m{i}.onnx", i) for i in (0, 1)]
+    with pytest.raises(MeasurementError, match=r"^Measuring pooled sessions .*longer than 0\.01 s"):
+        inspect_family(models, sessions=1, timeout_s=0.01, dims={"n": 4})
+
+
 def _npz(path: Path, **arrays: np.ndarray) -> Path:
     np.savez(path, **arrays)
     return path
