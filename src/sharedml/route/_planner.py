@@ -87,7 +87,6 @@ class Mechanism(str, enum.Enum):
         return self.value
 
 
-HOST = (Mechanism.IN_MEMORY_FILE, Mechanism.ADD_INITIALIZER, Mechanism.ORT_MMAP)
 SAVED_MODEL = (Mechanism.PREPACKED_FILE, Mechanism.OPTIMIZED_FILE)  # chosen, never requested
 
 
