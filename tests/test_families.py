@@ -534,9 +534,9 @@ def test_the_decoder_pair_costs_about_one_models_weights_on_every_cpu_route(
     measure_family(route, 1, pair)  # the cache's one-off builds are not counted
 
     def pss(models: list[str]) -> tuple[float, list[str]]:
-        # The least of two fresh processes: the same measurement varied by up to 7 MiB from one
-        # process to the next (1.04x-1.13x for the unprepared raw pair); not sharing the
-        # weights would add 80 MiB to every run.
+        # The least of two fresh processes: the same measurement varies from one process to
+        # the next (docs/families.md, "Figures"); not sharing the weights would add 80 MiB to
+        # every run.
         runs = [measure_family(route, 4, models) for _ in range(2)]
         return min(r["pss"] for r in runs), runs[0]["mechanisms"]
 
