@@ -1,8 +1,9 @@
 """Measure what N sessions of a model cost, each strategy in a fresh subprocess.
 
-This is the parent side: :func:`measure` starts ``python -c "...sharedml.inspection._child..."
-SPEC`` with the strategy, the providers and the inputs as JSON, reads its progress lines, and
-turns its one result line into a :class:`~sharedml.Measurement`. The child
+This is the parent side: :func:`measure` runs the measuring child through the child-process
+runner (:func:`sharedml.runtime._child.run_child`) with the strategy, the providers and the
+inputs as one JSON spec, passes its progress lines on, and turns its result into a
+:class:`~sharedml.Measurement`. The child
 (:mod:`sharedml.inspection._child`) says what a point is and how memory is read. One process per
 measurement, so that what one strategy allocated (heap kept by the allocator, mapped files,
 thread pools) can neither hide nor inflate another's figures.
