@@ -38,7 +38,15 @@ def test_the_entry_runs_a_function_on_the_childs_arguments() -> None:
     assert run_child(["[1, 2.5]"], code=LOADS, what="Parsing", timeout_s=60) == [1, 2.5]
 
 
-def test_the_child_imports_this_sharedml() -> None:
+def test_the_child_imports_what_this_process_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A folder added to sys.path at run time (as a launcher or a notebook does) reaches the
+    # child too: child_env() passes it on in PYTHONPATH.
+    (tmp_path / "sharedml_test_child_target.py").write_text("def hello(name):\n    return [name]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = entry_code("sharedml_test_child_target:hello")
+    assert run_child(["there"], code=code, what="Greeting", timeout_s=60) == ["there"]
     code = "import json, sharedml; print('RESULT ' + json.dumps(sharedml.__file__))"
     found = run_child([], code=code, what="Importing", timeout_s=60)
     import sharedml
