@@ -18,6 +18,7 @@ start=$SECONDS
 TESTS=(
     tests/test_cache.py
     tests/test_cache_stamps.py
+    tests/test_cache_cli.py
     tests/test_prepare.py
     tests/test_families.py
     tests/test_dedupe.py

@@ -303,13 +303,13 @@ def _shared_raw(req: OpenRequest) -> Opened:
 
 @strategy(
     "shared-private-packs",
-    "SessionPool(..., prepacking=True): raw weights shared, each session packs a private copy",
+    "SessionPool(..., prepacking='per-session'): raw weights shared, each session packs its own",
     copies_fixed=2.0,
     copies_per_session=1.4,
     warm=_warm_pool,
 )
 def _shared_private_packs(req: OpenRequest) -> Opened:
-    return _pool_opener(req, prepacking=True)
+    return _pool_opener(req, prepacking="per-session")
 
 
 @strategy(

@@ -404,7 +404,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         except (ValueError, sharedml.ProviderError) as exc:
             result["pool_error"] = f"{type(exc).__name__}: {exc}"
             store = _device.DeviceWeightStore.for_store(
-                sharedml.WeightStore.open(cfg["prepared"]), provider, 0
+                sharedml.weights.WeightStore.open(cfg["prepared"]), provider, 0
             )
             for _ in range(n):
                 so = ort.SessionOptions()

@@ -818,3 +818,30 @@ def test_warm_up_runs_every_bucket_when_batches_are_padded(tmp_path: Path) -> No
         DETECTOR.reset()
         pool.run(None, {"x": np.ones((3, 4), np.float32)})
         assert DETECTOR.rows == [4]  # what ORT ran: the bucket
+
+
+def test_each_batching_spelling_has_one_meaning() -> None:
+    assert sharedml.Batching.parse(True) == sharedml.Batching()
+    assert sharedml.Batching.parse(False) is None
+    assert sharedml.Batching.parse("auto") == "auto"
+    custom = sharedml.Batching(max_batch_size=4)
+    assert sharedml.Batching.parse(custom) is custom
+    for other in ("on", "AUTO", 1, 0):
+        with pytest.raises(ValueError, match=r"'auto', True, False or a sharedml\.Batching"):
+            sharedml.Batching.parse(other)
+
+
+def test_batching_none_is_deprecated_and_keeps_its_meaning_meanwhile(model: Path) -> None:
+    with pytest.warns(DeprecationWarning, match="write False"):
+        assert sharedml.Batching.parse(None) is None
+    with pytest.warns(DeprecationWarning, match="leave batching out"):
+        pool = sharedml.SessionPool(model, sessions=1, batching=None)
+    with pool:  # what leaving it out means on the CPU: no merging, and why
+        assert pool.batching is None
+        assert "only where the provider runs one Run at a time" in pool.batching_reason
+
+
+def test_auto_merges_wherever_the_model_is_proven_batchable(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions=1, batching="auto") as pool:
+        assert pool.batching == sharedml.Batching()
+        assert "row-independence analysis proved" in pool.batching_reason

@@ -28,7 +28,8 @@ import pytest
 from _models import build_model, feeds, save_model
 
 import sharedml
-from sharedml.cache import _cache
+import sharedml.cache
+from sharedml.cache import Cache, _entries, _locks, _root, _stamps
 from sharedml.inspection._demo import demo_model_path
 
 POSIX = os.name == "posix"
@@ -40,7 +41,7 @@ PREPACKED = pytest.param("prepacked", marks=pytest.mark.capability("prepacked-sa
 @pytest.fixture(autouse=True)
 def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """Files this test just wrote get stamps too, so that the stamps folder is used."""
-    monkeypatch.setattr(_cache, "_RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(_stamps, "RACY_WINDOW_NS", 0)
 
 
 def mode(path: Path) -> int:
@@ -74,7 +75,7 @@ def test_every_kind_of_entry_is_private_and_read_only(mlp_model: Path, tmp_path:
         assert entries, kind
         for entry in entries:
             assert mode(entry) == 0o700, entry
-            record = json.loads((entry / _cache.ENTRY_FILE).read_text())
+            record = json.loads((entry / _root.ENTRY_FILE).read_text())
             # (.lock: the in-use lock, not part of the entry)
             names = {p.name for p in entry.iterdir()} - {"entry.json", ".lock"}
             assert set(record["files"]) == names
@@ -101,13 +102,13 @@ def test_locks_follow_the_policy(tmp_path: Path) -> None:
     root = tmp_path / "c"
     (root / "locks").mkdir(parents=True)
     os.chmod(root / "locks", 0o777)
-    with _cache.held_lock("a", cache_dir=root) as waited:
+    with _locks.held_lock("a", cache=Cache(root)) as waited:
         assert 0 <= waited < 1  # free: taken at once
         assert mode(root / "locks") == 0o700 and mode(root / "locks" / "a.lock") == 0o600
     os.symlink(tmp_path / "planted", root / "locks" / "b.lock")
     with (
         pytest.raises(sharedml.CacheError, match=r"b\.lock"),
-        _cache.held_lock("b", cache_dir=root),
+        _locks.held_lock("b", cache=Cache(root)),
     ):
         pass
     assert not (tmp_path / "planted").exists()
@@ -175,7 +176,7 @@ def test_concurrent_publishers_of_one_key_all_get_one_whole_entry(tmp_path: Path
 
     def publish() -> None:
         try:
-            results.append(_cache.publish("demo", "k", build, cache_dir=tmp_path))
+            results.append(_entries.publish("demo", "k", build, cache=Cache(tmp_path)))
         except BaseException as exc:
             results.append(exc)
 
@@ -184,7 +185,7 @@ def test_concurrent_publishers_of_one_key_all_get_one_whole_entry(tmp_path: Path
         t.start()
     for t in threads:
         t.join(60)
-    entries = [r for r in results if isinstance(r, _cache.CacheEntry)]
+    entries = [r for r in results if isinstance(r, _entries.CacheEntry)]
     assert len(entries) == 4, results
     assert len({(e.meta["builder"], e.files["blob"]) for e in entries}) == 1
     assert [p.name for p in (tmp_path / "demo").iterdir()] == ["k"]  # no temporary folder left
@@ -196,9 +197,9 @@ def test_a_failed_build_publishes_nothing(tmp_path: Path) -> None:
         raise sharedml.ModelError("the builder failed")
 
     with pytest.raises(sharedml.ModelError, match="the builder failed"):
-        _cache.publish("demo", "k", build, cache_dir=tmp_path)
+        _entries.publish("demo", "k", build, cache=Cache(tmp_path))
     assert list((tmp_path / "demo").iterdir()) == []
-    assert _cache.open_entry("demo", "k", cache_dir=tmp_path) is None
+    assert _entries.open_entry("demo", "k", cache=Cache(tmp_path)) is None
 
 
 def test_an_unwritable_cache_folder_is_a_clear_cache_error(tmp_path: Path) -> None:
@@ -263,7 +264,7 @@ def test_what_a_killed_prepacked_build_left_goes_with_clear_and_prune(
     (leftover,) = (root / "prepacked").iterdir()  # nothing published, one dead build
     assert leftover.name.startswith(".") and leftover.name.endswith(".tmp")
     assert {p.name for p in leftover.iterdir()} >= {"model.onnx", "model.data"}
-    assert _cache.cache_summary(cache_dir=root).temporary[0] == 1
+    assert sharedml.cache.cache_summary(cache_dir=root).temporary[0] == 1
     out = cache_cli(root, *command)
     assert out.returncode == 0, out.stdout + out.stderr
     assert list((root / "prepacked").iterdir()) == []  # its process is gone: removed at once
@@ -274,7 +275,7 @@ LIVE_BUILD = textwrap.dedent(
     r"""
     import sys
     from pathlib import Path
-    from sharedml.cache import _cache
+    from sharedml.cache import Cache, _entries
 
     def build(folder):
         (folder / "half").write_bytes(b"x" * 4096)
@@ -282,7 +283,7 @@ LIVE_BUILD = textwrap.dedent(
         sys.stdin.readline()  # still building until the parent says so
         return {}
 
-    _cache.publish("demo", "k", build, cache_dir=sys.argv[1])
+    _entries.publish("demo", "k", build, cache=Cache(sys.argv[1]))
     """
 )
 
@@ -309,12 +310,12 @@ def test_a_live_builds_temporary_folder_is_never_removed(tmp_path: Path) -> None
         for command in (("clear",), ("prune", "--max-size", "0")):
             out = cache_cli(root, *command)
             assert out.returncode == 0, out.stdout + out.stderr
-        assert _cache.clear_stale(root) == 0
+        assert _entries.clear_stale(Cache(root)) == 0
         assert sorted(p.name for p in (root / "demo").iterdir()) == sorted(
             [name, legacy_young.name]
         )
         os.utime(root / "demo" / name, (1, 1))  # a day old, and its builder lives: a pid reused?
-        assert _cache.clear_stale(root) == 1
+        assert _entries.clear_stale(Cache(root)) == 1
         assert [p.name for p in (root / "demo").iterdir()] == [legacy_young.name]
     finally:
         builder.communicate("\n", timeout=60)
@@ -372,7 +373,7 @@ def test_list_and_info_report_every_entry_with_its_source_size_and_ort_build(
 ) -> None:
     root = tmp_path / "c"
     use_every_kind(mlp_model, root).close()
-    entries = {e.kind: e for e in _cache.list_entries(cache_dir=root)}
+    entries = {e.kind: e for e in sharedml.cache.list_entries(cache_dir=root)}
     assert set(entries) == {"models", "prepacked", "demo"}
     for e in entries.values():
         on_disk = sum(p.stat().st_size for p in e.path.iterdir())
@@ -396,7 +397,7 @@ def test_disk_use_per_model_is_what_the_readme_says(mlp_model: Path, tmp_path: P
     root = tmp_path / "c"
     with sharedml.SessionPool(mlp_model, sessions=1, cache_dir=root) as pool:
         weights = pool.weights.nbytes
-    sizes = {e.kind: e.size_bytes for e in _cache.list_entries(cache_dir=root)}
+    sizes = {e.kind: e.size_bytes for e in sharedml.cache.list_entries(cache_dir=root)}
     assert 0.95 < sizes["models"] / weights < 1.1
     assert 1.8 < sizes["prepacked"] / weights < 2.2
 
@@ -413,20 +414,20 @@ def test_an_entry_a_live_process_maps_is_never_pruned(mlp_model: Path, tmp_path:
     try:
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "prepacked-file"  # the pool is open
-        kept = _cache.prune_cache(max_bytes=0, cache_dir=root)
+        kept = sharedml.cache.prune_cache(max_bytes=0, cache_dir=root)
         assert {e.kind for e in kept.busy} == {"models", "prepacked"} and not kept.removed
         # Where there is no flock (Windows) only an attempt to remove an entry tells.
-        busy = True if _cache.LOCKING else None
-        assert all(e.busy is busy for e in _cache.list_entries(cache_dir=root))
+        busy = True if sharedml.cache.LOCKING else None
+        assert all(e.busy is busy for e in sharedml.cache.list_entries(cache_dir=root))
         out = cache_cli(root, "clear")
         assert out.returncode == 0 and "in use by a live process" in out.stdout
-        assert len(_cache.list_entries(cache_dir=root)) == 2
+        assert len(sharedml.cache.list_entries(cache_dir=root)) == 2
     finally:
         holder.communicate("\n", timeout=60)
     assert holder.returncode == 0
-    gone = _cache.prune_cache(max_bytes=0, cache_dir=root)
+    gone = sharedml.cache.prune_cache(max_bytes=0, cache_dir=root)
     assert {e.kind for e in gone.removed} == {"models", "prepacked"} and not gone.busy
-    assert _cache.list_entries(cache_dir=root) == []
+    assert sharedml.cache.list_entries(cache_dir=root) == []
     with sharedml.SessionPool(mlp_model, sessions=1, cache_dir=root) as pool:  # built again
         assert pool.run(None, feeds_for(pool))[0].shape[0] == 1
 
@@ -442,11 +443,11 @@ def test_this_process_holds_what_its_pools_map_until_they_are_gone(
 ) -> None:
     root = tmp_path / "c"
     pool = sharedml.SessionPool(mlp_model, sessions=1, cache_dir=root)
-    assert _cache.prune_cache(max_bytes=0, cache_dir=root).removed == ()
+    assert sharedml.cache.prune_cache(max_bytes=0, cache_dir=root).removed == ()
     pool.close()
     del pool
     gc.collect()
-    assert len(_cache.prune_cache(max_bytes=0, cache_dir=root).removed) == 2
+    assert len(sharedml.cache.prune_cache(max_bytes=0, cache_dir=root).removed) == 2
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
@@ -477,29 +478,31 @@ def write_file(name: str, data: bytes) -> Callable[[Path], None]:
 def test_prune_by_age_and_by_size_takes_the_least_recently_used_first(tmp_path: Path) -> None:
     root = tmp_path / "c"
     for i, age_days in enumerate((30, 10, 0)):
-        entry = _cache.publish(
+        entry = _entries.publish(
             "demo",
             f"e{i}",
             write_file("f", b"x" * (1000 + i)),
-            cache_dir=root,
+            cache=Cache(root),
         )
         assert entry.hold is not None
         entry.hold.release()
         then = time.time() - age_days * 86400
         os.utime(entry.path / ".lock", (then, then))
-    assert [e.key for e in _cache.list_entries(cache_dir=root)] == ["e0", "e1", "e2"]
-    dry = _cache.prune_cache(older_than_s=20 * 86400, dry_run=True, cache_dir=root)
-    assert [e.key for e in dry.removed] == ["e0"] and len(_cache.list_entries(cache_dir=root)) == 3
+    assert [e.key for e in sharedml.cache.list_entries(cache_dir=root)] == ["e0", "e1", "e2"]
+    dry = sharedml.cache.prune_cache(older_than_s=20 * 86400, dry_run=True, cache_dir=root)
+    assert [e.key for e in dry.removed] == ["e0"] and len(
+        sharedml.cache.list_entries(cache_dir=root)
+    ) == 3
     out = cache_cli(root, "prune", "--older-than", "20")
     assert out.returncode == 0 and "removed 1 entries" in out.stdout, out.stdout + out.stderr
     out = cache_cli(root, "prune", "--max-size", "1.5K", "--json")
     assert [e["key"] for e in json.loads(out.stdout)["removed"]] == ["e1"]
-    assert [e.key for e in _cache.list_entries(cache_dir=root)] == ["e2"]
+    assert [e.key for e in sharedml.cache.list_entries(cache_dir=root)] == ["e2"]
 
 
 def test_verify_reads_every_byte_and_prune_removes_what_is_damaged(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    entry = _cache.publish("demo", "k", write_file("f", b"a" * 4096), cache_dir=root)
+    entry = _entries.publish("demo", "k", write_file("f", b"a" * 4096), cache=Cache(root))
     assert entry.hold is not None
     entry.hold.release()  # this process is done with it
     assert cache_cli(root, "verify").returncode == 0
@@ -507,10 +510,14 @@ def test_verify_reads_every_byte_and_prune_removes_what_is_damaged(tmp_path: Pat
     (entry.path / "f").write_bytes(b"b" * 4096)  # same size: only the hash tells
     out = cache_cli(root, "verify")
     assert out.returncode == 1 and "DAMAGED demo/k" in out.stdout
-    assert [e.problem is not None for e in _cache.verify_entries(cache_dir=root)] == [True]
-    assert [e.key for e in _cache.prune_cache(older_than_s=1e9, cache_dir=root).removed] == []
+    assert [e.problem is not None for e in sharedml.cache.verify_entries(cache_dir=root)] == [True]
+    assert [
+        e.key for e in sharedml.cache.prune_cache(older_than_s=1e9, cache_dir=root).removed
+    ] == []
     (entry.path / "f").write_bytes(b"short")  # a size mismatch: damaged without hashing
-    assert [e.key for e in _cache.prune_cache(older_than_s=1e9, cache_dir=root).removed] == ["k"]
+    assert [
+        e.key for e in sharedml.cache.prune_cache(older_than_s=1e9, cache_dir=root).removed
+    ] == ["k"]
 
 
 @pytest.mark.skipif(not POSIX, reason="symlinks")
@@ -519,21 +526,23 @@ def test_removal_never_follows_a_symlink_out_of_the_cache(tmp_path: Path) -> Non
     outside = tmp_path / "precious"
     outside.mkdir()
     (outside / "data").write_bytes(b"keep me" * 1000)
-    entry = _cache.publish("demo", "k", write_file("f", b"a"), cache_dir=root)
+    entry = _entries.publish("demo", "k", write_file("f", b"a"), cache=Cache(root))
     del entry  # its hold goes with it
     gc.collect()
     os.symlink(outside, root / "demo" / "k" / "link")  # planted inside an entry
     os.symlink(outside, root / "demo" / "mlp-v9")  # planted as an entry (a key's name)
     os.symlink(outside, root / "demo" / "planted")  # not sharedml's: left as it is
-    listed = {e.key: e for e in _cache.list_entries(cache_dir=root)}
+    listed = {e.key: e for e in sharedml.cache.list_entries(cache_dir=root)}
     assert listed["mlp-v9"].problem is not None and "symlink" in listed["mlp-v9"].problem
     assert listed["planted"].foreign and not listed["mlp-v9"].foreign
     assert all(e.size_bytes < 1000 for e in listed.values())
-    assert _cache.cache_summary(cache_dir=root).size_bytes < 7000
+    assert sharedml.cache.cache_summary(cache_dir=root).size_bytes < 7000
     out = cache_cli(root, "clear")
     assert out.returncode == 0, out.stdout + out.stderr
     assert (outside / "data").read_bytes() == b"keep me" * 1000
-    assert [(e.key, e.foreign) for e in _cache.list_entries(cache_dir=root)] == [("planted", True)]
+    assert [(e.key, e.foreign) for e in sharedml.cache.list_entries(cache_dir=root)] == [
+        ("planted", True)
+    ]
     assert os.path.islink(root / "demo" / "planted")
 
 
@@ -606,11 +615,11 @@ def test_an_empty_folder_or_a_cache_without_its_marker_is_adopted(
     empty = tmp_path / "empty"
     empty.mkdir()
     sharedml.prepared_model_for(mlp_model, cache_dir=empty)
-    assert (empty / _cache.MARKER_FILE).read_text().startswith("Signature: 8a477f597d28d172")
+    assert (empty / _root.MARKER_FILE).read_text().startswith("Signature: 8a477f597d28d172")
     # A cache an earlier sharedml made (no marker) holds only what sharedml makes: adopted.
     older = tmp_path / "older"
     use_every_kind(mlp_model, older).close()
-    (older / _cache.MARKER_FILE).unlink()
+    (older / _root.MARKER_FILE).unlink()
     again = subprocess.run(  # a new process: this one remembers the folder it adopted
         [sys.executable, "-c", HOLDER, str(mlp_model), str(older)],
         input="\n",
@@ -619,14 +628,14 @@ def test_an_empty_folder_or_a_cache_without_its_marker_is_adopted(
         timeout=300,
     )
     assert again.returncode == 0 and "prepacked-file" in again.stdout, again.stderr[-3000:]
-    assert (older / _cache.MARKER_FILE).is_file()
+    assert (older / _root.MARKER_FILE).is_file()
 
 
 def test_what_sharedml_did_not_make_in_its_cache_is_reported_and_left_alone(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "c"
-    entry = _cache.publish("demo", "k", write_file("f", b"a" * 4096), cache_dir=root)
+    entry = _entries.publish("demo", "k", write_file("f", b"a" * 4096), cache=Cache(root))
     del entry
     gc.collect()
     data_folder(root)  # someone's files inside the cache's own models/ folder
@@ -643,9 +652,9 @@ def test_what_sharedml_did_not_make_in_its_cache_is_reported_and_left_alone(
         assert out.returncode == 0, (command, out.stdout, out.stderr)
         assert "README.txt" in out.stdout and "DAMAGED" not in out.stdout, out.stdout
     assert outputs[("list",)].stdout.count("not made by sharedml") == 3
-    listed = _cache.list_entries(cache_dir=root)
+    listed = sharedml.cache.list_entries(cache_dir=root)
     assert sorted(e.key for e in listed if e.foreign) == ["README.txt", "bert", "resnet"]
-    assert _cache.cache_summary(cache_dir=root).foreign[0] == 3
+    assert sharedml.cache.cache_summary(cache_dir=root).foreign[0] == 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -668,15 +677,17 @@ def borrowing_entries(root: Path, borrowers: int) -> list[str]:
     Each borrower has 1 KiB of its own; they were last used in that order, and none is held.
     Returns the keys, oldest first.
     """
-    lender = _cache.publish("demo", "a", write_file("w", os.urandom(64 * 1024)), cache_dir=root)
+    lender = _entries.publish(
+        "demo", "a", write_file("w", os.urandom(64 * 1024)), cache=Cache(root)
+    )
     keys = ["a"]
     for i in range(borrowers):
 
-        def build(tmp: Path, i: int = i, lender: _cache.CacheEntry = lender) -> None:
+        def build(tmp: Path, i: int = i, lender: _entries.CacheEntry = lender) -> None:
             (tmp / "x").write_bytes(bytes([i]) * 1024)
             assert lender.link_file("w", tmp, "shared-", ".bin") is not None
 
-        _cache.publish("demo", f"b{i}", build, cache_dir=root)
+        _entries.publish("demo", f"b{i}", build, cache=Cache(root))
         keys.append(f"b{i}")
     del lender
     gc.collect()
@@ -691,12 +702,14 @@ def test_info_and_list_count_a_file_linked_by_several_entries_once(tmp_path: Pat
     root = tmp_path / "c"
     borrowing_entries(root, 4)
     on_disk = du(root)
-    summary = _cache.cache_summary(cache_dir=root)
+    summary = sharedml.cache.cache_summary(cache_dir=root)
     assert summary.size_bytes == on_disk
     assert summary.kinds["demo"][1] <= on_disk < 2 * 64 * 1024
     info = json.loads(cache_cli(root, "info", "--json").stdout)
     assert info["size_bytes"] == on_disk
-    assert _cache.disk_bytes(_cache.list_entries(cache_dir=root)) == du(root / "demo")
+    assert sharedml.cache.disk_bytes(sharedml.cache.list_entries(cache_dir=root)) == du(
+        root / "demo"
+    )
     out = cache_cli(root, "list").stdout
     assert "on disk" in out and "SIGBUS" in out and "cp" in out  # the linked-file hazard
 
@@ -721,11 +734,13 @@ def test_prune_to_a_size_counts_linked_files_once_and_stops_at_the_target(
     assert sorted(p.name for p in (root / "demo").iterdir()) == sorted(set(keys) - {"b0"})
     # Down to what the newest entry needs alone: each removal frees its share, and the big
     # file goes with its last link.
-    last = _cache.list_entries(cache_dir=root)[-1]
+    last = sharedml.cache.list_entries(cache_dir=root)[-1]
     assert last.key == keys[-1]
     before = du(root / "demo")
-    removal = _cache.prune_cache(max_bytes=_cache.disk_bytes([last]), cache_dir=root)
-    assert [e.key for e in _cache.list_entries(cache_dir=root)] == [keys[-1]]
+    removal = sharedml.cache.prune_cache(
+        max_bytes=sharedml.cache.disk_bytes([last]), cache_dir=root
+    )
+    assert [e.key for e in sharedml.cache.list_entries(cache_dir=root)] == [keys[-1]]
     assert removal.freed_bytes == before - du(root / "demo")
 
 
@@ -740,7 +755,7 @@ def test_a_clear_between_a_pools_lookup_and_its_mapping_does_not_fail_the_pool(
     # process then removed it, and the pool failed with ModelNotFoundError.
     root = tmp_path / "c"
     source = save_model(build_model(["initializer"], dim=64), tmp_path / "m.onnx")
-    real_open = sharedml.WeightStore.open.__func__  # type: ignore[attr-defined]
+    real_open = sharedml.weights.WeightStore.open.__func__  # type: ignore[attr-defined]
     cleared: list[str] = []
 
     def open_after_a_clear(cls: type, model_path: Path, **kwargs: object) -> object:
@@ -749,7 +764,7 @@ def test_a_clear_between_a_pools_lookup_and_its_mapping_does_not_fail_the_pool(
             cleared.append(out.stdout)
         return real_open(cls, model_path, **kwargs)
 
-    monkeypatch.setattr(sharedml.WeightStore, "open", classmethod(open_after_a_clear))
+    monkeypatch.setattr(sharedml.weights.WeightStore, "open", classmethod(open_after_a_clear))
     with sharedml.SessionPool(source, sessions=1, cache_dir=root, prepacking="off") as pool:
         assert pool.run(None, feeds(64))[0].shape == (1, 64)
     assert "in use by a live process" in cleared[0]
@@ -768,7 +783,7 @@ def test_an_entry_names_its_source_by_its_absolute_path(
     monkeypatch.chdir(tmp_path)
     with sharedml.SessionPool(Path("models/x.onnx"), sessions=1, prepacking="off"):
         pass
-    (entry,) = [e for e in _cache.list_entries() if e.kind == "models"]
+    (entry,) = [e for e in sharedml.cache.list_entries() if e.kind == "models"]
     assert entry.source == str(tmp_path / "models" / "x.onnx")
 
 
@@ -784,7 +799,7 @@ def test_keys_show_at_one_length_and_any_unique_start_of_one_selects_it(tmp_path
         timeout=300,
         check=True,
     )
-    keys = {e.kind: e.key for e in _cache.list_entries(cache_dir=root)}
+    keys = {e.kind: e.key for e in sharedml.cache.list_entries(cache_dir=root)}
     assert set(keys) == {"models", "prepacked"}
     shown = {f"{kind}/{key[:16]}" for kind, key in keys.items()}
     listed = cache_cli(root, "list").stdout
@@ -803,20 +818,20 @@ def test_keys_show_at_one_length_and_any_unique_start_of_one_selects_it(tmp_path
 
 
 def test_a_key_start_that_names_several_entries_is_refused() -> None:
-    def status(kind: str, key: str) -> _cache.EntryStatus:
-        return _cache.EntryStatus(kind, key, Path(key), 0, None, None, None, None, None)
+    def status(kind: str, key: str) -> sharedml.cache.EntryStatus:
+        return sharedml.cache.EntryStatus(kind, key, Path(key), 0, None, None, None, None, None)
 
     entries = [status("models", "ab12" + "0" * 60), status("prepacked", "ab34" + "0" * 28)]
     with pytest.raises(ValueError, match="2 cache entries have keys starting with 'ab'"):
-        _cache.select_entries(entries, ["ab"])
-    assert _cache.select_entries(entries, ["prepacked/ab", "ab1"]) == entries[::-1]
+        sharedml.cache.select_entries(entries, ["ab"])
+    assert sharedml.cache.select_entries(entries, ["prepacked/ab", "ab1"]) == entries[::-1]
 
 
 @pytest.mark.skipif(not POSIX, reason="SIGPIPE")
 def test_a_reader_that_leaves_early_gets_no_broken_pipe_error(tmp_path: Path) -> None:
     # 'sharedml cache info | head -2' ended with "sharedml: error: [Errno 32] Broken pipe".
     root = tmp_path / "c"
-    _cache.publish("demo", "k", write_file("f", b"a"), cache_dir=root)
+    _entries.publish("demo", "k", write_file("f", b"a"), cache=Cache(root))
     for command in (("info",), ("list",), ("list", "--json")):
         proc = subprocess.Popen(
             [sys.executable, "-m", "sharedml", "cache", *command],
@@ -830,3 +845,69 @@ def test_a_reader_that_leaves_early_gets_no_broken_pipe_error(tmp_path: Path) ->
             err = proc.stderr.read().decode()
         assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
         assert err == "", err
+
+
+# --------------------------------------------------------------------------------------------
+# The Cache object: resolved once, carried to everything that uses it
+
+
+def test_a_cache_object_keeps_the_folder_it_was_resolved_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(first))
+    cache = Cache.at(None)
+    assert Cache.at(cache) is cache  # a Cache passed on is not resolved again
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(second))
+    demo = demo_model_path(cache_dir=cache)
+    source = save_model(build_model(["initializer"]), tmp_path / "m.onnx")
+    with sharedml.SessionPool(source, sessions=1, cache_dir=cache) as pool:
+        assert pool.run(None, feeds(64))[0].shape == (1, 64)
+    assert demo.is_relative_to(first)
+    assert [e.kind for e in sharedml.cache.list_entries(cache_dir=cache)].count("models") == 1
+    assert not second.exists()
+
+
+def test_a_weight_store_verifies_against_the_cache_it_was_opened_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store is opened unverified, and verified later, after $SHAREDML_CACHE_DIR changed:
+    # the stamp of that check belongs in the store's cache, not in whatever the variable names
+    # by then (which nothing else of this store uses).
+    first, second = tmp_path / "first", tmp_path / "second"
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(first))
+    source = save_model(build_model(["initializer"], seed=7), tmp_path / "m.onnx")
+    prepared = sharedml.prepare(source, tmp_path / "prepared.onnx").model_path
+    store = sharedml.weights.WeightStore.open(prepared, verify=False)
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(second))
+    assert sharedml.weights.WeightStore.open(prepared, verify=True) is store
+    assert store.verified
+    assert list((first / "stamps").iterdir())
+    assert not second.exists()
+    store.close()
+
+
+def test_the_default_folder_is_the_platforms_user_cache_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import platformdirs
+    import platformdirs.windows
+
+    monkeypatch.delenv("SHAREDML_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if sys.platform.startswith("linux"):
+        assert sharedml.cache_dir() == tmp_path / "xdg" / "sharedml"
+        monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty: unset, as the XDG spec says
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        assert sharedml.cache_dir() == tmp_path / "home" / ".cache" / "sharedml"
+    # Windows' rules (the local application data folder, which platformdirs reads from the
+    # environment where this is not Windows: its override variable since 4.x, %LOCALAPPDATA%
+    # before): %LOCALAPPDATA%\sharedml, as before platformdirs named it; no author folder, no
+    # "Cache" folder below it.
+    for name in ("WIN_PD_OVERRIDE_LOCAL_APPDATA", "LOCALAPPDATA"):
+        monkeypatch.setenv(name, r"C:\Users\u\AppData\Local")
+    monkeypatch.setattr(platformdirs, "PlatformDirs", platformdirs.windows.Windows)
+    assert str(sharedml.cache_dir()) == os.path.join(r"C:\Users\u\AppData\Local", "sharedml")
+    assert sharedml.cache_dir(tmp_path / "mine") == tmp_path / "mine"
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "env"))
+    assert sharedml.cache_dir() == tmp_path / "env"

@@ -18,8 +18,8 @@ from _models import build_model, feeds, run_ort, save_model
 
 import sharedml
 import sharedml._host
-import sharedml.cache._cache
-from sharedml.cache._cache import recall_stamp, record_stamp, snapshot
+from sharedml.cache import Cache, _stamps
+from sharedml.cache._stamps import recall_stamp, record_stamp, snapshot
 
 POSIX = os.name == "posix"
 # Windows gets no stamps: its st_ctime is the creation time, which no write moves, so a file
@@ -32,7 +32,7 @@ needs_stamps = pytest.mark.skipif(
 @pytest.fixture
 def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let files written by the test itself get stamps (production waits 3 s after a write)."""
-    monkeypatch.setattr(sharedml.cache._cache, "_RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(_stamps, "RACY_WINDOW_NS", 0)
 
 
 def rewrite_in_place(path: Path, data: bytes) -> None:
@@ -105,14 +105,14 @@ def test_an_external_data_file_rewritten_in_place_gets_its_own_entry(
 
 @pytest.mark.skipif(os.name != "nt", reason="Windows")
 def test_windows_gets_no_stamps(source: Path, no_racy_window: None) -> None:
-    assert not record_stamp("test", snapshot(source), "v1")
+    assert not record_stamp("test", snapshot(source), "v1", cache=Cache.at(None))
     sharedml.prepared_model_for(source)
-    assert recall_stamp("test", source) is None
+    assert recall_stamp("test", source, cache=Cache.at(None)) is None
 
 
 def test_a_file_written_just_now_gets_no_stamp(source: Path) -> None:
     # Within the timestamp granularity a second write could leave every stamp field unchanged.
-    assert not record_stamp("test", snapshot(source), "value")
+    assert not record_stamp("test", snapshot(source), "value", cache=Cache.at(None))
     sharedml.prepared_model_for(source)
     assert not (sharedml.cache_dir() / "stamps").exists() or not any(
         (sharedml.cache_dir() / "stamps").iterdir()
@@ -123,51 +123,53 @@ def test_a_file_written_just_now_gets_no_stamp(source: Path) -> None:
 def test_a_recorded_stamp_is_recalled_until_the_file_changes(
     source: Path, tmp_path: Path, no_racy_window: None
 ) -> None:
-    assert record_stamp("test", snapshot(source), "v1", "params")
-    assert recall_stamp("test", source, "params") == "v1"
-    assert recall_stamp("test", source, "other params") is None
-    assert recall_stamp("other kind", source, "params") is None
+    assert record_stamp("test", snapshot(source), "v1", "params", cache=Cache.at(None))
+    assert recall_stamp("test", source, "params", cache=Cache.at(None)) == "v1"
+    assert recall_stamp("test", source, "other params", cache=Cache.at(None)) is None
+    assert recall_stamp("other kind", source, "params", cache=Cache.at(None)) is None
     rewrite_in_place(source, same_size_variant(source, 3, tmp_path))
-    assert recall_stamp("test", source, "params") is None
+    assert recall_stamp("test", source, "params", cache=Cache.at(None)) is None
 
 
 @needs_stamps
 def test_a_replaced_file_is_not_recalled(source: Path, no_racy_window: None) -> None:
-    assert record_stamp("test", snapshot(source), "v1")
+    assert record_stamp("test", snapshot(source), "v1", cache=Cache.at(None))
     data = source.read_bytes()
     source.unlink()
     source.write_bytes(data)  # same bytes, new inode: the stamp cannot prove that
-    assert recall_stamp("test", source) is None
+    assert recall_stamp("test", source, cache=Cache.at(None)) is None
 
 
 @pytest.mark.skipif(not POSIX, reason="POSIX permissions")
 def test_stamps_in_a_folder_others_can_write_are_ignored(
     source: Path, no_racy_window: None
 ) -> None:
-    assert record_stamp("test", snapshot(source), "v1")
+    assert record_stamp("test", snapshot(source), "v1", cache=Cache.at(None))
     stamps = sharedml.cache_dir() / "stamps"
     os.chmod(stamps, 0o777)  # another user could have planted this stamp
-    assert recall_stamp("test", source) is None
-    assert record_stamp("test", snapshot(source), "v2")  # recording makes the folder private again
+    assert recall_stamp("test", source, cache=Cache.at(None)) is None
+    assert record_stamp(
+        "test", snapshot(source), "v2", cache=Cache.at(None)
+    )  # recording makes the folder private again
     assert oct(os.stat(stamps).st_mode & 0o777) == oct(0o700)
-    assert recall_stamp("test", source) == "v2"
+    assert recall_stamp("test", source, cache=Cache.at(None)) == "v2"
 
 
 @needs_stamps
 def test_stamps_can_be_turned_off(
     source: Path, no_racy_window: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert record_stamp("test", snapshot(source), "v1")
+    assert record_stamp("test", snapshot(source), "v1", cache=Cache.at(None))
     monkeypatch.setenv("SHAREDML_STAMPS", "0")
-    assert recall_stamp("test", source) is None
+    assert recall_stamp("test", source, cache=Cache.at(None)) is None
 
 
 @needs_stamps
 def test_a_damaged_stamp_is_a_miss(source: Path, no_racy_window: None) -> None:
-    assert record_stamp("test", snapshot(source), "v1")
+    assert record_stamp("test", snapshot(source), "v1", cache=Cache.at(None))
     (stamp,) = (sharedml.cache_dir() / "stamps").iterdir()
     stamp.write_text("{not json")
-    assert recall_stamp("test", source) is None
+    assert recall_stamp("test", source, cache=Cache.at(None)) is None
 
 
 @needs_stamps
@@ -175,11 +177,11 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     source: Path, no_racy_window: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prepared = sharedml.prepare(source, source.parent / "prepared" / "m.onnx").model_path
-    weights = sharedml.weights_path_for(prepared)
-    store = sharedml.WeightStore.open(prepared)
+    weights = sharedml.prepared.weights_path_for(prepared)
+    store = sharedml.weights.WeightStore.open(prepared)
     assert store.verified
     del store
-    sharedml.WeightStore._registry.clear()  # as in a new process: no store, no mapping
+    sharedml.weights.WeightStore._registry.clear()  # as in a new process: no store, no mapping
     sharedml.weights._store._MappedFile._registry.clear()
 
     hashed: list[Path] = []
@@ -190,9 +192,9 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
         return real(path, sha)
 
     monkeypatch.setattr(sharedml._host, "sha256_file", counting)
-    assert sharedml.WeightStore.open(prepared).verified
+    assert sharedml.weights.WeightStore.open(prepared).verified
     assert hashed == []
-    sharedml.WeightStore._registry.clear()
+    sharedml.weights.WeightStore._registry.clear()
     sharedml.weights._store._MappedFile._registry.clear()
 
     data = bytearray(weights.read_bytes())
@@ -200,7 +202,7 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     os.chmod(weights, 0o644)
     rewrite_in_place(weights, bytes(data))
     with pytest.raises(sharedml.WeightsMismatchError, match="modified"):
-        sharedml.WeightStore.open(prepared)
+        sharedml.weights.WeightStore.open(prepared)
     assert hashed == [weights]
 
 
@@ -282,10 +284,10 @@ def test_a_write_during_the_hash_is_not_stamped_as_good(
         return digest
 
     monkeypatch.setattr(sharedml._host, "sha256_file", hash_then_write)
-    assert sharedml.cache._cache.verified_sha256(source, good)
+    assert _stamps.verified_sha256(source, good, cache=Cache.at(None))
     monkeypatch.setattr(sharedml._host, "sha256_file", real)
-    sharedml.cache._cache._DIGESTS.clear()  # as in a new process
-    assert not sharedml.cache._cache.verified_sha256(source, good)  # hashed again: changed
+    _stamps._DIGESTS.clear()  # as in a new process
+    assert not _stamps.verified_sha256(source, good, cache=Cache.at(None))  # hashed again: changed
 
 
 @needs_stamps

@@ -90,7 +90,7 @@ def test_the_default_route_gives_plain_outputs_on_this_onnxruntime(
                 info = ExternalData.of(ref.tensor)
                 assert info is None or (entry.parent / info.location).is_file(), ref.name
         else:
-            assert pool.mechanism == sharedml.zero_copy_mechanisms()[0]
+            assert pool.mechanism == sharedml.weights.zero_copy_mechanisms()[0]
             assert saves.reason in pool.mechanism_reason
         for feed in feed_list:
             np.testing.assert_allclose(
@@ -104,7 +104,7 @@ def test_without_prepacked_save_the_pool_shares_raw_weights_quietly(
     monkeypatch.setenv(WITHOUT_ENV, "prepacked-save")
     model, feed_list = mlp(tmp_path)
     with sharedml.SessionPool(model, sessions=2) as pool:  # no warning: nothing failed
-        assert pool.mechanism == sharedml.zero_copy_mechanisms()[0]
+        assert pool.mechanism == sharedml.weights.zero_copy_mechanisms()[0]
         assert f"declared missing by {WITHOUT_ENV}" in pool.mechanism_reason
         for feed in feed_list:
             np.testing.assert_allclose(

@@ -17,15 +17,12 @@ import onnxruntime as ort
 import pytest
 
 import sharedml
+import sharedml.cache
 from sharedml._errors import UnsafePathError
-from sharedml.cache import _cache
+from sharedml.cache import Cache, _entries
 from sharedml.model._graph import load_graph
-from sharedml.prepared._prepare import (
-    SharedWeights,
-    WeightsManifest,
-    prepared_model_for,
-    read_manifest,
-)
+from sharedml.prepared._format import SharedWeights, WeightsManifest, read_manifest
+from sharedml.prepared._prepare import prepared_model_for
 from tests._models import build_model, feeds, save_model
 from tools.families import decoder_pair, renamed_variant
 
@@ -67,7 +64,9 @@ def test_the_second_entry_links_the_first_entrys_weights_and_stores_only_the_res
     assert os.stat(a.parent / ma.file).st_nlink == 2
     # the variant's own file holds its extra layer only (plus alignment)
     assert 2**20 <= mb.size_bytes < 2**20 + 2 * 4096
-    shared = {e.key: e for e in _cache.list_entries() if e.kind == "models" and e.path == b.parent}
+    shared = {
+        e.key: e for e in sharedml.cache.list_entries() if e.kind == "models" and e.path == b.parent
+    }
     assert [e.uses for e in shared.values()] == [(a.parent.name,)]  # sharedml cache list
 
 
@@ -84,7 +83,7 @@ def test_pools_over_both_give_plain_outputs_and_map_each_file_once(
             for got, want in zip(pool.run(None, feed), _plain(src, feed), strict=True):
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         # b's store maps a's weights file itself (its inode), and its own file only besides
-        sa, sb = (sharedml.WeightStore.open(prepared_model_for(p)) for p in pair)
+        sa, sb = (sharedml.weights.WeightStore.open(prepared_model_for(p)) for p in pair)
         assert sa.file_key in sb.file_keys.values() and len(sb.file_keys) == 2
 
 
@@ -93,9 +92,9 @@ def test_pools_over_both_give_plain_outputs_and_map_each_file_once(
 def test_the_device_store_uploads_each_shared_tensor_once(
     pair: tuple[Path, Path], route: str
 ) -> None:
-    hosts = [sharedml.WeightStore.open(prepared_model_for(p)) for p in pair]
-    first = sharedml.DeviceWeightStore.for_store(hosts[0], CPU, 0, route=route)
-    second = sharedml.DeviceWeightStore.for_store(hosts[1], CPU, 0, route=route)
+    hosts = [sharedml.weights.WeightStore.open(prepared_model_for(p)) for p in pair]
+    first = sharedml.weights.DeviceWeightStore.for_store(hosts[0], CPU, 0, route=route)
+    second = sharedml.weights.DeviceWeightStore.for_store(hosts[1], CPU, 0, route=route)
     extra = sum(s.length for s in hosts[1].slots if s.file == hosts[1].manifest.file)
     assert extra >= 2**20
     # the second adds its extra layer, not a second copy of the shared tensors
@@ -188,8 +187,10 @@ def test_a_tampered_lender_is_not_linked_and_the_borrower_is_rebuilt(
 def test_removing_the_lender_leaves_the_borrower_whole(pair: tuple[Path, Path]) -> None:
     a, b = (prepared_model_for(p) for p in pair)
     for prepared in (a, b):  # a lookup holds its entry until a store maps it; then let go
-        sharedml.WeightStore.open(prepared).close()
-    removed = _cache.remove_entries([e for e in _cache.list_entries() if e.path == a.parent])
+        sharedml.weights.WeightStore.open(prepared).close()
+    removed = sharedml.cache.remove_entries(
+        [e for e in sharedml.cache.list_entries() if e.path == a.parent]
+    )
     assert removed and not a.parent.exists()
     feed = feeds(DIM)
     with sharedml.SessionPool(b, sessions=1, prepacking="off") as pool:  # verified: whole
@@ -228,7 +229,7 @@ def test_a_permission_error_while_publishing_names_the_file_not_the_disk(
         raise PermissionError(13, "Permission denied", str(folder / "model.onnx"))
 
     with pytest.raises(sharedml.CacheError) as info:
-        _cache.publish("demo", "k", build, cache_dir=tmp_path / "c")
+        _entries.publish("demo", "k", build, cache=Cache(tmp_path / "c"))
     message = str(info.value)
     assert "model.onnx" in message and "Permission denied" in message
     assert "disk space" not in message
@@ -253,11 +254,13 @@ def test_a_prepacked_entry_whose_weights_all_sit_in_linked_files_keeps_no_dead_c
             np.testing.assert_allclose(
                 pool.run(None, feed)[0], _plain(source, feed)[0], rtol=1e-5, atol=1e-5
             )
-    prepacked = [e for e in _cache.list_entries() if e.kind == "prepacked"]
+    prepacked = [e for e in sharedml.cache.list_entries() if e.kind == "prepacked"]
     (user,) = [e for e in prepacked if e.uses]
     (lender,) = [e for e in prepacked if e is not user]
     assert (user.path / "model.data").stat().st_size == 0
-    assert _cache.disk_bytes(prepacked) < lender.size_bytes + 2**20 // 4  # one copy, plus graphs
+    assert (
+        sharedml.cache.disk_bytes(prepacked) < lender.size_bytes + 2**20 // 4
+    )  # one copy, plus graphs
     with sharedml.SessionPool(second, sessions=1) as pool:  # the entry as published still loads
         np.testing.assert_allclose(
             pool.run(None, feed)[0], _plain(second, feed)[0], rtol=1e-5, atol=1e-5

@@ -74,7 +74,7 @@ def _scaled(buffer: np.ndarray, factor: float) -> np.ndarray:
 @pytest.mark.capability("dlpack")
 @pytest.mark.parametrize("route", ["ort-slab", "ort-per-tensor"])
 def test_sessions_borrow_the_uploaded_buffers_in_subgraphs_too(prepared: Path, route: str) -> None:
-    weights = sharedml.WeightStore.open(prepared)
+    weights = sharedml.weights.WeightStore.open(prepared)
     store = DeviceWeightStore.for_store(weights, CPU, 0, route=route)
     assert set(store.tensor_names) == {s.name for s in weights.slots}
     assert store.host_tensors == ()
@@ -96,7 +96,7 @@ def test_sessions_borrow_the_uploaded_buffers_in_subgraphs_too(prepared: Path, r
 
 @pytest.mark.capability("dlpack")
 def test_slab_views_point_into_one_buffer_at_the_file_offsets(prepared: Path) -> None:
-    weights = sharedml.WeightStore.open(prepared)
+    weights = sharedml.weights.WeightStore.open(prepared)
     store = DeviceWeightStore.for_store(weights, CPU, 0, route="ort-slab")
     lo = min(s.offset for s in weights.slots) // 256 * 256
     hi = max(s.offset + s.length for s in weights.slots)
@@ -136,7 +136,7 @@ def _packed_model(tmp_path: Path) -> Path:
 @pytest.mark.capability("dlpack")
 @pytest.mark.parametrize("route", ["ort-slab", "ort-per-tensor"])
 def test_device_views_keep_the_file_alignment_of_packed_tensors(tmp_path: Path, route: str) -> None:
-    weights = sharedml.WeightStore.open(_packed_model(tmp_path))
+    weights = sharedml.weights.WeightStore.open(_packed_model(tmp_path))
     offsets = {s.name: s.offset for s in weights.slots}
     assert offsets == {"flags": 0, "small": 16, "large": 4096}
     store = DeviceWeightStore.for_store(weights, CPU, 0, route=route)
@@ -172,7 +172,7 @@ def test_views_keep_the_slab_alive_after_the_store_is_closed() -> None:
 
 @pytest.mark.capability("dlpack")
 def test_for_store_returns_the_live_store(prepared: Path) -> None:
-    weights = sharedml.WeightStore.open(prepared)
+    weights = sharedml.weights.WeightStore.open(prepared)
     a = DeviceWeightStore.for_store(weights, CPU, 0, route="ort-slab")
     assert DeviceWeightStore.for_store(weights, CPU, 0, route="ort-slab") is a
     assert DeviceWeightStore.for_store(weights, CPU, 0, route="ort-per-tensor") is not a
@@ -197,14 +197,14 @@ def test_types_dlpack_cannot_carry_stay_in_the_file() -> None:
 
 @pytest.mark.capability("dlpack")
 def test_closed_store_refuses_to_register(prepared: Path) -> None:
-    store = DeviceWeightStore(sharedml.WeightStore.open(prepared), CPU, 0, route="ort-slab")
+    store = DeviceWeightStore(sharedml.weights.WeightStore.open(prepared), CPU, 0, route="ort-slab")
     store.close()
     with pytest.raises(sharedml.ProviderError, match="closed"):
         store.register(ort.SessionOptions())
 
 
 def test_unknown_route_and_provider_are_refused(prepared: Path) -> None:
-    weights = sharedml.WeightStore.open(prepared)
+    weights = sharedml.weights.WeightStore.open(prepared)
     with pytest.raises(sharedml.ProviderError, match="Unknown device weight route"):
         DeviceWeightStore(weights, CPU, 0, route="magic")
     with pytest.raises(sharedml.ProviderError, match="sharedml knows how for"):
@@ -213,7 +213,7 @@ def test_unknown_route_and_provider_are_refused(prepared: Path) -> None:
 
 def test_cupy_route_needs_cuda(prepared: Path) -> None:
     with pytest.raises(sharedml.ProviderError, match="cupy-slab"):
-        DeviceWeightStore(sharedml.WeightStore.open(prepared), CPU, 0, route="cupy-slab")
+        DeviceWeightStore(sharedml.weights.WeightStore.open(prepared), CPU, 0, route="cupy-slab")
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,7 +388,7 @@ def test_cuda_probe_finds_a_route(cuda_ready: None) -> None:
 @needs_cuda
 def test_cuda_sessions_borrow_one_upload(cuda_ready: None, tmp_path: Path) -> None:
     src, dst = _cuda_model(tmp_path)
-    weights = sharedml.WeightStore.open(dst)
+    weights = sharedml.weights.WeightStore.open(dst)
     route = _device_probe.select_route(CUDA, 0)
     assert route is not None
     store = DeviceWeightStore.for_store(weights, CUDA, 0, route=route)

@@ -74,7 +74,7 @@ def test_a_prepared_family_of_three_variants_stores_each_distinct_tensor_once(
     tmp_path: Path, variants: list[Path]
 ) -> None:
     out = tmp_path / "family"
-    result = sharedml.prepare(variants, out)
+    result = sharedml.prepare_family(variants, out)
     distinct, total = _distinct_bytes(variants)
     size = result.weights_path.stat().st_size
     print(f"distinct {distinct} B, total {total} B, weights file {size} B ({size / distinct:.3f}x)")
@@ -95,10 +95,10 @@ def test_a_prepared_family_of_three_variants_stores_each_distinct_tensor_once(
 def test_members_of_a_family_share_one_mapping_of_the_weights_file(
     tmp_path: Path, variants: list[Path]
 ) -> None:
-    result = sharedml.prepare(variants[:2], tmp_path / "family")
+    result = sharedml.prepare_family(variants[:2], tmp_path / "family")
     before = _MappedFile.live()
-    a = sharedml.WeightStore.open(result.model_paths[0])
-    b = sharedml.WeightStore.open(result.model_paths[1])
+    a = sharedml.weights.WeightStore.open(result.model_paths[0])
+    b = sharedml.weights.WeightStore.open(result.model_paths[1])
     assert a is not b and a.mapping_id == b.mapping_id
     assert _MappedFile.live() == before + 1
     a.close()
@@ -109,7 +109,7 @@ def test_members_of_a_family_share_one_mapping_of_the_weights_file(
 
 def test_the_decoder_pair_prepared_as_a_family_stores_one_models_weights(tmp_path: Path) -> None:
     dec, past = decoder_pair(tmp_path / "src")
-    result = sharedml.prepare([dec, past], tmp_path / "family")
+    result = sharedml.prepare_family([dec, past], tmp_path / "family")
     one = sharedml.prepare(dec, tmp_path / "single" / "decoder_model.onnx")
     size, single = result.weights_path.stat().st_size, one.weights_path.stat().st_size
     print(f"family weights {size} B, one model's {single} B ({size / single:.3f}x)")
@@ -132,7 +132,7 @@ def test_the_decoder_pair_prepared_as_a_family_stores_one_models_weights(tmp_pat
 
 def test_an_encoder_with_two_heads_stores_the_encoder_once(tmp_path: Path) -> None:
     paths = list(encoder_heads(tmp_path / "src"))
-    result = sharedml.prepare(paths, tmp_path / "family")
+    result = sharedml.prepare_family(paths, tmp_path / "family")
     distinct, total = _distinct_bytes(paths)
     assert total > 1.8 * distinct
     assert result.weights_path.stat().st_size <= 1.05 * distinct + 4096  # + the end's page
@@ -150,7 +150,7 @@ def test_two_members_with_one_file_name_are_refused_before_anything_is_written(
     other.write_bytes(variants[1].read_bytes())
     out = tmp_path / "family"
     with pytest.raises(sharedml.FamilyError, match="same path") as info:
-        sharedml.prepare([variants[1], other], out)
+        sharedml.prepare_family([variants[1], other], out)
     assert variants[1].name in str(info.value)
     assert not out.exists()
 
@@ -159,9 +159,9 @@ def test_a_member_inside_the_output_folder_is_refused(tmp_path: Path, variants: 
     folder = variants[0].parent
     before = sorted(os.listdir(folder))
     with pytest.raises(sharedml.FamilyError, match="inside the output folder"):
-        sharedml.prepare(variants, folder)
+        sharedml.prepare_family(variants, folder)
     with pytest.raises(sharedml.FamilyError, match="inside the output folder"):
-        sharedml.prepare(variants, folder.parent)  # a folder above the member: still inside
+        sharedml.prepare_family(variants, folder.parent)  # a folder above the member: still inside
     assert sorted(os.listdir(folder)) == before
 
 
@@ -170,22 +170,22 @@ def test_a_missing_member_is_refused_before_anything_is_written(
 ) -> None:
     out = tmp_path / "family"
     with pytest.raises(sharedml.ModelNotFoundError, match=r"missing\.onnx"):
-        sharedml.prepare([variants[0], tmp_path / "missing.onnx"], out)
+        sharedml.prepare_family([variants[0], tmp_path / "missing.onnx"], out)
     assert not out.exists()
 
 
 def test_an_empty_family_is_refused(tmp_path: Path) -> None:
     with pytest.raises(sharedml.FamilyError, match="empty"):
-        sharedml.prepare([], tmp_path / "family")
+        sharedml.prepare_family([], tmp_path / "family")
 
 
 def test_a_family_member_whose_shared_weights_file_is_gone_is_a_clear_error(
     tmp_path: Path, variants: list[Path]
 ) -> None:
-    result = sharedml.prepare(variants[:2], tmp_path / "family")
+    result = sharedml.prepare_family(variants[:2], tmp_path / "family")
     result.weights_path.unlink()
     with pytest.raises(sharedml.WeightsMismatchError, match="missing"):
-        sharedml.WeightStore.open(result.model_paths[1])
+        sharedml.weights.WeightStore.open(result.model_paths[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def test_redeploying_one_member_keeps_running_pools_and_removes_only_unreference
     tmp_path: Path, variants: list[Path]
 ) -> None:
     out = tmp_path / "family"
-    first = sharedml.prepare(variants[:2], out)
+    first = sharedml.prepare_family(variants[:2], out)
     mine = out / "family-0123456789abcdef.txt"  # not of the naming scheme: never removed
     mine.write_text("a user's file")
     feed = {"input": np.ones((1, WIDTH), np.float32)}
@@ -204,7 +204,7 @@ def test_redeploying_one_member_keeps_running_pools_and_removes_only_unreference
         want = pool.run(None, feed)[0]  # unpacked kernels: compared with itself, not plain ORT
         # Redeploy: the variant changes (another extra layer), the base does not.
         renamed_variant(variants[0], variants[1], extra_bytes=2**20, seed=99)
-        second = sharedml.prepare(variants[:2], out)
+        second = sharedml.prepare_family(variants[:2], out)
         assert second.weights_path != first.weights_path  # new content, new name
         if os.name == "nt":  # Windows refuses to delete a mapped file: it stays, for now
             assert first.weights_path.exists() and second.removed == ()
@@ -215,7 +215,7 @@ def test_redeploying_one_member_keeps_running_pools_and_removes_only_unreference
     if os.name == "nt":  # once no pool maps it, the next prepare removes it
         del pool
         gc.collect()
-        assert sharedml.prepare(variants[:2], out).removed == (first.weights_path,)
+        assert sharedml.prepare_family(variants[:2], out).removed == (first.weights_path,)
         assert not first.weights_path.exists()
     assert mine.exists()
     for src, prepared in zip(variants[:2], second.model_paths, strict=True):
@@ -226,9 +226,9 @@ def test_a_weights_file_another_graph_of_the_folder_refers_to_is_kept(
     tmp_path: Path, variants: list[Path]
 ) -> None:
     out = tmp_path / "family"
-    first = sharedml.prepare(variants[:2], out)
+    first = sharedml.prepare_family(variants[:2], out)
     # variants[2] alone, into the same folder: the first family's graphs still need its file.
-    second = sharedml.prepare([variants[2]], out)
+    second = sharedml.prepare_family([variants[2]], out)
     assert first.weights_path.exists() and second.weights_path.exists()
     assert second.removed == ()
 
@@ -237,11 +237,23 @@ def test_preparing_the_same_family_again_keeps_the_same_weights_file(
     tmp_path: Path, variants: list[Path]
 ) -> None:
     out = tmp_path / "family"
-    first = sharedml.prepare(variants, out)
+    first = sharedml.prepare_family(variants, out)
     inode = first.weights_path.stat().st_ino
-    second = sharedml.prepare(variants, out)
+    second = sharedml.prepare_family(variants, out)
     assert second.weights_path == first.weights_path
     assert second.weights_path.stat().st_ino == inode  # kept, not replaced (pools map it)
+
+
+def test_prepare_given_a_list_still_prepares_the_family_and_names_prepare_family(
+    tmp_path: Path, variants: list[Path]
+) -> None:
+    with pytest.warns(DeprecationWarning, match=r"sharedml\.prepare_family\(") as caught:
+        result = sharedml.prepare(variants[:2], tmp_path / "old")
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    expected = sharedml.prepare_family(variants[:2], tmp_path / "new")
+    assert isinstance(result, sharedml.FamilyResult)
+    assert [p.name for p in result.model_paths] == [p.name for p in variants[:2]]
+    assert result.manifest == expected.manifest  # the same bytes, the same content name
 
 
 def test_the_cli_prepares_a_family_into_a_folder(tmp_path: Path, variants: list[Path]) -> None:
@@ -302,7 +314,7 @@ def _decoder_feeds(dec: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarr
 
 
 def _device_sessions(
-    path: Path, store: sharedml.DeviceWeightStore, provider: str
+    path: Path, store: sharedml.weights.DeviceWeightStore, provider: str
 ) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -313,11 +325,11 @@ def _device_sessions(
 
 def _device_family_check(tmp_path: Path, provider: str, route: str) -> None:
     dec, past = decoder_pair(tmp_path / "src")
-    family = sharedml.prepare([dec, past], tmp_path / "family")
-    hosts = [sharedml.WeightStore.open(p) for p in family.model_paths]
-    first = sharedml.DeviceWeightStore.for_store(hosts[0], provider, 0, route=route)
+    family = sharedml.prepare_family([dec, past], tmp_path / "family")
+    hosts = [sharedml.weights.WeightStore.open(p) for p in family.model_paths]
+    first = sharedml.weights.DeviceWeightStore.for_store(hosts[0], provider, 0, route=route)
     alone = first.device_bytes
-    second = sharedml.DeviceWeightStore.for_store(hosts[1], provider, 0, route=route)
+    second = sharedml.weights.DeviceWeightStore.for_store(hosts[1], provider, 0, route=route)
     assert second is not first  # per model: its own tensor names
     assert set(second.tensor_names) == {s.name for s in hosts[1].slots}
     print(f"{provider} {route}: one member {alone} B on the device, both {second.device_bytes} B")
@@ -366,7 +378,7 @@ def test_family_members_borrow_one_cuda_copy_of_each_tensor(tmp_path: Path) -> N
     _device_family_check(tmp_path, CUDA, route)
     # And through pools, each member's pool over the same device values.
     dec, past = decoder_pair(tmp_path / "src2")
-    family = sharedml.prepare([dec, past], tmp_path / "family2")
+    family = sharedml.prepare_family([dec, past], tmp_path / "family2")
     prompt, step = _decoder_feeds(dec)
     providers = [CUDA, CPU]
     with (
@@ -411,7 +423,7 @@ warm.close()
 """
 
 MEMORY_WIDTH = 1024
-MEMORY_BASE_BYTES = 100 * 2**20  # the issue's sizes: a 100 MiB MLP ...  (about 40 s for both tests)
+MEMORY_BASE_BYTES = 100 * 2**20  # a 100 MiB MLP ...
 MEMORY_EXTRA_BYTES = 16 * 2**20  # ... and a variant with a 16 MiB extra layer
 
 
@@ -452,7 +464,7 @@ def memory_family(
     variant = renamed_variant(
         base, folder / "src" / "mlp_variant.onnx", extra_bytes=MEMORY_EXTRA_BYTES
     )
-    family = sharedml.prepare([base, variant], folder / "family")
+    family = sharedml.prepare_family([base, variant], folder / "family")
     return base, variant, list(family.model_paths), Path(warm)
 
 
@@ -514,7 +526,7 @@ def decoders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list
     folder = tmp_path_factory.mktemp("decoders")
     # 80 MiB of weights (GPT-2-small's layout: 4 layers of width 512, 8192 tokens, the head).
     dec, past = decoder_pair(folder / "src", layers=4, width=512, vocab=8192)
-    family = sharedml.prepare([dec, past], folder / "family")
+    family = sharedml.prepare_family([dec, past], folder / "family")
     return dec, past, list(family.model_paths)
 
 
@@ -584,22 +596,22 @@ def test_inspect_reports_a_familys_distinct_and_total_weights_and_its_memory(
 def test_the_cache_says_which_entries_share_weights_and_pruning_one_keeps_the_other(
     variants: list[Path],
 ) -> None:
-    from sharedml.cache import _cache
+    import sharedml.cache
 
     feed = {"input": np.ones((1, WIDTH), np.float32)}
     for model in variants[:2]:
         with sharedml.SessionPool(model, sessions=1) as pool:
             assert pool.mechanism == "prepacked-file", pool.mechanism_reason
             pool.run(None, feed)
-    prepacked = [e for e in _cache.list_entries() if e.kind == "prepacked"]
+    prepacked = [e for e in sharedml.cache.list_entries() if e.kind == "prepacked"]
     assert len(prepacked) == 2
     user = next(e for e in prepacked if e.uses)  # the second one built links the first's file
     lender = next(e for e in prepacked if e is not user)
     assert user.uses == (lender.key,)
     assert set(user.linked.values()) == {2} and set(lender.linked.values()) == {2}
-    _cache.remove_entries([lender])
+    sharedml.cache.remove_entries([lender])
     assert not lender.path.exists()
-    verified = _cache.verify_entries()
+    verified = sharedml.cache.verify_entries()
     assert user.key in {e.key for e in verified}
     assert all(e.problem is None for e in verified)  # the link kept the lender's bytes
     with sharedml.SessionPool(variants[1], sessions=1) as pool:
@@ -610,7 +622,7 @@ def test_the_cache_says_which_entries_share_weights_and_pruning_one_keeps_the_ot
 def test_without_hard_links_a_prepacked_entry_keeps_its_own_blobs_and_still_matches_plain(
     variants: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sharedml.cache import _cache
+    import sharedml.cache
 
     feed = {"input": np.ones((1, WIDTH), np.float32)}
     with sharedml.SessionPool(variants[0], sessions=1) as pool:
@@ -623,7 +635,7 @@ def test_without_hard_links_a_prepacked_entry_keeps_its_own_blobs_and_still_matc
     with sharedml.SessionPool(variants[1], sessions=1) as pool:
         assert pool.mechanism == "prepacked-file"
         np.testing.assert_array_equal(pool.run(None, feed)[0], _plain(variants[1], feed)[0])
-    prepacked = [e for e in _cache.list_entries() if e.kind == "prepacked"]
+    prepacked = [e for e in sharedml.cache.list_entries() if e.kind == "prepacked"]
     assert len(prepacked) == 2 and all(not e.uses and not e.linked for e in prepacked)
 
 
@@ -639,7 +651,7 @@ def test_an_entry_with_subgraph_weights_is_never_broken_by_another_sharing_its_f
     """
     from _models import build_model, feeds, save_model
 
-    from sharedml.cache import _cache
+    import sharedml.cache
 
     with_if = save_model(
         build_model(["initializer", "if_initializer"], dim=256), tmp_path / "a.onnx"
@@ -652,7 +664,7 @@ def test_an_entry_with_subgraph_weights_is_never_broken_by_another_sharing_its_f
             assert pool.mechanism == "prepacked-file", pool.mechanism_reason
             want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
             np.testing.assert_array_equal(pool.run(None, feed)[0], want.run(None, feed)[0])
-    prepacked = {e.key: e for e in _cache.list_entries() if e.kind == "prepacked"}
+    prepacked = {e.key: e for e in sharedml.cache.list_entries() if e.kind == "prepacked"}
     assert len(prepacked) == 2
     # Sharing happens only when the lender's file holds no subgraph tensor.
     assert any(e.uses for e in prepacked.values()) is not lender_has_subgraphs
@@ -728,7 +740,7 @@ def _planted_copy(reference: Path, folder: Path) -> Path:
 def test_a_weights_file_others_can_write_is_replaced_not_kept(
     tmp_path: Path, variants: list[Path], how: str
 ) -> None:
-    reference = sharedml.prepare(variants[:2], tmp_path / "reference").weights_path
+    reference = sharedml.prepare_family(variants[:2], tmp_path / "reference").weights_path
     out = tmp_path / "deploy"
     out.mkdir()
     planted = _planted_copy(reference, out)
@@ -736,13 +748,13 @@ def test_a_weights_file_others_can_write_is_replaced_not_kept(
         os.chmod(planted, 0o666)
     else:
         os.link(planted, tmp_path / "another-name")
-    result = sharedml.prepare(variants[:2], out)
+    result = sharedml.prepare_family(variants[:2], out)
     assert result.weights_path == planted
     st = os.lstat(planted)
     assert st.st_nlink == 1 and not st.st_mode & 0o022 and st.st_uid == os.geteuid()
     if how == "a second link":  # what the other name changes is no longer the family's file
         assert (tmp_path / "another-name").stat().st_ino != st.st_ino
-    again = sharedml.prepare(variants[:2], out)  # ours alone now: kept (pools may map it)
+    again = sharedml.prepare_family(variants[:2], out)  # ours alone now: kept (pools may map it)
     assert os.lstat(again.weights_path).st_ino == st.st_ino
 
 
@@ -765,14 +777,14 @@ def test_a_weights_file_another_user_planted_is_replaced(
 ) -> None:
     # The planted file had the right bytes, so prepare kept it ("content-named"); its owner
     # then rewrote 256 bytes of it and a live pool's outputs changed silently.
-    reference = sharedml.prepare(variants[:2], tmp_path / "reference").weights_path
+    reference = sharedml.prepare_family(variants[:2], tmp_path / "reference").weights_path
     shared = Path(tempfile.mkdtemp(prefix="sharedml-deploy-"))
     try:
         os.chmod(shared, 0o777)  # a deploy folder both users may write
         planted = shared / reference.name
         data = reference.read_bytes()
         other_user(lambda: _plant(data, planted))
-        result = sharedml.prepare(variants[:2], shared)
+        result = sharedml.prepare_family(variants[:2], shared)
         assert result.weights_path == planted
         st = os.lstat(planted)
         assert st.st_uid == os.geteuid() and st.st_nlink == 1 and not st.st_mode & 0o222
@@ -786,7 +798,7 @@ def test_a_weights_file_another_user_planted_is_replaced(
 
 def _prepare_refused(sources: list[Path], folder: Path, owner: int) -> None:
     try:
-        sharedml.prepare(sources, folder)
+        sharedml.prepare_family(sources, folder)
     except sharedml.PrepareError as exc:
         assert f"belongs to user id {owner}" in str(exc) and "Nothing was written" in str(exc)
     else:
@@ -803,7 +815,7 @@ def test_where_the_folder_forbids_replacing_a_planted_file_prepare_refuses(
     second_other_user: Callable[[Callable[[], None]], None],
 ) -> None:
     # A sticky folder (like /tmp): the victim may not rename over the attacker's file.
-    reference = sharedml.prepare(variants[:2], tmp_path / "reference").weights_path
+    reference = sharedml.prepare_family(variants[:2], tmp_path / "reference").weights_path
     base = Path(tempfile.mkdtemp(prefix="sharedml-sticky-"))
     try:
         os.chmod(base, 0o755)

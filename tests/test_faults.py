@@ -146,13 +146,13 @@ def test_processes_preparing_one_model_at_once_publish_one_valid_entry(tmp_path:
             # One published entry, no temporary folders left behind by the losers.
             assert [p.name for p in models.iterdir()] == [Path(lines[0]["entry"]).parent.name]
             entry = Path(lines[0]["entry"])
-            store = sharedml.WeightStore.open(entry, verify=True)  # the recorded hash holds
+            store = sharedml.weights.WeightStore.open(entry, verify=True)  # the recorded hash holds
             assert {line["sha"] for line in lines} == {store.manifest.sha256}
             # prepare() racing on one destination: the last rename wins, each result complete.
             direct = tmp_path / f"direct{r}"
             assert {line["direct"] for line in lines} == {store.manifest.sha256}
             assert sorted(p.name for p in direct.iterdir()) == ["m.onnx", "m.weights"]
-            sharedml.WeightStore.open(direct / "m.onnx", verify=True)
+            sharedml.weights.WeightStore.open(direct / "m.onnx", verify=True)
             del store
         with sharedml.SessionPool(src, sessions=1, cache_dir=tmp_path / "cache0") as pool:
             np.testing.assert_allclose(
@@ -251,7 +251,7 @@ def test_killed_prepare_over_an_earlier_output_leaves_the_earlier_output_intact(
     names = sorted(p.name for p in dst.parent.iterdir())
     assert names[-2:] == ["m.onnx", "m.weights"] and all(n.endswith(".tmp") for n in names[:-2])
     # dst is still the complete earlier result, and verifies.
-    store = sharedml.WeightStore.open(dst, verify=True)
+    store = sharedml.weights.WeightStore.open(dst, verify=True)
     assert store.manifest == first.manifest
     with sharedml.SessionPool(dst, sessions=1) as pool:
         expected = ort.InferenceSession(str(old), providers=["CPUExecutionProvider"])
@@ -330,7 +330,9 @@ def assert_nothing_left(prepared: sharedml.PrepareResult, threads_before: int) -
     wait_until(lambda: me.num_threads() == threads_before, what="the sessions' threads to end")
     assert weights_mappings(prepared.weights_path) == 0  # and the store's mapping
     assert not [
-        key for key in list(sharedml.WeightStore._registry) if key[0] == str(prepared.model_path)
+        key
+        for key in list(sharedml.weights.WeightStore._registry)
+        if key[0] == str(prepared.model_path)
     ]
 
 
@@ -762,7 +764,7 @@ def test_the_next_prepare_removes_what_killed_prepares_left_and_never_a_live_one
         assert writing and all(n.endswith(".tmp") for n in writing)
         other = save_model(build_model(["initializer"], dim=64), tmp_path / "other.onnx")
         if family:
-            sharedml.prepare([other], dst.parent)
+            sharedml.prepare_family([other], dst.parent)
         else:
             sharedml.prepare(other, dst.parent / "other.onnx")
         left = {p.name for p in dst.parent.iterdir() if p.name.endswith(".tmp")}

@@ -18,7 +18,7 @@ SRC = Path(sharedml.__file__).parent
 
 # Lowest first. The top-level `sharedml/__init__.py` (the public face) may import anything.
 STAGES: list[set[str]] = [
-    {"_errors", "_host", "_units"},
+    {"_errors", "_exports", "_host", "_units"},
     {"model"},
     {"runtime"},
     {"cache"},

@@ -39,13 +39,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def measured(model: Path) -> dict[str, sharedml.Measurement]:
+def measured(model: Path) -> dict[str, sharedml.measure.Measurement]:
     # measure() fills the cache first for the pool's strategy: its one-off prepare is not counted.
-    return {s: sharedml.measure(model, s, sessions=SESSIONS) for s in ("naive", "shared")}
+    return {s: sharedml.measure.measure(model, s, sessions=SESSIONS) for s in ("naive", "shared")}
 
 
 def test_eight_shared_sessions_cost_under_a_third_of_eight_plain_ones(
-    model: Path, measured: dict[str, sharedml.Measurement]
+    model: Path, measured: dict[str, sharedml.measure.Measurement]
 ) -> None:
     naive, shared = measured["naive"], measured["shared"]
     assert naive.outputs_agree and shared.outputs_agree
@@ -62,7 +62,7 @@ def test_eight_shared_sessions_cost_under_a_third_of_eight_plain_ones(
 
 
 def test_each_extra_session_adds_under_five_percent_of_the_weights(
-    model: Path, measured: dict[str, sharedml.Measurement]
+    model: Path, measured: dict[str, sharedml.measure.Measurement]
 ) -> None:
     shared = measured["shared"]
     one, many = shared.points[0].pss_bytes, shared.points[-1].pss_bytes

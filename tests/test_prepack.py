@@ -48,7 +48,7 @@ def test_auto_keeps_raw_sharing_where_nothing_is_packed(tmp_path: Path) -> None:
     # 32x32 weights stay under ORT's packing sizes: nothing to gain from a saved copy.
     src = save_model(build_model(list(PLACEMENTS), dim=32), tmp_path / "m.onnx")
     with sharedml.SessionPool(src, sessions=2) as pool:
-        assert pool.mechanism in sharedml.zero_copy_mechanisms()
+        assert pool.mechanism in sharedml.weights.zero_copy_mechanisms()
         assert "neither prepacks nor derives" in pool.mechanism_reason
 
 
@@ -79,7 +79,7 @@ def test_explicit_prepacking_modes(mlp_model: Path, prepacking: object, config: 
         prepacking=prepacking,  # type: ignore[arg-type]
         configure=lambda so: seen.append(so.get_session_config_entry("session.disable_prepacking")),
     ) as pool:
-        assert pool.mechanism in sharedml.zero_copy_mechanisms()
+        assert pool.mechanism in sharedml.weights.zero_copy_mechanisms()
     assert seen == [config]
 
 
@@ -101,7 +101,7 @@ def test_a_failed_build_falls_back_to_raw_sharing_with_a_warning(
     with pytest.warns(RuntimeWarning, match="simulated"):
         pool = sharedml.SessionPool(mlp_model, sessions=1)
     with pool:
-        assert pool.mechanism in sharedml.zero_copy_mechanisms()
+        assert pool.mechanism in sharedml.weights.zero_copy_mechanisms()
         assert pool.run(None, {"input": np.ones((1, 1024), np.float32)})[0].shape == (1, 1024)
     with pytest.raises(sharedml.SessionCreationError, match="simulated"):
         sharedml.SessionPool(mlp_model, sessions=1, prepacking="shared")
@@ -186,7 +186,8 @@ def test_four_sessions_with_shared_prepacked_weights_cost_a_third_of_plain(
     mlp_model: Path,
 ) -> None:
     naive, shared = (
-        sharedml.measure(mlp_model, s, sessions=4, dims={"batch": 8}) for s in ("naive", "shared")
+        sharedml.measure.measure(mlp_model, s, sessions=4, dims={"batch": 8})
+        for s in ("naive", "shared")
     )
     assert shared.details["mechanism"] == "prepacked-file"
     assert naive.outputs_agree and shared.outputs_agree
@@ -265,7 +266,7 @@ def test_prepacking_off_warns_where_ort_derives_weights_and_says_so(tmp_path: Pa
     with pytest.warns(RuntimeWarning, match="prepacking='off' shares only the raw weights"):
         pool = sharedml.SessionPool(src, sessions=2, prepacking="off")
     with pool:
-        assert pool.mechanism in sharedml.zero_copy_mechanisms()
+        assert pool.mechanism in sharedml.weights.zero_copy_mechanisms()
         assert "derive 0.1 MiB of weights" in pool.mechanism_reason
         assert "every session derives and keeps for itself" in pool.mechanism_reason
 
@@ -286,7 +287,7 @@ def test_with_prepacking_off_each_session_keeps_its_own_derived_weights(tmp_path
     src = conv_bn(tmp_path / "cb.onnx", layers=4, channels=256)  # 9 MiB of fused Conv weights
     derived = 4 * 256 * 256 * 9 * 4
     got = {
-        name: sharedml.measure(src, name, sessions=3).per_session_bytes or 0
+        name: sharedml.measure.measure(src, name, sessions=3).per_session_bytes or 0
         for name in ("naive", "shared", "shared-raw")
     }
     assert got["shared-raw"] > 0.7 * derived  # each 'off' session: its own fused weights

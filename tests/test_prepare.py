@@ -447,7 +447,7 @@ def test_the_owner_cannot_copy_over_prepared_weights(
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout: small tensors are packed, so the output stays a small multiple of the input (issue 17)
+# Layout: small tensors are packed, so the output stays a small multiple of the input
 
 TINY_TENSORS = 100_000
 
@@ -484,7 +484,9 @@ def test_many_tiny_tensors_do_not_each_cost_a_page(tmp_path: Path) -> None:
     assert result.tensors_moved == TINY_TENSORS
     assert result.manifest.size_bytes <= 2 * result.bytes_moved + 4096
     assert output_bytes <= 2 * input_bytes + 4096, (output_bytes, input_bytes)
-    store = sharedml.WeightStore.open(result.model_path)  # the store accepts the packed offsets
+    store = sharedml.weights.WeightStore.open(
+        result.model_path
+    )  # the store accepts the packed offsets
     assert len(store.slots) == TINY_TENSORS
     data = (src.parent / "w.bin").read_bytes()
     for slot in store.slots[:: TINY_TENSORS // 100]:
@@ -535,7 +537,7 @@ def mixed_size_model(folder: Path) -> tuple[Path, dict[str, np.ndarray]]:
 def test_packed_small_tensors_load_through_every_mechanism(tmp_path: Path, mechanism: str) -> None:
     src, arrays = mixed_size_model(tmp_path / "src")
     result = sharedml.prepare(src, tmp_path / "out" / "m.onnx", size_threshold_bytes=0)
-    store = sharedml.WeightStore.open(result.model_path)
+    store = sharedml.weights.WeightStore.open(result.model_path)
     for slot in store.slots:
         assert slot.offset % result.manifest.alignment_for(slot.length) == 0
         itemsize = np.dtype(arrays[slot.name].dtype).itemsize
@@ -547,6 +549,31 @@ def test_packed_small_tensors_load_through_every_mechanism(tmp_path: Path, mecha
         outputs = pool.run(None, {})
     for got, want in zip(outputs, arrays.values(), strict=True):  # outputs in graph order
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_weights_writer_records_the_digest_of_exactly_the_bytes_it_left(
+    tmp_path: Path,
+) -> None:
+    # A family's writer rolls back a tensor the file holds already: the file and its recorded
+    # digest must be what they would be had that tensor never been written.
+    from sharedml.prepared._format import WeightsManifest, WeightsWriter
+
+    layout = WeightsManifest("w.weights", 0, "", 4096, 2)
+    pieces = [bytes([n]) * size for n, size in ((1, 5000), (2, 10_000), (3, 70))]
+    with open(tmp_path / "w.weights", "wb") as fh:
+        writer = WeightsWriter(fh, layout)
+        first = writer.add([pieces[0][:10], pieces[0][10:]], len(pieces[0]))
+        mark = writer.mark()
+        writer.add([pieces[1]], len(pieces[1]))
+        writer.rollback(mark)
+        last = writer.add([pieces[2]], len(pieces[2]))
+        manifest = writer.finish()
+    data = (tmp_path / "w.weights").read_bytes()
+    assert (first, last) == (0, 5000 + (-5000 % 64))  # 70 bytes start at a multiple of 64
+    assert data[first : first + 5000] == pieces[0] and data[last : last + 70] == pieces[2]
+    assert len(data) == manifest.size_bytes == 8192  # the file ends on a page
+    assert hashlib.sha256(data).hexdigest() == manifest.sha256
+    assert sharedml.prepared.WeightsManifest.from_json(manifest.to_json()) == manifest
 
 
 def test_a_format_1_prepared_model_still_loads(tmp_path: Path) -> None:
@@ -563,7 +590,7 @@ def test_a_format_1_prepared_model_still_loads(tmp_path: Path) -> None:
     old.parent.mkdir()
     old.write_bytes(model.SerializeToString())
     (old.parent / "m.weights").write_bytes(result.weights_path.read_bytes())
-    store = sharedml.WeightStore.open(old)
+    store = sharedml.weights.WeightStore.open(old)
     assert store.manifest.small_alignment_bytes == store.manifest.alignment_bytes == 4096
     del store
     np.testing.assert_array_equal(run_ort(old, feeds(DIM)), run_ort(src, feeds(DIM)))
@@ -573,7 +600,7 @@ def test_a_format_1_prepared_model_still_loads(tmp_path: Path) -> None:
     old.chmod(0o644)
     old.write_bytes(model.SerializeToString())
     with pytest.raises(sharedml.InvalidModelError, match=r"format 99.*prepare the model again"):
-        sharedml.WeightStore.open(old)
+        sharedml.weights.WeightStore.open(old)
 
 
 @pytest.mark.parametrize("alignment", [2**40, 2**31, 3 * 4096])
@@ -600,7 +627,7 @@ def test_the_largest_alignment_costs_nothing_for_small_tensors(tmp_path: Path) -
 
 
 # ---------------------------------------------------------------------------------------------
-# Outputs: never an input, never anything but a regular file, any legal name (issue 17)
+# Outputs: never an input, never anything but a regular file, any legal name
 
 
 def data_model(folder: Path, *, name: str = "model.onnx", data: str = "model.onnx.data") -> Path:
@@ -681,7 +708,7 @@ def test_an_output_that_is_not_a_regular_file_is_refused(
             pytest.skip("creating a device node needs root (and a system that allows it)")
     mode = os.lstat(target).st_mode
     if kind == "folder" and which == "graph":
-        # An existing folder as the graph output means "into it", as cp does (issue 18).
+        # An existing folder as the graph output means "into it", as cp does.
         result = sharedml.prepare(src, out / "p.onnx")
         assert result.model_path == target / "m.onnx" and result.weights_path.is_file()
         return
@@ -707,7 +734,7 @@ def test_a_240_character_output_name_works(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Write failures: a SharedMLError (and an OSError) naming the path and the fix (issue 17)
+# Write failures: a SharedMLError (and an OSError) naming the path and the fix
 
 
 def assert_output_error(exc: BaseException, path: Path, fix: str) -> None:
@@ -797,7 +824,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path, where: 
 
 
 # ---------------------------------------------------------------------------------------------
-# The cache key and the prepared bytes come from the same read (issue 17)
+# The cache key and the prepared bytes come from the same read
 
 
 def versioned_source(folder: Path) -> tuple[Path, bytes, bytes]:
@@ -826,10 +853,10 @@ def deploy(folder: Path, data: bytes) -> None:
 def test_a_source_changed_between_key_and_copy_is_cached_under_its_own_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sharedml.cache import _cache
+    from sharedml.cache import _stamps
     from sharedml.prepared import _prepare
 
-    monkeypatch.setattr(_cache, "_RACY_WINDOW_NS", 0)  # stamps too, so that none can mislead
+    monkeypatch.setattr(_stamps, "RACY_WINDOW_NS", 0)  # stamps too, so that none can mislead
     src, data1, data2 = versioned_source(tmp_path)
     v1, v2 = tmp_path / "v1" / "m.onnx", tmp_path / "v2" / "m.onnx"
     real_prepare = _prepare.prepare
@@ -934,7 +961,7 @@ def test_a_failure_placing_the_graph_leaves_no_file_and_restores_the_old_weights
 
 def test_the_cli_help_quotes_the_defaults_prepare_uses() -> None:
     from sharedml import cli
-    from sharedml.prepared import _prepare
+    from sharedml.prepared import _format, _plan
 
-    assert cli._THRESHOLD == _prepare.DEFAULT_SIZE_THRESHOLD_BYTES
-    assert cli._ALIGNMENT == _prepare.DEFAULT_ALIGNMENT_BYTES
+    assert cli._THRESHOLD == _plan.DEFAULT_SIZE_THRESHOLD_BYTES
+    assert cli._ALIGNMENT == _format.DEFAULT_ALIGNMENT_BYTES

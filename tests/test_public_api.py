@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -9,26 +10,100 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 import sharedml
+
+# The layers of the public face. Changing one is an API change: say so in CHANGELOG.md.
+APPLICATION = {
+    "SessionPool", "PoolStats", "Batching", "prepare", "prepare_family", "PrepareResult",
+    "FamilyResult",
+    "prepared_model_for", "inspect", "InspectReport", "Finding", "InputSpec", "cache_dir",
+}  # fmt: skip
+MODULES = {
+    "sharedml.weights": {
+        "WeightStore", "TensorSlot", "zero_copy_mechanisms", "DeviceWeightStore", "HostWeights",
+        "device_mechanism_available",
+    },
+    "sharedml.pool": {
+        "SessionPool", "PoolStats", "Batching", "BatchingDefault", "BatchingSetting",
+        "DEFAULT_SESSIONS",
+    },
+    "sharedml.route": {"SessionRecipe", "Mechanism", "Prepacking"},
+    "sharedml.runtime": {"ProviderPlan", "ProviderSpec"},
+    "sharedml.prepared": {
+        "prepare", "prepare_family", "PrepareResult", "FamilyResult", "TensorDigest",
+        "WeightsManifest",
+        "SharedWeights", "weights_path_for", "prepared_model_for",
+    },
+    "sharedml.cache": {
+        "Cache", "cache_dir", "cache_summary", "list_entries", "verify_entries", "prune_cache",
+        "clear_cache",
+    },
+    "sharedml.measure": {
+        "measure", "Measurement", "MemoryPoint", "FixedCost", "Strategy", "StrategyContext",
+        "SessionSet", "Runner", "register_strategy", "registered_strategies", "WeightsSummary",
+        "PlacementSummary", "TensorInfo", "ChosenSize", "IndexedTable",
+    },
+}  # fmt: skip
+
+
+def _public_modules() -> dict[str, types.ModuleType]:
+    return {name: importlib.import_module(name) for name in ["sharedml", *MODULES]}
+
+
+def test_the_top_level_is_what_an_application_needs_and_the_errors() -> None:
+    errors = {n for n in sharedml.__all__ if n.endswith(("Error", "Timeout"))}
+    assert set(sharedml.__all__) - errors == APPLICATION | {"__version__"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_each_public_module_exports_its_layer(module: str) -> None:
+    assert set(importlib.import_module(module).__all__) >= MODULES[module]
 
 
 def test_all_names_exist_and_are_unique() -> None:
-    assert len(sharedml.__all__) == len(set(sharedml.__all__))
-    for name in sharedml.__all__:
-        assert hasattr(sharedml, name), name
+    for module in _public_modules().values():
+        assert len(module.__all__) == len(set(module.__all__))
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
 
 
 def test_every_public_object_is_exported() -> None:
-    for name in sharedml.__all__:  # loaded on first use (PEP 562): load them all
-        getattr(sharedml, name)
-    public = {
-        name
-        for name, value in vars(sharedml).items()
-        if not name.startswith("_")
-        and not isinstance(value, types.ModuleType)
-        and name != "annotations"
-    }
-    assert public == set(sharedml.__all__) - {"__version__"}
+    for module in _public_modules().values():
+        for name in module.__all__:  # loaded on first use (PEP 562): load them all
+            getattr(module, name)
+        public = {
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_")
+            and not isinstance(value, types.ModuleType)
+            and name != "annotations"
+        }
+        assert public == set(module.__all__) - {"__version__"}, module.__name__
+
+
+def test_a_name_that_left_the_top_level_still_works_for_a_release_with_a_warning() -> None:
+    for module, names in MODULES.items():
+        for name in sorted(names - set(sharedml.__all__) - {m.split(".")[1] for m in MODULES}):
+            with pytest.warns(DeprecationWarning, match=f"moved to {module}.{name}"):
+                old = getattr(sharedml, name)
+            assert old is getattr(importlib.import_module(module), name)
+    with pytest.raises(AttributeError, match="NoSuchThing"):
+        sharedml.NoSuchThing  # noqa: B018
+
+
+def test_calling_the_measure_module_still_measures_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sharedml.inspection._measure as home
+
+    calls = []
+    monkeypatch.setattr(sharedml.measure, "measure", lambda *a, **k: calls.append((a, k)) or 7)
+    with pytest.warns(DeprecationWarning, match=r"sharedml\.measure\.measure"):
+        assert sharedml.measure("m.onnx", sessions=2) == 7
+    assert calls == [(("m.onnx",), {"sessions": 2})]
+    assert callable(home.measure)
 
 
 def test_every_error_is_a_sharedml_error() -> None:
@@ -44,11 +119,13 @@ def test_every_error_is_a_sharedml_error() -> None:
     assert issubclass(sharedml.OutputError, sharedml.PrepareError)
 
 
-def test_public_objects_name_sharedml_as_their_module() -> None:
-    for name in sharedml.__all__:
-        obj = getattr(sharedml, name)
-        if isinstance(obj, (type, types.FunctionType)):
-            assert obj.__module__ == "sharedml", name
+def test_public_objects_name_their_public_module() -> None:
+    for module in _public_modules().values():
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if isinstance(obj, (type, types.FunctionType)):
+                home = "sharedml" if name in sharedml.__all__ else module.__name__
+                assert obj.__module__ == home, f"{module.__name__}.{name}"
     assert repr(sharedml.SessionPool).startswith("<class 'sharedml.SessionPool'")
 
 
@@ -75,16 +152,17 @@ def _private_module(name: str) -> bool:
 
 
 def test_every_sharedml_type_a_public_signature_names_is_exported() -> None:
+    exported = {n for m in _public_modules().values() for n in m.__all__}
     missing = set()
-    for name in sharedml.__all__:
-        obj = getattr(sharedml, name)
-        for hint in _annotations_of(obj):
-            for ident in re.findall(r"[A-Z][A-Za-z0-9_]+", hint):
-                for module in [m for n, m in sys.modules.items() if _private_module(n)]:
-                    value = getattr(module, ident, None)
-                    ours = isinstance(value, type) and value.__module__.startswith("sharedml")
-                    if ours and ident not in sharedml.__all__:
-                        missing.add(f"{name} -> {ident}")
+    for module in _public_modules().values():
+        for name in module.__all__:
+            for hint in _annotations_of(getattr(module, name)):
+                for ident in re.findall(r"[A-Z][A-Za-z0-9_]+", hint):
+                    for home in [m for n, m in sys.modules.items() if _private_module(n)]:
+                        value = getattr(home, ident, None)
+                        ours = isinstance(value, type) and value.__module__.startswith("sharedml")
+                        if ours and ident not in exported:
+                            missing.add(f"{module.__name__}.{name} -> {ident}")
     assert not missing, sorted(missing)
 
 

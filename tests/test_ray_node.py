@@ -30,9 +30,10 @@ import pytest
 from _models import build_model, save_model
 
 import sharedml
+import sharedml.cache
 import sharedml.ray
 from sharedml import _host
-from sharedml.cache import _cache
+from sharedml.cache import Cache, _entries, _locks
 from sharedml.ray import NodeModel, create_pool, prepare_on_node
 from sharedml.ray import _node as node_module
 
@@ -57,7 +58,7 @@ def _replica(model: str, cache: str, log: str, start: Any, results: Any) -> None
     import sharedml.ray
     from sharedml.prepared import _prepare
 
-    publish, prepare = _cache.publish, _prepare.prepare
+    publish, prepare = _entries.publish, _prepare.prepare
 
     # Both builds are slowed down: every replica reaches the cache while one is still building.
     def slow(what: str, build: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,7 +70,7 @@ def _replica(model: str, cache: str, log: str, start: Any, results: Any) -> None
 
         return logged
 
-    _cache.publish = slow(lambda kind, *_: f"publish {kind}", publish)
+    _entries.publish = slow(lambda kind, *_: f"publish {kind}", publish)
     _prepare.prepare = slow(lambda *_: "prepare", prepare)
     start.wait(JOIN_S)
     pool, node = sharedml.ray.create_pool(model, sessions=1, cache_dir=cache)
@@ -145,15 +146,15 @@ def test_prepare_on_node_reports_what_it_built(mlp_model: Path, tmp_path: Path) 
     assert json.loads(json.dumps(first.to_dict()))["built"] is True
 
 
-@pytest.mark.skipif(not _cache.LOCKING, reason="held_lock needs flock (Windows has none)")
+@pytest.mark.skipif(not sharedml.cache.LOCKING, reason="held_lock needs flock (Windows has none)")
 def test_lock_timeout_names_the_lock(mlp_model: Path, tmp_path: Path) -> None:
     name = node_module._lock_name(mlp_model)
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys; from sharedml.cache import _cache\n"
-            f"with _cache.held_lock({name!r}, cache_dir={str(tmp_path)!r}):\n"
+            "import sys; from sharedml.cache import Cache, _locks\n"
+            f"with _locks.held_lock({name!r}, cache=Cache({str(tmp_path)!r})):\n"
             "    print('held', flush=True); sys.stdin.readline()",
         ],
         stdin=subprocess.PIPE,
@@ -188,7 +189,7 @@ def test_lock_timeout_names_the_lock(mlp_model: Path, tmp_path: Path) -> None:
 
 def test_lock_names_must_be_plain_file_names(tmp_path: Path) -> None:
     for bad in ("", "../x", "a/b", ".hidden"):
-        lock = _cache.held_lock(bad, cache_dir=tmp_path)
+        lock = _locks.held_lock(bad, cache=Cache(tmp_path))
         with pytest.raises(ValueError, match="plain file name"), lock:
             pass
 

@@ -197,10 +197,12 @@ def test_per_session_prepacking_is_ort_behaviour_and_says_so(small: Path) -> Non
     ("given", "expected"),
     [(None, Prepacking.AUTO), (False, Prepacking.OFF), (True, Prepacking.PER_SESSION)],
 )
-def test_the_old_prepacking_spellings_mean_what_they_meant(
+def test_the_old_prepacking_spellings_mean_what_they_meant_and_are_deprecated(
     small: Path, given: object, expected: Prepacking
 ) -> None:
-    assert route(small, prepacking=given, mechanism="ort-mmap").prepacking is expected
+    with pytest.warns(DeprecationWarning, match=rf"prepacking={given} is deprecated"):
+        recipe = route(small, prepacking=given, mechanism="ort-mmap")
+    assert recipe.prepacking is expected
 
 
 def test_a_requested_host_mechanism_is_taken_without_the_saved_model(packed: Path) -> None:

@@ -25,7 +25,8 @@ from _models import build_model, feeds, save_model
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
-from sharedml.cache._cache import clear_stale
+from sharedml.cache import Cache
+from sharedml.cache._entries import clear_stale
 
 N = 256  # elements of every hand-written tensor: 1 KiB of float32, above every threshold
 NBYTES = 4 * N
@@ -522,7 +523,7 @@ def test_files_that_are_not_models_are_clear_errors(
     for attempt in (
         lambda: sharedml.prepare(path, tmp_path / "out" / "m.onnx"),
         lambda: sharedml.SessionPool(path, sessions=1),
-        lambda: sharedml.WeightStore.open(path),
+        lambda: sharedml.weights.WeightStore.open(path),
     ):
         with pytest.raises(error) as info:
             attempt()
@@ -571,7 +572,7 @@ def test_damaged_weights_file_is_detected_at_load(
     else:
         weights.unlink()
     with pytest.raises(sharedml.WeightsMismatchError) as info:
-        sharedml.WeightStore.open(model)
+        sharedml.weights.WeightStore.open(model)
     assert_names(info.value, weights)
     assert "again" in str(info.value)  # the fix: prepare again
     with pytest.raises(sharedml.WeightsMismatchError):
@@ -700,9 +701,9 @@ def test_verification_is_not_skipped_because_an_unverified_store_is_open(
     stat_before = weights.stat()
     weights.write_bytes(data)
     os.utime(weights, ns=(stat_before.st_atime_ns, stat_before.st_mtime_ns))
-    unverified = sharedml.WeightStore.open(model, verify=False)
+    unverified = sharedml.weights.WeightStore.open(model, verify=False)
     with pytest.raises(sharedml.WeightsMismatchError):
-        sharedml.WeightStore.open(model, verify=True)
+        sharedml.weights.WeightStore.open(model, verify=True)
     del unverified
 
 
@@ -886,7 +887,7 @@ def test_clear_stale_removes_only_old_temporary_folders(source: Path, tmp_path: 
         folder.mkdir()
         (folder / "model.weights").write_bytes(b"partial")
     os.utime(old, (1, 1))
-    assert clear_stale(root) == 1
+    assert clear_stale(Cache(root)) == 1
     assert not old.exists() and young.exists() and entry.is_file()
-    assert clear_stale(root, older_than_s=-1) == 1
+    assert clear_stale(Cache(root), older_than_s=-1) == 1
     assert not young.exists() and entry.is_file()

@@ -146,7 +146,7 @@ def test_the_run_lock_is_handed_over_in_arrival_order() -> None:
     (A plain ``threading.Lock`` lets it: 8 threads on one gave run counts of [0, 0, 0, 0, 0,
     2092, 0, 0] on a GPU, where the runs release the GIL.)
     """
-    lock = sharedml.pool._pool._FairLock()
+    lock = sharedml.pool._runlock.FairLock()
     order: list[int] = []
 
     def work(i: int) -> None:

@@ -1,224 +1,58 @@
 """sharedml: many ONNX Runtime sessions, one copy of the weights.
 
-The pipeline, one private module a stage::
+The pipeline, one subpackage a stage (imports only go down it)::
 
-    model.onnx        _onnx      one walk over a model's tensors; external data parsed once
-      -> prepared     _prepare   every weight into one aligned, verified file (cached: _cache)
-      -> weights      _weights   mapped once per process (_device: once per GPU)
-      -> route        _route     how sessions borrow them (_prepack: ORT's packed weights too)
-      -> sessions     _options, _providers   what each session is created with
-      -> pool         _pool      the queue and the lifecycle; run() from any thread
-    inspect           _inspect   measures N plain vs N pooled sessions (_measure, in children)
+    model/        ONNX models as sharedml reads them: one walk over the tensors, input specs
+    runtime/      the installed onnxruntime: capabilities, providers, session options
+    cache/        the content-keyed cache of prepared models (public: sharedml.cache)
+    prepared/     prepare: every weight into one aligned, verified file (sharedml.prepared)
+    weights/      mapped once per process, once per GPU; lent to sessions (sharedml.weights)
+    route/        how a pool's sessions borrow them (sharedml.route)
+    pool/         SessionPool: the queue, batching, lifecycle; run() from any thread
+    inspection/   sharedml inspect: N plain vs N pooled sessions, measured in children
+    cli/, ray/    the sharedml command; Ray Serve replicas sharing weights per node
 
-Platform facts live in ``_host``; errors in ``_errors``. Everything public is exported here.
+The names here are what an application needs (``__init__.pyi`` lists them); integrators and
+strategy authors import the public modules: ``sharedml.weights``, ``sharedml.route``,
+``sharedml.runtime``, ``sharedml.prepared``, ``sharedml.cache``, ``sharedml.measure`` and
+``sharedml.ray``.
 """
 
 from __future__ import annotations
 
-import contextlib as _contextlib
 import importlib as _importlib
 import importlib.metadata as _metadata
-import typing as _typing
+import warnings as _warnings
+from typing import Any as _Any
 
-if _typing.TYPE_CHECKING:  # what the lazy loader below provides, for type checkers and IDEs
-    from sharedml._errors import (
-        CacheError,
-        ExternalDataError,
-        FamilyError,
-        InvalidInputError,
-        InvalidModelError,
-        MeasurementError,
-        ModelError,
-        ModelNotFoundError,
-        NotBatchableError,
-        OutputError,
-        PoolClosedError,
-        PoolError,
-        PoolTimeout,
-        PrepareError,
-        ProviderError,
-        RunError,
-        SessionCreationError,
-        SharedMLError,
-        UnsafePathError,
-        WeightsMismatchError,
-    )
-    from sharedml.cache._cache import cache_dir
-    from sharedml.inspection._inspect import (
-        Finding,
-        InspectReport,
-        PlacementSummary,
-        TensorInfo,
-        WeightsSummary,
-        inspect,
-    )
-    from sharedml.inspection._measure import FixedCost, measure
-    from sharedml.inspection._results import Measurement, MemoryPoint
-    from sharedml.inspection._strategies import (
-        Runner,
-        SessionSet,
-        Strategy,
-        StrategyContext,
-        register_strategy,
-        registered_strategies,
-    )
-    from sharedml.model._inputs import ChosenSize, InputSpec
-    from sharedml.model._tables import IndexedTable
-    from sharedml.pool._batching import Batching
-    from sharedml.pool._pool import PoolStats, SessionPool
-    from sharedml.prepared._family import FamilyResult, TensorDigest
-    from sharedml.prepared._prepare import (
-        PrepareResult,
-        SharedWeights,
-        WeightsManifest,
-        prepare,
-        prepared_model_for,
-        weights_path_for,
-    )
-    from sharedml.route._planner import Mechanism, Prepacking, SessionRecipe
-    from sharedml.runtime._providers import ProviderPlan, ProviderSpec
-    from sharedml.weights._device import DeviceWeightStore, HostWeights
-    from sharedml.weights._probe import device_mechanism_available
-    from sharedml.weights._store import TensorSlot, WeightStore, zero_copy_mechanisms
+from sharedml import _exports
 
 try:
     __version__ = _metadata.version("sharedml")
 except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-__all__ = [
-    "__version__",
-    # Preparing models
-    "prepare",
-    "PrepareResult",
-    "FamilyResult",
-    "TensorDigest",
-    "WeightsManifest",
-    "SharedWeights",
-    "weights_path_for",
-    "prepared_model_for",
-    "cache_dir",
-    # Sharing weights
-    "SessionPool",
-    "PoolStats",
-    "Batching",
-    "SessionRecipe",
-    "Mechanism",
-    "Prepacking",
-    "WeightStore",
-    "TensorSlot",
-    "zero_copy_mechanisms",
-    "DeviceWeightStore",
-    "HostWeights",
-    "device_mechanism_available",
-    "ProviderPlan",
-    "ProviderSpec",
-    # Inspecting: what N plain vs N shared sessions cost
-    "inspect",
-    "InspectReport",
-    "Finding",
-    "WeightsSummary",
-    "PlacementSummary",
-    "TensorInfo",
-    "InputSpec",
-    "ChosenSize",
-    "IndexedTable",
-    "FixedCost",
-    "measure",
-    "Measurement",
-    "MemoryPoint",
-    "Strategy",
-    "StrategyContext",
-    "SessionSet",
-    "Runner",
-    "register_strategy",
-    "registered_strategies",
-    # Errors
-    "SharedMLError",
-    "ModelError",
-    "ModelNotFoundError",
-    "InvalidModelError",
-    "ExternalDataError",
-    "UnsafePathError",
-    "WeightsMismatchError",
-    "PrepareError",
-    "OutputError",
-    "FamilyError",
-    "CacheError",
-    "ProviderError",
-    "SessionCreationError",
-    "RunError",
-    "InvalidInputError",
-    "NotBatchableError",
-    "PoolError",
-    "PoolClosedError",
-    "PoolTimeout",
-    "MeasurementError",
-]
+
+def _moved(name: str) -> _Any:
+    """A name that left the top level for a public module: still served, with a warning."""
+    for module in _exports.public_modules(__name__):
+        if name in _exports.exported(module):
+            _warnings.warn(
+                f"sharedml.{name} moved to {module}.{name}; the old spelling goes in the "
+                "next release.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            return getattr(_importlib.import_module(module), name)
+    raise AttributeError(f"module 'sharedml' has no attribute {name!r}")
 
 
-# Where each public name lives: loaded on first use (PEP 562), so that ``import sharedml`` and
-# ``sharedml --help`` import neither onnx nor onnxruntime.
-_ERRORS = (
-    "SharedMLError ModelError ModelNotFoundError InvalidModelError ExternalDataError "
-    "UnsafePathError WeightsMismatchError PrepareError OutputError FamilyError CacheError "
-    "ProviderError "
-    "SessionCreationError RunError InvalidInputError NotBatchableError PoolError "
-    "PoolClosedError PoolTimeout MeasurementError"
-)
-_HOMES = {
-    "pool._batching": "Batching",
-    "cache._cache": "cache_dir",
-    "weights._device": "DeviceWeightStore HostWeights",
-    "weights._probe": "device_mechanism_available",
-    "_errors": _ERRORS,
-    "prepared._family": "FamilyResult TensorDigest",
-    "model._inputs": "ChosenSize InputSpec",
-    "model._tables": "IndexedTable",
-    "inspection._inspect": (
-        "Finding InspectReport PlacementSummary TensorInfo WeightsSummary inspect"
-    ),
-    "inspection._measure": "FixedCost measure",
-    "pool._pool": "PoolStats SessionPool",
-    "prepared._prepare": (
-        "PrepareResult SharedWeights WeightsManifest prepare prepared_model_for weights_path_for"
-    ),
-    "runtime._providers": "ProviderPlan ProviderSpec",
-    "inspection._results": "Measurement MemoryPoint",
-    "route._planner": "Mechanism Prepacking SessionRecipe",
-    "inspection._strategies": (
-        "Runner SessionSet Strategy StrategyContext register_strategy registered_strategies"
-    ),
-    "weights._store": "TensorSlot WeightStore zero_copy_mechanisms",
-}
-_LAZY = {name: module for module, names in _HOMES.items() for name in names.split()}
-
-
-def __getattr__(name: str) -> _typing.Any:
-    """Import a public name's module on first use and name ``sharedml`` as the object's home.
-
-    ``help()``, reprs and tracebacks then send users to ``sharedml.SessionPool``, not to the
-    private module it happens to live in (onnx-ir does the same); pickles refer to the public
-    name too.
-    """
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'sharedml' has no attribute {name!r}")
-    obj = getattr(_importlib.import_module(f"sharedml.{module}"), name)
-    home = getattr(obj, "__module__", "") or ""
-    if home.startswith("sharedml.") and any(p.startswith("_") for p in home.split(".")):
-        with _contextlib.suppress(AttributeError, TypeError):  # typing aliases refuse
-            obj.__module__ = __name__
-    globals()[name] = obj
-    return obj
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
+__all__, __getattr__, __dir__ = _exports.attach(__name__, fallback=_moved)
+__all__ = ["__version__", *__all__]
 
 # The errors are cheap to import and raised from deep inside: they name their public home from
 # the start, so that a traceback says ``sharedml.PoolClosedError`` before anyone looked it up.
-for _name in _ERRORS.split():
-    __getattr__(_name)
+for _name in __all__:
+    if _name.endswith(("Error", "Timeout")):
+        __getattr__(_name)
 del _name

@@ -22,12 +22,14 @@ import stat
 import sys
 import sysconfig
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 __all__ = [
+    "warn_deprecated",
     "HASH_CHUNK_BYTES",
+    "HashingWriter",
     "LinkSwappedError",
     "ORT_DISTRIBUTIONS",
     "REMOTE_FILESYSTEMS",
@@ -355,6 +357,76 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_ZEROS = bytes(64 * 1024)  # padding is written from this, so no padding is ever allocated
+
+
+class HashingWriter:
+    """Bytes on their way to a file (or to nowhere), hashed and counted as they pass.
+
+    The one hashing writer: prepare's weights files, a family's, the cache's rewrite of an
+    entry's own file, and :func:`sha256_file` (which writes to nowhere) all go through it, so
+    the digest a manifest records is computed by the same code that checks it.
+
+    Attributes:
+        position: Bytes written so far.
+        sha: The running ``hashlib`` object over them.
+
+    Not thread-safe: one writer, one thread.
+    """
+
+    def __init__(self, fh: IO[bytes] | None = None, sha: Any | None = None) -> None:
+        """Write to ``fh`` (``None``: hash only), feeding ``sha`` (default: a fresh SHA-256)."""
+        self._fh = fh
+        self.position = 0
+        self.sha = sha if sha is not None else hashlib.sha256()
+
+    def hexdigest(self) -> str:
+        """The hex digest of everything written so far."""
+        return str(self.sha.hexdigest())
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Write ``data`` and hash it."""
+        if self._fh is not None:
+            self._fh.write(data)
+        self.sha.update(data)
+        self.position += len(data)
+
+    def write_all(self, chunks: Iterable[bytes | memoryview]) -> None:
+        """Write each of ``chunks``."""
+        for chunk in chunks:
+            self.write(chunk)
+
+    def through(self, chunks: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+        """Each of ``chunks``, written (and hashed) before it is handed on."""
+        for chunk in chunks:
+            self.write(chunk)
+            yield chunk
+
+    def copy_from(self, source: IO[bytes]) -> None:
+        """Write everything ``source`` has left, read in :data:`HASH_CHUNK_BYTES` chunks."""
+        self.write_all(iter(lambda: source.read(HASH_CHUNK_BYTES), b""))
+
+    def pad_to(self, alignment: int) -> None:
+        """Write zeros up to the next multiple of ``alignment`` bytes."""
+        pad = -self.position % alignment
+        while pad:  # from a small buffer of zeros: padding costs no memory, whatever its size
+            step = min(pad, len(_ZEROS))
+            self.write(memoryview(_ZEROS)[:step])
+            pad -= step
+
+    def mark(self) -> tuple[int, Any]:
+        """Where the writer is now, to go back to with :meth:`rollback`."""
+        return self.position, self.sha.copy()
+
+    def rollback(self, mark: tuple[int, Any]) -> None:
+        """Forget everything written since ``mark``: the file is truncated back to it."""
+        position, sha = mark
+        if self._fh is not None:
+            self._fh.seek(position)
+            self._fh.truncate()
+        self.position, self.sha = position, sha
+
+
 def sha256_file(path: str | os.PathLike[str], sha: Any | None = None) -> str:
     """Hex SHA-256 of a file's bytes, read in chunks.
 
@@ -362,11 +434,10 @@ def sha256_file(path: str | os.PathLike[str], sha: Any | None = None) -> str:
         path: The file.
         sha: A ``hashlib`` object to feed instead of a fresh one (its hex digest is returned).
     """
-    sha = sha if sha is not None else hashlib.sha256()
+    hashing = HashingWriter(sha=sha)
     with open(path, "rb") as fh:
-        while chunk := fh.read(HASH_CHUNK_BYTES):
-            sha.update(chunk)
-    return str(sha.hexdigest())
+        hashing.copy_from(fh)
+    return hashing.hexdigest()
 
 
 _KINDS = (
@@ -546,3 +617,19 @@ def is_remote_filesystem(fstype: str | None) -> bool:
     if fstype is None:
         return False
     return fstype in REMOTE_FILESYSTEMS or (fstype.startswith("fuse.") and fstype != "fuseblk")
+
+
+def warn_deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` that names the first caller outside sharedml, however deep.
+
+    An old spelling can reach its parser through several of sharedml's own frames (a pool's
+    ``prepacking=`` reaches the route planner); the warning points at the user's line.
+    """
+    frame = sys._getframe(1)
+    level = 2  # 1 would name this function, 2 its caller
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).startswith(
+        "sharedml."
+    ):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)

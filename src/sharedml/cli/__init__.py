@@ -21,6 +21,7 @@ __all__ = ["main"]
 EXIT_ERROR = 1  # usage errors exit with 2, from argparse itself
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool its reader left
+_CACHE_ENV = "SHAREDML_CACHE_DIR"  # where sharedml.cache.cache_dir and child processes look
 # prepare's defaults, for --help: importing sharedml.prepared._prepare would import onnx (seconds)
 # just to
 # print them; tests/test_prepare.py checks that they agree.
@@ -91,10 +92,10 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _prepare_family(args: argparse.Namespace, options: dict[str, int]) -> int:
-    from sharedml.prepared._prepare import prepare
+    from sharedml.prepared._family import prepare_family
 
     with _progress(not args.json, "preparing") as progress:
-        result = prepare(list(args.model), args.output, progress=progress, **options)
+        result = prepare_family(args.model, args.output, progress=progress, **options)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
@@ -166,13 +167,36 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _cache_dir_env(folder: str | None) -> Iterator[None]:
+    """``$SHAREDML_CACHE_DIR`` set to ``--cache-dir`` for one command, then restored.
+
+    A command's work may run in child processes (``inspect`` measures each strategy in a fresh
+    one), which find the cache by this variable; in this process every default cache resolves
+    to it as well. Restored afterwards, so that ``main()`` called from Python leaves no trace.
+    """
+    if folder is None:
+        yield
+        return
+    before = os.environ.get(_CACHE_ENV)
+    os.environ[_CACHE_ENV] = os.path.abspath(folder)  # children may run elsewhere
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_CACHE_ENV, None)
+        else:
+            os.environ[_CACHE_ENV] = before
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sharedml`` console script; returns the exit status."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        status = func(args)
+        with _cache_dir_env(getattr(args, "cache_dir", None)):
+            status = func(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
         return status
     except BrokenPipeError:

@@ -1,8 +1,10 @@
-"""``sharedml cache``: argument parsing and rendering of what :mod:`sharedml.cache._cache` reports.
+"""``sharedml cache``: argument parsing and rendering of what :mod:`sharedml.cache` reports.
 
-Every figure comes from the cache module's functions (``cache_summary``, ``list_entries``,
-``verify_entries``, ``prune_cache``, ``clear_cache``); this module only renders them, as text
-or ``--json``. Nothing here imports onnx or onnxruntime.
+Every figure comes from the public cache module's functions (``cache_summary``,
+``list_entries``, ``check_entries``, ``prune_cache``, ``clear_cache``); this module only parses
+the arguments and renders the results, as text or ``--json``. It also owns ``--cache-dir``,
+which every command that touches the cache takes (:func:`add_cache_dir_option`). Nothing here
+imports onnx or onnxruntime.
 """
 
 from __future__ import annotations
@@ -14,9 +16,19 @@ from typing import Any
 
 from sharedml._units import human_bytes, parse_bytes
 
-__all__ = ["add_parser"]
+__all__ = ["add_cache_dir_option", "add_parser"]
 
 _DAY_S = 24 * 3600  # seconds
+
+
+def add_cache_dir_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--cache-dir DIR`` to a command: the cache it uses instead of the default."""
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="the cache folder to use (default: $SHAREDML_CACHE_DIR, else the user's cache "
+        "folder, e.g. ~/.cache/sharedml)",
+    )
 
 
 def add_parser(sub: Any) -> None:
@@ -25,7 +37,8 @@ def add_parser(sub: Any) -> None:
         "cache",
         help="show, check and prune sharedml's cache of prepared and prepacked models",
         description=(
-            "sharedml's cache ($SHAREDML_CACHE_DIR, default ~/.cache/sharedml) holds each "
+            "sharedml's cache (--cache-dir, else $SHAREDML_CACHE_DIR, else the user's cache "
+            "folder, e.g. ~/.cache/sharedml) holds each "
             "model prepared once (models/), ORT's prepacked form of it per ORT build and CPU "
             "(prepacked/) and the demo model (demo/). Entries that a live process has open are "
             "never removed."
@@ -47,6 +60,7 @@ def add_parser(sub: Any) -> None:
                 help="only these entries: any unique start of a key (or KIND/KEY) as listed",
             )
         a.add_argument("--json", action="store_true", help="print JSON")
+        add_cache_dir_option(a)
         a.set_defaults(func=_ACTIONS[name])
     a = actions.add_parser(
         "prune",
@@ -61,6 +75,7 @@ def add_parser(sub: Any) -> None:
     a.add_argument("--max-size", type=_size, metavar="SIZE", help="e.g. 500M, 2G (binary units)")
     a.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
     a.add_argument("--json", action="store_true", help="print JSON")
+    add_cache_dir_option(a)
     a.set_defaults(func=_prune)
     a = actions.add_parser(
         "clear",
@@ -72,6 +87,7 @@ def add_parser(sub: Any) -> None:
     )
     a.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
     a.add_argument("--json", action="store_true", help="print JSON")
+    add_cache_dir_option(a)
     a.set_defaults(func=_clear)
 
 
@@ -90,15 +106,15 @@ def _when(t: float | None) -> str:
 
 def _key(e: Any) -> str:
     """``kind/key`` as every text report shows it: the key's first KEY_CHARS characters."""
-    from sharedml.cache._cache import KEY_CHARS
+    from sharedml.cache import KEY_CHARS
 
     return f"{e.kind}/{e.key if e.foreign else e.key[:KEY_CHARS]}"
 
 
 def _info(args: argparse.Namespace) -> int:
-    from sharedml.cache._cache import cache_summary
+    from sharedml import cache
 
-    s = cache_summary()
+    s = cache.cache_summary(cache_dir=args.cache_dir)
     if args.json:
         print(json.dumps(s.to_dict(), indent=2))
         return 0
@@ -126,15 +142,15 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _selected(args: argparse.Namespace, entries: list[Any]) -> list[Any]:
-    from sharedml.cache._cache import select_entries
+    from sharedml import cache
 
-    return select_entries(entries, args.keys) if args.keys else entries
+    return cache.select_entries(entries, args.keys) if args.keys else entries
 
 
 def _list(args: argparse.Namespace) -> int:
-    from sharedml.cache._cache import list_entries
+    from sharedml import cache
 
-    entries = _selected(args, list_entries())
+    entries = _selected(args, cache.list_entries(cache_dir=args.cache_dir))
     if args.json:
         print(json.dumps([e.to_dict() for e in entries], indent=2))
         return 0
@@ -143,7 +159,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _print_entries(entries: Any) -> None:
-    from sharedml.cache._cache import KEY_CHARS, disk_bytes
+    from sharedml.cache import KEY_CHARS, disk_bytes
 
     if not entries:
         print("the cache holds no entries")
@@ -183,9 +199,9 @@ def _print_entries(entries: Any) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from sharedml.cache._cache import check_entries, list_entries
+    from sharedml import cache
 
-    entries = check_entries(_selected(args, list_entries()))
+    entries = cache.check_entries(_selected(args, cache.list_entries(cache_dir=args.cache_dir)))
     bad = [e for e in entries if e.problem and not e.foreign]
     foreign = [e for e in entries if e.foreign]
     if args.json:
@@ -224,17 +240,22 @@ def _report_removal(args: argparse.Namespace, result: Any) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from sharedml.cache._cache import prune_cache
+    from sharedml import cache
 
     older = args.older_than * _DAY_S if args.older_than is not None else None
-    result = prune_cache(older_than_s=older, max_bytes=args.max_size, dry_run=args.dry_run)
+    result = cache.prune_cache(
+        older_than_s=older,
+        max_bytes=args.max_size,
+        dry_run=args.dry_run,
+        cache_dir=args.cache_dir,
+    )
     return _report_removal(args, result)
 
 
 def _clear(args: argparse.Namespace) -> int:
-    from sharedml.cache._cache import clear_cache
+    from sharedml import cache
 
-    return _report_removal(args, clear_cache(dry_run=args.dry_run))
+    return _report_removal(args, cache.clear_cache(dry_run=args.dry_run, cache_dir=args.cache_dir))
 
 
 _ACTIONS = {"info": _info, "list": _list, "verify": _verify}

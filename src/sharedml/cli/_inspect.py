@@ -20,6 +20,7 @@ from typing import Any
 
 from sharedml._errors import MeasurementError, missing_package
 from sharedml._units import human_bytes, human_seconds
+from sharedml.cli._cache import add_cache_dir_option
 
 __all__ = [
     "add_parser",
@@ -108,6 +109,7 @@ def add_parser(sub: Any) -> None:
         metavar="FILE.png",
         help="write a PNG of memory against session count (needs matplotlib)",
     )
+    add_cache_dir_option(p)  # the demo model and every measured pool use it
     p.set_defaults(func=_cmd_inspect)
 
 

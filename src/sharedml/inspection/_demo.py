@@ -7,7 +7,7 @@ is symbolic, so ``--dim batch=8`` has something to override.
 
 The model is generated, not downloaded: deterministic (fixed seed, so every machine builds the
 same bytes and sharedml's content-keyed cache reuses one prepared copy), built in well under a
-second, and written once into the cache (:mod:`sharedml.cache._cache`).
+second, and written once into the cache (:mod:`sharedml.cache`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from sharedml.cache._cache import CacheDir, ensure_entry
+from sharedml.cache._entries import ensure_entry
+from sharedml.cache._root import Cache, CacheDir
 
 __all__ = [
     "DEMO_BATCH_DIM",
@@ -85,7 +86,8 @@ def demo_model_path(cache_dir: CacheDir = None) -> Path:
     """The demo model's file, built into the cache (its ``demo`` entries) on first use.
 
     Args:
-        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
+        cache_dir: The cache: a path, a :class:`~sharedml.cache.Cache`, or None for
+            :func:`sharedml.cache_dir`.
 
     Returns:
         The path of the ``.onnx`` file.
@@ -100,4 +102,5 @@ def demo_model_path(cache_dir: CacheDir = None) -> Path:
         (folder / _FILE_NAME).write_bytes(build_demo_model().SerializeToString())
         return {"model": f"{DEMO_LAYERS}-layer MLP of width {DEMO_WIDTH}"}
 
-    return ensure_entry("demo", f"mlp-v{_VERSION}", build, cache_dir=cache_dir).file(_FILE_NAME)
+    cache = Cache.at(cache_dir)
+    return ensure_entry("demo", f"mlp-v{_VERSION}", build, cache=cache).file(_FILE_NAME)

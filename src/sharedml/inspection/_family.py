@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -20,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import MeasurementError
+from sharedml._host import HashingWriter
 from sharedml.inspection._child import SPEC_VERSION
-from sharedml.model._graph import inline_bytes, read_model
-from sharedml.prepared._family import TensorDigest
-from sharedml.prepared._prepare import DEFAULT_SIZE_THRESHOLD_BYTES, _SourceReader, plan_weights
+from sharedml.model._graph import read_model
+from sharedml.prepared._format import TensorDigest, digest_of
+from sharedml.prepared._plan import DEFAULT_SIZE_THRESHOLD_BYTES, plan_weights
+from sharedml.prepared._source import SourceReader
 from sharedml.runtime._child import ChildFailed, entry_code, run_child
 
 __all__ = ["FamilyReport", "family_weights", "inspect_family", "measure_family"]
@@ -73,28 +74,19 @@ def family_weights(
     tensors = distinct_tensors = total = distinct = 0
     for path in map(Path, models):
         model, model_bytes = read_model(path)
-        reader = _SourceReader(model_bytes)
-        del model_bytes
-        try:
+        with SourceReader(model_bytes) as reader:
+            del model_bytes
             plan = plan_weights(model, path, size_threshold_bytes)
             for index, item in enumerate(plan.moving):
-                sha = hashlib.sha256()
-                if item.piece is None:
-                    sha.update(inline_bytes(item.tensor))
-                else:
-                    for chunk in reader.read(index, item.piece, item.tensor.name):
-                        sha.update(chunk)
-                key = TensorDigest(
-                    item.tensor.data_type, tuple(item.tensor.dims), item.nbytes, sha.hexdigest()
-                )
+                content = HashingWriter()  # to nowhere: the tensor's own digest
+                content.write_all(reader.chunks(index, item))
+                key = digest_of(item.tensor, content)
                 tensors += 1
                 total += item.nbytes
                 if key not in seen:
                     seen.add(key)
                     distinct_tensors += 1
                     distinct += item.nbytes
-        finally:
-            reader.close()
     return tensors, distinct_tensors, total, distinct
 
 

@@ -215,7 +215,8 @@ def summarize_weights(model: Any, model_path: str | os.PathLike[str]) -> Weights
     """
     from onnx import AttributeProto as onnx_attr
 
-    from sharedml.prepared._prepare import DEFAULT_SIZE_THRESHOLD_BYTES, plan_weights, read_manifest
+    from sharedml.prepared._format import read_manifest
+    from sharedml.prepared._plan import DEFAULT_SIZE_THRESHOLD_BYTES, plan_weights
 
     tensors: list[TensorInfo] = []
     for ref in iter_tensors(model.graph):

@@ -157,7 +157,7 @@ def measure(
     Thread safety: safe to call from several threads, but concurrent measurements disturb each
     other's figures (memory pressure, CPU time); ``inspect`` runs them one after another.
     """
-    from sharedml.prepared._prepare import load_graph
+    from sharedml.model._graph import load_graph
     from sharedml.runtime._providers import plan_providers
 
     if sessions < 1:

@@ -318,7 +318,7 @@ def input_specs(
     docstring), recorded in :attr:`InputSpec.chosen`.
 
     Args:
-        model: The model's protobuf (``sharedml.prepared._prepare.load_graph`` gives it without
+        model: The model's protobuf (``sharedml.model._graph.load_graph`` gives it without
         data).
         dims: Sizes of symbolic dimensions, by name (each at least 1).
         shapes: Whole shapes of inputs, by input name (``--shape images=1x3x320x320``).

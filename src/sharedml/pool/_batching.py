@@ -28,10 +28,12 @@ outputs can differ from a solo run in the last bits of float precision (``docs/b
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import operator
+import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -42,6 +44,8 @@ __all__ = [
     "ADAPTIVE_DELAY_SHARE",
     "CONVOLUTION_OPS",
     "Batching",
+    "BatchingDefault",
+    "BatchingSetting",
     "Request",
     "Signature",
     "bucket_for",
@@ -89,24 +93,19 @@ class Batching:
             CUDA graphs, for models with convolutions. ORT's CUDA ``Conv`` keeps the cuDNN
             plans of the last input shape only and rebuilds them whenever the shape changes,
             so one session fed batches of alternating sizes rebuilds every convolution's
-            plans at almost every batch (a ResNet-50-like model served 46 requests/s instead
-            of 2,000 on an H200). Each extra session costs its activation memory, so models
-            without convolutions keep one session for every batch size (BERT-like on an H200,
-            two sessions, 16 callers: 3,021 requests/s in 1,248 MiB of device memory, against
-            3,032 in 3,038 MiB with a session per bucket, one run). Needs the batch dim to be
-            named (``dim_param``), else the pool's own sessions run every shape.
+            plans at almost every batch. Each extra session costs its activation memory, and
+            models without convolutions gained no speed for it, so they keep one session for
+            every batch size (figures: ``docs/batching.md``, padding and buckets). Needs the
+            batch dim to be named (``dim_param``), else the pool's own sessions run every
+            shape.
         share_rows: With several sessions and the adaptive delay, split the rows in play
             evenly over the sessions that batch (the rows their latest batches had, or more
             where more are held and queued), so that their batches run side by side instead
             of one session taking every waiting row while the others idle. None (default): on
             for every provider but the CPU's, never when runs are serialized. A GPU runs each
-            session's batch in a stream of its own: 16 callers of one row on a BERT-like model
-            on an H200, two sessions: 2,530 requests/s (2.0x the 8 plain sessions of that run)
-            with one session taking every waiting row, 2,854 (2.4x) with the rows shared
-            (``benchmarks/results/gpu-serving-bert-allrows.json``, ``-share.json``). On the
-            CPU the sessions' batches compete for the same cores, and one batch of all the
-            rows measured faster (two sessions, 16 callers, MLP, one run each: 1,751 against
-            1,612 requests/s).
+            session's batch in a stream of its own, so shared rows measured faster there; on
+            the CPU the sessions' batches compete for the same cores, and one batch of all the
+            rows measured faster (figures: ``docs/batching.md``, the policy).
         copy_outputs: Give each caller arrays of its own, copied out of the batch's outputs
             (in the caller's thread, after the session went back). False: each caller's
             outputs are views of the batch's output arrays (its own rows only, so writes
@@ -197,17 +196,52 @@ class Batching:
         return [*sizes, self.max_batch_size]
 
     @classmethod
-    def parse(cls, value: object) -> Batching | None:
-        """``True`` -> the defaults, ``False``/``None`` -> no batching, a Batching -> itself."""
-        if value is None or value is False:
+    def parse(cls, value: object) -> Batching | Literal["auto"] | None:
+        """A ``batching=`` argument, one meaning per spelling, as everywhere in sharedml.
+
+        ``True`` -> the defaults, ``False`` -> None (no batching), a Batching -> itself,
+        ``"auto"`` -> ``"auto"`` (merge wherever the row-independence analysis proves the model
+        batchable, which only a pool that has the model can decide).
+
+        Raises:
+            ValueError: any other value.
+        """
+        if value is None:
+            warnings.warn(
+                "Batching.parse(None) is deprecated and will be refused in a future release: "
+                "write False for no batching (what None meant here).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return None
+        if value is False:
             return None
         if value is True:
             return cls()
+        if value == "auto" and isinstance(value, str):
+            return "auto"
         if isinstance(value, cls):
             return value
         raise ValueError(
-            f"batching must be True, False, 'auto' or a sharedml.Batching, not {value!r}."
+            f"batching must be 'auto', True, False or a sharedml.Batching, not {value!r}."
         )
+
+
+BatchingSetting = bool | Batching | Literal["auto"]
+"""What ``batching=`` takes, with one meaning per spelling (:meth:`Batching.parse`): ``"auto"``
+merges wherever the row-independence analysis proves the model batchable (``batching_reason``
+says why not), ``True`` the defaults of :class:`Batching` (or ``NotBatchableError``), a
+``Batching`` its settings, ``False`` never."""
+
+
+class BatchingDefault(enum.Enum):
+    """The mark of a ``batching=`` left out: each API's own default applies.
+
+    ``SessionPool``'s: ``"auto"`` where the provider runs one ``Run`` at a time (DirectML),
+    else ``False``.
+    """
+
+    BY_PROVIDER = "by-provider"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,17 +1,15 @@
 """Identical tensors of different models, stored and mapped once through the cache.
 
-When the cache prepares a model (a ``models`` entry,
-:func:`sharedml.prepared._prepare.prepared_model_for`),
-every tensor of its weights file is looked up by content (:class:`TensorMatch`: dtype, shape,
-length and SHA-256 of the bytes; never the name) among the tensors that other ``models`` entries
-recorded. A tensor found there is not kept in the new entry's own weights file: its graph points
-at a hard link to the other entry's file (``shared-<sha16>.weights``, named by that file's
-SHA-256), whose bytes are checked before they are used. The entry's manifest lists the linked
-files (format 3, :class:`sharedml.prepared._prepare.SharedWeights`), and the weight store maps each
-file
-once per process by inode (:class:`sharedml.weights._store.WeightStore`), so the pools of both
-models,
-on the raw route and the device route, use one copy, and other processes share its pages.
+When the cache prepares a model (a ``models`` entry, :func:`sharedml.prepared_model_for`),
+every tensor of its weights file is looked up by content
+(:class:`~sharedml.prepared._format.TensorDigest`: dtype, shape, length and SHA-256 of the
+bytes; never the name) among the tensors that other ``models`` entries recorded. A tensor
+found there is not kept in the new entry's own weights file: its graph points at a hard link
+to the other entry's file (``shared-<sha16>.weights``, named by that file's SHA-256), whose
+bytes are checked before they are used. The entry's manifest lists the linked files (format
+3, :class:`sharedml.prepared.SharedWeights`), and the weight store maps each file once per
+process by inode (:class:`sharedml.weights.WeightStore`), so the pools of both models, on the
+raw route and the device route, use one copy, and other processes share its pages.
 
 What is never shared, and why (ORT has onnx's checker validate the external data of tensors in
 subgraphs, and onnx refuses a data file with more than one hard link, "a potential hardlink
@@ -36,45 +34,25 @@ from typing import Any
 import numpy as np
 
 from sharedml._errors import CacheError
-from sharedml.cache._cache import CacheDir, iter_entries, verified_sha256
+from sharedml.cache._entries import iter_entries
+from sharedml.cache._root import Cache
+from sharedml.cache._stamps import verified_sha256
 from sharedml.model._graph import ExternalData, iter_tensors, load_graph, set_external
-from sharedml.prepared._prepare import (
-    _END_ALIGNMENT_BYTES,
+from sharedml.prepared._files import COPY_CHUNK_BYTES, create_temp, replace_file
+from sharedml.prepared._format import (
     SharedWeights,
+    TensorDigest,
     WeightsManifest,
-    _create_temp,
-    _HashingWriter,
-    _replace_metadata,
+    WeightsWriter,
     read_manifest,
+    write_manifest,
 )
 
-__all__ = ["Dedupe", "TensorMatch", "share_with_entries"]
+__all__ = ["Dedupe", "share_with_entries"]
 
 _KIND = "models"
 SHARED_PREFIX = "shared-"  # a weights file hard-linked from another models entry
 _SHARED_SUFFIX = ".weights"
-_CHUNK_BYTES = 16 * 1024 * 1024  # bytes copied at a time when the own file is written again
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorMatch:
-    """A tensor's content identity: equal matches are the same bytes of the same type."""
-
-    data_type: int
-    dims: tuple[int, ...]
-    length: int
-    sha256: str
-
-    def as_json(self) -> list[Any]:
-        return [self.data_type, list(self.dims), self.length, self.sha256]
-
-    @classmethod
-    def from_json(cls, raw: Any) -> TensorMatch | None:
-        try:
-            data_type, dims, length, sha = raw
-            return cls(int(data_type), tuple(int(d) for d in dims), int(length), str(sha))
-        except (TypeError, ValueError):
-            return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +101,7 @@ def _index(
             data = np.memmap(folder / info.location, dtype=np.uint8, mode="r")
             maps[info.location] = data
         piece = data[info.offset : info.offset + info.length]
-        match = TensorMatch(
+        match = TensorDigest(
             ref.tensor.data_type, tuple(ref.tensor.dims), info.length, _sha256(piece)
         )
         index.append({"match": match.as_json(), "file": info.location, "offset": info.offset})
@@ -135,40 +113,23 @@ def _sha256(data: Any) -> str:
 
 
 def _offers(
-    tmp: Path, wanted: set[TensorMatch], layout: list[int], cache_dir: CacheDir
-) -> dict[TensorMatch, tuple[Any, dict[str, Any]]]:
+    tmp: Path, wanted: set[TensorDigest], layout: list[int], cache: Cache
+) -> dict[TensorDigest, tuple[Any, dict[str, Any]]]:
     """For each wanted match, the first other entry that recorded it (and is usable)."""
-    offers: dict[TensorMatch, tuple[Any, dict[str, Any]]] = {}
-    for entry in iter_entries(_KIND, cache_dir=cache_dir):
+    offers: dict[TensorDigest, tuple[Any, dict[str, Any]]] = {}
+    for entry in iter_entries(_KIND, cache=cache):
         if isinstance(entry, CacheError) or entry.path == tmp:
             continue
         if entry.meta.get("layout") != layout:
             continue
         for item in entry.meta.get("tensors") or ():
-            match = TensorMatch.from_json(item.get("match"))
+            match = TensorDigest.from_json(item.get("match"))
             if match in wanted and match not in offers and item.get("file") in entry.files:
                 offers[match] = (entry, item)
     return offers
 
 
-def _replace_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new file and rename it over ``path``.
-
-    ``path`` is a file prepare just wrote read-only (0444): rewriting it in place works only
-    for root, and a rename is what prepare itself replaces its outputs with.
-    """
-    fd, tmp = _create_temp(path)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedupe:
+def share_with_entries(tmp: Path, model_name: str, cache: Cache) -> Dedupe:
     """Point the tensors of the entry being built in ``tmp`` at identical ones of other entries.
 
     ``tmp/model_name`` is a model that :func:`sharedml.prepare` just wrote (one weights file).
@@ -189,8 +150,8 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
     layout = _layout(manifest)
     own_file = manifest.file
     sha = {own_file: manifest.sha256}
-    wanted = {m for item in own if (m := TensorMatch.from_json(item["match"])) is not None}
-    offers = _offers(tmp, wanted, layout, cache_dir) if wanted else {}
+    wanted = {m for item in own if (m := TensorDigest.from_json(item["match"])) is not None}
+    offers = _offers(tmp, wanted, layout, cache) if wanted else {}
     if not offers:
         return unchanged
 
@@ -201,7 +162,7 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
     maps: dict[str, np.ndarray] = {}
     shared_bytes = 0
     for item in own:
-        match = TensorMatch.from_json(item["match"])
+        match = TensorDigest.from_json(item["match"])
         offer = offers.get(match) if match is not None else None
         if offer is None or match is None:
             continue
@@ -213,7 +174,7 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
             if name is None:
                 continue  # no hard link here: keep this entry's own copy
             # The whole file, as the new manifest records it (a stamp spares the read).
-            if not verified_sha256(tmp / name, digest, cache_dir=cache_dir):
+            if not verified_sha256(tmp / name, digest, cache=cache):
                 (tmp / name).unlink()
                 continue
             linked[(entry.key, theirs["file"])] = name
@@ -241,10 +202,10 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
     refs = [(ref, ExternalData.of(ref.tensor)) for ref in iter_tensors(model.graph)]
     source = np.memmap(tmp / own_file, dtype=np.uint8, mode="r")
     placed: dict[int, int] = {}
-    fd, tmp_weights = _create_temp(tmp / own_file)
+    fd, tmp_weights = create_temp(tmp / own_file)
     try:
         with os.fdopen(fd, "wb") as fh:
-            writer = _HashingWriter(fh)
+            writer = WeightsWriter(fh, manifest)
             for ref, info in refs:
                 if info is None or info.location != own_file or info.length is None:
                     continue
@@ -254,27 +215,24 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
                     continue
                 start = placed.get(info.offset)
                 if start is None:  # tied tensors stay one copy
-                    writer.pad_to(manifest.alignment_for(info.length))
-                    start = writer.position
                     end = info.offset + info.length
-                    for at in range(info.offset, end, _CHUNK_BYTES):  # bounded memory
-                        writer.write(source[at : min(at + _CHUNK_BYTES, end)].tobytes())
+                    start = writer.add(
+                        (  # bounded memory
+                            source[at : min(at + COPY_CHUNK_BYTES, end)].tobytes()
+                            for at in range(info.offset, end, COPY_CHUNK_BYTES)
+                        ),
+                        info.length,
+                    )
                     placed[info.offset] = start
                 set_external(ref.tensor, own_file, start, info.length)
-            writer.pad_to(_END_ALIGNMENT_BYTES)
-            fh.flush()
-            os.fsync(fh.fileno())
+            shared = tuple(
+                SharedWeights(name, shared_sizes[name], sha[name]) for name in sorted(uses)
+            )
+            rewritten = writer.finish(tensors=len(placed), shared=shared)
         del source
-        shared = tuple(SharedWeights(name, shared_sizes[name], sha[name]) for name in sorted(uses))
         if placed:
             os.replace(tmp_weights, tmp / own_file)
-            new = dataclasses.replace(
-                manifest,
-                size_bytes=writer.position,
-                sha256=writer.sha.hexdigest(),
-                tensors=len(placed),
-                shared=shared,
-            )
+            new = rewritten
             sha[own_file] = new.sha256
         else:  # every tensor is another entry's: the first linked file is the main one
             tmp_weights.unlink()
@@ -293,8 +251,8 @@ def share_with_entries(tmp: Path, model_name: str, cache_dir: CacheDir) -> Dedup
         with contextlib.suppress(OSError):
             tmp_weights.unlink()
         raise
-    _replace_metadata(model, new)
-    _replace_file(model_path, model.SerializeToString())
+    write_manifest(model, new)
+    replace_file(model_path, model.SerializeToString())
     return Dedupe(
         {
             "layout": layout,

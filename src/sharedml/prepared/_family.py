@@ -1,12 +1,12 @@
 """Model families: several graphs that hold the same tensors, prepared over ONE weights file.
 
-``prepare([a, b, c], folder)`` writes ``folder/<a's name>``, ``folder/<b's name>``, ... and one
-weights file, ``folder/family-<sha16>.weights``, that holds each *distinct* tensor once. Two
+``prepare_family([a, b, c], folder)`` writes ``folder/<a's name>``, ``folder/<b's name>``, ...
+and one weights file, ``folder/family-<sha16>.weights``, that holds each *distinct* tensor once. Two
 tensors are one tensor when their dtype, shape, length and SHA-256 of their bytes are equal
 (:class:`TensorDigest`), whatever their names and wherever they sat (an initializer, a
 ``Constant``, a subgraph, an external file): Optimum's ``decoder_model.onnx`` and
 ``decoder_with_past_model.onnx``, or an encoder exported once per task head, then cost one
-copy on disk and, through :class:`sharedml.WeightStore` (which maps each weights *file* once
+copy on disk and, through :class:`sharedml.weights.WeightStore` (which maps each weights *file* once
 per process, whichever graph names it), one copy in memory.
 
 Each graph is an ordinary prepared model (manifest format 2, one weights file), so every route
@@ -22,76 +22,56 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
-
-from onnx import ModelProto
 
 from sharedml import _host
 from sharedml._errors import (
     FamilyError,
-    InvalidModelError,
     ModelNotFoundError,
     PrepareError,
     SharedMLError,
 )
-from sharedml._host import fsync_dir
+from sharedml._host import HashingWriter, fsync_dir
 from sharedml.model._graph import (
     ExternalData,
     external_locations,
-    inline_bytes,
     iter_tensors,
     load_graph,
     read_model,
     set_external,
 )
-from sharedml.prepared._prepare import (
-    _END_ALIGNMENT_BYTES,
-    _ZEROS,
+from sharedml.model._proto import ModelProto, TensorProto
+from sharedml.prepared._files import create_temp, output_error, remove_dead_temps, write_temp
+from sharedml.prepared._format import (
+    DEFAULT_ALIGNMENT_BYTES,
     ProgressCallback,
+    TensorDigest,
     WeightsManifest,
-    _create_temp,
-    _output_error,
-    _remove_dead_temps,
-    _replace_metadata,
-    _SourceReader,
-    check_settings,
-    plan_weights,
+    WeightsWriter,
+    digest_of,
+    file_matches,
     read_manifest,
+    write_manifest,
 )
+from sharedml.prepared._plan import DEFAULT_SIZE_THRESHOLD_BYTES, check_settings, plan_weights
+from sharedml.prepared._source import SourceReader
 
 __all__ = ["FAMILY_WEIGHTS_PATTERN", "FamilyResult", "TensorDigest", "prepare_family"]
+# TensorDigest lives in sharedml.prepared._format; the package's public face looks it up here.
 
 # The names prepare gives a family's weights file: the first 16 hex digits of its SHA-256.
 # Only files named so are ever removed by prepare (a user's own files in the folder are not).
 FAMILY_WEIGHTS_PATTERN = re.compile(r"family-[0-9a-f]{16}\.weights")
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class TensorDigest:
-    """A tensor's content identity: equal digests are the same tensor, whatever its name.
-
-    Attributes:
-        data_type: ONNX ``TensorProto.DataType``.
-        dims: Its shape.
-        length: Its data in bytes.
-        sha256: Hex SHA-256 of those bytes.
-    """
-
-    data_type: int
-    dims: tuple[int, ...]
-    length: int
-    sha256: str
-
-
 @dataclasses.dataclass(frozen=True)
 class FamilyResult:
-    """What ``prepare([...], folder)`` wrote.
+    """What :func:`prepare_family` wrote.
 
     Attributes:
         model_paths: The prepared graphs, in the order of the sources.
@@ -130,65 +110,31 @@ class FamilyResult:
 
 
 class _DedupingWriter:
-    """Appends tensors at their alignment; a tensor already in the file is rolled back.
+    """Appends tensors to a weights file; a tensor already in the file is rolled back.
 
-    The file's SHA-256 runs along: each tensor (with its padding) is hashed into a copy of the
-    running digest, kept only when the tensor turns out to be new, so the file is never read
-    back to hash it.
+    The file's SHA-256 runs along (:class:`sharedml.prepared._format.WeightsWriter`): a tensor
+    that turns out to be known is forgotten with its padding, so the file is never read back
+    to hash it.
     """
 
-    def __init__(self, fh: Any) -> None:
-        self._fh = fh
-        self.position = 0
-        self.sha = hashlib.sha256()
+    def __init__(self, writer: WeightsWriter) -> None:
+        self.writer = writer
         self.offsets: dict[TensorDigest, int] = {}
 
-    def _padding(self, alignment: int) -> int:
-        return -self.position % alignment
-
     def add(
-        self, data_type: int, dims: tuple[int, ...], chunks: Any, length: int, alignment: int
+        self, tensor: TensorProto, chunks: Iterable[bytes | memoryview], length: int
     ) -> tuple[int, bool]:
         """Write one tensor's ``chunks``; returns (its offset, whether it was new)."""
-        start = self.position
-        candidate = self.sha.copy()
-        content = hashlib.sha256()
-        pad = self._padding(alignment)
-        while pad:
-            step = min(pad, len(_ZEROS))
-            piece = memoryview(_ZEROS)[:step]
-            self._fh.write(piece)
-            candidate.update(piece)
-            pad -= step
-        offset = start + self._padding(alignment)
-        written = 0
-        for chunk in chunks:
-            self._fh.write(chunk)
-            candidate.update(chunk)
-            content.update(chunk)
-            written += len(chunk)
-        if written != length:  # pragma: no cover - plan_weights checked every length
-            raise InvalidModelError(f"A tensor gave {written} bytes, its plan said {length}.")
-        key = TensorDigest(data_type, dims, length, content.hexdigest())
+        mark = self.writer.mark()
+        content = HashingWriter()  # to nowhere: the tensor's own digest
+        offset = self.writer.add(content.through(chunks), length)
+        key = digest_of(tensor, content)
         known = self.offsets.get(key)
         if known is not None:  # already in the file: forget what was just written
-            self._fh.seek(start)
-            self._fh.truncate()
+            self.writer.rollback(mark)
             return known, False
         self.offsets[key] = offset
-        self.position = offset + length
-        self.sha = candidate
         return offset, True
-
-    def finish(self) -> None:
-        pad = -self.position % _END_ALIGNMENT_BYTES
-        while pad:
-            step = min(pad, len(_ZEROS))
-            piece = memoryview(_ZEROS)[:step]
-            self._fh.write(piece)
-            self.sha.update(piece)
-            self.position += step
-            pad -= step
 
 
 def _check_members(sources: Sequence[Path], out_dir: Path) -> None:
@@ -304,37 +250,42 @@ def _replace_weights(tmp: Path, path: Path) -> None:
         ) from exc
 
 
-def _same_content(path: Path, sha256: str, size: int) -> bool:
-    try:
-        if path.is_symlink() or path.stat().st_size != size:
-            return False
-        with open(path, "rb") as fh:
-            return hashlib.file_digest(fh, "sha256").hexdigest() == sha256
-    except OSError:
-        return False
-
-
 def prepare_family(
-    sources: Sequence[str | os.PathLike[str]],
+    models: Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
     *,
-    size_threshold_bytes: int,
-    alignment_bytes: int,
+    size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     progress: ProgressCallback | None = None,
 ) -> FamilyResult:
     """Prepare several models into ``out_dir`` over one weights file of distinct tensors.
 
-    Called by :func:`sharedml.prepare` when its ``src`` is a list; see it for the settings.
+    A *family* is graphs that hold the same tensors under any names. Each model is written to
+    ``out_dir/<its file name>``, all of them over ONE weights file,
+    ``out_dir/family-<sha16>.weights``, that holds each distinct tensor (same dtype, shape and
+    SHA-256 of its bytes) once. Each graph is an ordinary prepared model.
+
+    Args:
+        models: The members: ONNX models, as :func:`sharedml.prepare` takes them.
+        out_dir: The folder to write into (created if missing).
+        size_threshold_bytes: As :func:`sharedml.prepare`.
+        alignment_bytes: As :func:`sharedml.prepare`.
+        progress: Called as ``progress(bytes_done, bytes_total)`` while weights are copied.
+
+    Returns:
+        A :class:`FamilyResult` describing what was written.
 
     Raises:
-        FamilyError: two sources share a file name, or a source (or its external data) is
-            inside ``out_dir``.
-        ModelNotFoundError: a source does not exist.
+        FamilyError: no models, two models share a file name, or a model (or its external
+            data) is inside ``out_dir``.
+        ModelNotFoundError: a model does not exist.
         PrepareError, OutputError, ModelError: as :func:`sharedml.prepare`. Every check runs
             before anything is written; a failure while writing leaves no new file behind.
+
+    Thread safety: safe to call concurrently on different folders.
     """
     check_settings(size_threshold_bytes, alignment_bytes)
-    paths = [Path(s) for s in sources]
+    paths = [Path(s) for s in models]
     folder = Path(out_dir)
     _check_members(paths, folder)
     for src in paths:
@@ -357,69 +308,47 @@ def prepare_family(
     total_tensors = total_bytes = distinct_bytes = 0
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _remove_dead_temps(folder)
+        remove_dead_temps(folder)
         writing = folder / placeholder
-        fd, tmp_weights = _create_temp(writing)
+        fd, tmp_weights = create_temp(writing)
         plans = []
         with os.fdopen(fd, "wb") as fh:
-            writer = _DedupingWriter(fh)
+            writer = _DedupingWriter(WeightsWriter(fh, layout))
             for src in paths:
                 model, model_bytes = read_model(src)
-                reader = _SourceReader(model_bytes)
-                del model_bytes
-                try:
+                with SourceReader(model_bytes) as reader:
+                    del model_bytes
                     plan = plan_weights(model, src, size_threshold_bytes)
                     plans.append(plan)
                     grand = sum(p.moving_bytes for p in plans)
                     for index, item in enumerate(plan.moving):
-                        tensor = item.tensor
-                        chunks = (
-                            [inline_bytes(tensor)]
-                            if item.piece is None
-                            else reader.read(index, item.piece, tensor.name)
-                        )
-                        offset, new = writer.add(
-                            tensor.data_type,
-                            tuple(tensor.dims),
-                            chunks,
-                            item.nbytes,
-                            layout.alignment_for(item.nbytes),
-                        )
-                        set_external(tensor, placeholder, offset, item.nbytes)
+                        chunks = reader.chunks(index, item)
+                        offset, new = writer.add(item.tensor, chunks, item.nbytes)
+                        set_external(item.tensor, placeholder, offset, item.nbytes)
                         total_tensors += 1
                         total_bytes += item.nbytes
                         distinct_bytes += item.nbytes if new else 0
                         if progress is not None:
                             progress(total_bytes, grand)
-                finally:
-                    reader.close()
                 graphs.append(model)
-            writer.finish()
-            fh.flush()
-            os.fsync(fh.fileno())
-        sha = writer.sha.hexdigest()
-        name = f"family-{sha[:16]}.weights"
-        manifest = dataclasses.replace(
-            layout, file=name, size_bytes=writer.position, sha256=sha, tensors=len(writer.offsets)
-        )
+            written = writer.writer.finish()
+        name = f"family-{written.sha256[:16]}.weights"
+        manifest = dataclasses.replace(written, file=name, tensors=len(writer.offsets))
         for src, model in zip(paths, graphs, strict=True):
             for tensor_ref in _moved(model, placeholder):
                 _relocate(tensor_ref, name)
-            _replace_metadata(model, manifest)
+            write_manifest(model, manifest)
             writing = folder / src.name
-            fd, tmp = _create_temp(writing)
-            tmp_graphs.append(tmp)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(model.SerializeToString())
-                fh.flush()
-                os.fsync(fh.fileno())
+            tmp_graphs.append(write_temp(writing, model.SerializeToString()))
         weights_path = folder / name
         writing = weights_path
         # Content-named: an existing file of this name that already holds these bytes (checked,
         # not assumed) may be mapped by a running pool: it is kept, not replaced. Only if it is
         # ours alone, though: a file another user planted (or can write, or has a second name
         # for) would let them change a live pool's weights later; it is replaced by a rename.
-        if _same_content(weights_path, sha, writer.position) and _only_ours(weights_path):
+        if file_matches(weights_path, manifest.sha256, manifest.size_bytes) and _only_ours(
+            weights_path
+        ):
             tmp_weights.unlink()
         else:
             _replace_weights(tmp_weights, weights_path)
@@ -433,7 +362,7 @@ def prepare_family(
     except OSError as exc:
         if isinstance(exc, SharedMLError):
             raise
-        raise _output_error(writing, exc) from exc
+        raise output_error(writing, exc) from exc
     finally:
         for leftover in (tmp_weights, *tmp_graphs):
             if leftover is not None:

@@ -5,7 +5,7 @@ serve, in one place, with no Ray import:
 
 - :func:`prepare_on_node` puts the prepared model in this node's cache. Replicas that start
   together on a node take turns on a per-model lock of that cache
-  (:func:`sharedml.cache._cache.held_lock`), so one of them prepares and the others find its entry:
+  (:func:`sharedml.cache._locks.held_lock`), so one of them prepares and the others find its entry:
   the cache's atomic publish alone would give them all the same entry, but each would have
   prepared the model first.
 - A model that is already prepared is used where it lies, unless its files sit on a network file
@@ -32,12 +32,13 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from sharedml._host import filesystem_type, is_remote_filesystem
-from sharedml.cache._cache import CacheDir, cache_dir, held_lock, kind_folder
-from sharedml.pool._batching import Batching
-from sharedml.pool._pool import _DEFAULT_SESSIONS, SessionPool
+from sharedml.cache._locks import held_lock
+from sharedml.cache._root import Cache, CacheDir
+from sharedml.pool._batching import BatchingSetting
+from sharedml.pool._pool import DEFAULT_SESSIONS, SessionPool
 from sharedml.prepared._prepare import (
     prepared_model_for,
     prepared_model_from_bytes,
@@ -53,11 +54,6 @@ __all__ = [
 ]
 
 _BUILT_KINDS = ("models", "prepacked")  # the cache entries a pool may build on first use
-
-BatchingSetting = bool | Batching | Literal["auto"]
-"""``"auto"``: on wherever the row-independence analysis proves the model batchable (the
-pool's ``batching="auto"``: ``pool.batching_reason`` says why not); else as
-``SessionPool(batching=...)``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +107,11 @@ def _lock_name(model: str | os.PathLike[str] | bytes) -> str:
     return "prepare-" + hashlib.sha256(identity).hexdigest()[:32]
 
 
-def _entries(folder: CacheDir) -> set[Path]:
+def _entries(cache: Cache) -> set[Path]:
     return {
         child
         for kind in _BUILT_KINDS
-        for child in kind_folder(kind, folder).iterdir()
+        for child in cache.folder(kind).iterdir()
         if not child.name.startswith(".")
     }
 
@@ -139,7 +135,7 @@ def _warn_if_cache_is_remote(folder: Path) -> None:
 def _prepare(
     model: str | os.PathLike[str] | bytes,
     *,
-    folder: CacheDir,
+    folder: Cache,
     local_copy: bool | None,
     size_threshold_bytes: int | None,
 ) -> tuple[Path, bool]:
@@ -165,10 +161,11 @@ def _prepare(
 class _Turn:
     """This process's turn on a model's node lock: what it prepared and what it published."""
 
-    def __init__(self, model: str | os.PathLike[str] | bytes, folder: CacheDir) -> None:
+    def __init__(self, model: str | os.PathLike[str] | bytes, cache: Cache) -> None:
         self.model = model
-        self.folder = cache_dir(folder)
-        self.before = _entries(self.folder)
+        self.cache = cache
+        self.folder = cache.root
+        self.before = _entries(cache)
         self.path = Path()
         self.copied = False
         self.node: NodeModel | None = None
@@ -180,7 +177,7 @@ class _Turn:
             path=self.path,
             weights_path=weights_path_for(self.path),
             cache_dir=self.folder,
-            published=tuple(sorted(_entries(self.folder) - self.before)),
+            published=tuple(sorted(_entries(self.cache) - self.before)),
             copied=self.copied,
             waited_s=waited_s,
         )
@@ -197,11 +194,12 @@ def _node_turn(
     lock_timeout_s: float | None,
 ) -> Iterator[_Turn]:
     """Hold the node's lock for ``model``, prepared; ``turn.node`` is set once the block ends."""
-    with held_lock(_lock_name(model), cache_dir=cache_dir, timeout_s=lock_timeout_s) as waited:
-        turn = _Turn(model, cache_dir)
+    cache = Cache.at(cache_dir)  # resolved once for the lock, the prepare and the pool
+    with held_lock(_lock_name(model), cache=cache, timeout_s=lock_timeout_s) as waited:
+        turn = _Turn(model, cache)
         turn.path, turn.copied = _prepare(
             model,
-            folder=turn.folder,
+            folder=cache,
             local_copy=local_copy,
             size_threshold_bytes=size_threshold_bytes,
         )
@@ -322,14 +320,14 @@ def create_pool(
     ) as turn:
         share = cpus if cpus is not None else _replica_cpus()
         if "sess_options" not in pool_options and share is not None:
-            count = pool_options.get("max_sessions") or sessions or _DEFAULT_SESSIONS
+            count = pool_options.get("max_sessions") or sessions or DEFAULT_SESSIONS
             pool_options["sess_options"] = _session_options(count, share)
         pool = SessionPool(
             turn.path,
             sessions=sessions,
             batching=batching,
             providers=providers,
-            cache_dir=cache_dir,
+            cache_dir=turn.cache,
             **pool_options,
         )
     assert turn.node is not None

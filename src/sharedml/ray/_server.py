@@ -42,7 +42,7 @@ import numpy as np
 
 from sharedml._errors import InvalidInputError, PoolClosedError, RunError
 from sharedml.pool._batching import Batching
-from sharedml.pool._pool import _DEFAULT_SESSIONS
+from sharedml.pool._pool import DEFAULT_SESSIONS
 from sharedml.ray import _http
 from sharedml.ray._http import (
     JSON,
@@ -396,7 +396,7 @@ def deployment(
     per_session = rows + 1 if batching is not False else 2
     options: dict[str, Any] = {
         "name": f"sharedml-{model_name or _model_name(model)}",
-        "max_ongoing_requests": (sessions or _DEFAULT_SESSIONS) * per_session,
+        "max_ongoing_requests": (sessions or DEFAULT_SESSIONS) * per_session,
         **serve_options,
     }
     return (

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
-from sharedml._host import release_freed_heap, usable_cores
-from sharedml.cache._cache import CacheDir
+from sharedml._host import release_freed_heap, usable_cores, warn_deprecated
+from sharedml.cache._root import Cache, CacheDir
 from sharedml.prepared._prepare import prepared_model_for, prepared_model_from_bytes
 from sharedml.runtime._capabilities import capability
 from sharedml.runtime._options import clone_session_options, config_entry
@@ -104,20 +104,28 @@ class Prepacking(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: object) -> Prepacking:
-        """``None``/``False``/``True`` mean ``auto``/``off``/``per-session``.
+        """One of the values, by its name (``"auto"``, ``"shared"``, ``"off"``, ``"per-session"``).
+
+        ``None``, ``False`` and ``True`` (``"auto"``, ``"off"`` and ``"per-session"``) are
+        accepted for one release with a ``DeprecationWarning``: ``True`` reads as "share the
+        packed weights" to a user of a sharing library, and means each session's private copy.
 
         Raises:
             ValueError: anything else that is not one of the values.
         """
         aliases: dict[object, Prepacking] = {None: cls.AUTO, False: cls.OFF, True: cls.PER_SESSION}
         if isinstance(value, bool) or value is None:
-            return aliases[value]
+            new = aliases[value]
+            warn_deprecated(
+                f"prepacking={value!r} is deprecated: write prepacking={new.value!r} (the same "
+                "meaning); the old spelling goes in the next release."
+            )
+            return new
         try:
             return cls(value)
         except ValueError:
             raise ValueError(
-                "prepacking must be 'auto', 'shared', 'off' or 'per-session' (or None, False, "
-                f"True), not {value!r}."
+                f"prepacking must be 'auto', 'shared', 'off' or 'per-session', not {value!r}."
             ) from None
 
 
@@ -163,6 +171,8 @@ class SessionRecipe:
             planner read it, else None.
         template: The caller's ``SessionOptions`` template (never modified).
         configure: Called with each session's options before creation.
+        cache: The cache the route was planned with (resolved once by :func:`plan_route`):
+            whatever the pool builds later goes there too.
     """
 
     source_path: Path
@@ -179,6 +189,7 @@ class SessionRecipe:
     runtime_stats: Any = None
     template: Any = None
     configure: Callable[[Any], None] | None = None
+    cache: Cache | None = None
 
     def options(self) -> Any:
         """A fresh ``SessionOptions`` for one session of this recipe."""
@@ -282,7 +293,8 @@ def plan_route(
         mechanism: ``"auto"`` or a :class:`Mechanism` value other than ``prepacked-file`` and
             ``optimized-file`` (which the planner chooses).
         prepacking: A :class:`Prepacking` value (or an alias, see :meth:`Prepacking.parse`).
-        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
+        cache_dir: The cache: a path, a :class:`~sharedml.cache.Cache`, or None for
+            :func:`sharedml.cache_dir`. Resolved once here; the recipe carries it.
         verify_weights: Check the weights' SHA-256 when first mapped in the process.
         size_threshold_bytes: Passed to prepare for models it prepares (None: its default).
 
@@ -295,6 +307,7 @@ def plan_route(
         SharedMLError: the model, its weights or the cache cannot be used.
     """
     plan, graphs_reason = _without_unusable_graphs(plan)
+    cache = Cache.at(cache_dir)
     recipe = _plan(
         model,
         plan=plan,
@@ -303,7 +316,7 @@ def plan_route(
         configure=configure,
         mechanism=mechanism,
         prepacking=prepacking,
-        cache_dir=cache_dir,
+        cache=cache,
         verify_weights=verify_weights,
         size_threshold_bytes=size_threshold_bytes,
     )
@@ -334,7 +347,7 @@ def _plan(
     configure: Callable[[Any], None] | None,
     mechanism: str,
     prepacking: object,
-    cache_dir: CacheDir,
+    cache: Cache,
     verify_weights: bool,
     size_threshold_bytes: int | None,
 ) -> SessionRecipe:
@@ -351,19 +364,17 @@ def _plan(
     if isinstance(model, (bytes, bytearray, memoryview)):
         source = Path("<model bytes>")
         model_path = prepared_model_from_bytes(
-            bytes(model), cache_dir=cache_dir, verify=verify_weights, **kwargs
+            bytes(model), cache_dir=cache, verify=verify_weights, **kwargs
         )
     elif isinstance(model, (str, os.PathLike)):
         source = Path(model)
-        model_path = prepared_model_for(
-            source, cache_dir=cache_dir, verify=verify_weights, **kwargs
-        )
+        model_path = prepared_model_for(source, cache_dir=cache, verify=verify_weights, **kwargs)
     else:
         raise TypeError(
             f"model must be a path (str or os.PathLike) or the model's bytes, not "
             f"{type(model).__name__}."
         )
-    weights = WeightStore.open(model_path, verify=verify_weights, cache_dir=cache_dir)
+    weights = WeightStore.open(model_path, verify=verify_weights, cache_dir=cache)
     if requested is Mechanism.IN_MEMORY_FILE and not capability("files-in-memory").available:
         raise ProviderError(
             f"mechanism='in-memory-file' cannot be used: {capability('files-in-memory').reason}. "
@@ -377,6 +388,7 @@ def _plan(
         "prepacking": packing,
         "template": sess_options,
         "configure": configure,
+        "cache": cache,
         "intra_op_threads": (
             max(1, usable_cores() // max_sessions) if plan.primary == CPU else None
         ),
@@ -406,7 +418,7 @@ def _plan(
         prepacked, reason = _prepacked_weights(
             weights,
             sess_options,
-            cache_dir,
+            cache,
             max_sessions,
             forced=packing is Prepacking.SHARED,
             verify=verify_weights,
@@ -430,7 +442,7 @@ def _plan(
     stats = None
     if plan.primary == CPU and packing is Prepacking.OFF and device_reason == "":
         stats, derived_reason = _derived_weights_check(
-            weights, sess_options, cache_dir, source, verify=verify_weights
+            weights, sess_options, cache, source, verify=verify_weights
         )
         reason = " ".join(r for r in (reason, derived_reason) if r)
     reason = " ".join(r for r in (device_reason, reason, _host_reason(host, packing)) if r)
@@ -439,9 +451,7 @@ def _plan(
     )
 
 
-def _optimized_model(
-    weights: WeightStore, sess_options: Any, cache_dir: CacheDir, *, verify: bool
-) -> Any:
+def _optimized_model(weights: WeightStore, sess_options: Any, cache: Cache, *, verify: bool) -> Any:
     """ORT's saved optimized (and prepacked) form of the model: a cache entry, built once."""
     from sharedml.weights import _prepacked as _prepack
 
@@ -451,7 +461,7 @@ def _optimized_model(
         weights.path
         if len(files) == 1
         else {f.file: weights.model_path.parent / f.file for f in files},
-        cache_dir,
+        cache,
         sess_options=sess_options,
         weights_digest="sha256:" + ",".join(f.sha256 for f in sorted(files, key=lambda f: f.file)),
         verify=verify,
@@ -459,7 +469,7 @@ def _optimized_model(
 
 
 def _derived_weights_check(
-    weights: WeightStore, sess_options: Any, cache_dir: CacheDir, source: Path, *, verify: bool
+    weights: WeightStore, sess_options: Any, cache: Cache, source: Path, *, verify: bool
 ) -> tuple[Any, str]:
     """For ``prepacking="off"``: does ORT derive weights that every session then keeps itself?
 
@@ -469,7 +479,7 @@ def _derived_weights_check(
     reason saying the check could not be made.
     """
     try:
-        prepacked = _optimized_model(weights, sess_options, cache_dir, verify=verify)
+        prepacked = _optimized_model(weights, sess_options, cache, verify=verify)
     except CacheError:
         raise
     except (SharedMLError, ValueError) as exc:
@@ -567,7 +577,7 @@ def _device_weights(weights: WeightStore, plan: ProviderPlan, *, forced: bool) -
 def _prepacked_weights(
     weights: WeightStore,
     sess_options: Any,
-    cache_dir: CacheDir,
+    cache: Cache,
     sessions: int,
     *,
     forced: bool,
@@ -587,7 +597,7 @@ def _prepacked_weights(
             )
         return None, f"The saved prepacked model is not used: {saves.reason}."
     try:
-        prepacked = _optimized_model(weights, sess_options, cache_dir, verify=verify)
+        prepacked = _optimized_model(weights, sess_options, cache, verify=verify)
     except CacheError:
         raise  # an untrusted cache is the caller's to fix, on every route alike
     except SharedMLError as exc:

@@ -2,4 +2,11 @@
 
 What it can do (capabilities, probed once per process), its execution providers, and the
 session options sharedml copies and sets.
+
+Public (for integrators): the execution-provider plan a pool runs with; ``__init__.pyi``
+lists the names.
 """
+
+from sharedml import _exports
+
+__all__, __getattr__, __dir__ = _exports.attach(__name__)

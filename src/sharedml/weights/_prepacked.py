@@ -10,7 +10,7 @@ The route: ORT can save the optimized model with its prepacked blobs next to the
 in the data file (``session.save_external_prepacked_constant_initializers=1``). A session that
 loads that model *by path* maps the blobs and the derived weights from the file, so all sessions
 of all processes share the same page-cache pages: one copy, at prepacked speed. The saved model
-is a ``prepacked`` entry of the cache (:mod:`sharedml.cache._cache`), keyed by ORT build and CPU.
+is a ``prepacked`` entry of the cache (:mod:`sharedml.cache`), keyed by ORT build and CPU.
 
 Decisions, each measured (figures and commands: ``docs/cpu-prepacking.md``):
 
@@ -50,7 +50,8 @@ from sharedml._errors import (
     ModelNotFoundError,
     SessionCreationError,
 )
-from sharedml.cache._cache import CacheDir, CacheEntry, ensure_entry, iter_entries
+from sharedml.cache._entries import CacheEntry, ensure_entry, iter_entries
+from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import (
     ExternalData,
     external_locations,
@@ -227,7 +228,8 @@ def build_prepacked_model(
             model uses, so it need not sit where the model's ``location`` points. A model over
             several weights files (a cache entry that shares tensors with others) passes them
             all, as ``{location: path}``.
-        cache_dir: The cache folder (default: :func:`sharedml.cache_dir`).
+        cache_dir: The cache: a :class:`sharedml.cache.Cache` (as the route planner passes it),
+            a path, or None for :func:`sharedml.cache_dir`; resolved once.
         sess_options: The options the pool gives its sessions. Only the optimization level and
             the config entries that change the optimized graph are used; free-dimension
             overrides and custom ops are not carried. None means ORT's defaults.
@@ -255,6 +257,7 @@ def build_prepacked_model(
     """
     import onnxruntime as ort
 
+    cache = Cache.at(cache_dir)
     prepared_model = Path(prepared_model)
     try:
         model_bytes = prepared_model.read_bytes()
@@ -344,7 +347,7 @@ def build_prepacked_model(
             stats = inspect_prepacked_model(tmp / _MODEL_NAME, source_model=source)
             own_index = _blob_index(tmp / _MODEL_NAME)
             unshared = (tmp / _MODEL_NAME).read_bytes()
-            sharing = _share_identical(tmp, own_index, key_material, cache_dir) if share else None
+            sharing = _share_identical(tmp, own_index, key_material, cache) if share else None
 
             def check_reload() -> None:
                 check = ort.SessionOptions()
@@ -389,7 +392,7 @@ def build_prepacked_model(
             "shared": sharing.summary() if sharing is not None else None,
         }
 
-    entry = ensure_entry(_KIND, key, build, cache_dir=cache_dir, verify=verify)
+    entry = ensure_entry(_KIND, key, build, cache=cache, verify=verify)
     return PrepackedModel._of(entry)
 
 
@@ -459,7 +462,7 @@ class _Sharing:
 
 
 def _share_identical(
-    tmp: Path, own: list[dict[str, Any]], key_material: dict[str, Any], cache_dir: CacheDir
+    tmp: Path, own: list[dict[str, Any]], key_material: dict[str, Any], cache: Cache
 ) -> _Sharing | None:
     """Point this entry's initializers at identical ones of other entries; None if none match.
 
@@ -473,7 +476,7 @@ def _share_identical(
     """
     wanted = {json.dumps(t["match"]): t for t in own}
     offers: dict[str, tuple[CacheEntry, dict[str, Any]]] = {}
-    for entry in iter_entries(_KIND, cache_dir=cache_dir):
+    for entry in iter_entries(_KIND, cache=cache):
         if isinstance(entry, CacheError) or entry.path == tmp:
             continue
         theirs = entry.meta.get("key_material") or {}

@@ -41,10 +41,12 @@ from sharedml._errors import (
     UnsafePathError,
     WeightsMismatchError,
 )
-from sharedml.cache._cache import CacheDir, hold_entry, verified_sha256
+from sharedml.cache._locks import hold_entry
+from sharedml.cache._root import Cache, CacheDir
+from sharedml.cache._stamps import verified_sha256
 from sharedml.model import _proto
 from sharedml.model._graph import ExternalData, Placement, iter_tensors, load_graph, tensor_nbytes
-from sharedml.prepared._prepare import WeightsManifest, read_manifest
+from sharedml.prepared._format import WeightsManifest, read_manifest
 
 if TYPE_CHECKING:
     import onnx
@@ -179,7 +181,7 @@ class WeightStore:
                     "again."
                 )
             sizes[weights.file] = size
-        self._cache_dir = cache_dir
+        self._cache = Cache.at(cache_dir)  # resolved once: where this store's stamps live
         graph = model if model is not None else load_graph(model_path)  # open() parsed it already
         self.slots = _slots(graph, model_path, manifest, sizes)
         # A cache entry is not removed (sharedml cache prune) while a store over it lives; the
@@ -246,7 +248,7 @@ class WeightStore:
                 # A stamp from an earlier hash of this very file spares reading it in every
                 # process.
                 path = self.model_path.parent / weights.file
-                if not verified_sha256(path, weights.sha256, cache_dir=self._cache_dir):
+                if not verified_sha256(path, weights.sha256, cache=self._cache):
                     self._release()
                     self._files = {}
                     raise WeightsMismatchError(
@@ -271,8 +273,9 @@ class WeightStore:
             verify: Check the whole file against the SHA-256 that prepare recorded (the size is
                 always checked). Costs one read of the file, once per process, unless a stamp
                 in the cache shows the file unchanged since an earlier check (see
-                :mod:`sharedml.cache._cache`).
-            cache_dir: The cache folder holding those stamps (default: :func:`sharedml.cache_dir`).
+                :mod:`sharedml.cache`).
+            cache_dir: The cache holding those stamps: a path, a :class:`sharedml.cache.Cache`
+                (as a pool's recipe carries it), or None for :func:`sharedml.cache_dir`.
 
         Raises:
             InvalidModelError: ``model_path`` was not written by prepare.

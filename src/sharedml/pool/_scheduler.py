@@ -1,0 +1,814 @@
+"""The scheduler: one queue of tickets, the sessions it hands out, and the batches leaders form.
+
+A :class:`Scheduler` knows nothing of ONNX Runtime. It hands out sessions that a
+:class:`SessionSource` creates, runs requests (merged or alone) through that source, and lets
+them go through it, so tests drive it with fake sessions. Batch forming is an object's job here
+as in Ray Serve's ``serve/batching.py`` (``_BatchQueue``): callers put requests in, the leader
+of a batch takes the compatible ones out; the pool only opens and closes it.
+
+One queue of tickets serves every caller (``run``, ``run_async``, checkouts), oldest first.
+The oldest ticket gets the next free session and becomes its *leader*: with batching on it takes
+the compatible requests queued behind it, oldest first, up to ``max_batch_size`` rows, runs them
+as one ``Run`` and hands each follower its rows (``docs/batching.md`` has the policy: the
+adaptive delay, rows shared over sessions, the check of the first merged batches, the fallback
+to solo runs where merged outputs do not split).
+
+The session released last is handed out first: on a lightly used pool one session does the
+work, with its intra-op threads still spinning and its buffers in cache, while the others'
+threads sleep (handing them out in turn keeps all of them awake, competing for the cores).
+
+Where batches will later form on every free session at once, :meth:`Scheduler._share` is the one
+place that decides how many rows a leader takes; tickets, the queue and the release of rows held
+stay as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from sharedml._errors import (
+    InvalidInputError,
+    PoolClosedError,
+    PoolTimeout,
+    RunError,
+    SharedMLError,
+)
+from sharedml.pool._batching import (
+    ADAPTIVE_DELAY_SHARE,
+    Batching,
+    Request,
+    bucket_for,
+    merge,
+    owned,
+    same_results,
+    split,
+)
+from sharedml.pool._stats import Counters, PoolStats
+
+__all__ = [
+    "Scheduler",
+    "SessionSource",
+    "Ticket",
+    "closed_error",
+    "is_session_fatal",
+    "run_error",
+]
+
+# Merged runs whose outputs did not split back into the requests' rows before the pool stops
+# merging: one odd request (rows that ORT broadcasts, a shape the model special-cases) must
+# not turn batching off for everyone; a model that never splits shows it again at once.
+_SPLIT_FAILURES_TO_STOP = 3
+
+_log = logging.getLogger("sharedml")
+
+
+class SessionSource(Protocol):
+    """The sessions a scheduler hands out: how they are made, run and let go.
+
+    The scheduler calls these without its lock held, from the threads of its callers (and of
+    its executor for ``run_async``).
+    """
+
+    def create(self) -> Any:
+        """A new session, for a slot the scheduler granted (the pool grows on demand)."""
+
+    def run(self, session: Any, request: Request, feed: Mapping[str, Any] | None) -> list[Any]:
+        """Run ``request`` on ``session``: with ``feed`` (a merged batch's), that feed instead."""
+
+    def discard(self, session: Any) -> None:
+        """Let a session go that a provider failure broke."""
+
+
+def is_session_fatal(exc: BaseException) -> bool:
+    """Errors after which ORT does not promise a usable session (device and engine faults)."""
+    return type(exc).__name__ in ("EPFail", "EngineError")
+
+
+def run_error(exc: BaseException) -> SharedMLError:
+    """ORT's run failure as a sharedml error that keeps ORT's message and type name."""
+    if isinstance(exc, SharedMLError):
+        return exc  # sharedml's own refusal (a graph session's), already clear
+    kind = type(exc).__name__
+    message = " ".join(str(exc).split()) or kind
+    # InvalidArgument: shapes or dtypes; ValueError: ORT's Python layer (missing inputs).
+    cls = InvalidInputError if kind in ("InvalidArgument", "ValueError") else RunError
+    error = cls(f"onnxruntime raised {kind}: {message}", ort_type=kind)
+    error.__cause__ = exc
+    return error
+
+
+def closed_error() -> PoolClosedError:
+    """The error of a call on a closed pool (or a waiter that a closing pool turned away)."""
+    return PoolClosedError("This SessionPool is closed; create a new pool to run more work.")
+
+
+def _same_feed(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two requests' feeds hold the same values (a check of them proves nothing)."""
+    import numpy as np
+
+    return all(np.array_equal(a[k], b[k]) for k in a)
+
+
+class _Signal:
+    """``threading.Event``'s ``set``/``wait``/``clear`` for a single waiter, on one raw lock.
+
+    An Event waits through a Condition: a lock allocated per wait, the Condition's own lock
+    taken and given back around it, each a hand-off of the GIL between the threads of a
+    batch. A pool wakes every caller of a batch, so it pays that per request; here a wait is
+    one acquire of a lock that ``set`` releases. Unlocked means set, as an Event stays set.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        with contextlib.suppress(RuntimeError):  # already set
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            return False
+        with contextlib.suppress(RuntimeError):  # set again meanwhile: it is set either way
+            self._lock.release()
+        return True
+
+    def clear(self) -> None:
+        self._lock.acquire(blocking=False)
+
+
+class Ticket:
+    """A caller in the queue: a checkout, or a request to run (with batching: to merge)."""
+
+    __slots__ = (
+        "done",
+        "error",
+        "event",
+        "future",
+        "granted",
+        "queued_at",
+        "request",
+        "result",
+        "session",
+        "to_copy",
+    )
+
+    def __init__(self, request: Request | None = None, future: Future[Any] | None = None) -> None:
+        self.request = request  # None: a checkout, which never merges
+        self.future = future  # run_async: the result goes here, no thread waits
+        self.event = _Signal()  # set when granted, done, or told to give up
+        self.granted = False  # a session (or a slot to create one) is this ticket's
+        self.session: Any = None
+        self.done = False  # a leader ran this request in its batch
+        self.result: Any = None
+        self.to_copy = False  # result is views of a batch's outputs, to copy: see owned_result
+        self.error: BaseException | None = None
+        self.queued_at = 0.0
+
+    def owned_result(self) -> Any:
+        """The result, copied out of the batch's outputs first where it is views of them to copy.
+
+        Called in the thread that hands the result over (the caller's own for ``run``), after
+        the session went back: the copies of a batch's rows are made in parallel and never
+        while the session is held.
+        """
+        if self.to_copy:
+            self.result, self.to_copy = owned(self.result), False
+        return self.result
+
+
+class Scheduler:
+    """The queue of a pool's callers, its sessions, and the batches their leaders form.
+
+    Args:
+        source: Creates, runs and lets go of the sessions.
+        max_sessions: The most sessions that exist at once (created on demand up to it).
+        batching: How requests merge; None: never.
+        batching_reason: Why batching is on or off (``SessionPool.batching_reason``).
+        pads: Pad merged batches to buckets (``Batching.pads``).
+        shares_rows: Share the rows in play over the sessions (``Batching.shares_rows``).
+        check_rtol: The tolerance of the check of merged batches against solo runs, relative
+            to an output's largest magnitude.
+        name: The model, as warnings name it.
+
+    Thread safety: every method may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        source: SessionSource,
+        *,
+        max_sessions: int,
+        batching: Batching | None = None,
+        batching_reason: str = "",
+        pads: bool = False,
+        shares_rows: bool = False,
+        check_rtol: float = 1e-3,
+        name: str = "model",
+    ) -> None:
+        self._source = source
+        self._max = max_sessions
+        self.batching = batching
+        self.batching_reason = batching_reason
+        self._pads = pads
+        self._shares = shares_rows
+        self._copies = batching is None or batching.copy_outputs
+        self._rtol = check_rtol
+        self._name = name
+        self.counters = Counters()
+        self.cond = threading.Condition()
+        self._open = True
+        self._idle: deque[Any] = deque()
+        self._queue: deque[Ticket] = deque()  # waiting tickets, oldest first
+        self._count = 0  # sessions that exist or are being created
+        self._busy = 0
+        self._filling = 0  # leaders waiting for more rows (Batching.max_delay_ms)
+        # Adaptive delay: rows and run seconds of the latest batches (newest last); with
+        # Batching.share_rows, the leaders forming or running a batch and the rows they hold.
+        self._recent: deque[tuple[int, float]] = deque([(0, 0.0)], maxlen=max(1, max_sessions))
+        self._leading = 0
+        self._held_rows = 0
+        # Defence in depth behind the analysis: merged batches are checked against solo runs of
+        # their requests until one with requests of different rows has passed.
+        self._checked = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._creation_error: BaseException | None = None  # undelivered background failure
+
+    # ----------------------------------------------------------------------------------------
+    # Sessions: created, added, handed out, given back
+
+    @property
+    def sessions(self) -> int:
+        """Sessions that exist now (idle or busy)."""
+        return len(self._idle) + self._busy
+
+    def create_session(self) -> Any:
+        """A new session from the source, counted in ``created`` and ``create_seconds``."""
+        start = time.perf_counter()
+        sess = self._source.create()
+        elapsed = time.perf_counter() - start
+        with self.cond:
+            self.counters.created += 1
+            self.counters.create_seconds += elapsed
+        return sess
+
+    def add_sessions(self, sessions: list[Any], *, reserved: int = 0) -> None:
+        """Start with ``sessions``, and ``reserved`` more on their way (:meth:`add_session`)."""
+        with self.cond:
+            self._idle.extend(sessions)
+            self._count = len(self._idle) + reserved
+
+    def add_session(self, sess: Any) -> bool:
+        """Add a reserved session once created; False (and it is dropped) once closed."""
+        with self.cond:
+            if not self._open:
+                self._count -= 1  # closing: the session goes with the caller's reference
+                return False
+            self._idle.append(sess)
+            self._dispatch()
+            return True
+
+    def unreserve(self, n: int) -> None:
+        """``n`` reserved sessions will never be added (creation gave up or the pool closed)."""
+        with self.cond:
+            self._count -= n
+
+    def creation_failed(self, error: SharedMLError) -> None:
+        """Report a background failure to the caller that waits for capacity, or keep it."""
+        with self.cond:
+            self.counters.creation_failures += 1
+            if self._queue and not self._idle:
+                # The caller at the head of the queue would have had this session.
+                self._finish(self._queue.popleft(), error=error)
+            else:
+                self._creation_error = error  # for the next caller that has to wait
+
+    def checkout(self, timeout_s: float | None) -> Any:
+        """Take a session for exclusive use (give it back with :meth:`checkin`).
+
+        Raises:
+            PoolTimeout: none became free within ``timeout_s``.
+            PoolClosedError: the scheduler is closing or closed.
+        """
+        sess = self._acquire(Ticket(), timeout_s)
+        assert sess is not None  # a checkout never merges, so no leader runs it
+        return sess
+
+    def checkin(self, sess: Any, *, failed: bool = False, broken: bool = False) -> None:
+        """Give back a checked-out session; ``broken``: it is let go and replaced on demand."""
+        self._release(sess, requests=1, failed=int(failed), broken=broken)
+
+    def _dispatch(self) -> None:
+        """Hand free sessions (or creation slots) to waiting tickets, oldest first.
+
+        Called with ``self.cond`` held. A handed-over session counts as busy from here on, so
+        ``stats()`` never misses it while its new owner wakes up.
+        """
+        while self._open and self._queue and (self._idle or self._count < self._max):
+            ticket = self._queue.popleft()
+            if self._idle:
+                ticket.session = self._idle.pop()
+            else:
+                self._count += 1  # the ticket's owner creates it
+            ticket.granted = True
+            self._busy += 1
+            self.counters.wait_seconds += time.monotonic() - ticket.queued_at
+            if ticket.future is not None:
+                self._lead_async(ticket)
+            else:
+                ticket.event.set()
+        self.cond.notify_all()  # close() waits for busy to reach 0, leaders for more rows
+
+    def _take(self, ticket: Ticket) -> bool:
+        """Give ``ticket`` a session (or a slot) at once if that is fair; else queue it.
+
+        Called with ``self.cond`` held. Returns whether it was granted now.
+        """
+        if not self._open:
+            raise closed_error()
+        if not self._queue:
+            # First come, first served: nobody may take a session while others wait, or a
+            # caller that loops on the pool starves the ones already waiting.
+            if self._idle:
+                ticket.session = self._idle.pop()
+                ticket.granted = True
+                self._busy += 1
+                return True
+            if self._count < self._max:
+                self._count += 1
+                ticket.granted = True
+                self._busy += 1
+                return True
+        if self._creation_error is not None:
+            error, self._creation_error = self._creation_error, None
+            raise error  # this caller would have had the session that failed
+        ticket.queued_at = time.monotonic()
+        self._queue.append(ticket)
+        self.counters.waits += 1
+        if self._filling:
+            self.cond.notify_all()  # a leader filling its batch may want this one
+        return False
+
+    def _wait(self, ticket: Ticket, timeout_s: float | None) -> None:
+        """Wait for ``ticket`` to be granted or done; leave the queue on timeout or close."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            try:
+                if remaining is not None and remaining <= 0:
+                    raise PoolTimeout(
+                        f"No session of the pool became free within {timeout_s} s "
+                        f"({self._busy} of {self._max} busy). Raise max_sessions or the timeout."
+                    )
+                ticket.event.wait(remaining)
+                with self.cond:
+                    if ticket.granted:
+                        return
+                    if ticket.error is not None:
+                        raise ticket.error  # closed, a failed creation, or a failed batch
+                    if ticket.done:
+                        return  # a leader ran this request in its batch
+                    if not self._open:
+                        raise closed_error()
+                    ticket.event.clear()
+            except BaseException:
+                # Timeout, close, or KeyboardInterrupt while waiting: leave the queue, and pass
+                # on a session (or creation slot) handed over in the meantime.
+                with self.cond:
+                    if ticket.granted:
+                        self._give_back(ticket.session)
+                    elif ticket in self._queue:
+                        self._queue.remove(ticket)
+                        self.counters.wait_seconds += time.monotonic() - ticket.queued_at
+                raise
+
+    def _give_back(self, sess: Any) -> None:
+        """Return an unused grant (``None``: a creation slot). Called with ``self.cond`` held."""
+        self._busy -= 1
+        if sess is not None:
+            self._idle.append(sess)
+        else:
+            self._count -= 1
+        self._dispatch()
+
+    def _acquire(self, ticket: Ticket, timeout_s: float | None) -> Any:
+        """A session for ``ticket``; ``None`` if a leader ran its request meanwhile."""
+        with self.cond:
+            granted = self._take(ticket)
+        if not granted:
+            self._wait(ticket, timeout_s)
+            if ticket.done:
+                return None
+        if ticket.session is None:
+            self._create_for(ticket)
+        return ticket.session
+
+    def _create_for(self, ticket: Ticket) -> None:
+        """Create the session of a granted slot; on failure the slot goes back."""
+        try:
+            ticket.session = self.create_session()
+        except BaseException:
+            with self.cond:
+                self._give_back(None)
+            raise
+
+    def _release(
+        self,
+        sess: Any,
+        *,
+        requests: int,
+        failed: int,
+        broken: bool,
+        held: int | None = None,
+        run_s: float = 0.0,
+    ) -> None:
+        with self.cond:
+            self.counters.run_seconds += run_s
+            if held is not None:
+                self._leading -= 1
+                self._held_rows -= held
+            self._busy -= 1
+            self.counters.runs += requests
+            self.counters.failed_runs += failed
+            if broken:
+                self._count -= 1  # the next acquire creates a fresh session in its place
+                self.counters.replaced += 1
+            else:
+                self._idle.append(sess)
+            self._dispatch()
+        if broken:
+            self._source.discard(sess)
+
+    # ----------------------------------------------------------------------------------------
+    # Runs
+
+    def run(self, request: Request) -> Any:
+        """Run ``request``, alone or merged with others; its result (ORT's list of outputs).
+
+        Raises:
+            PoolClosedError: the scheduler is closing or closed.
+            BaseException: whatever the run raised (see :func:`run_error`).
+        """
+        ticket = Ticket(request)
+        sess = self._acquire(ticket, None)
+        if sess is not None:
+            self._lead(sess, ticket)
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.owned_result()
+
+    def submit(self, request: Request) -> Future[Any]:
+        """Queue ``request`` without a thread waiting for it; its result comes in the future.
+
+        Raises:
+            PoolClosedError: the scheduler is closing or closed.
+        """
+        future: Future[Any] = Future()
+        ticket = Ticket(request, future)
+        with self.cond:
+            if self._take(ticket):
+                self._lead_async(ticket)
+        return future
+
+    def _lead_async(self, ticket: Ticket) -> None:
+        """Run a granted async ticket on the executor. Called with ``self.cond`` held."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self._max, thread_name_prefix="sharedml-run"
+            )
+        self._executor.submit(self._lead_and_settle, ticket)
+
+    def _lead_and_settle(self, ticket: Ticket) -> None:
+        future = ticket.future
+        assert future is not None
+        try:
+            if ticket.session is None:
+                self._create_for(ticket)
+            self._lead(ticket.session, ticket)
+        except BaseException as exc:
+            ticket.error = exc
+        if ticket.error is not None:
+            future.set_exception(ticket.error)
+        else:
+            future.set_result(ticket.owned_result())
+
+    def _lead(self, sess: Any, ticket: Ticket) -> None:
+        """Run ``ticket``'s request (and, batching, compatible queued ones) on ``sess``."""
+        batch = [ticket]
+        held: int | None = None
+        broken = False
+        run_s = 0.0
+        try:
+            if self.batching is not None and ticket.request is not None:
+                followers, held = self._followers(ticket)
+                batch += followers
+            start = time.perf_counter()
+            broken = self._run_batch(sess, batch)
+            run_s = time.perf_counter() - start
+        except BaseException as exc:  # KeyboardInterrupt in the leader: nobody is left hanging
+            for t in batch:
+                if t.result is None and t.error is None:
+                    t.error = exc
+            raise
+        finally:
+            failed = sum(t.error is not None for t in batch)
+            self._release(
+                sess, requests=len(batch), failed=failed, broken=broken, held=held, run_s=run_s
+            )
+            for follower in batch[1:]:
+                self._finish(follower)
+
+    def _followers(self, leader: Ticket) -> tuple[list[Ticket], int | None]:
+        """Take the queued requests that merge with ``leader``'s, oldest first.
+
+        Returns:
+            The requests taken, and the rows the batch holds in ``share_rows``'s count (None
+            where rows are not shared), which ``_release`` gives back.
+
+        Raises:
+            BaseException: whatever interrupts the wait for more rows (a ``KeyboardInterrupt``
+                in the leader's thread). The requests taken so far go back to the front of the
+                queue, in their order, for the session the leader gives back (or, where the
+                scheduler is closing, get ``PoolClosedError``); the count is given back too.
+        """
+        assert self.batching is not None and leader.request is not None
+        key = leader.request.key
+        if key is None:
+            return [], None
+        adaptive = self.batching.max_delay_ms is None
+        limit = cap = target = self.batching.max_batch_size
+        rows = leader.request.rows
+        taken: list[Ticket] = []
+        with self.cond:
+            counted = self._shares  # adaptive only (Batching.shares_rows)
+            if adaptive:
+                # The callers of the latest batches are likely on their way back: wait for
+                # this session's share of them, for a bounded share of a batch's run time.
+                wait_s = self._recent[-1][1] * ADAPTIVE_DELAY_SHARE
+            else:
+                wait_s = self.batching.max_delay_ms / 1000  # type: ignore[operator]
+            if counted:
+                self._leading += 1
+                self._held_rows += rows
+            deadline = time.monotonic() + wait_s
+            try:
+                while True:
+                    if counted:
+                        cap = target = self._share(key, limit)
+                    elif adaptive:
+                        target = min(limit, self._recent[-1][0])  # the latest batch's rows
+                    full = False
+                    for other in list(self._queue):
+                        request = other.request
+                        if request is None or request.key != key:
+                            continue
+                        if rows + request.rows > cap:
+                            full = True  # the oldest that does not fit goes first next time
+                            break
+                        self._queue.remove(other)
+                        self.counters.wait_seconds += time.monotonic() - other.queued_at
+                        taken.append(other)
+                        rows += request.rows
+                        if counted:
+                            self._held_rows += request.rows
+                    now = time.monotonic()
+                    remaining = deadline - now
+                    if full or rows >= target or remaining <= 0 or not self._open:
+                        return taken, rows if counted else None
+                    self._filling += 1
+                    try:
+                        self.cond.wait(remaining)
+                    finally:
+                        self._filling -= 1
+                        self.counters.fill_wait_seconds += time.monotonic() - now
+            except BaseException:
+                if counted:
+                    self._leading -= 1
+                    self._held_rows -= rows
+                if self._open:
+                    requeued_at = time.monotonic()
+                    for t in taken:
+                        t.queued_at = requeued_at  # queued again from now: see _dispatch
+                    self._queue.extendleft(reversed(taken))
+                else:  # close() already failed the queue; these were out of it
+                    for t in taken:
+                        self._finish(t, error=closed_error())
+                raise
+
+    def _share(self, key: Any, limit: int) -> int:
+        """The rows a leader runs under the adaptive delay (``self.cond`` held).
+
+        The sessions that batch (idle ones and those whose leaders form or run a batch) share
+        the rows in play evenly: the rows their latest batches had (the callers on their way
+        back) or, where more, the rows held and queued now. One session: its latest batch's
+        rows. Several: each its part, so that their batches run side by side (on a GPU, in
+        streams of their own) instead of one session taking every row while the others idle.
+        """
+        sessions = max(1, len(self._idle) + self._leading)
+        expected = sum(rows for rows, _ in list(self._recent)[-sessions:])
+        queued = sum(
+            t.request.rows for t in self._queue if t.request is not None and t.request.key == key
+        )
+        return min(limit, -(-max(expected, self._held_rows + queued) // sessions))
+
+    def _run_batch(self, sess: Any, batch: list[Ticket]) -> bool:
+        """Run ``batch`` on ``sess`` and fill in every ticket's result or error.
+
+        Returns:
+            Whether the session is broken (a provider failure): it is then replaced.
+        """
+        requests = [t.request for t in batch]
+        assert all(r is not None for r in requests)
+        merged_rows = sum(r.rows for r in requests if r is not None)
+        rows = merged_rows
+        if self._pads and self.batching is not None and batch[0].request.key is not None:  # type: ignore[union-attr]
+            rows = bucket_for(merged_rows, self.batching.max_batch_size)
+        if len(batch) > 1 or rows != merged_rows:
+            start = time.perf_counter()
+            try:
+                feed = merge(requests, rows=rows)  # type: ignore[arg-type]
+                outputs = self._source.run(sess, batch[0].request, feed)  # type: ignore[arg-type]
+            except Exception as exc:
+                if is_session_fatal(exc):
+                    for t in batch:
+                        t.error = run_error(exc)
+                    return True
+                outputs = None  # rerun each member alone: only the culprit fails
+            self._count_batch(merged_rows, time.perf_counter() - start, padded=rows - merged_rows)
+            parts = (
+                split(outputs, requests, rows=rows, copy=False)  # type: ignore[arg-type]
+                if outputs is not None
+                else None
+            )
+            if parts is not None and len(batch) > 1 and not self._checked:
+                parts = self._check_merged(sess, batch, parts)
+                if parts is None:
+                    return False  # each request got its solo outcome
+            if parts is not None:
+                for t, part in zip(batch, parts, strict=True):
+                    t.result, t.to_copy = part, self._copies
+                return False
+            if outputs is not None:
+                self._split_failed()  # an output's axis 0 did not add up: rerun one by one
+        for t in batch:
+            start = time.perf_counter()
+            try:
+                t.result = self._source.run(sess, t.request, None)  # type: ignore[arg-type]
+            except Exception as exc:
+                t.error = run_error(exc)
+                if is_session_fatal(exc):
+                    for rest in batch:
+                        if rest.result is None and rest.error is None:
+                            rest.error = t.error
+                    return True
+            finally:
+                if self.batching is not None:
+                    self._count_batch(t.request.rows, time.perf_counter() - start)  # type: ignore[union-attr]
+        return False
+
+    def _count_batch(self, rows: int, seconds: float, *, padded: int = 0) -> None:
+        with self.cond:
+            self._recent.append((rows, seconds))
+            counters = self.counters
+            counters.batches += 1
+            counters.batched_rows += rows
+            counters.padded_rows += padded
+            counters.max_batch_rows = max(counters.max_batch_rows, rows)
+
+    def _check_merged(self, sess: Any, batch: list[Ticket], parts: list[Any]) -> list[Any] | None:
+        """Compare a merged batch's rows with each request run alone (until one check passed).
+
+        Only batches whose requests hold different values are checked (equal rows would hide a
+        model that mixes them). Returns ``parts`` where every request's rows match its solo
+        run; else None, after giving every request its solo outcome (a result, or the error
+        its run alone raised): the scheduler then stops merging.
+        """
+        requests = [t.request for t in batch]
+        first = requests[0].feed  # type: ignore[union-attr]
+        if all(_same_feed(first, r.feed) for r in requests[1:]):  # type: ignore[union-attr]
+            return parts
+        outcomes: list[Any] = []
+        for t in batch:
+            try:
+                outcomes.append(self._source.run(sess, t.request, None))  # type: ignore[arg-type]
+            except Exception as exc:
+                outcomes.append(run_error(exc))
+        same = all(
+            not isinstance(solo, BaseException) and same_results(part, solo, rtol=self._rtol)
+            for part, solo in zip(parts, outcomes, strict=True)
+        )
+        with self.cond:
+            self.counters.batch_checks += 1
+            self._checked = self._checked or same
+            if not same:
+                self.counters.batch_mismatches += 1
+        if same:
+            return parts
+        for t, solo in zip(batch, outcomes, strict=True):
+            if isinstance(solo, BaseException):
+                t.error = solo
+            else:
+                t.result, t.to_copy = solo, False
+        self._stop_merging(
+            "a merged batch gave a caller other values than running its request alone (its "
+            "outputs depend on other callers' rows)"
+        )
+        return None
+
+    def _split_failed(self) -> None:
+        with self.cond:
+            self.counters.split_failures += 1
+            failures = self.counters.split_failures
+        if failures >= _SPLIT_FAILURES_TO_STOP:
+            self._stop_merging(
+                f"{failures} merged runs returned outputs whose axis 0 is not the "
+                "merged row count, so their rows cannot be told apart"
+            )
+
+    def _stop_merging(self, why: str) -> None:
+        if self.batching is None:
+            return
+        self.batching = None
+        self.batching_reason = f"stopped merging requests: {why}"
+        warnings.warn(
+            f"sharedml: model '{self._name}': {why}. The pool stops merging requests "
+            "(each runs alone).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _finish(self, ticket: Ticket, *, error: BaseException | None = None) -> None:
+        """Settle a follower (or a waiter given up on): its result or error is final."""
+        if error is not None:
+            ticket.error = error
+        ticket.done = True
+        if ticket.future is not None:
+            if ticket.error is not None:
+                ticket.future.set_exception(ticket.error)
+            else:
+                ticket.future.set_result(ticket.owned_result())
+        else:
+            ticket.event.set()
+
+    # ----------------------------------------------------------------------------------------
+    # Counters and lifecycle
+
+    def stats(self) -> PoolStats:
+        """A snapshot of the counters (``SessionPool.stats``)."""
+        with self.cond:
+            return PoolStats(
+                sessions=len(self._idle) + self._busy,
+                busy=self._busy,
+                waiting=len(self._queue),
+                max_sessions=self._max,
+                batching=self.batching is not None,
+                **self.counters.published(),
+            )
+
+    def close(self, timeout_s: float | None, *, deadline: float | None) -> None:
+        """Refuse new work, fail the waiters with ``PoolClosedError``, wait for runs in flight.
+
+        Args:
+            timeout_s: As the caller gave it (for the message).
+            deadline: ``time.monotonic()`` by which runs must have finished; None: no limit.
+
+        Raises:
+            PoolTimeout: runs still in flight at ``deadline`` (closed to new work all the
+                same; call again to wait more).
+        """
+        with self.cond:
+            self._open = False
+            waiting, self._queue = list(self._queue), deque()
+            for ticket in waiting:
+                self._finish(ticket, error=closed_error())
+            self.cond.notify_all()
+            while self._busy:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise PoolTimeout(
+                        f"{self._busy} run(s) still in flight after {timeout_s} s; the pool is "
+                        "closing and accepts no new work."
+                    )
+                self.cond.wait(remaining)
+
+    def drain(self) -> None:
+        """After :meth:`close`: let every idle session go, and stop the executor."""
+        with self.cond:
+            dropped, self._idle = list(self._idle), deque()
+            self._count = 0
+            self._creation_error = None
+            executor, self._executor = self._executor, None
+        for sess in dropped:
+            self._source.discard(sess)
+        if executor is not None:
+            executor.shutdown(wait=True)

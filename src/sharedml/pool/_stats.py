@@ -1,0 +1,114 @@
+"""A pool's counters: the live tally its scheduler keeps, and the snapshot callers read."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["Counters", "PoolStats"]
+
+
+@dataclasses.dataclass
+class Counters:
+    """What a pool has done so far, tallied by its scheduler (with its lock held).
+
+    :class:`PoolStats` documents each field; ``split_failures`` counts merged runs whose outputs
+    did not split back into their requests' rows (the pool stops merging after a few).
+    """
+
+    runs: int = 0
+    failed_runs: int = 0
+    waits: int = 0
+    wait_seconds: float = 0.0
+    created: int = 0
+    replaced: int = 0
+    create_seconds: float = 0.0
+    creation_failures: int = 0
+    batches: int = 0
+    batched_rows: int = 0
+    max_batch_rows: int = 0
+    padded_rows: int = 0
+    fill_wait_seconds: float = 0.0
+    run_seconds: float = 0.0
+    batch_checks: int = 0
+    batch_mismatches: int = 0
+    split_failures: int = 0
+
+    def published(self) -> dict[str, Any]:
+        """The counters that :class:`PoolStats` shows, by field name."""
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name in _PUBLISHED
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool's counters (``pool.stats()``).
+
+    Attributes:
+        sessions: Sessions that exist now.
+        busy: Sessions in use now (checked out, or running a request or batch).
+        waiting: Requests and checkouts queued for a session now.
+        max_sessions: The most sessions the pool will create.
+        runs: Requests and checkouts completed.
+        failed_runs: Those that raised.
+        waits: Requests and checkouts that had to queue.
+        wait_seconds: Total time they spent queued.
+        created: Sessions created over the pool's life (replacements included).
+        replaced: Sessions dropped after a provider failure.
+        create_seconds: Total time spent creating sessions.
+        creation_failures: Background creations that failed (each was retried or reported).
+        batches: ``Run`` calls made for requests while batching (merged or alone).
+        batched_rows: Rows those runs processed.
+        max_batch_rows: The most rows in one of them.
+        padded_rows: Rows of padding those runs added (``Batching.pad_to_buckets``).
+        fill_wait_seconds: Total time sessions waited for more rows before a batch ran
+            (``Batching.max_delay_ms``).
+        run_seconds: Total time sessions spent running the requests of ``run`` and
+            ``run_async`` (their ``Run`` calls, with a merged batch's merge of its feeds and
+            split of its outputs; checkouts through ``session()`` are the caller's own). Over
+            a window, divided by the window and the sessions, it is how busy they were: the
+            rest went to waiting for rows, handing results back, and idling.
+        batching: Whether the pool merges requests now (see ``SessionPool.batching_reason``).
+        batch_checks: Merged batches checked against solo runs of their requests (the pool
+            checks its first merged batches, until one of requests with different rows passed).
+        batch_mismatches: Checks whose merged rows differed from the solo runs: the pool then
+            gave every caller its solo result and stopped merging.
+    """
+
+    sessions: int
+    busy: int
+    waiting: int
+    max_sessions: int
+    runs: int
+    failed_runs: int
+    waits: int
+    wait_seconds: float
+    created: int
+    replaced: int
+    create_seconds: float
+    creation_failures: int = 0
+    batches: int = 0
+    batched_rows: int = 0
+    max_batch_rows: int = 0
+    padded_rows: int = 0
+    fill_wait_seconds: float = 0.0
+    run_seconds: float = 0.0
+    batching: bool = False
+    batch_checks: int = 0
+    batch_mismatches: int = 0
+
+    @property
+    def idle(self) -> int:
+        """Sessions free now."""
+        return self.sessions - self.busy
+
+    @property
+    def mean_batch_rows(self) -> float:
+        """Rows per batch, on average (0 without batching)."""
+        return self.batched_rows / self.batches if self.batches else 0.0
+
+
+_PUBLISHED = frozenset(field.name for field in dataclasses.fields(PoolStats))
