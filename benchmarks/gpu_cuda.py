@@ -339,6 +339,8 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
 
     if provider == CUDA:
         ort.preload_dlls()
+    from _arena import USE_ENV_ALLOCATORS_KEY, register_shared_arena
+
     import sharedml
     from sharedml.weights import _device
 
@@ -360,9 +362,9 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     template = ort.SessionOptions()
     template.log_severity_level = 3
     if env_arena:
-        if not _device.register_shared_arena(provider, 0):
+        if not register_shared_arena(provider, 0):
             raise RuntimeError("could not register a shared device arena")
-        template.add_session_config_entry(_device.USE_ENV_ALLOCATORS_KEY, "1")
+        template.add_session_config_entry(USE_ENV_ALLOCATORS_KEY, "1")
     x = np.random.default_rng(1).standard_normal((cfg["batch"], cfg["dim"])).astype(np.float32)
     feed = {"x": x}
     result: dict[str, Any] = {**cfg, "ort_version": ort.__version__}
@@ -408,7 +410,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
                 so = ort.SessionOptions()
                 so.log_severity_level = 3
                 if env_arena:
-                    so.add_session_config_entry(_device.USE_ENV_ALLOCATORS_KEY, "1")
+                    so.add_session_config_entry(USE_ENV_ALLOCATORS_KEY, "1")
                 store.register(so)
                 sessions.append(ort.InferenceSession(cfg["prepared"], so, providers=providers))
             result["route"] = "DeviceWeightStore + InferenceSession"

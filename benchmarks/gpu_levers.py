@@ -9,7 +9,7 @@ short window. Configurations:
 ``shrink``       every run with the run option ``memory.enable_memory_arena_shrinkage=gpu:0``
                  (ORT returns the arena's unused chunks after each run).
 ``env-arena``    one arena registered in ORT's environment for all sessions
-                 (``sharedml.weights._device.register_shared_arena``,
+                 (``benchmarks/_arena.py``,
                  ``session.use_env_allocators=1``).
 ``mempool``      that environment arena with ``arena.use_cuda_mempool=1`` (ORT's CUDA memory
                  pool arena, where the installed build knows the key).
@@ -46,8 +46,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     sys.path[:0] = [str(REPO / "src"), str(REPO)]
+    from _arena import USE_ENV_ALLOCATORS_KEY, register_shared_arena
+
     import sharedml
-    from sharedml.weights import _device
     from tools import realistic_models as rm
 
     ort.preload_dlls()
@@ -67,11 +68,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 )
             except Exception as exc:  # the key is not known to this build
                 return {"lever": lever, "error": f"{type(exc).__name__}: {exc}"[:300]}
-        elif not _device.register_shared_arena("CUDAExecutionProvider", 0):
+        elif not register_shared_arena("CUDAExecutionProvider", 0):
             return {"lever": lever, "error": "no environment arena could be registered"}
 
         def configure(so: Any) -> None:
-            so.add_session_config_entry(_device.USE_ENV_ALLOCATORS_KEY, "1")
+            so.add_session_config_entry(USE_ENV_ALLOCATORS_KEY, "1")
 
     meta = json.loads(Path(spec["meta"]).read_text())
     info_ = rm.ModelInfo(

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-import _harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import _arena  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import _harness  # noqa: E402
 import serving  # noqa: E402
 
 REQUIRED_STRATEGIES = ("naive", "single", "shared", "shared-private-packs", "shared-raw")
@@ -486,3 +487,7 @@ def test_peer_openvino_quick_run_checks_every_configuration(tmp_path: Path) -> N
     (summary,) = doc["summary"]
     assert summary["ratios"]["2"]["ov:f32"]["median"] > 0
     assert "| model | 2 callers vs OV f32 |" in out.with_suffix(".md").read_text()
+
+
+def test_shared_arena_is_refused_for_providers_without_one() -> None:
+    assert _arena.register_shared_arena("CPUExecutionProvider") is False

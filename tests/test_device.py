@@ -357,10 +357,6 @@ def test_environment_forces_a_route_without_probing(monkeypatch: pytest.MonkeyPa
     assert calls == []
 
 
-def test_shared_arena_is_refused_for_providers_without_one() -> None:
-    assert _device.register_shared_arena(CPU) is False
-
-
 # --------------------------------------------------------------------------------------------
 # CUDA (skipped without onnxruntime-gpu and a device)
 

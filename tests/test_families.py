@@ -546,9 +546,9 @@ def test_the_decoder_pair_costs_about_one_models_weights_on_every_cpu_route(
     measure_family(route, 1, pair)  # the cache's one-off builds are not counted
 
     def pss(models: list[str]) -> tuple[float, list[str]]:
-        # The least of two fresh processes: the same measurement varied by up to 7 MiB from one
-        # process to the next (1.04x-1.13x for the unprepared raw pair); not sharing the
-        # weights would add 80 MiB to every run.
+        # The least of two fresh processes: the same measurement varies from one process to
+        # the next (docs/families.md, "Figures"); not sharing the weights would add 80 MiB to
+        # every run.
         runs = [measure_family(route, 4, models) for _ in range(2)]
         return min(r["pss"] for r in runs), runs[0]["mechanisms"]
 
@@ -708,6 +708,15 @@ def test_family_inspect_takes_dims_shapes_and_inputs_for_every_member(tmp_path: 
     ):
         report = inspect_family(models, sessions=1, **sizes)  # type: ignore[arg-type]
         assert report.plain_bytes is not None and report.pooled_bytes is not None
+
+
+def test_family_inspect_past_its_timeout_is_one_measurement_error(tmp_path: Path) -> None:
+    from sharedml._errors import MeasurementError
+    from sharedml.inspection._family import inspect_family
+
+    models = [_pairs_model(tmp_path / f"m{i}.onnx", i) for i in (0, 1)]
+    with pytest.raises(MeasurementError, match=r"^Measuring pooled sessions .*longer than 0\.01 s"):
+        inspect_family(models, sessions=1, timeout_s=0.01, dims={"n": 4})
 
 
 def _npz(path: Path, **arrays: np.ndarray) -> Path:

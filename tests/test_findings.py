@@ -62,7 +62,7 @@ def test_within_ten_percent_is_about_the_same() -> None:
 
 
 def test_one_plain_session_smaller_than_the_pool_is_the_advice_not_the_pool() -> None:
-    # single 40% smaller than the pool (issue 18: SessionPool was recommended anyway).
+    # single 40% smaller than the pool: SessionPool was once recommended anyway.
     found = verdicts(4, 100 * MiB, naive=(100, 0), shared=(10, 60), single=(0, 60))
     assert "60.0 MiB, 40% less than the pool's 100.0 MiB" in found["single-vs-pool"].text
     assert found["advice"].figures["least"] == "single"
@@ -137,7 +137,7 @@ def test_advice_sentences_hold_against_their_figures(
 
 
 def test_prepacking_off_is_never_called_least_memory_or_fastest_unless_measured_so() -> None:
-    # The int8 MiniLM of issue 18: off took 7x the memory and 4x the time of the default.
+    # An int8 MiniLM's shape: off took 7x the memory and 4x the time of the default.
     slow = {"setup_seconds": 1.3}
     found = verdicts(4, 22 * MiB, naive=(90, 0), shared=(1, 50), shared_raw=(86, 35, slow))
     text = found["prepacking-off"].text

@@ -18,8 +18,7 @@ from sharedml._units import human_bytes
 
 __all__ = ["main"]
 
-EXIT_ERROR = 1
-EXIT_USAGE = 2
+EXIT_ERROR = 1  # usage errors exit with 2, from argparse itself
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool its reader left
 _CACHE_ENV = "SHAREDML_CACHE_DIR"  # where sharedml.cache.cache_dir and child processes look

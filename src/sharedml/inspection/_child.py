@@ -1,6 +1,7 @@
 """The measuring child: creates a strategy's sessions one at a time and records memory.
 
-Started by :func:`sharedml.measure` (``child_main``) with one JSON spec. The child:
+Started by :func:`sharedml.measure` with one JSON spec, through the child-process runner
+(:mod:`sharedml.runtime._child`, which runs :func:`measuring_child`). The child:
 
 1. imports onnxruntime and the strategy, builds the inputs, and creates and drops one tiny
    session with the same providers, so that loading the providers' libraries and ORT's
@@ -14,11 +15,13 @@ Started by :func:`sharedml.measure` (``child_main``) with one JSON spec. The chi
 4. compares the first session's first outputs with a default plain session's (the parent's
    trial run saved them, ``reference_file``): the largest absolute difference, a numerics check
    of the strategy's settings (a pool's thread count, prepacking) against ORT's defaults;
-5. prints one ``RESULT`` line of JSON on stdout (progress lines before it), or an error as its
-   last stderr line and a non-zero exit status.
+5. returns its result, which the runner prints as one ``RESULT`` line of JSON on stdout
+   (progress lines before it), or an error as its last stderr line and a non-zero exit status.
 
 A spec with ``"mode": "trial"`` does only the trial run: one plain session with ORT's defaults,
 run once on the inputs; its array outputs are saved for the measurements to compare against.
+A spec with ``"mode": "family"`` measures a family (``sharedml inspect A B ...``): N plain
+sessions, or a pool of N, of every member in one process, and that process's growth.
 
 The headline metric is PSS where the platform has it (Linux): a page mapped by several processes
 counts a share in each, and a file mapped once by this process counts once, which is what "how
@@ -38,7 +41,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -50,10 +52,9 @@ from sharedml.inspection._memory import FALLBACK_NOTES, metric_of, read_memory
 from sharedml.inspection._strategies import Runner, StrategyContext
 from sharedml.model._inputs import generate
 
-__all__ = ["PROGRESS_PREFIX", "RESULT_PREFIX", "SPEC_VERSION", "child_main", "warmup_model_bytes"]
+__all__ = ["PROGRESS_PREFIX", "SPEC_VERSION", "measuring_child", "warmup_model_bytes"]
 
 SPEC_VERSION = 2
-RESULT_PREFIX = "RESULT "
 PROGRESS_PREFIX = "PROGRESS "
 
 
@@ -207,13 +208,19 @@ def _same_outputs(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _feeds(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The inputs: the caller's arrays (``feeds_file``) where given, the rest generated."""
-    given: dict[str, Any] = {}
-    if spec.get("feeds_file"):
-        from sharedml.model._inputs import load_feeds
+def _given(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The caller's input arrays (``feeds_file``), by name; empty where none were given."""
+    if not spec.get("feeds_file"):
+        return {}
+    from sharedml.model._inputs import load_feeds
 
-        given = load_feeds(spec["feeds_file"])
+    return load_feeds(spec["feeds_file"])
+
+
+def _feeds(spec: Mapping[str, Any], given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The inputs: the caller's arrays (``feeds_file``) where given, the rest generated."""
+    if given is None:
+        given = _given(spec)
     return {
         i["name"]: given[i["name"]] if i.get("source") == "file" else generate(i)
         for i in spec["inputs"]
@@ -406,6 +413,85 @@ def _run_over_tables(
     }
 
 
+def _settled_memory() -> dict[str, Any]:
+    """This process's memory once freed objects and freed heap are given back."""
+    gc.collect()
+    release_freed_heap()
+    return _memory()
+
+
+def _child_family(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """N sessions of every member of a family, each run once: this process's memory growth.
+
+    ``family_mode``: ``"plain"`` (ORT sessions), ``"pooled"`` (a pool per member, sharedml's
+    defaults) or ``"raw"`` (pools with prepacking off). ``dims``, ``shapes`` and the caller's
+    arrays name what any member has: each member takes the ones it has; symbolic dims nobody
+    gave are 1 here (the family's members must agree on one size), where single-model inspect
+    chooses plausible sizes and reports them.
+
+    Returns:
+        ``{"pss": growth in bytes, "metric": what was read, "mechanisms": each pool's}``.
+    """
+    import contextlib
+
+    import onnxruntime as ort
+
+    import sharedml
+    from sharedml.model._graph import load_graph
+    from sharedml.model._inputs import described, input_specs
+
+    if spec.get("version") != SPEC_VERSION:
+        raise ValueError(f"spec version {spec.get('version')} is not {SPEC_VERSION}")
+    mode, n = spec["family_mode"], int(spec["sessions"])
+    given = _given(spec)
+    feeds = []
+    for model in spec["models"]:
+        graph = load_graph(model)
+        axes = {
+            i.name: [d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.graph.input
+        }
+        dims = {k: v for k, v in spec["dims"].items() if any(k in a for a in axes.values())}
+        shapes = {k: v for k, v in spec["shapes"].items() if k in axes}
+        values = {k: v for k, v in given.items() if k in axes}
+        specs = input_specs(
+            graph, dims, shapes=shapes, given=described(values), model_name=model, guess="ones"
+        )
+        feeds.append(_feeds({"inputs": [s.to_dict() for s in specs]}, values))
+    sharedml.SessionPool  # noqa: B018 - the modules load lazily: before the baseline
+    base = _settled_memory()
+    metric = metric_of(base)
+    if metric is None:  # not even RSS: nothing to measure with, and no figure to invent
+        raise RuntimeError(f"this process's memory cannot be read here ({base['error']})")
+    held: list[Any] = []
+    mechanisms: list[str] = []
+    try:
+        for model, feed in zip(spec["models"], feeds, strict=True):
+            if mode == "plain":
+                sessions = [
+                    ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+                    for _ in range(n)
+                ]
+                for session in sessions:
+                    session.run(None, feed)
+                held.append(sessions)
+                continue
+            pool = sharedml.SessionPool(
+                model, sessions=n, prepacking="off" if mode == "raw" else "auto"
+            )
+            held.append(pool)
+            pool.wait_ready()
+            with contextlib.ExitStack() as stack:  # every session checked out, each run once
+                for session in [stack.enter_context(pool.session()) for _ in range(n)]:
+                    session.run(None, feed)
+            mechanisms.append(str(pool.mechanism))
+        grown = _settled_memory()[metric] - base[metric]
+    finally:
+        for h in held:
+            if not isinstance(h, list):
+                h.close()
+    return {"pss": grown, "metric": metric, "mechanisms": mechanisms}
+
+
 def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     import onnxruntime as ort
 
@@ -429,8 +515,8 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     device = _DeviceMemory(providers)
 
     # sharedml's own modules (and onnx, which they import) load on first use: load them all
-    # now, so that a pooled strategy's first SessionPool does not count ~18 MiB of imports as
-    # its sessions' memory, and plain strategies are measured over the same baseline.
+    # now, so that a pooled strategy's first SessionPool does not count their imports as its
+    # sessions' memory, and plain strategies are measured over the same baseline.
     import sharedml
 
     for name in sharedml.__all__:
@@ -550,25 +636,21 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def child_main(argv: Sequence[str]) -> int:
-    if len(argv) != 1:
-        print(
-            "usage: child_main SPEC_JSON (run by sharedml.measure)",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        spec = json.loads(argv[0])
-        if spec.get("mode") == "trial":
-            print(RESULT_PREFIX + json.dumps(_child_trial(spec)), flush=True)
-            return 0
-        result = _child_measure(spec)
-    except BaseException as exc:  # one line, last on stderr: the parent quotes it
-        text = " ".join((str(exc).strip() or type(exc).__name__).split())
-        print(f"{type(exc).__name__}: {text}", file=sys.stderr, flush=True)
-        return 1
+def measuring_child(spec_json: str) -> dict[str, Any]:
+    """What a measuring child does with its spec (run by the child-process runner's entry).
+
+    Args:
+        spec_json: The spec: a strategy to measure, ``"mode": "trial"`` or ``"mode": "family"``.
+
+    Returns:
+        The result, printed as the child's ``RESULT`` line.
+    """
+    spec = json.loads(spec_json)
+    if spec.get("mode") == "trial":
+        return _child_trial(spec)
+    if spec.get("mode") == "family":
+        return _child_family(spec)
+    result = _child_measure(spec)
     if not all(math.isfinite(p["run_seconds"]) for p in result["points"]):
-        print("ValueError: a run time is not finite", file=sys.stderr)
-        return 1
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
-    return 0
+        raise ValueError("a run time is not finite")
+    return result

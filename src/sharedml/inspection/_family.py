@@ -14,18 +14,18 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sharedml._errors import MeasurementError
 from sharedml._host import HashingWriter
+from sharedml.inspection._child import SPEC_VERSION
 from sharedml.model._graph import read_model
 from sharedml.prepared._format import TensorDigest, digest_of
 from sharedml.prepared._plan import DEFAULT_SIZE_THRESHOLD_BYTES, plan_weights
 from sharedml.prepared._source import SourceReader
+from sharedml.runtime._child import ChildFailed, entry_code, run_child
 
 __all__ = ["FamilyReport", "family_weights", "inspect_family", "measure_family"]
 
@@ -90,59 +90,6 @@ def family_weights(
     return tensors, distinct_tensors, total, distinct
 
 
-# The measuring child: N sessions per member, all run once, then the PSS growth.
-_CHILD = r"""
-import contextlib, gc, json, sys
-import numpy as np, onnxruntime as ort, psutil
-import sharedml
-from sharedml._host import release_freed_heap
-from sharedml.model._inputs import described, generate, input_specs, load_feeds
-from sharedml.model._graph import load_graph
-mode, n, sizes, models = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4:]
-def pss():
-    gc.collect(); release_freed_heap()
-    info = psutil.Process().memory_full_info()
-    return getattr(info, "pss", info.uss)
-feeds = []
-for m in models:
-    graph = load_graph(m)
-    # --dim and --shape name what any member has: each member takes the ones it has.
-    names = {i.name: [d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
-    dims = {k: v for k, v in sizes["dims"].items() if any(k in d for d in names.values())}
-    shapes = {k: v for k, v in sizes["shapes"].items() if k in names}
-    values = {k: v for k, v in (load_feeds(sizes["inputs"]) if sizes["inputs"] else {}).items()
-              if k in names}
-    # Symbolic dims nobody gave stay 1 here (the family's members must agree on one size);
-    # single-model inspect chooses plausible sizes and reports them.
-    specs = input_specs(graph, dims, shapes=shapes, given=described(values), model_name=m,
-                        guess="ones")
-    feeds.append({s.name: values[s.name] if s.name in values else
-                  generate({"name": s.name, "dtype": s.dtype, "shape": s.shape}) for s in specs})
-sharedml.SessionPool  # the modules load lazily: before the baseline
-base = pss()
-held, mechanisms = [], []
-for m, feed in zip(models, feeds):
-    if mode == "plain":
-        sessions = [ort.InferenceSession(m, providers=["CPUExecutionProvider"]) for _ in range(n)]
-        for s in sessions:
-            s.run(None, feed)
-        held.append(sessions)
-    else:
-        pool = sharedml.SessionPool(m, sessions=n, prepacking="off" if mode == "raw" else "auto")
-        pool.wait_ready()
-        with contextlib.ExitStack() as stack:  # every session checked out, each run once
-            for s in [stack.enter_context(pool.session()) for _ in range(n)]:
-                s.run(None, feed)
-        held.append(pool)
-        mechanisms.append(str(pool.mechanism))
-grown = pss() - base
-print(json.dumps({"pss": grown, "mechanisms": mechanisms}))
-for h in held:
-    if not isinstance(h, list):
-        h.close()
-"""
-
-
 def measure_family(
     mode: str,
     sessions: int,
@@ -153,33 +100,42 @@ def measure_family(
     shapes: Mapping[str, Sequence[int]] | None = None,
     inputs: str | os.PathLike[str] | None = None,
 ) -> Any:
-    """One measuring process; returns ``{"pss": bytes, "mechanisms": [...]}``.
+    """One measuring process; returns ``{"pss": bytes, "metric": ..., "mechanisms": [...]}``.
 
     ``mode``: "plain" (ORT sessions), "pooled" (pools, defaults) or "raw" (prepacking off).
     ``dims``/``shapes``/``inputs``: as ``sharedml inspect --dim/--shape/--inputs``, each
-    applied to the members that have that dim or input (other symbolic dims are 1).
+    applied to the members that have that dim or input (other symbolic dims are 1). The child
+    is the measuring child's family mode (:mod:`sharedml.inspection._child`).
+
+    Raises:
+        MeasurementError: the child failed or ran past ``timeout_s``; the message names the
+            mode, the child's last stderr line and how to give the inputs' sizes.
     """
-    sizes = json.dumps(
-        {
-            "dims": dict(dims or {}),
-            "shapes": {k: list(v) for k, v in (shapes or {}).items()},
-            "inputs": str(inputs) if inputs is not None else None,
-        }
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, mode, str(sessions), sizes, *models],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if done.returncode != 0:
-        given = "" if dims or shapes or inputs else " with every symbolic dim set to 1"
-        raise MeasurementError(
-            f"Measuring {mode} sessions of the family failed{given} (exit {done.returncode}): "
-            f"{done.stderr.strip()[-1500:]} Give the inputs' sizes with --dim NAME=VALUE or "
-            "--shape INPUT=AxB, or real values with --inputs FEEDS.npz (as for one model)."
+    spec = {
+        "version": SPEC_VERSION,
+        "mode": "family",
+        "family_mode": mode,
+        "sessions": int(sessions),
+        "models": [str(m) for m in models],
+        "dims": dict(dims or {}),
+        "shapes": {k: list(v) for k, v in (shapes or {}).items()},
+        "feeds_file": str(Path(inputs).resolve()) if inputs is not None else None,
+    }
+    given = "" if dims or shapes or inputs else " with every symbolic dim set to 1"
+    try:
+        return run_child(
+            [json.dumps(spec)],
+            code=entry_code("sharedml.inspection._child:measuring_child"),
+            what=f"Measuring {mode} sessions of the family{given}",
+            timeout_s=timeout_s,
         )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    except ChildFailed as exc:
+        if exc.timed_out:
+            raise MeasurementError(str(exc)) from None
+        raise MeasurementError(
+            f"{exc} Give the inputs' sizes with --dim NAME=VALUE or --shape INPUT=AxB, or real "
+            "values with --inputs FEEDS.npz (as for one model)."
+        ) from None
 
 
 def inspect_family(

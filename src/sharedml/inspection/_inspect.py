@@ -61,7 +61,6 @@ __all__ = [
 
 DEFAULT_PROJECTION_SESSIONS = (1, 2, 4, 8, 16, 32)
 _LARGEST_SHOWN = 5
-_MiB = 1024 * 1024
 
 InspectProgress = Callable[[str, int, int], None]
 """Called as ``progress(description, steps_done, steps_total)``; a step is one session measured."""
@@ -484,8 +483,8 @@ _HOLDING = {
 # Recommendation: every sentence from the measured figures
 
 SAME_WITHIN = 0.10
-"""Two figures within this fraction of each other are "about the same": repeat measurements of
-one configuration agree within about 1 MiB on the demo, and a busy machine moves them more."""
+"""Two figures within this fraction of each other are "about the same": wider than what repeat
+measurements of one configuration differ by (docs/inspect.md has the figures)."""
 _NOTABLE_DERIVED = 1.5  # a plain session holding this many times the file's weights: say why
 _NOTABLE_UNSHARED = 0.01  # unshared weights this share of the file's are worth a finding
 
@@ -936,8 +935,8 @@ def _prepacking_off(raw: Measurement, shared: Measurement) -> Finding:
         f"With prepacking off (prepacking='off') the pool took {human_bytes(raw_total)}, "
         f"{_than(raw_total, shared_total, default)}, and created its sessions in "
         f"{human_seconds(rt)} against {human_seconds(dt)} ({speed}). Its MatMul/Gemm/Conv "
-        "kernels run on unpacked weights (batched inputs about 2x slower in "
-        "docs/cpu-prepacking.md; inspect does not measure run speed)."
+        "kernels run on unpacked weights, slower for batched inputs (docs/cpu-prepacking.md "
+        "has figures; inspect does not measure run speed)."
     )
     return Finding(
         "prepacking-off",

@@ -1,8 +1,9 @@
 """Measure what N sessions of a model cost, each strategy in a fresh subprocess.
 
-This is the parent side: :func:`measure` starts ``python -c "...sharedml.inspection._child..."
-SPEC`` with the strategy, the providers and the inputs as JSON, reads its progress lines, and
-turns its one result line into a :class:`~sharedml.Measurement`. The child
+This is the parent side: :func:`measure` runs the measuring child through the child-process
+runner (:func:`sharedml.runtime._child.run_child`) with the strategy, the providers and the
+inputs as one JSON spec, passes its progress lines on, and turns its result into a
+:class:`~sharedml.Measurement`. The child
 (:mod:`sharedml.inspection._child`) says what a point is and how memory is read. One process per
 measurement, so that what one strategy allocated (heap kept by the allocator, mapped files,
 thread pools) can neither hide nor inflate another's figures.
@@ -10,24 +11,20 @@ thread pools) can neither hide nor inflate another's figures.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sharedml._errors import MeasurementError
-from sharedml._host import child_env
-from sharedml.inspection._child import PROGRESS_PREFIX, RESULT_PREFIX, SPEC_VERSION
+from sharedml.inspection._child import PROGRESS_PREFIX, SPEC_VERSION
 from sharedml.inspection._results import Measurement
 from sharedml.inspection._strategies import get_strategy
 from sharedml.model._inputs import InputSpec, input_specs
 from sharedml.model._tables import IndexedTable
+from sharedml.runtime._child import ChildFailed, entry_code, run_child
 
 __all__ = [
     "DEFAULT_MEMORY_RESERVE_BYTES",
@@ -40,12 +37,7 @@ __all__ = [
 ]
 
 DEFAULT_MEMORY_RESERVE_BYTES = 512 * 1024 * 1024  # bytes a measurement leaves free for the box
-_STDERR_LINES_KEPT = 50  # of the child's stderr, for error messages
-# -c rather than -m: runpy would import the child module a second time as __main__.
-_CHILD_CODE = (
-    "import sys; from sharedml.inspection._child import child_main; "
-    "sys.exit(child_main(sys.argv[1:]))"
-)
+_CHILD_CODE = entry_code("sharedml.inspection._child:measuring_child")
 
 # sharedml's own cost in a process: this child reads its memory with sharedml.inspection._memory
 # run as a
@@ -193,9 +185,11 @@ def measure(
         "traffic_seconds": traffic_seconds,
     }
     try:
-        raw = _run_child(spec, timeout_s=timeout_s, progress=progress)
-    except _ChildFailed as exc:
-        raise MeasurementError(f"Measuring strategy '{chosen.name}' {exc.how}") from None
+        raw = _run_child(
+            spec, what=f"Measuring strategy '{chosen.name}'", timeout_s=timeout_s, progress=progress
+        )
+    except ChildFailed as exc:
+        raise MeasurementError(str(exc)) from None
     return Measurement._from_child(chosen, sessions, raw)
 
 
@@ -275,9 +269,10 @@ def trial_run(
         "reference_file": str(reference),
     }
     try:
-        raw = _run_child(spec, timeout_s=timeout_s, progress=None)
-    except _ChildFailed as exc:
-        return TrialRun(error=exc.last)
+        raw = _run_child(spec, what="The trial run", timeout_s=timeout_s, progress=None)
+    except ChildFailed as exc:
+        error = f"stopped after {timeout_s} s: {exc.last}" if exc.timed_out else exc.last
+        return TrialRun(error=error)
     return TrialRun(
         error=None,
         outputs=tuple(raw["outputs"]),
@@ -358,92 +353,32 @@ def fixed_cost(
         "memory_module": str(Path(_memory.__file__).resolve()),
     }
     try:
-        raw = _run_child(spec, timeout_s=timeout_s, progress=None, code=_FIXED_COST_CODE)
-    except _ChildFailed as exc:
-        return FixedCost({}, {}, error=exc.last)
+        raw = _run_child(
+            spec,
+            what="Measuring sharedml's own cost",
+            timeout_s=timeout_s,
+            progress=None,
+            code=_FIXED_COST_CODE,
+        )
+    except ChildFailed as exc:
+        error = f"stopped after {timeout_s} s: {exc.last}" if exc.timed_out else exc.last
+        return FixedCost({}, {}, error=error)
     return FixedCost(dict(raw["imports"]), dict(raw["pool"]))
-
-
-class _ChildFailed(Exception):
-    """A measuring child failed: ``how`` (for a sentence), ``last`` (its last stderr line)."""
-
-    def __init__(self, how: str, last: str) -> None:
-        super().__init__(how)
-        self.how = how
-        self.last = last
 
 
 def _run_child(
     spec: Mapping[str, Any],
     *,
+    what: str,
     timeout_s: float | None,
     progress: ProgressCallback | None,
     code: str = _CHILD_CODE,
-) -> dict[str, Any]:
-    cmd = [sys.executable, "-c", code, json.dumps(spec)]
-    stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES_KEPT)
-    result: dict[str, Any] | None = None
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        encoding="utf-8",
-        errors="replace",
-        env=child_env(),
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    stderr = proc.stderr
+) -> Any:
+    """Run a measuring child on ``spec``; its result (raises :class:`ChildFailed`)."""
 
-    def drain_stderr() -> None:  # a full pipe would block the child
-        for line in stderr:
-            if line.strip():
-                stderr_tail.append(line.strip())
+    def on_line(line: str) -> None:
+        if progress is not None and line.startswith(PROGRESS_PREFIX):
+            done, total = (int(v) for v in line[len(PROGRESS_PREFIX) :].split())
+            progress(done, total)
 
-    drainer = threading.Thread(target=drain_stderr, name="sharedml-measure-stderr", daemon=True)
-    drainer.start()
-    timer: threading.Timer | None = None
-    timed_out = threading.Event()
-    if timeout_s is not None:
-
-        def kill() -> None:
-            timed_out.set()
-            proc.kill()
-
-        timer = threading.Timer(timeout_s, kill)
-        timer.daemon = True
-        timer.start()
-    try:
-        for line in proc.stdout:
-            if line.startswith(PROGRESS_PREFIX):
-                if progress is not None:
-                    done, total = (int(v) for v in line[len(PROGRESS_PREFIX) :].split())
-                    progress(done, total)
-            elif line.startswith(RESULT_PREFIX):
-                result = json.loads(line[len(RESULT_PREFIX) :])
-        returncode = proc.wait()
-    finally:
-        if timer is not None:
-            timer.cancel()
-        if proc.poll() is None:  # interrupted (Ctrl-C) or a callback raised: leave no child
-            proc.kill()
-            proc.wait()
-        drainer.join(timeout=5)
-        proc.stdout.close()
-        proc.stderr.close()
-    last = stderr_tail[-1] if stderr_tail else "(no output on stderr)"
-    if timed_out.is_set():
-        raise _ChildFailed(
-            f"took longer than {timeout_s} s and was stopped. Last stderr line: {last}",
-            f"stopped after {timeout_s} s: {last}",
-        )
-    if returncode != 0 or result is None:
-        if returncode < 0:
-            how = f"was killed by signal {-returncode}"
-            if -returncode == 9:
-                how += " (out of memory?)"
-        else:
-            how = f"exited with status {returncode}"
-        raise _ChildFailed(f"failed: the measuring process {how}: {last}", last)
-    return result
+    return run_child([json.dumps(spec)], code=code, what=what, timeout_s=timeout_s, on_line=on_line)

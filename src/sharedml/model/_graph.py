@@ -197,7 +197,6 @@ def iter_tensors(graph: GraphProto) -> Iterator[TensorRef]:
 # Domains whose operators keep their parameters in list attributes (FLOATS, INTS, STRINGS):
 # LinearClassifier's coefficients, TreeEnsemble's nodes and leaves, SVM's support vectors.
 _PARAMETER_DOMAINS = ("ai.onnx.ml",)
-_LIST_ITEM_BYTES = {AttributeProto.FLOATS: 4, AttributeProto.INTS: 8}
 
 
 def iter_attribute_weights(graph: GraphProto) -> Iterator[tuple[NodeProto, AttributeProto, int]]:

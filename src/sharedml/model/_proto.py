@@ -1,11 +1,12 @@
 """ONNX's protobuf messages, without importing the ``onnx`` package where that can be avoided.
 
-``import onnx`` costs about a second on this project's machines (onnx 1.23 imports ml_dtypes,
-whose 0.7.0 extension alone takes 0.8 s to load; 0.6.0 took 0.1 s), and a pool over a model
-already in the cache needs nothing of onnx but its message classes: it parses a prepared graph
-and reads its metadata and external-data entries. So the classes come from onnx's generated
-module ``onnx/onnx_ml_pb2.py``, executed on its own (about 40 ms), and the onnx package is
-imported only by the code that needs its helpers (prepare, shape inference, the checker).
+``import onnx`` is slow (it imports ml_dtypes, whose extension takes most of that time), and a
+pool over a model already in the cache needs nothing of onnx but its message classes: it parses
+a prepared graph and reads its metadata and external-data entries. So the classes come from
+onnx's generated module ``onnx/onnx_ml_pb2.py``, executed on its own (a small fraction of the
+import), and the onnx package is imported only by the code that needs its helpers (prepare,
+shape inference, the checker). The figures: ``docs/batching.md``, "Serving before the pool is
+full".
 
 This is done only with protobuf's ``upb`` backend (the default since protobuf 4.21), where a
 message class belongs to its descriptor: the standalone module and ``onnx``'s own resolve to the

@@ -88,7 +88,6 @@ class Mechanism(str, enum.Enum):
         return self.value
 
 
-HOST = (Mechanism.IN_MEMORY_FILE, Mechanism.ADD_INITIALIZER, Mechanism.ORT_MMAP)
 SAVED_MODEL = (Mechanism.PREPACKED_FILE, Mechanism.OPTIMIZED_FILE)  # chosen, never requested
 
 
@@ -132,14 +131,22 @@ class Prepacking(str, enum.Enum):
 
 
 def _parse_mechanism(value: object) -> Mechanism | None:
-    """``"auto"`` -> None (the planner chooses); a name -> its Mechanism."""
+    """``"auto"`` -> None (the planner chooses); a name -> its Mechanism.
+
+    The saved-model mechanisms are refused here: the planner chooses them, and a session told
+    to borrow raw weights that way would fail only when created.
+    """
     if value == "auto":
         return None
     try:
-        return Mechanism(value)
+        found = Mechanism(value)
     except ValueError:
+        found = None
+    if found is None or found in SAVED_MODEL:
         names = ", ".join(repr(m.value) for m in Mechanism if m not in SAVED_MODEL)
-        raise ValueError(f"mechanism must be 'auto' or one of {names}, not {value!r}.") from None
+        chosen = " (prepacking='shared' asks for the saved model)" if found else ""
+        raise ValueError(f"mechanism must be 'auto' or one of {names}, not {value!r}{chosen}.")
+    return found
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -49,11 +49,7 @@ capability wait for one probe.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -61,7 +57,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sharedml._host import child_env
+from sharedml.runtime._child import ChildFailed, entry_code, run_child
 
 __all__ = [
     "ort_version",
@@ -73,6 +69,8 @@ __all__ = [
     "ChildResult",
     "capabilities",
     "capability",
+    "probe_child",
+    "probe_failure",
     "run_in_child",
 ]
 
@@ -84,11 +82,7 @@ CAPABILITIES: Mapping[str, str] = {
     "iobinding": "IOBinding as graph sessions use it (device buffers bound, outputs rebound)",
 }
 _CHILD_TIMEOUT_S = 120.0  # seconds: a child imports onnxruntime and runs a tiny model
-_CHILD_MARKER = "SHAREDML-CAPABILITY:"
-_CHILD_CODE = (
-    "import sys; from sharedml.runtime._capabilities import _child_main; "
-    "sys.exit(_child_main(sys.argv[1:]))"
-)
+_CHILD_CODE = entry_code("sharedml.runtime._capabilities:probe_child")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,58 +304,51 @@ class ChildResult:
     seconds: float = 0.0
 
 
-def _child_main(argv: list[str]) -> int:
-    """Entry point of a probe child: ``module:function`` or a probe name; prints one line."""
-    target = argv[0]
+def probe_child(target: str) -> dict[str, Any]:
+    """What a probe child does: run ``target`` and say whether it raised (never raises itself)."""
     try:
         _resolve(target)()
-        result = {"ok": True, "reason": ""}
     except BaseException as exc:  # the child reports anything; the parent decides
-        result = {"ok": False, "reason": f"{type(exc).__name__}: {exc}".strip()[:2000]}
-    print(_CHILD_MARKER + json.dumps(result), flush=True)
-    return 0
+        return {"ok": False, "reason": f"{type(exc).__name__}: {exc}".strip()[:2000]}
+    return {"ok": True, "reason": ""}
 
 
 def run_in_child(target: str, *, timeout_s: float = _CHILD_TIMEOUT_S) -> ChildResult:
     """Run a probe in a Python child process, so that a crash costs the child only.
 
     Args:
-        target: A probe name of this module (``"iobinding"``), or ``"module:function"``, a
-            function without arguments that raises where the probe fails.
+        target: ``"module:function"``, a function without arguments that raises where the
+            probe fails.
         timeout_s: Give up after this many seconds (a failure).
 
     Returns:
         The result; a child killed by a signal reads ``"the probe crashed (SIGSEGV)..."``.
     """
     start = time.perf_counter()
-
-    def done(ok: bool, reason: str) -> ChildResult:
-        return ChildResult(ok, reason, time.perf_counter() - start)
-
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _CHILD_CODE, target],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=child_env(),
-            check=False,
+        result = run_child(
+            [target], code=_CHILD_CODE, what=f"The probe {target}", timeout_s=timeout_s
         )
-    except subprocess.TimeoutExpired:
-        return done(False, f"the probe did not finish within {timeout_s:.0f} s")
-    except OSError as exc:
-        return done(False, f"the probe could not start: {exc}")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(_CHILD_MARKER):
-            result = json.loads(line[len(_CHILD_MARKER) :])
-            return done(bool(result["ok"]), str(result["reason"]))
-    if proc.returncode < 0:
-        try:
-            name = signal.Signals(-proc.returncode).name
-        except ValueError:
-            name = f"signal {-proc.returncode}"
-        reason = f"the probe crashed ({name}): it would have crashed the process"
-    else:
-        reason = f"the probe exited with status {proc.returncode} and no result"
-    tail = (proc.stderr or "").strip().splitlines()[-3:]
-    return done(False, reason + (f"; stderr: {' | '.join(tail)}" if tail else ""))
+        ok, reason = bool(result["ok"]), str(result["reason"])
+    except ChildFailed as exc:
+        ok, reason = False, probe_failure(exc, "it would have crashed the process")
+    return ChildResult(ok, reason, time.perf_counter() - start)
+
+
+def probe_failure(exc: ChildFailed, crashed: str) -> str:
+    """Why a probe child gave no result, as a route's reason.
+
+    Args:
+        exc: How the child failed.
+        crashed: What a crash means, said after it ("this route would crash the process").
+    """
+    if exc.timed_out:
+        return f"the probe did not finish within {exc.timeout_s:.0f} s"
+    if exc.crash is not None:
+        reason = f"the probe crashed ({exc.crash}): {crashed}"
+    elif exc.returncode:
+        reason = f"the probe exited with status {exc.returncode} and no result"
+    else:  # it could not start, or exited 0 without a readable result
+        reason = f"the probe {exc.how}"
+    tail = exc.tail[-3:]
+    return reason + (f"; stderr: {' | '.join(tail)}" if tail else "")

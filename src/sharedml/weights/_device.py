@@ -57,17 +57,14 @@ from sharedml.weights._store import TensorSlot, WeightStore
 __all__ = [
     "DEVICE_TYPES",
     "ROUTES",
-    "USE_ENV_ALLOCATORS_KEY",
     "DeviceWeightStore",
     "HostWeights",
-    "register_shared_arena",
 ]
 
 ROUTES = ("ort-slab", "ort-per-tensor", "cupy-slab")
 # The device name ORT's Python API uses for each provider's memory. CPU is here so that the
 # whole upload / view / register path runs (and is tested) on machines without an accelerator.
 DEVICE_TYPES: Mapping[str, str] = {CUDA: "cuda", DML: "dml", CPU: "cpu"}
-_ARENA_NAMES = {CUDA: "Cuda", DML: "DML"}  # OrtMemoryInfo names of the device allocators
 
 # --------------------------------------------------------------------------------------------
 # Uploads: the device values of one weights buffer, made by one route
@@ -429,50 +426,3 @@ class DeviceWeightStore:
             f"<DeviceWeightStore {self.provider} device={self.device_id} route={self.route!r} "
             f"tensors={len(self.tensor_names)} device_bytes={self.device_bytes}>"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# Shared device arena (opt-in; see docs/gpu.md for what it measured)
-
-_SHARED_ARENAS: set[tuple[str, int]] = set()
-_SHARED_ARENAS_LOCK = threading.Lock()
-USE_ENV_ALLOCATORS_KEY = "session.use_env_allocators"
-
-
-def register_shared_arena(provider: str, device_id: int = 0) -> bool:
-    """Register one device arena in ORT's environment for every session of this process.
-
-    Sessions use it for their activations and scratch memory when their options carry
-    ``session.use_env_allocators=1`` (:data:`USE_ENV_ALLOCATORS_KEY`), instead of an arena each.
-    The arena grows by what is requested (``kSameAsRequested``), not in powers of two. Opt-in:
-    it saved nothing measurable for pool sessions of a model with small activations
-    (``docs/gpu.md``); models with large activations may differ.
-
-    Returns:
-        Whether the arena is registered (now or before). ``False``: this provider or this
-        onnxruntime cannot register one; sessions then keep their own arenas.
-
-    Thread safety: may be called from any thread; registers at most once per device.
-    """
-    if provider not in _ARENA_NAMES:
-        return False
-    import onnxruntime as ort
-
-    with _SHARED_ARENAS_LOCK:
-        if (provider, device_id) in _SHARED_ARENAS:
-            return True
-        try:
-            info = ort.OrtMemoryInfo(
-                _ARENA_NAMES[provider],
-                ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR,
-                device_id,
-                ort.OrtMemType.DEFAULT,
-            )
-            arena = ort.OrtArenaCfg({"arena_extend_strategy": 1})  # 1: kSameAsRequested
-            ort.create_and_register_allocator_v2(
-                provider, info, {"device_id": str(device_id)}, arena
-            )
-        except Exception:
-            return False
-        _SHARED_ARENAS.add((provider, device_id))
-        return True

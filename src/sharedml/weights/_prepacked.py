@@ -4,7 +4,7 @@ The problem: at session creation ORT's CPU kernels "prepack" constant weights (M
 the quantized MatMuls, Conv, RNNs...) into a kernel layout in that session's heap, and its
 optimizers derive new weights (NCHWc filters, folded constants), also per session. Shared raw
 weights or not, N sessions then hold N packed copies; with prepacking off the raw weights are
-shared but batched kernels run about 2x slower.
+shared but batched kernels run slower (``docs/cpu-prepacking.md`` has the figures).
 
 The route: ORT can save the optimized model with its prepacked blobs next to the raw initializers
 in the data file (``session.save_external_prepacked_constant_initializers=1``). A session that

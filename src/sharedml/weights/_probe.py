@@ -15,10 +15,7 @@ benchmarks that measured it), or ``none`` to use none.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -29,8 +26,8 @@ import onnx
 from onnx import TensorProto
 
 from sharedml._errors import ProviderError
-from sharedml._host import child_env, crash_name
-from sharedml.runtime._capabilities import capability
+from sharedml.runtime._capabilities import capability, probe_failure
+from sharedml.runtime._child import ChildFailed, entry_code, run_child
 from sharedml.runtime._providers import CPU, CUDA, DML, DML_NO_DEVICE_ROUTE
 from sharedml.weights._device import DEVICE_TYPES, ROUTES, DeviceWeightStore
 from sharedml.weights._dlpack import RouteError
@@ -40,18 +37,15 @@ __all__ = [
     "ROUTE_ENV",
     "RouteProbe",
     "device_mechanism_available",
+    "probe_child",
     "probe_routes",
     "select_route",
 ]
 
 ROUTE_ENV = "SHAREDML_DEVICE_ROUTE"
 _PROBE_TIMEOUT_S = 300.0  # seconds: a first CUDA initialization can take a minute
-_PROBE_MARKER = "SHAREDML-DEVICE-PROBE:"
 # What a probe child runs: ``provider device_id route`` follow in sys.argv.
-_PROBE_CODE = (
-    "import sys; from sharedml.weights._probe import _probe_main; "
-    "sys.exit(_probe_main(sys.argv[1:]))"
-)
+_PROBE_CODE = entry_code("sharedml.weights._probe:probe_child")
 
 # --------------------------------------------------------------------------------------------
 # Which route works here: probed in child processes, so a crash costs only the child
@@ -147,62 +141,33 @@ def _probe_here(provider: str, device_id: int, route: str) -> None:
         )
 
 
-def _probe_main(argv: Sequence[str]) -> int:
-    """Entry point of a probe child: ``provider device_id route``; prints one result line."""
-    provider, device_id, route = argv[0], int(argv[1]), argv[2]
+def probe_child(provider: str, device_id: str, route: str) -> dict[str, Any]:
+    """What a probe child does: probe one route and say how it went (never raises itself)."""
     try:
-        _probe_here(provider, device_id, route)
-        result = {"ok": True, "reason": ""}
+        _probe_here(provider, int(device_id), route)
     except BaseException as exc:  # the child reports anything; the parent decides
-        result = {"ok": False, "reason": f"{type(exc).__name__}: {exc}".strip()[:2000]}
-    print(_PROBE_MARKER + json.dumps(result), flush=True)
-    return 0
+        return {"ok": False, "reason": f"{type(exc).__name__}: {exc}".strip()[:2000]}
+    return {"ok": True, "reason": ""}
 
 
 def _run_probe(provider: str, device_id: int, route: str, timeout_s: float) -> RouteProbe:
     """Probe one route in a child process."""
     start = time.perf_counter()
-
-    def done(ok: bool, reason: str) -> RouteProbe:
-        return RouteProbe(route, provider, device_id, ok, reason, time.perf_counter() - start)
-
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _PROBE_CODE, provider, str(device_id), route],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=child_env(),
-            check=False,
+        result = run_child(
+            [provider, str(device_id), route],
+            code=_PROBE_CODE,
+            what=f"The {route} probe of {provider}",
+            timeout_s=timeout_s,
         )
-    except subprocess.TimeoutExpired:
-        return done(False, f"the probe did not finish within {timeout_s:.0f} s")
-    except OSError as exc:
-        return done(False, f"the probe could not start: {exc}")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(_PROBE_MARKER):
-            result = json.loads(line[len(_PROBE_MARKER) :])
-            return done(bool(result["ok"]), str(result["reason"]))
-    crashed = crash_name(proc.returncode)
-    if crashed is not None:
-        reason = f"the probe crashed ({crashed}): this route would crash the process"
-    else:
-        reason = f"the probe exited with status {proc.returncode} and no result"
-    tail = (proc.stderr or "").strip().splitlines()[-3:]
-    return done(False, reason + (f"; stderr: {' | '.join(tail)}" if tail else ""))
+        ok, reason = bool(result["ok"]), str(result["reason"])
+    except ChildFailed as exc:
+        ok, reason = False, probe_failure(exc, "this route would crash the process")
+    return RouteProbe(route, provider, device_id, ok, reason, time.perf_counter() - start)
 
 
 _PROBES: dict[tuple[str, int], tuple[RouteProbe, ...]] = {}
 _PROBES_LOCK = threading.Lock()
-
-
-def _ort_version() -> str:
-    try:
-        import onnxruntime as ort
-
-        return str(ort.__version__)
-    except Exception:  # pragma: no cover - onnxruntime is a dependency
-        return "unknown"
 
 
 def _provider_available(provider: str) -> bool:

@@ -1,0 +1,294 @@
+"""The route planner: the mechanism and prepacking a provider, model and options get, and why.
+
+Everything here asks :func:`sharedml.route._planner.plan_route` and reads the recipe it returns
+(its mechanism, its reason, the options a session gets): no pool. DirectML and CUDA plans are
+made with ``plan_providers(..., available=...)``, so their routes are planned on any machine
+(planning creates no session of those providers).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _models import PLACEMENTS, batchable_model, build_model, save_model
+
+from sharedml._errors import ProviderError, SessionCreationError
+from sharedml._host import usable_cores
+from sharedml.route._planner import Mechanism, Prepacking, SessionRecipe, plan_route
+from sharedml.runtime._capabilities import WITHOUT_ENV
+from sharedml.runtime._options import config_entry
+from sharedml.runtime._providers import DML_NO_DEVICE_ROUTE, plan_providers
+from sharedml.weights._store import zero_copy_mechanisms
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+DML = "DmlExecutionProvider"
+PACKED_DIM = 256  # MatMul weights of 256 KiB: ORT's CPU MatMul packs them
+RAW_REASONS = {
+    Mechanism.IN_MEMORY_FILE: "the mapped weights file is lent whole to every session",
+    Mechanism.ADD_INITIALIZER: "each tensor is lent to every session from the mapped file",
+    Mechanism.ORT_MMAP: "ORT maps the weights file in every session (one page-cache copy)",
+}
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(WITHOUT_ENV, raising=False)
+
+
+@pytest.fixture
+def packed(tmp_path: Path) -> Path:
+    """An MLP whose weights ORT's CPU kernels prepack."""
+    return batchable_model(tmp_path / "mlp.onnx", dim=PACKED_DIM)
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Path:
+    """32x32 weights, under ORT's packing sizes: ORT neither packs nor derives anything."""
+    return save_model(build_model(list(PLACEMENTS), dim=32), tmp_path / "small.onnx")
+
+
+@pytest.fixture
+def conv_bn(tmp_path: Path) -> Path:
+    """Conv + BatchNormalization: ORT fuses the pair (a derived weight) and packs nothing."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    channels = 64
+    inits = [numpy_helper.from_array(rng.random((channels, channels, 3, 3), np.float32), "w")]
+    names = ("scale", "bias", "mean", "var")
+    for name in names:
+        inits.append(numpy_helper.from_array(1 + rng.random(channels, np.float32), name))
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+            helper.make_node("BatchNormalization", ["c", *names], ["y"]),
+        ],
+        "conv_bn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, 8, 8])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return save_model(model, tmp_path / "conv_bn.onnx")
+
+
+def route(
+    model: Path | bytes, providers: list[str] | None = None, **kwargs: object
+) -> SessionRecipe:
+    available = [DML, CUDA, CPU] if providers else None
+    plan = plan_providers(providers, available=available)
+    kwargs.setdefault("max_sessions", 2)
+    return plan_route(model, plan=plan, **kwargs)  # type: ignore[arg-type]
+
+
+def disable_prepacking(recipe: SessionRecipe) -> str | None:
+    return config_entry(recipe.options(), "session.disable_prepacking")
+
+
+def best_raw() -> Mechanism:
+    return Mechanism(zero_copy_mechanisms()[0])
+
+
+# --------------------------------------------------------------------------------------------
+# CPU, prepacking "auto": the saved optimized model where ORT packs or derives a weight
+
+
+@pytest.mark.capability("prepacked-save")
+def test_a_model_ort_packs_gets_the_prepacked_file(packed: Path) -> None:
+    recipe = route(packed)
+    assert recipe.mechanism is Mechanism.PREPACKED_FILE
+    assert recipe.prepacking is Prepacking.AUTO
+    assert recipe.reason.endswith("are mapped once for every session.")
+    assert "prepacked blobs" in recipe.reason
+    assert recipe.prepacked is not None and recipe.load_path == recipe.prepacked.model_path
+    assert recipe.load_path != recipe.model_path  # sessions load the saved model by path
+    assert recipe.runtime_stats.prepacked_blobs > 0
+
+
+@pytest.mark.capability("prepacked-save")
+def test_a_model_ort_only_derives_weights_of_gets_the_optimized_file(conv_bn: Path) -> None:
+    recipe = route(conv_bn)
+    assert recipe.mechanism is Mechanism.OPTIMIZED_FILE
+    assert recipe.reason.startswith("ORT packs no weight of this model on this CPU")
+    assert "mechanism 'optimized-file'" in recipe.reason
+    assert recipe.runtime_stats.derived_bytes == 64 * 64 * 9 * 4  # the fused Conv weight
+
+
+@pytest.mark.capability("prepacked-save")
+def test_a_model_ort_neither_packs_nor_derives_shares_raw_weights_unpacked(small: Path) -> None:
+    recipe = route(small)
+    assert recipe.mechanism is best_raw() and recipe.prepacked is None
+    assert recipe.load_path == recipe.model_path
+    assert recipe.reason.startswith("ORT neither prepacks nor derives any weight")
+    assert recipe.reason.endswith(
+        f"Raw weights shared: {RAW_REASONS[best_raw()]}; prepacking is off, so kernels run on "
+        "unpacked weights."
+    )
+    assert disable_prepacking(recipe) == "1"
+
+
+@pytest.mark.capability("prepacked-save")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="vm.max_map_count is Linux's")
+def test_more_maps_than_the_kernel_allows_keeps_raw_weights(packed: Path) -> None:
+    recipe = route(packed, max_sessions=10**7)
+    assert recipe.mechanism is best_raw()
+    assert "over half of vm.max_map_count" in recipe.reason
+    assert recipe.intra_op_threads == 1
+
+
+def test_without_the_saved_model_capability_auto_shares_raw_weights(
+    packed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(WITHOUT_ENV, "prepacked-save")
+    recipe = route(packed)
+    assert recipe.mechanism is best_raw()
+    assert recipe.reason.startswith("The saved prepacked model is not used: ")
+    assert WITHOUT_ENV in recipe.reason
+    with pytest.raises(SessionCreationError, match=r"prepacking='shared' needs ORT's saved"):
+        route(packed, prepacking="shared")
+
+
+# --------------------------------------------------------------------------------------------
+# CPU, other prepacking settings and requested mechanisms
+
+
+@pytest.mark.capability("prepacked-save")
+def test_shared_prepacking_takes_the_saved_model_even_where_it_does_not_pay(small: Path) -> None:
+    recipe = route(small, prepacking="shared")
+    assert recipe.mechanism is Mechanism.OPTIMIZED_FILE  # nothing packed: named for what it is
+    assert recipe.prepacking is Prepacking.SHARED
+
+
+def test_prepacking_off_shares_raw_weights_with_packing_off(small: Path) -> None:
+    recipe = route(small, prepacking="off")
+    assert recipe.mechanism is best_raw() and recipe.prepacking is Prepacking.OFF
+    assert recipe.reason == (
+        f"Raw weights shared: {RAW_REASONS[best_raw()]}; prepacking is off, so kernels run on "
+        "unpacked weights."
+    )
+    assert disable_prepacking(recipe) == "1"
+
+
+@pytest.mark.capability("prepacked-save")
+def test_prepacking_off_warns_where_every_session_derives_its_own_weights(conv_bn: Path) -> None:
+    with pytest.warns(RuntimeWarning, match=r"prepacking='off' shares only the raw weights"):
+        recipe = route(conv_bn, prepacking="off")
+    assert recipe.mechanism is best_raw()
+    assert "ORT's optimizers derive 0.1 MiB of weights" in recipe.reason
+    assert recipe.reason.endswith("kernels run on unpacked weights.")
+
+
+def test_per_session_prepacking_is_ort_behaviour_and_says_so(small: Path) -> None:
+    recipe = route(small, prepacking="per-session")
+    assert recipe.mechanism is best_raw() and recipe.prepacked is None
+    assert recipe.reason.endswith(
+        "each session packs a private copy of its packed weights (prepacking='per-session')."
+    )
+    assert disable_prepacking(recipe) == "0"
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [(None, Prepacking.AUTO), (False, Prepacking.OFF), (True, Prepacking.PER_SESSION)],
+)
+def test_the_old_prepacking_spellings_mean_what_they_meant_and_are_deprecated(
+    small: Path, given: object, expected: Prepacking
+) -> None:
+    with pytest.warns(DeprecationWarning, match=rf"prepacking={given} is deprecated"):
+        recipe = route(small, prepacking=given, mechanism="ort-mmap")
+    assert recipe.prepacking is expected
+
+
+def test_a_requested_host_mechanism_is_taken_without_the_saved_model(packed: Path) -> None:
+    recipe = route(packed, mechanism="ort-mmap")
+    assert recipe.mechanism is Mechanism.ORT_MMAP and recipe.prepacked is None
+    assert recipe.reason == (
+        f"Raw weights shared: {RAW_REASONS[Mechanism.ORT_MMAP]}; prepacking is off, so kernels "
+        "run on unpacked weights."
+    )
+
+
+def test_the_in_memory_file_needs_its_capability(
+    small: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(WITHOUT_ENV, "files-in-memory")
+    with pytest.raises(ProviderError, match=r"mechanism='in-memory-file' cannot be used: .*auto"):
+        route(small, mechanism="in-memory-file")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mechanism": "prepacked-file"}, r"one of .*'ort-mmap'.*prepacking='shared' asks"),
+        ({"mechanism": "optimized-file"}, r"one of .*'ort-mmap'.*prepacking='shared' asks"),
+        ({"mechanism": "telepathy"}, r"mechanism must be 'auto' or one of"),
+        ({"prepacking": "sometimes"}, r"prepacking must be 'auto', 'shared', 'off'"),
+        (
+            {"prepacking": "shared", "mechanism": "ort-mmap"},
+            r"prepacking='shared' chooses the weight mechanism itself",
+        ),
+    ],
+)
+def test_settings_that_name_no_route_are_refused(
+    small: Path, kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        route(small, **kwargs)
+
+
+def test_each_cpu_session_gets_its_share_of_the_cores_unless_the_template_sets_it(
+    small: Path,
+) -> None:
+    import onnxruntime as ort
+
+    recipe = route(small, max_sessions=2, mechanism="ort-mmap")
+    assert recipe.intra_op_threads == max(1, usable_cores() // 2)
+    assert recipe.options().intra_op_num_threads == recipe.intra_op_threads
+    template = ort.SessionOptions()
+    template.intra_op_num_threads = 3
+    mine = route(small, max_sessions=2, mechanism="ort-mmap", sess_options=template)
+    assert mine.options().intra_op_num_threads == 3
+    assert template.intra_op_num_threads == 3  # the template is never changed
+
+
+def test_model_bytes_are_planned_like_a_path(small: Path) -> None:
+    recipe = route(small.read_bytes(), mechanism="ort-mmap")
+    assert recipe.source_path == Path("<model bytes>")
+    assert recipe.mechanism is Mechanism.ORT_MMAP
+
+
+# --------------------------------------------------------------------------------------------
+# Device providers
+
+
+def test_directml_loads_from_the_file_and_says_each_session_holds_a_device_copy(
+    small: Path,
+) -> None:
+    recipe = route(small, [DML])
+    assert recipe.mechanism is Mechanism.ORT_MMAP
+    assert recipe.reason.startswith(f"{DML_NO_DEVICE_ROUTE}. Host weights (ort-mmap): ")
+    assert recipe.intra_op_threads is None and recipe.device_store is None
+    requested = route(small, [DML], mechanism="add-initializer")
+    assert requested.mechanism is Mechanism.ADD_INITIALIZER
+    assert "ORT copies it to the device" in requested.reason
+    with pytest.raises(ProviderError, match=r"mechanism='device' with DmlExecutionProvider"):
+        route(small, [DML], mechanism="device")
+
+
+def test_cuda_without_a_device_route_warns_and_shares_host_weights(
+    small: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHAREDML_DEVICE_ROUTE", "none")
+    with pytest.warns(RuntimeWarning, match=r"Device weight sharing is unavailable for CUDA"):
+        recipe = route(small, [CUDA])
+    assert recipe.mechanism is best_raw() and recipe.prepacked is None
+    assert recipe.reason.startswith("Device weight sharing is unavailable for CUDA")
+    assert "every session will upload its own copy" in recipe.reason
+    with pytest.raises(ProviderError, match=r"No device weight route works for CUDA"):
+        route(small, [CUDA], mechanism="device")
