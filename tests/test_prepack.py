@@ -69,7 +69,7 @@ def test_forced_shared_prepacking_works_on_subgraph_models(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     ("prepacking", "config"),
-    [("off", "1"), (False, "1"), ("per-session", "0"), (True, "0")],
+    [("off", "1"), ("per-session", "0")],
 )
 def test_explicit_prepacking_modes(mlp_model: Path, prepacking: object, config: str) -> None:
     seen: list[str] = []
