@@ -2,7 +2,7 @@
 # CI: sharedml on the real DirectML runtime. tools/windows/ sets up the official Windows CPython
 # under Wine with onnxruntime-directml on Mesa's software Vulkan (lavapipe); the tests marked
 # `dml` then run there (tests/test_dml*.py), with the cache's Windows path (no flock, the OS
-# refusing to delete mapped files: tests/test_cache.py). docs/directml.md says what this proves
+# refusing to delete mapped files: tests/cache/test_cache.py). docs/directml.md says what this proves
 # and what it cannot (a GPU; several DML sessions sharing one device, as on Windows).
 #
 # Where the machine cannot install the harness (not Debian 12, no root, no network), the job says
@@ -28,7 +28,7 @@ fi
 
 # Seven minutes for the tests (a run here took about five): setup plus tests stay within ten.
 timeout 420 tools/windows/wpy -m pytest -p no:cacheprovider -q -rfEs \
-  tests/test_dml.py tests/test_dml_memory.py tests/test_cache.py
+  tests/test_dml.py tests/test_dml_memory.py tests/cache/test_cache.py
 status=$?
 [ "$status" -eq 124 ] && banner "DirectML job FAILED: the tests did not finish within 420 s"
 exit "$status"

@@ -14,8 +14,8 @@ cd "$(dirname "$0")/.."
 DIRECTML_LAST="1.24.4"
 FLOOR="$(sed -n 's/^ *"onnxruntime>=\([0-9.]*\);.*/\1/p' pyproject.toml)"
 [ -n "$FLOOR" ] || { echo "ort-versions: no onnxruntime floor found in pyproject.toml" >&2; exit 1; }
-FLOOR_TESTS=(tests/test_capabilities.py tests/test_graphs.py tests/test_prepack.py
-  tests/test_device.py tests/test_pool.py tests/test_compress.py)
+FLOOR_TESTS=(tests/runtime/test_capabilities.py tests/pool/test_graphs.py tests/weights/test_prepack.py
+  tests/weights/test_device.py tests/pool/test_pool.py tests/prepared/test_compress.py)
 
 venv_with() {  # venv_with VERSION: a fresh venv with sharedml[test] and onnxruntime==VERSION
   local version="$1" venv=".venv-ort-$1" start=$SECONDS
@@ -42,8 +42,8 @@ venv_with "$DIRECTML_LAST"
 on "$DIRECTML_LAST" -m "not slow and not ray"
 # The memory tests of the routes that differ on it: the saved prepacked model (subgraph
 # weights too) and its sharing between a model and its renamed variant.
-on "$DIRECTML_LAST" -m slow tests/test_prepack.py \
-  "tests/test_families.py::test_pools_over_a_model_and_its_renamed_variant_share_identical_weights_automatically"
+on "$DIRECTML_LAST" -m slow tests/weights/test_prepack.py \
+  "tests/prepared/test_families.py::test_pools_over_a_model_and_its_renamed_variant_share_identical_weights_automatically"
 if [ "$FLOOR" != "$DIRECTML_LAST" ]; then
   venv_with "$FLOOR"
   on "$FLOOR" -m "not slow" "${FLOOR_TESTS[@]}"

@@ -16,14 +16,14 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 
 TESTS=(
-    tests/test_cache.py
-    tests/test_cache_stamps.py
-    tests/test_cache_cli.py
-    tests/test_prepare.py
-    tests/test_families.py
-    tests/test_dedupe.py
+    tests/cache/test_cache.py
+    tests/cache/test_cache_stamps.py
+    tests/cache/test_cache_cli.py
+    tests/prepared/test_prepare.py
+    tests/prepared/test_families.py
+    tests/prepared/test_dedupe.py
     tests/test_security.py
-    tests/test_pool.py
+    tests/pool/test_pool.py
 )
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -32,7 +32,7 @@ CONFIGS="plain:8 single pool:8 pool:1:batch pool:2:batch pool:4:batch pool:1:bat
 case "${1:-}" in
   tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_device.py tests/test_families.py tests/test_dedupe.py -s 2>&1 \
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/weights/test_device.py tests/prepared/test_families.py tests/prepared/test_dedupe.py -s 2>&1 \
       | grep -v "No registered plugin EP" | tee "$OUT/gpu-tests.log" | tail -40
     ;;
   levers)

@@ -3,7 +3,7 @@
     python tools/batching_rules.py            # the table
     python tools/batching_rules.py --write    # replace the table in docs/batching.md
 
-``tests/test_rows.py`` fails when the docs' table is not this script's output.
+``tests/pool/test_rows.py`` fails when the docs' table is not this script's output.
 """
 
 from __future__ import annotations

@@ -493,7 +493,7 @@ def test_cli_inspect_reports_device_memory_with_cuda(cuda_ready: None, tmp_path:
 
 
 # --------------------------------------------------------------------------------------------
-# CUDA graphs (tests/test_graphs.py runs the machinery on the CPU device)
+# CUDA graphs (tests/pool/test_graphs.py runs the machinery on the CPU device)
 
 GRAPHS = [(CUDA, {"enable_cuda_graph": "1"})]
 

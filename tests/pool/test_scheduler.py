@@ -3,7 +3,7 @@
 A fake session computes ``2 * x + 1`` row by row and records the rows of every feed it runs,
 so a caller that got another caller's rows, or a batch over the limit, shows at once. Batches
 that must form are made deterministic by holding the only session with a checkout while
-callers queue (polling ``waiting``), as tests/test_batching.py does with a real pool.
+callers queue (polling ``waiting``), as tests/pool/test_batching.py does with a real pool.
 """
 
 from __future__ import annotations

@@ -1068,7 +1068,7 @@ def test_the_docs_hold_the_rule_table_as_the_code_has_it() -> None:
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root))
     try:
         from tools.batching_rules import BEGIN, DOCS, END, table

@@ -46,7 +46,7 @@ INPUTS = _http.tensor_infos(
     ]
 )
 ONE_INPUT = {"x": INPUTS["x"]}
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JS = "application/json"
 
 

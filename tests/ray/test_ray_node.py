@@ -37,7 +37,7 @@ from sharedml.cache import Cache, _entries, _locks
 from sharedml.ray import NodeModel, create_pool, prepare_on_node
 from sharedml.ray import _node as node_module
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JOIN_S = 120  # seconds: far above any legitimate wait; reaching it means a hang
 
 

@@ -16,7 +16,7 @@ import pytest
 from sharedml.model import _proto
 from tests._models import batchable_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str, **env: str) -> dict[str, object]:

@@ -2,7 +2,8 @@
 
 The machinery runs on ORT's CPU device here (the CPU provider accepts and ignores
 ``enable_cuda_graph``; the tests route it through the graph sessions): what a pool does around
-a capture is checked on every machine. The capture itself needs CUDA: ``tests/test_device.py``.
+a capture is checked on every machine. The capture itself needs CUDA:
+``tests/weights/test_device.py``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from sharedml.model._graph import load_graph
 from sharedml.model._inputs import InputSpec
 from sharedml.model._tables import indexed_tables
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1024 * 1024
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -186,7 +186,7 @@ if strategy == "naive":
     sessions = [ort.InferenceSession(model, providers=["CPUExecutionProvider"]) for _ in range(n)]
 else:
     # Sessions created by this thread, as inspect's checkouts create them (the background
-    # creation thread's one-off cost is measured in tests/test_pool_memory.py).
+    # creation thread's one-off cost is measured in tests/pool/test_pool_memory.py).
     pool = sharedml.SessionPool(model, sessions=n, create_in_background=False)
     held = [pool.session() for _ in range(n)]
     sessions = [h.__enter__() for h in held]

@@ -393,7 +393,7 @@ def test_family_members_borrow_one_cuda_copy_of_each_tensor(tmp_path: Path) -> N
 
 
 # --------------------------------------------------------------------------------------------
-# Memory: pools over family members, measured in fresh processes (as tests/test_pool_memory.py)
+# Memory: pools over family members, measured in fresh processes (as tests/pool/test_pool_memory.py)
 
 POOLS = r"""
 import ctypes, gc, json, sys

@@ -737,7 +737,7 @@ def test_a_pool_used_after_fork_raises_instead_of_hanging(tmp_path: Path) -> Non
         capture_output=True,
         text=True,
         timeout=DEADLINE_S * 2,
-        cwd=Path(__file__).parent,
+        cwd=Path(__file__).parents[1],  # tests/, where _models lives
     )
     assert "child: PoolError This SessionPool was created in process" in out.stdout, out
     assert "child status 0" in out.stdout, out
