@@ -7,9 +7,11 @@ import io
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -245,3 +247,18 @@ def unprivileged(request: pytest.FixtureRequest) -> Iterator[Unprivileged]:
             yield Unprivileged(lambda fn: fn(), folder, os.geteuid() if os.name == "posix" else 0)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` in the main thread, as in an interactive session.
+
+    A shell starts a background job (``cmd &`` in a script, as CI runners do) with SIGINT
+    ignored, and Python then keeps it ignored: a test that delivers Ctrl-C itself must install
+    the default handler, or the signal is lost and the test waits for nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)

@@ -15,7 +15,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -507,15 +507,6 @@ def test_close_waits_for_a_held_session_and_then_returns(model: Path) -> None:
 
 # --------------------------------------------------------------------------------------------
 # KeyboardInterrupt and timeouts in waiting callers
-
-
-@pytest.fixture
-def sigint_raises() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signals reach the main thread only")
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, old)
 
 
 def interrupt_main_after(delay_s: float) -> threading.Timer:

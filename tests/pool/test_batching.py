@@ -449,7 +449,7 @@ def test_max_delay_waits_for_a_second_request_to_fill_the_batch(model: Path) -> 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX signals")
 def test_ctrl_c_in_a_leader_filling_its_batch_fails_only_its_own_request(
-    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray], sigint_raises: None
 ) -> None:
     # The main thread leads a batch that is still filling (1 row of 3, a long delay) and has
     # taken a second caller's row when Ctrl-C arrives. The KeyboardInterrupt is the main

@@ -209,6 +209,7 @@ def test_close_wakes_every_waiter_with_pool_closed_error(
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
 def test_ctrl_c_in_a_leader_filling_its_batch_hands_the_rows_it_took_back(
     make: Callable[..., tuple[Scheduler, FakeSessions]],
+    sigint_raises: None,
 ) -> None:
     # The main thread leads a batch still filling (a long delay) and has taken two callers'
     # rows when Ctrl-C arrives: they go back to the queue, first, and the session with them;
