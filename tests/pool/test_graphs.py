@@ -123,6 +123,81 @@ def test_a_slot_neither_writes_into_a_callers_feed_nor_hands_out_its_own_buffer(
         np.testing.assert_allclose(out, solo(model, kept), rtol=1e-5, atol=1e-6)
 
 
+class _RecordingBinding:
+    """An IOBinding that remembers which output buffers are bound (ORT's own or ours)."""
+
+    def __init__(self, real: ort.IOBinding) -> None:
+        self.real = real
+        self.outputs: dict[str, object] = {}
+
+    def bind_output(self, name: str, *args: object) -> None:
+        self.outputs[name] = "allocated by ORT"
+        self.real.bind_output(name, *args)
+
+    def bind_ortvalue_output(self, name: str, value: ort.OrtValue) -> None:
+        self.outputs[name] = value
+        self.real.bind_ortvalue_output(name, value)
+
+    def clear_binding_outputs(self) -> None:
+        self.outputs.clear()
+        self.real.clear_binding_outputs()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+class _RecordingSession:
+    """A session that records, for every bound run, its graph id and the outputs bound."""
+
+    def __init__(self, real: ort.InferenceSession) -> None:
+        self.real = real
+        self.runs: list[tuple[str, dict[str, object]]] = []
+
+    def io_binding(self) -> _RecordingBinding:
+        return _RecordingBinding(self.real.io_binding())
+
+    def run_with_iobinding(self, binding: _RecordingBinding, options: ort.RunOptions) -> None:
+        graph_id = options.get_run_config_entry(_graphs.GRAPH_ID_KEY)
+        self.runs.append((graph_id, dict(binding.outputs)))
+        self.real.run_with_iobinding(binding.real, options)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+def test_every_run_of_a_graph_id_writes_into_the_slots_own_output_buffers(model: Path) -> None:
+    # A captured graph keeps writing where the outputs were when its graph id first ran: with
+    # ORT's own buffers bound then and the slot's bound later, every replay left the slot's
+    # buffers stale (onnxruntime-gpu 1.31 on an H100). Only a run outside any graph may let
+    # ORT allocate the outputs.
+    sessions: list[_RecordingSession] = []
+
+    def factory(dims: dict[str, int]) -> _RecordingSession:
+        so = ort.SessionOptions()
+        for name, value in dims.items():
+            so.add_free_dimension_override_by_name(name, value)
+        sessions.append(_RecordingSession(ort.InferenceSession(str(model), so)))
+        return sessions[-1]
+
+    template = ort.InferenceSession(str(model))
+    graph = _graphs.GraphSession(template, factory, device="cpu", device_id=0)
+    try:
+        for n in (1, 2, 1):
+            np.testing.assert_allclose(
+                graph.run(None, {"x": rows(n, n)})[0], solo(model, rows(n, n))
+            )
+        slots = [graph.slot({"x": rows(n)}) for n in (1, 2)]
+    finally:
+        graph.close()
+    assert [slot.session for slot in slots] == sessions  # a session per batch size here
+    for slot in slots:
+        graph_runs = [bound for g, bound in slot.session.runs if g == str(slot.graph_id)]
+        assert len(graph_runs) == len(slot.session.runs) - 1 >= _graphs.CAPTURE_RUNS
+        for bound in graph_runs:
+            assert bound.keys() == slot.outputs.keys()
+            assert all(bound[name] is value for name, value in slot.outputs.items()), bound
+
+
 def test_more_shapes_than_graphs_is_a_clear_error(model: Path) -> None:
     with (
         sharedml.SessionPool(model, sessions=1, providers=CPU_GRAPHS) as pool,

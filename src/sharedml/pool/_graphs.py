@@ -66,7 +66,9 @@ __all__ = [
 ]
 
 GRAPH_ID_KEY = "gpu_graph_id"  # ORT's run config entry naming the graph a run uses
-CAPTURE_RUNS = 4  # runs of a new slot under the exclusive lock: ORT captures on its third
+NO_GRAPH_ID = -1  # the graph id of a run that ORT runs without capturing or replaying
+CAPTURE_RUNS = 4  # runs of a new slot under the exclusive lock: one outside any graph, then
+# ORT's warm-up and capture (its second run of a graph id; one more for margin)
 DEFAULT_MAX_GRAPHS = 8  # slots per session: each holds device buffers and a captured graph
 
 
@@ -382,13 +384,19 @@ class GraphSession:
             binding.bind_output(name, self.device, self.device_id)
         rows = next((a.shape[0] for a in arrays.values() if a.ndim), 1)
         with CAPTURE_LOCK.exclusive():
-            # First run: ORT allocates the outputs, whose shapes only a run tells.
-            session.run_with_iobinding(binding, options)
+            # The outputs' shapes only a run tells: a first run outside any graph (graph id
+            # -1: ORT neither counts, captures nor replays it) lets ORT allocate them. The
+            # slot's own buffers are bound before the first run of its graph id: bound only
+            # after one, the graph kept writing to that run's buffers (onnxruntime-gpu 1.31.1
+            # on an H100; every later output stale).
+            untracked = ort.RunOptions()
+            untracked.add_run_config_entry(GRAPH_ID_KEY, str(NO_GRAPH_ID))
+            session.run_with_iobinding(binding, untracked)
             outputs = self._own_outputs(binding.get_outputs())
             binding.clear_binding_outputs()
             for name, value in outputs.items():
                 binding.bind_ortvalue_output(name, value)
-            for _ in range(CAPTURE_RUNS - 1):  # the rest of ORT's warm-up, then its capture
+            for _ in range(CAPTURE_RUNS - 1):  # ORT's warm-up run(s), then its capture
                 session.run_with_iobinding(binding, options)
         return GraphSlot(graph_id, dims, inputs, outputs, rows, session, binding, options)
 
