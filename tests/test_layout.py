@@ -159,3 +159,27 @@ def test_every_subpackage_says_its_one_job() -> None:
         if path.name == "__init__.py":
             doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
             assert doc and len(doc.split()) >= 5, f"{module} has no docstring saying its job"
+
+
+def test_no_test_folder_is_named_like_a_package_it_would_hide() -> None:
+    # pytest puts tests/ on sys.path (for the helpers), so a folder tests/NAME imports as NAME
+    # wherever the real package is missing: a tests/ray folder made `import ray` succeed without
+    # Ray, and the code under test then took the folder for Ray.
+    import importlib.metadata
+    import sys
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    tests = Path(__file__).parent
+    project = tomllib.loads((tests.parent / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"]]
+    for extra in project["optional-dependencies"].values():
+        requirements += extra
+    taken = {Requirement(r).name.replace("-", "_").lower() for r in requirements}
+    taken |= {name.lower() for name in importlib.metadata.packages_distributions()}
+    taken |= set(sys.stdlib_module_names)
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert "sharedml_ray" in folders  # the Ray deployment's tests (sharedml.ray)
+    assert not folders & taken

@@ -1187,10 +1187,11 @@ def test_a_table_indexed_by_input_ids_is_measured_after_runs_that_read_every_row
     assert shared.traffic["rows"] == {"table": 16384} and not shared.traffic["partial"]
     assert shared.total_bytes is not None and shared.traffic_bytes is not None
     # The pool maps the table from its weights file: the generated ids (all 1) read one row;
-    # traffic reads every row, and the pool then holds the table once.
+    # traffic reads every row, and the pool then holds the table once (the two sessions' own
+    # memory is in both figures, so the difference is the table).
     print(f"pool {shared.total_bytes / MiB:.1f} -> {shared.traffic_bytes / MiB:.1f} MiB")
-    assert shared.total_bytes < 0.3 * table.nbytes
-    assert shared.traffic_bytes > 0.8 * table.nbytes
+    grew = shared.traffic_bytes - shared.total_bytes
+    assert 0.8 * table.nbytes < grew < 1.5 * table.nbytes
     naive = report.strategies["naive"]
     assert naive.traffic_bytes is not None and naive.traffic_bytes >= 0.9 * naive.total_bytes
     # Every comparison uses the figures after traffic, and says so.
