@@ -1,4 +1,4 @@
-"""CUDA: N plain sessions against N sessions over one device copy of the weights (issue 7).
+"""CUDA: N plain sessions against N sessions over one device copy of the weights.
 
 Builds an MLP with about 1 GiB of fp32 weights (``--layers`` square ``--dim`` MatMuls with
 Relu between), prepares it, then measures each configuration in a fresh process, one at a

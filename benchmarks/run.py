@@ -364,7 +364,7 @@ def _aggregate(
 
 
 def _targets(rows: list[dict[str, Any]], settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 6's figures: 4 sessions x 4 threads vs 4 plain; pool-of-8 start vs 1 plain session."""
+    """The targets: 4 sessions x 4 threads vs 4 plain; pool-of-8 start vs 1 plain session."""
     index = {(r["model"], r["strategy"], r["sessions"]): r for r in rows}
     out = []
     for model in settings["models"]:
@@ -478,7 +478,7 @@ def _markdown(doc: dict[str, Any]) -> str:
     ]
     for name in s["strategies"]:
         lines.append(f"- `{name}`: {doc['strategies'][name]}")
-    lines += ["", "## Issue 6 figures", ""]
+    lines += ["", "## Targets: pool against plain sessions, start-up", ""]
     lines += [
         "4 sessions on 4 threads against 4 plain sessions (`naive`, N=4); pool start-up: "
         "creating N=8 against creating one plain session (`naive`, N=1); '-': not in this run.",

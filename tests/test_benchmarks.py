@@ -99,7 +99,7 @@ def test_every_strategy_matches_plain_outputs(tiny_run: tuple[Path, dict[str, An
 def test_markdown_and_chart_are_written(tiny_run: tuple[Path, dict[str, Any]]) -> None:
     out, doc = tiny_run
     md = out.with_suffix(".md").read_text()
-    assert "## Issue 6 figures" in md
+    assert "## Targets: pool against plain sessions, start-up" in md
     assert "| strategy | N | PSS MiB |" in md
     for name in REQUIRED_STRATEGIES:
         assert f"| {name} | 2 |" in md

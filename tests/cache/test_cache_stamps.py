@@ -207,7 +207,7 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
 
 
 # ---------------------------------------------------------------------------------------------
-# Stamps must not go stale (issue 17): links are resolved again, and a stamp vouches only for
+# Stamps must not go stale: links are resolved again, and a stamp vouches only for
 # bytes that did not change while they were hashed.
 
 

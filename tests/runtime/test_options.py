@@ -21,7 +21,7 @@ COPIED = sorted(k for k, policy in CONFIG_KEYS.items() if policy.copied)
 NOT_COPIED = sorted(k for k, policy in CONFIG_KEYS.items() if not policy.copied)
 GRAPH = sorted(k for k, policy in CONFIG_KEYS.items() if policy.changes_graph)
 
-# The keys the prepacked build carried but the sessions that load its result dropped (issue 12).
+# The keys the prepacked build carried but the sessions that load its result dropped.
 ONCE_DROPPED = (
     "optimization.enable_cast_chain_elimination",
     "session.disable_qdq_constant_folding",

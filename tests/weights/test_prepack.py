@@ -1,4 +1,4 @@
-"""CPU: sharing ORT's prepacked weights too (issue 6): route choice, outputs, cache, memory."""
+"""CPU: sharing ORT's prepacked weights too: route choice, outputs, cache, memory."""
 
 from __future__ import annotations
 
@@ -200,7 +200,7 @@ def test_four_sessions_with_shared_prepacked_weights_cost_a_third_of_plain(
 
 
 # --------------------------------------------------------------------------------------------
-# Models ORT derives weights of but packs nothing of (issue 18)
+# Models ORT derives weights of but packs nothing of
 
 
 def conv_bn(path: Path, *, layers: int = 1, channels: int = 64) -> Path:
