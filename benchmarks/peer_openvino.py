@@ -9,7 +9,9 @@ run against one server:
 ``pool:...``             a ``sharedml.SessionPool``, named as in ``benchmarks/serving.py``
                          (``pool:2:batch``: 2 sessions, batching on; its docstring lists the
                          flags). ``plain:...`` configurations run too if named, for context,
-                         but never count as sharedml.
+                         but never count as sharedml. ``pool:...:int8`` / ``:int4``
+                         (compressed weights) compete in a class of their own, against
+                         OpenVINO's reduced precisions: their outputs differ by design.
 ``ov:PRECISION[:...]``   OpenVINO: one compiled model on ``CPU``, one infer request per caller
                          (``:reqN``: N of them, shared through a queue), the ``THROUGHPUT``
                          performance hint (``:latency``: ``LATENCY``). ``PRECISION`` is ``f32``
@@ -141,11 +143,21 @@ def parse_ov_config(name: str) -> dict[str, Any]:
     return settings
 
 
+COMPRESSED = ("int8", "int4")
+
+
 def family(config: str) -> str:
-    """What a configuration competes as: ``sharedml``, ``plain``, or ``ov:PRECISION``."""
+    """What a configuration competes as: ``sharedml``, ``plain`` or ``ov:PRECISION``.
+
+    Pools with compressed weights compete as ``sharedml:int8`` / ``sharedml:int4``.
+    """
     if config.startswith("ov:"):
         return f"ov:{parse_ov_config(config)['precision']}"
-    return "sharedml" if serving._parse_config(config)["kind"] == "pool" else "plain"
+    parsed = serving._parse_config(config)
+    if parsed["kind"] != "pool":
+        return "plain"
+    weights = [w for w in COMPRESSED if w in parsed["flags"]]
+    return f"sharedml:{weights[0]}" if weights else "sharedml"
 
 
 def configs_for(callers: int, configs: Sequence[str], ov_configs: Sequence[str]) -> list[str]:
@@ -344,7 +356,10 @@ def warm(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _best(rows: list[dict[str, Any]], klass: str) -> dict[str, Any] | None:
-    """The fastest usable row of a class; a sharedml row must match the reference."""
+    """The fastest usable row of a class; a float sharedml row must match the reference.
+
+    Compressed weights differ by design, as OpenVINO's reduced precisions do.
+    """
     usable = [
         r
         for r in rows
@@ -393,23 +408,22 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         callers_seen = sorted({int(r["callers"]) for r in mine})
         ov_classes = _ov_classes(mine)
         rounds = sorted({int(r["round"]) for r in mine})
-        ratios: dict[str, dict[str, Any]] = {}
-        memory: dict[str, Any] = {}
-        for callers in callers_seen:
-            ratios[str(callers)] = {}
-            for klass in ov_classes:
-                per_round, memory_round = [], []
-                for k in rounds:
-                    rows = [r for r in mine if r["callers"] == callers and r["round"] == k]
-                    shared, ov = _best(rows, "sharedml"), _best(rows, klass)
-                    if shared is None or ov is None:
-                        continue
-                    per_round.append(shared["requests_per_s"] / ov["requests_per_s"])
-                    if ov.get("pss_mib"):
-                        memory_round.append(shared["pss_mib"] / ov["pss_mib"])
-                ratios[str(callers)][klass] = _spread(per_round)
-                if callers == callers_seen[-1]:
-                    memory[klass] = _spread(memory_round)
+        ratios, memory = _against(mine, "sharedml", callers_seen, ov_classes, rounds)
+        compressed = {}
+        for weights in COMPRESSED:
+            rows = [r for r in mine if r["family"] == f"sharedml:{weights}"]
+            if rows:
+                c_ratios, c_memory = _against(
+                    mine, f"sharedml:{weights}", callers_seen, ov_classes, rounds
+                )
+                diffs = [
+                    float(r["max_rel_diff"]) for r in rows if r.get("max_rel_diff") is not None
+                ]
+                compressed[weights] = {
+                    "ratios": c_ratios,
+                    "memory": c_memory,
+                    "max_rel_diff": max(diffs, default=None),
+                }
         precisions = {
             klass: sorted(
                 {
@@ -427,11 +441,43 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "memory_callers": callers_seen[-1] if callers_seen else None,
                 "ratios": ratios,
                 "memory": memory,
+                "compressed": compressed,
                 "ov_precisions": precisions,
                 "configs": _per_config(mine),
             }
         )
     return summary
+
+
+def _against(
+    rows: list[dict[str, Any]],
+    mine: str,
+    callers_seen: list[int],
+    ov_classes: list[str],
+    rounds: list[int],
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``mine``'s best over each OpenVINO class's best, per round.
+
+    Requests/s at every caller count; PSS at the most callers.
+    """
+    ratios: dict[str, dict[str, Any]] = {}
+    memory: dict[str, Any] = {}
+    for callers in callers_seen:
+        ratios[str(callers)] = {}
+        for klass in ov_classes:
+            per_round, memory_round = [], []
+            for k in rounds:
+                here = [r for r in rows if r["callers"] == callers and r["round"] == k]
+                best, ov = _best(here, mine), _best(here, klass)
+                if best is None or ov is None:
+                    continue
+                per_round.append(best["requests_per_s"] / ov["requests_per_s"])
+                if ov.get("pss_mib"):
+                    memory_round.append(best["pss_mib"] / ov["pss_mib"])
+            ratios[str(callers)][klass] = _spread(per_round)
+            if callers == callers_seen[-1]:
+                memory[klass] = _spread(memory_round)
+    return ratios, memory
 
 
 def _per_config(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -554,6 +600,24 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 row.append(_x(s["ratios"].get(str(c), {}).get(klass)))
         row += [_x(s["memory"].get(k)) for k in classes]
         lines.append("| " + " | ".join(row) + " |")
+    if any(s.get("compressed") for s in summary):
+        lines += [
+            "",
+            "Compressed weights (`SessionPool(weights=...)`): the best such configuration over "
+            "the best OpenVINO one, as above. Their outputs differ from float32 by design: the "
+            "last column is the largest difference relative to the output's scale.",
+            "",
+            "| " + " | ".join([*header[:1], "weights", *header[1:], "max rel diff"]) + " |",
+            "| --- | --- |" + " ---: |" * len(header),
+        ]
+        for s in summary:
+            for kind, c in s.get("compressed", {}).items():
+                row = [_label(s["model"], weights.get(s["model"])), kind]
+                row += [
+                    _x(c["ratios"].get(str(n), {}).get(klass)) for n in callers for klass in classes
+                ]
+                row += [_x(c["memory"].get(k)) for k in classes] + [_sci(c["max_rel_diff"])]
+                lines.append("| " + " | ".join(row) + " |")
     for s in summary:
         lines += [
             "",

@@ -24,6 +24,8 @@ as soon as the last one returned):
                        (``session_per_bucket=False``)
 ``...:buckets``        batching with an ORT session per batch bucket (``session_per_bucket=True``;
                        CUDA's default for models with convolutions)
+``...:int8``, ``...:int4``  compressed weights (``SessionPool(weights="int8")``; outputs differ from
+                       the float reference by design: the checks record by how much).
 ``...:fp32``           CUDA with TF32 off (``use_tf32=0``), compared with solo runs without TF32.
 ``...:switchX``        the worker process runs with ``sys.setswitchinterval(X / 1000)`` (X ms;
                        CPython's default is 5 ms): how much of a configuration is GIL hand-off.
@@ -271,6 +273,8 @@ def _parse_config(name: str) -> dict[str, Any]:
         "fp32",
         "views",
         "buckets",
+        "int8",
+        "int4",
     }
     unknown = {
         f
@@ -335,6 +339,7 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             serialize_runs=True if "serialized" in flags else None,
             per_session_state="serialized" in flags and n > 1,
             cache_dir=spec["cache_dir"],
+            weights=next((w for w in ("int8", "int4") if w in flags), "float"),
         )
         pool.wait_ready()
 

@@ -417,6 +417,28 @@ def test_peer_openvino_ratios_are_best_against_best_per_round_then_the_median() 
     assert failed[0]["errors"] == ["exit 1: boom"] * 3 and failed[0]["requests_per_s"] is None
 
 
+def test_peer_openvino_compressed_weights_compete_in_a_class_of_their_own() -> None:
+    assert peer_openvino.family("pool:2:batch:int4") == "sharedml:int4"
+    assert peer_openvino.family("pool:1:int8") == "sharedml:int8"
+    rows = _peer_results()
+    for k, rps in enumerate([300, 150, 250]):  # faster than every float pool, and it differs
+        rows.append(
+            _peer_row(k, 16, "pool:2:batch:int4", rps, 20, outputs_equal=False, max_rel_diff=0.05)
+        )
+    (summary,) = peer_openvino.summarize(rows)
+    # The float comparison is unchanged: a compressed pool never counts as float sharedml.
+    assert summary["ratios"]["16"]["ov:f32"]["median"] == pytest.approx(1.2)
+    int4 = summary["compressed"]["int4"]
+    assert int4["ratios"]["16"]["ov:default"]["rounds"] == pytest.approx([1.5, 150 / 220, 1.25])
+    assert int4["ratios"]["1"]["ov:f32"] is None  # no compressed run with one caller
+    assert int4["memory"]["ov:default"]["median"] == pytest.approx(0.2)
+    assert int4["max_rel_diff"] == pytest.approx(0.05) and "int8" not in summary["compressed"]
+    doc = {"summary": [summary], "models": [{"name": "mlp-full"}], "results": rows}
+    md = peer_openvino.render_markdown(doc)
+    assert "| MLP | int4 | 2.50x (1.36-3.00) | 1.25x (0.68-1.50) | n/a | n/a |" in md
+    assert md.rstrip().count("| 5.0e-02 |") == 1
+
+
 def test_peer_openvino_renders_the_comparison_table() -> None:
     doc = {
         "command": "python benchmarks/peer_openvino.py",
