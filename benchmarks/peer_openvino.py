@@ -555,7 +555,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "",
         f"`{doc.get('command', '')}`",
         "",
-        f"{machine.get('cpu_model', '?')}, {machine.get('logical_cores', '?')} cores "
+        f"{machine.get('cpu_model', '?')}, {_cores(machine)} "
         f"(CPU flags: {', '.join(machine.get('cpu_flags', [])) or 'none of interest'}); "
         f"onnxruntime {machine.get('onnxruntime')}, openvino {machine.get('openvino')}, "
         f"sharedml at {str(machine.get('git_commit'))[:10]}"
@@ -648,6 +648,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cores(machine: dict[str, Any]) -> str:
+    logical, usable = machine.get("logical_cores", "?"), machine.get("usable_cores")
+    if usable is None or usable == logical:
+        return f"{logical} cores"
+    return f"{usable} of its {logical} cores (the process's affinity mask)"
+
+
 def _rounds(n: Any) -> str:
     return "1 round" if n == 1 else f"{n} interleaved rounds"
 
@@ -675,6 +682,7 @@ def _machine() -> dict[str, Any]:
     info = run._machine()
     info["openvino"] = run._version("openvino")
     info["cpu_flags"] = _cpu_flags()
+    info["usable_cores"] = len(os.sched_getaffinity(0))  # the affinity mask: taskset narrows it
     try:
         import openvino as ov
 
@@ -818,7 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "error" in ref:
                 print(f"{meta['name']}: references failed: {ref['error']}", flush=True)
                 continue
-            pools = [c for c in args.configs if family(c) == "sharedml"]
+            pools = [c for c in args.configs if family(c).startswith("sharedml")]
             warmed = serving._child(
                 "warm", {**base, "configs": pools}, args.timeout_s, Path(__file__)
             )
