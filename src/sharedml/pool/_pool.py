@@ -371,10 +371,10 @@ class SessionPool:
             the weights on the device (asking for more warns, unless ``per_session_state``).
             ``"auto"``: on the CPU with batching on, split the usable cores into sessions x
             intra-op threads by measuring a few probe sessions before the pool's own are
-            created (about a second; ``docs/batching.md``, choosing the split). Elsewhere, or
-            where the model cannot be measured, a stated default applies. An
-            ``intra_op_num_threads`` set by ``sess_options`` or ``configure`` fixes the
-            threads, and the sessions are then ``cores // threads``.
+            created (at most about a second of timed runs; ``docs/batching.md``, choosing the
+            split). Elsewhere, or where the model cannot be measured, a stated default
+            applies. An ``intra_op_num_threads`` set by ``sess_options`` or ``configure``
+            fixes the threads, and the sessions are then ``cores // threads``.
             ``pool.stats().calibration`` says what was measured and chosen, and why.
         min_sessions: Create only this many and grow on demand up to ``max_sessions``. Not
             with ``sessions="auto"`` (``ValueError``), which chooses the count itself.
