@@ -221,6 +221,23 @@ def test_the_pool_creates_the_split_that_calibration_chose(
                 assert sess.get_session_options().intra_op_num_threads == threads
 
 
+def test_calibration_stops_probing_at_its_bound_and_says_so(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if usable_cores() == 1:
+        pytest.skip("one core: a single split, nothing to probe")
+    monkeypatch.setattr(_calibrate, "HARD_LIMIT_S", 0.0)  # spent as soon as it starts
+    with sharedml.SessionPool(model, sessions="auto", batching=True) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and calibration.decided
+        fewest = _calibrate.candidate_splits(usable_cores())[0]
+        assert [(c.sessions, c.threads) for c in calibration.candidates] == [fewest]
+        assert (calibration.sessions, calibration.threads) == fewest
+        skipped = len(_calibrate.candidate_splits(usable_cores())) - 1
+        assert f"{skipped} split(s) with more sessions were not measured" in calibration.reason
+        assert pool.run(None, {"x": np.ones((1, DIM), np.float32)})[0].shape == (1, DIM)
+
+
 def test_a_thread_count_in_sess_options_fixes_the_split(model: Path) -> None:
     template = ort.SessionOptions()
     template.intra_op_num_threads = 1
