@@ -274,6 +274,15 @@ def batchable_model(
     return save_model(model, path)
 
 
+def fixed_at_one(source: Path, path: Path) -> Path:
+    """A copy of the model at ``source`` with axis 0 of its inputs and outputs fixed at 1."""
+    model = onnx.load(source)
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.shape.dim[0].Clear()
+        value.type.tensor_type.shape.dim[0].dim_value = 1
+    return save_model(model, path)
+
+
 def conv_model(path: Path, *, channels: int = 4, size: int = 8, seed: int = 0) -> Path:
     """A 3x3 convolution and a ReLU on ``x: float32[batch, channels, size, size]``."""
     rng = np.random.default_rng(seed)

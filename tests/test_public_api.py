@@ -16,8 +16,8 @@ import sharedml
 
 # The layers of the public face. Changing one is an API change: say so in CHANGELOG.md.
 APPLICATION = {
-    "SessionPool", "PoolStats", "Batching", "prepare", "prepare_family", "PrepareResult",
-    "FamilyResult",
+    "SessionPool", "PoolStats", "Calibration", "Batching", "prepare", "prepare_family",
+    "PrepareResult", "FamilyResult",
     "prepared_model_for", "inspect", "InspectReport", "Finding", "InputSpec", "cache_dir",
 }  # fmt: skip
 MODULES = {
@@ -26,8 +26,8 @@ MODULES = {
         "device_mechanism_available",
     },
     "sharedml.pool": {
-        "SessionPool", "PoolStats", "Batching", "BatchingDefault", "BatchingSetting",
-        "DEFAULT_SESSIONS",
+        "SessionPool", "PoolStats", "Calibration", "CalibrationCandidate", "Batching",
+        "BatchingDefault", "BatchingSetting", "DEFAULT_SESSIONS",
     },
     "sharedml.route": {"SessionRecipe", "Mechanism", "Prepacking"},
     "sharedml.runtime": {"ProviderPlan", "ProviderSpec"},

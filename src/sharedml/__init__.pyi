@@ -79,6 +79,7 @@ from sharedml.inspection._inspect import InspectReport as InspectReport
 from sharedml.inspection._inspect import inspect as inspect
 from sharedml.model._inputs import InputSpec as InputSpec
 from sharedml.pool._batching import Batching as Batching
+from sharedml.pool._calibrate import Calibration as Calibration
 from sharedml.pool._pool import SessionPool as SessionPool
 from sharedml.pool._stats import PoolStats as PoolStats
 from sharedml.prepared._family import FamilyResult as FamilyResult

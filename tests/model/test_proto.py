@@ -40,7 +40,7 @@ POOL_RUN = """
     import numpy as np
     import sharedml
 
-    pool = sharedml.SessionPool({model!r}, sessions=2, batching={batching})
+    pool = sharedml.SessionPool({model!r}, sessions={sessions!r}, batching={batching})
     y = pool.run(None, {{"x": np.ones((1, 32), np.float32)}})[0]
     pool.wait_ready()
     print(json.dumps({{"onnx": "onnx" in sys.modules, "ml_dtypes": "ml_dtypes" in sys.modules,
@@ -49,13 +49,14 @@ POOL_RUN = """
 """
 
 
-@pytest.mark.parametrize("batching", [False, True])
-def test_a_pool_never_imports_onnx(tmp_path: Path, batching: bool) -> None:
+@pytest.mark.parametrize(("sessions", "batching"), [(2, False), (2, True), ("auto", True)])
+def test_a_pool_never_imports_onnx(tmp_path: Path, sessions: object, batching: bool) -> None:
     # import onnx costs a second (ml_dtypes 0.7.0's extension alone 0.8 s): a pool's first
     # result must not pay it, neither the first pool (which prepares the model into the cache
-    # and builds the prepacked entry) nor a later process (which only reads the entries).
+    # and builds the prepacked entry) nor a later process (which only reads the entries);
+    # sessions="auto" generates its probes' inputs from the graph without onnx too.
     model = batchable_model(tmp_path / "m.onnx")
-    code = POOL_RUN.format(model=str(model), batching=batching)
+    code = POOL_RUN.format(model=str(model), sessions=sessions, batching=batching)
     cold = _python(code)
     assert cold["onnx"] is False and cold["ml_dtypes"] is False, cold
     warm = _python(code)
@@ -66,7 +67,7 @@ def test_a_pool_never_imports_onnx(tmp_path: Path, batching: bool) -> None:
     import sharedml
 
     sharedml.prepare(model, prepared)
-    direct = _python(POOL_RUN.format(model=str(prepared), batching=batching))
+    direct = _python(POOL_RUN.format(model=str(prepared), sessions=sessions, batching=batching))
     assert direct["onnx"] is False, direct
     assert np.array_equal(np.array(direct["y"]), np.array(cold["y"]))
 

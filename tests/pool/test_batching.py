@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import pytest
-from _models import OPSET, batchable_model, save_model
+from _models import OPSET, batchable_model, fixed_at_one, save_model
 from _waiting import DEADLINE_S, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -855,17 +855,6 @@ def test_auto_merges_wherever_the_model_is_proven_batchable(model: Path) -> None
 
 # ----------------------------------------------------------------------------------------------
 # Models exported with axis 0 fixed at 1
-
-
-def fixed_at_one(source: Path, path: Path) -> Path:
-    """A copy of the model at ``source`` with axis 0 of its inputs and outputs fixed at 1."""
-    import onnx
-
-    model = onnx.load(source)
-    for value in (*model.graph.input, *model.graph.output):
-        value.type.tensor_type.shape.dim[0].Clear()
-        value.type.tensor_type.shape.dim[0].dim_value = 1
-    return save_model(model, path)
 
 
 def _sha256(path: Path) -> str:

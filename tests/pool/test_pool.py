@@ -315,8 +315,18 @@ def test_lazy_growth(model: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"sessions": 0}, ValueError, r"^sessions must be an integer from 1 to 65536, not 0\."),
-        ({"sessions": 2.0}, TypeError, r"^sessions must be an integer, not 2\.0\."),
+        (
+            {"sessions": 0},
+            ValueError,
+            r"^sessions must be an integer from 1 to 65536 or 'auto', not 0\.",
+        ),
+        ({"sessions": 2.0}, TypeError, r"^sessions must be an integer or 'auto', not 2\.0\."),
+        ({"sessions": "Auto"}, TypeError, r"^sessions must be an integer or 'auto', not 'Auto'\."),
+        (
+            {"sessions": "auto", "max_sessions": 2},
+            ValueError,
+            r"^sessions='auto' with max_sessions=2",
+        ),
         ({"sessions": True}, ValueError, r"^sessions must be"),
         ({"max_sessions": 0}, ValueError, r"^max_sessions must be"),
         ({"min_sessions": -1}, ValueError, r"^min_sessions must be"),

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sharedml._errors import (
     InvalidInputError,
@@ -46,6 +46,7 @@ from sharedml._errors import (
     PoolTimeout,
     SharedMLError,
 )
+from sharedml._host import usable_cores
 from sharedml.cache._root import CacheDir
 from sharedml.model._graph import load_graph
 from sharedml.model._proto import ModelProto
@@ -57,6 +58,7 @@ from sharedml.pool._batching import (
     Signature,
     signature_of,
 )
+from sharedml.pool._calibrate import Calibration, calibrate
 from sharedml.pool._creation import (
     CREATION_LOCK,
     background_creator,
@@ -76,6 +78,7 @@ from sharedml.pool._scheduler import Scheduler, closed_error, is_session_fatal, 
 from sharedml.pool._stats import PoolStats
 from sharedml.route._planner import Mechanism, SessionRecipe, plan_route
 from sharedml.runtime._providers import (
+    CPU,
     DML,
     ProviderPlan,
     ProviderSpec,
@@ -165,14 +168,15 @@ def _metadata_of(sess: Any) -> dict[str, Any]:
     }
 
 
-def _count_argument(name: str, value: object, *, minimum: int) -> int:
+def _count_argument(name: str, value: object, *, minimum: int, also: str = "") -> int:
+    """A count of sessions, checked; ``also`` names another spelling the argument takes."""
     try:
         count = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"{name} must be an integer, not {value!r}.") from None
+        raise TypeError(f"{name} must be an integer{also}, not {value!r}.") from None
     if isinstance(value, bool) or not minimum <= count <= _MAX_SESSIONS:
         raise ValueError(
-            f"{name} must be an integer from {minimum} to {_MAX_SESSIONS}, not {value!r}."
+            f"{name} must be an integer from {minimum} to {_MAX_SESSIONS}{also}, not {value!r}."
         )
     return count
 
@@ -365,8 +369,17 @@ class SessionPool:
         sessions: How many sessions the pool holds. Default: 4; 1 where the provider runs one
             ``Run`` at a time across the process (DirectML), where more sessions only multiply
             the weights on the device (asking for more warns, unless ``per_session_state``).
-        min_sessions: Create only this many and grow on demand up to ``max_sessions``.
-        max_sessions: The most sessions the pool grows to (default ``sessions``).
+            ``"auto"``: on the CPU with batching on, split the usable cores into sessions x
+            intra-op threads by measuring a few probe sessions before the pool's own are
+            created (at most about a second of timed runs; ``docs/batching.md``, choosing the
+            split). Elsewhere, or where the model cannot be measured, a stated default
+            applies. An ``intra_op_num_threads`` set by ``sess_options`` or ``configure``
+            fixes the threads, and the sessions are then ``cores // threads``.
+            ``pool.stats().calibration`` says what was measured and chosen, and why.
+        min_sessions: Create only this many and grow on demand up to ``max_sessions``. Not
+            with ``sessions="auto"`` (``ValueError``), which chooses the count itself.
+        max_sessions: The most sessions the pool grows to (default ``sessions``). Not with
+            ``sessions="auto"`` (``ValueError``).
         providers: As for ``onnxruntime.InferenceSession``. Default: CPU.
         provider_options: As for ``onnxruntime.InferenceSession``.
         sess_options: A template ``onnxruntime.SessionOptions``; its public attributes and
@@ -434,7 +447,7 @@ class SessionPool:
         self,
         model: str | os.PathLike[str] | bytes,
         *,
-        sessions: int | None = None,
+        sessions: int | Literal["auto"] | None = None,
         min_sessions: int | None = None,
         max_sessions: int | None = None,
         providers: Sequence[ProviderSpec] | None = None,
@@ -456,12 +469,23 @@ class SessionPool:
         self._state = _State.OPENING
         self._pid = os.getpid()
         # Arguments first: nothing is prepared, mapped or created for a call that cannot work.
+        auto_sessions = isinstance(sessions, str) and sessions == "auto"
+        if auto_sessions and (min_sessions is not None or max_sessions is not None):
+            given = " and ".join(
+                f"{name}={value!r}"
+                for name, value in (("min_sessions", min_sessions), ("max_sessions", max_sessions))
+                if value is not None
+            )
+            raise ValueError(
+                f"sessions='auto' with {given}: 'auto' chooses the number of sessions itself. "
+                "Leave min_sessions and max_sessions out, or give sessions a number."
+            )
         counts = {
-            name: _count_argument(name, value, minimum=minimum)
-            for name, value, minimum in (
-                ("sessions", sessions, 1),
-                ("max_sessions", max_sessions, 1),
-                ("min_sessions", min_sessions, 0),
+            name: _count_argument(name, value, minimum=minimum, also=also)
+            for name, value, minimum, also in (
+                ("sessions", None if auto_sessions else sessions, 1, " or 'auto'"),
+                ("max_sessions", max_sessions, 1, ""),
+                ("min_sessions", min_sessions, 0, ""),
             )
             if value is not None
         }
@@ -476,6 +500,10 @@ class SessionPool:
             )
         default = _SERIALIZED_SESSIONS if serialized else DEFAULT_SESSIONS
         self._max = counts.get("max_sessions", counts.get("sessions", default))
+        if auto_sessions and self.plan.primary == CPU and not serialized:
+            # Routed for the most sessions calibration may choose (map budget); the count and
+            # the threads are set once it has measured.
+            self._max = max(default, usable_cores())
         self._min = counts.get("min_sessions", self._max)
         if self._min > self._max:
             raise ValueError(f"min_sessions ({self._min}) is more than max_sessions ({self._max}).")
@@ -533,6 +561,21 @@ class SessionPool:
                 chosen, self._signature, reason = None, None, f"not merging requests: {exc}"
                 _log.info("sharedml: %s", reason)
         del graph
+        self._calibration: Calibration | None = None
+        if auto_sessions:  # probes come and go before any session of the pool exists
+            self._calibration = calibrate(
+                self.recipe,
+                batching=chosen,
+                serialized=serialized,
+                default_sessions=default,
+                creation_lock=CREATION_LOCK if serialize_creation else None,
+            )
+            _log.info("sharedml: sessions='auto': %s", self._calibration.reason)
+            self._max = self._min = self._calibration.sessions
+            if self._calibration.threads is not None:
+                self.recipe = dataclasses.replace(
+                    self.recipe, intra_op_threads=self._calibration.threads
+                )
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
         self._sessions = _Sessions(
             self.recipe,
@@ -828,8 +871,11 @@ class SessionPool:
         return self._state in (_State.CLOSING, _State.CLOSED)
 
     def stats(self) -> PoolStats:
-        """Counters of this pool's sessions and runs."""
-        return self._scheduler.stats()
+        """Counters of this pool's sessions and runs (and, for ``sessions="auto"``, its split)."""
+        stats = self._scheduler.stats()
+        if self._calibration is None:
+            return stats
+        return dataclasses.replace(stats, calibration=self._calibration)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Refuse new work, wait for runs in flight, then release every session.

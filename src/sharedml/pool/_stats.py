@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sharedml.pool._calibrate import Calibration
+
 __all__ = ["Counters", "PoolStats"]
 
 
@@ -76,6 +78,9 @@ class PoolStats:
             checks its first merged batches, until one of requests with different rows passed).
         batch_mismatches: Checks whose merged rows differed from the solo runs: the pool then
             gave every caller its solo result and stopped merging.
+        calibration: For ``SessionPool(sessions="auto")``, how the pool split the cores into
+            sessions and threads: what it measured, what it chose, and why
+            (:class:`~sharedml.pool.Calibration`); None for a pool given a number.
     """
 
     sessions: int
@@ -99,6 +104,7 @@ class PoolStats:
     batching: bool = False
     batch_checks: int = 0
     batch_mismatches: int = 0
+    calibration: Calibration | None = None
 
     @property
     def idle(self) -> int:

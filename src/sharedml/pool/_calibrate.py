@@ -1,0 +1,337 @@
+"""``SessionPool(sessions="auto")``: split the CPU's cores into sessions x threads by measuring.
+
+On the CPU a batching pool can spend its cores as one session of many intra-op threads or as
+many sessions of few: S sessions of T threads each (S = cores // T) run S batches side by side.
+Which split serves the most rows per second depends on the model and the batch size (a small
+MatMul scales badly over threads; a wide one well), so it is measured, once, before the pool
+creates its sessions:
+
+- The candidates are T in 1, 2, 4, ... up to the usable cores, and the cores themselves, each
+  with S = cores // T sessions of T' = cores // S threads (the most each of S sessions may take).
+- For each, one probe session is created from the pool's own route recipe (the same shared
+  weights, options and providers; only ``intra_op_num_threads`` differs), fed a batch of
+  :data:`CALIBRATION_ROWS` rows (at most ``Batching.max_batch_size``) generated from the model's
+  signature (:mod:`sharedml.model._inputs`), run once to warm up and then timed. Its predicted
+  throughput is ``S * rows / seconds_per_batch``. The probe is released before the next one
+  and before the pool creates its own sessions.
+- :func:`choose` picks the fewest sessions within :data:`SESSIONS_MARGIN` of the best
+  prediction.
+
+Where nothing can be measured (another provider, runs serialized, no batching, inputs that
+cannot be generated, a probe that fails) the pool takes a stated default, and
+:attr:`Calibration.reason` says why; ``pool.stats().calibration`` reports either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sharedml._errors import SharedMLError
+from sharedml._host import release_freed_heap, usable_cores
+from sharedml.model._graph import load_graph
+from sharedml.model._inputs import UNNAMED_DIM, generate, input_specs
+from sharedml.pool._batching import Batching
+from sharedml.route._planner import SessionRecipe
+from sharedml.runtime._providers import CPU
+
+__all__ = [
+    "BUDGET_S",
+    "CALIBRATION_ROWS",
+    "HARD_LIMIT_S",
+    "SESSIONS_MARGIN",
+    "Calibration",
+    "CalibrationCandidate",
+    "calibrate",
+    "candidate_splits",
+    "choose",
+]
+
+CALIBRATION_ROWS = 8  # rows per probe batch: a batch that several callers fill quickly
+BUDGET_S = 1.0  # seconds of timed Runs, shared by the candidates
+HARD_LIMIT_S = 10.0  # seconds: no further candidate is probed once calibration took this long
+_MIN_RUNS = 3  # timed Runs per candidate, budget or not (a median needs a few)
+_MAX_RUNS = 50  # timed Runs per candidate: a small model's median settles long before
+
+# Prefer fewer sessions unless more are faster by more than this share of the best prediction.
+# Each extra session holds its own activations, arenas and threads, while the timings come from
+# a few Runs on a machine that may be busy: differences of a few percent between candidates
+# are within that noise, and not worth the memory.
+SESSIONS_MARGIN = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationCandidate:
+    """One split of the cores that ``sessions="auto"`` measured.
+
+    Attributes:
+        threads: Intra-op threads of each session.
+        sessions: Sessions of that many threads (``cores // threads``).
+        rows: Rows in the probe batch.
+        seconds_per_batch: The median time of one ``Run`` of that batch on one session.
+        rows_per_s: The predicted throughput: ``sessions * rows / seconds_per_batch``.
+    """
+
+    threads: int
+    sessions: int
+    rows: int
+    seconds_per_batch: float
+    rows_per_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What ``SessionPool(sessions="auto")`` measured and chose (``pool.stats().calibration``).
+
+    Attributes:
+        candidates: The splits measured, fewest sessions first (empty where nothing was).
+        sessions: The sessions the pool holds.
+        threads: Intra-op threads per session; None: the provider's own default.
+        decided: True where the measurement chose; False where a default or a fixed setting
+            applies (``reason`` says why).
+        reason: Why this split, in one sentence.
+        seconds: How long calibration took (probe sessions created, run and released).
+    """
+
+    candidates: tuple[CalibrationCandidate, ...]
+    sessions: int
+    threads: int | None
+    decided: bool
+    reason: str
+    seconds: float
+
+
+def candidate_splits(cores: int) -> list[tuple[int, int]]:
+    """The ``(sessions, threads)`` splits to measure on ``cores`` cores, fewest sessions first.
+
+    Thread counts 1, 2, 4, ... up to ``cores``, and ``cores`` itself, give the session counts
+    ``cores // threads``; each session count then takes the most threads it can
+    (``cores // sessions``), so no candidate leaves cores idle that an equal split would use.
+    """
+    if cores < 1:
+        raise ValueError(f"cores must be at least 1, not {cores}.")
+    threads, t = {cores}, 1
+    while t < cores:
+        threads.add(t)
+        t *= 2
+    counts = sorted({cores // t for t in threads})
+    return [(s, cores // s) for s in counts]
+
+
+def choose(candidates: Sequence[CalibrationCandidate]) -> tuple[CalibrationCandidate, str]:
+    """The candidate to use, and why: the fewest sessions within the margin of the best.
+
+    Of the candidates whose predicted rows/s is at least ``best / (1 + SESSIONS_MARGIN)``, the
+    one with the fewest sessions (on equal sessions, the faster).
+
+    Raises:
+        ValueError: no candidates.
+    """
+    if not candidates:
+        raise ValueError("choose() needs at least one measured candidate.")
+    best = max(candidates, key=lambda c: c.rows_per_s)
+    good = [c for c in candidates if c.rows_per_s * (1 + SESSIONS_MARGIN) >= best.rows_per_s]
+    chosen = min(good, key=lambda c: (c.sessions, -c.rows_per_s))
+    split = _split_text(chosen.sessions, chosen.threads)
+    if chosen is best:
+        return chosen, (
+            f"{split}: the most rows/s predicted ({chosen.rows_per_s:.0f}) of "
+            f"{len(candidates)} split(s) measured."
+        )
+    return chosen, (
+        f"{split}: {chosen.rows_per_s:.0f} rows/s predicted, within "
+        f"{SESSIONS_MARGIN:.0%} of the best ({best.rows_per_s:.0f} with "
+        f"{_split_text(best.sessions, best.threads)}), with fewer sessions."
+    )
+
+
+def _split_text(sessions: int, threads: int | None) -> str:
+    each = "ORT's default threads" if threads is None else f"{threads} thread(s)"
+    return f"{sessions} session(s) of {each}"
+
+
+def calibrate(
+    recipe: SessionRecipe,
+    *,
+    batching: Batching | None,
+    serialized: bool,
+    default_sessions: int,
+    creation_lock: Any = None,
+    cores: int | None = None,
+) -> Calibration:
+    """Decide a pool's sessions and threads for ``sessions="auto"`` (see the module).
+
+    Args:
+        recipe: The pool's route recipe, as its sessions will be created (relaxed graph
+            included).
+        batching: The pool's batching settings; None: it does not merge requests.
+        serialized: The provider runs one ``Run`` at a time.
+        default_sessions: The pool's default session count (where nothing is measured).
+        creation_lock: Held while a probe session is created (the pool's creation lock).
+        cores: The usable cores (default: :func:`sharedml._host.usable_cores`).
+
+    Returns:
+        The decision, with what was measured; never raises for a model that cannot be
+        measured (the reason says so, and a default applies).
+
+    Thread safety: creates and runs sessions; call it from the thread that builds the pool.
+    """
+    start = time.perf_counter()
+    cores = usable_cores() if cores is None else cores
+
+    def fallback(sessions: int, threads: int | None, why: str) -> Calibration:
+        return Calibration((), sessions, threads, False, why, time.perf_counter() - start)
+
+    if recipe.plan.primary != CPU:
+        return fallback(
+            default_sessions,
+            None,
+            f"sessions='auto' measures on the CPU provider only; {recipe.plan.primary} gets its "
+            f"default of {default_sessions} session(s).",
+        )
+    fixed = _fixed_threads(recipe)
+    if serialized:
+        threads = fixed or max(1, cores // default_sessions)
+        return fallback(
+            default_sessions,
+            threads,
+            "runs are serialized (one Run at a time), so more sessions run no more at once: "
+            f"{_split_text(default_sessions, threads)}.",
+        )
+    if batching is None:
+        threads = fixed or max(1, cores // default_sessions)
+        return fallback(
+            default_sessions,
+            threads,
+            "the pool does not merge requests (see batching_reason), and calibration measures "
+            f"batches: the default of {_split_text(default_sessions, threads)}.",
+        )
+    if fixed is not None:
+        sessions = max(1, cores // fixed)
+        return fallback(
+            sessions,
+            fixed,
+            f"sess_options (or configure) sets intra_op_num_threads={fixed}, which fixes the "
+            f"split at {_split_text(sessions, fixed)} for {cores} core(s); nothing to measure.",
+        )
+    splits = candidate_splits(cores)
+    on_failure = f"the default for a batching pool, {_split_text(cores, 1)}"
+    if len(splits) == 1:
+        return fallback(cores, 1, "one usable core: one session of one thread; nothing to measure.")
+    rows = min(CALIBRATION_ROWS, batching.max_batch_size)
+    try:
+        feed = _feed(recipe, rows)
+    except (ValueError, SharedMLError) as exc:  # MeasurementError: a type it cannot generate
+        return fallback(
+            cores,
+            1,
+            f"inputs could not be generated from the model's signature ({exc}); {on_failure}.",
+        )
+    measured: list[CalibrationCandidate] = []
+    lock = creation_lock if creation_lock is not None else contextlib.nullcontext()
+    share_s = BUDGET_S / len(splits)
+    for sessions, threads in splits:
+        if measured and time.perf_counter() - start > HARD_LIMIT_S:
+            break
+        try:
+            seconds = _seconds_per_batch(
+                dataclasses.replace(recipe, intra_op_threads=threads),
+                feed,
+                lock=lock,
+                share_s=share_s,
+                deadline=start + HARD_LIMIT_S,
+            )
+        except Exception as exc:  # onnxruntime's own errors have no common base but Exception
+            return fallback(
+                cores,
+                1,
+                f"a probe session of {threads} thread(s) failed on {rows} generated rows "
+                f"({type(exc).__name__}: {_short(exc)}); {on_failure}.",
+            )
+        measured.append(
+            CalibrationCandidate(threads, sessions, rows, seconds, sessions * rows / seconds)
+        )
+    chosen, reason = choose(measured)
+    if len(measured) < len(splits):
+        reason += (
+            f" {len(splits) - len(measured)} split(s) with more sessions were not measured: "
+            f"calibration reached its bound of {HARD_LIMIT_S:.0f} s."
+        )
+    return Calibration(
+        tuple(measured), chosen.sessions, chosen.threads, True, reason, time.perf_counter() - start
+    )
+
+
+def _fixed_threads(recipe: SessionRecipe) -> int | None:
+    """The intra-op threads the caller's template or ``configure`` sets, else None."""
+    options = dataclasses.replace(recipe, intra_op_threads=None).options()
+    threads = int(options.intra_op_num_threads)
+    return threads if threads > 0 else None
+
+
+def _feed(recipe: SessionRecipe, rows: int) -> dict[str, Any]:
+    """A batch of ``rows`` rows for the model's inputs, generated from its signature.
+
+    Axis 0 (the rows, dynamic in a batchable model or relaxed) holds ``rows``; other symbolic
+    dimensions get the sizes ``inspect`` chooses.
+
+    Raises:
+        MeasurementError: an input that cannot be generated.
+        ValueError: an input whose axis 0 is fixed.
+    """
+    graph = load_graph(recipe.model_path)
+    specs = input_specs(graph)
+    row_dims = {
+        d for s in specs if s.dim_names and (d := s.dim_names[0]) is not None and d != UNNAMED_DIM
+    }
+    specs = input_specs(graph, dict.fromkeys(row_dims, rows))
+    feed: dict[str, Any] = {}
+    for spec in specs:
+        if not spec.shape or spec.dim_names[0] is None:
+            raise ValueError(f"input '{spec.name}' has no dynamic axis 0 to hold the rows")
+        shape = (rows, *spec.shape[1:])
+        feed[spec.name] = generate({"shape": shape, "dtype": spec.dtype})
+    return feed
+
+
+def _seconds_per_batch(
+    recipe: SessionRecipe, feed: dict[str, Any], *, lock: Any, share_s: float, deadline: float
+) -> float:
+    """The median time of one ``Run`` of ``feed`` on a probe session of ``recipe``.
+
+    One warm-up Run first (first-run allocations); then timed Runs until ``share_s`` seconds
+    passed and at least ``_MIN_RUNS`` ran, at most ``_MAX_RUNS``, or ``deadline`` passed after
+    one. The session is released before returning.
+    """
+    import onnxruntime as ort
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4  # a failing probe is reported in the reason, not logged too
+    with lock:
+        sess = recipe.create_session()
+    try:
+        sess.run(None, feed, quiet)
+        times: list[float] = []
+        began = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            sess.run(None, feed, quiet)
+            now = time.perf_counter()
+            times.append(now - t0)
+            if len(times) >= _MAX_RUNS or now >= deadline:
+                break
+            if len(times) >= _MIN_RUNS and now - began >= share_s:
+                break
+    finally:
+        del sess
+        release_freed_heap()
+    return max(statistics.median(times), 1e-9)  # a zero would divide the prediction
+
+
+def _short(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,389 @@
+"""``SessionPool(sessions="auto")``: the split of the cores follows the measurement, or says why.
+
+Nothing here asserts a timing (the machine is shared): the choosing rule is tested on given
+timings, and pools are tested for what they chose, report and serve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from _models import OPSET, batchable_model, fixed_at_one, save_model
+from _waiting import DEADLINE_S
+from onnx import TensorProto, helper, numpy_helper
+
+import sharedml
+from sharedml._host import usable_cores
+from sharedml.pool import Calibration, CalibrationCandidate, _calibrate
+from sharedml.route import SessionRecipe
+from sharedml.runtime._providers import plan_providers
+
+DIM = 32
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return batchable_model(tmp_path_factory.mktemp("auto") / "mlp.onnx", dim=DIM)
+
+
+def _graph_model(path: Path, graph: Any) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    return save_model(model, path)
+
+
+def candidate(sessions: int, threads: int, rows_per_s: float) -> CalibrationCandidate:
+    rows = 8
+    return CalibrationCandidate(threads, sessions, rows, sessions * rows / rows_per_s, rows_per_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# The candidates and the rule, without a model
+
+
+@pytest.mark.parametrize(
+    ("cores", "splits"),
+    [
+        (1, [(1, 1)]),
+        (2, [(1, 2), (2, 1)]),
+        (4, [(1, 4), (2, 2), (4, 1)]),
+        (6, [(1, 6), (3, 2), (6, 1)]),
+        (12, [(1, 12), (3, 4), (6, 2), (12, 1)]),
+    ],
+)
+def test_the_splits_are_powers_of_two_threads_and_all_cores_each_using_every_core_it_can(
+    cores: int, splits: list[tuple[int, int]]
+) -> None:
+    assert _calibrate.candidate_splits(cores) == splits
+
+
+def test_the_most_rows_per_second_wins_when_more_sessions_are_clearly_faster() -> None:
+    one, two = candidate(1, 2, 1000.0), candidate(2, 1, 1500.0)
+    chosen, reason = _calibrate.choose([one, two])
+    assert chosen is two
+    assert "most rows/s" in reason
+
+
+def test_fewer_sessions_win_a_tie_and_anything_within_the_margin() -> None:
+    one, two = candidate(1, 2, 1000.0), candidate(2, 1, 1000.0)
+    assert _calibrate.choose([two, one])[0] is one  # a tie, in either order
+    two = candidate(2, 1, 1000.0 * (1 + _calibrate.SESSIONS_MARGIN))  # just at the margin
+    chosen, reason = _calibrate.choose([one, two])
+    assert chosen is one
+    assert "within 10%" in reason and "fewer sessions" in reason
+    two = candidate(2, 1, 1000.0 * (1 + _calibrate.SESSIONS_MARGIN) + 1.0)  # just beyond it
+    assert _calibrate.choose([one, two])[0] is two
+
+
+def test_the_margin_is_measured_from_the_best_not_from_each_neighbour() -> None:
+    # 2 sessions are 5% faster than 1, and 4 are 6.7% faster than 2: step by step each gain is
+    # inside the margin, but 4 sessions are 12% faster than 1. The fewest sessions within 10%
+    # of the best is 2.
+    one, two, four = candidate(1, 4, 100.0), candidate(2, 2, 105.0), candidate(4, 1, 112.0)
+    assert _calibrate.choose([one, two, four])[0] is two
+
+
+def test_choosing_from_nothing_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        _calibrate.choose([])
+
+
+# ---------------------------------------------------------------------------------------------
+# Pools
+
+
+def test_an_auto_pool_splits_the_cores_as_measured_and_serves_like_plain_ort(
+    model: Path, fast_switching: None
+) -> None:
+    cores = usable_cores()
+    with sharedml.SessionPool(
+        model, sessions="auto", batching=True, create_in_background=False
+    ) as pool:
+        calibration = pool.stats().calibration
+        assert isinstance(calibration, Calibration)
+        assert calibration.decided and calibration.seconds > 0 and calibration.reason
+        measured = [(c.sessions, c.threads) for c in calibration.candidates]
+        assert measured == _calibrate.candidate_splits(cores)
+        for c in calibration.candidates:
+            assert c.rows == _calibrate.CALIBRATION_ROWS
+            assert c.seconds_per_batch > 0
+            assert c.rows_per_s == pytest.approx(c.sessions * c.rows / c.seconds_per_batch)
+        best, reason = _calibrate.choose(calibration.candidates)
+        assert (calibration.sessions, calibration.threads) == (best.sessions, best.threads)
+        assert calibration.reason == reason
+        assert calibration.threads == cores // calibration.sessions
+        if cores & (cores - 1) == 0:  # a power of two: every split is exact
+            assert calibration.sessions * calibration.threads == cores
+        # The pool holds what it chose, each session with the threads it chose.
+        assert pool.max_sessions == pool.stats().sessions == calibration.sessions
+        assert pool.stats().max_sessions == calibration.sessions
+        with pool.session() as sess:
+            assert sess.get_session_options().intra_op_num_threads == calibration.threads
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = calibration.threads
+        plain = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(3)
+        xs = [rng.standard_normal((1 + i % 3, DIM)).astype(np.float32) for i in range(12)]
+        outs: list[Any] = [None] * len(xs)
+        start = threading.Barrier(len(xs))
+
+        def call(i: int) -> None:
+            start.wait()
+            outs[i] = pool.run(None, {"x": xs[i]})[0]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for x, out in zip(xs, outs, strict=True):
+            # Merged batches may take another kernel blocking than one request alone.
+            np.testing.assert_allclose(out, plain.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", ["dynamic", "fixed-at-one"])
+def test_probes_run_batches_of_the_calibration_rows_and_go_before_the_pools_sessions_come(
+    tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    if shape == "fixed-at-one":  # served from its graph with axis 0 relaxed: probes are too
+        model = fixed_at_one(model, tmp_path / "one.onnx")
+    created: list[weakref.ref[Any]] = []
+    alive_before: list[int] = []
+    rows_run: list[list[int]] = []
+    create = SessionRecipe.create_session
+
+    def spy(self: SessionRecipe, **kwargs: Any) -> Any:
+        alive_before.append(sum(ref() is not None for ref in created))
+        sess = create(self, **kwargs)
+        me = weakref.ref(sess)  # the spy must not keep the session alive itself
+        created.append(me)
+        rows: list[int] = []
+        rows_run.append(rows)
+
+        def counted(names: Any, feed: dict[str, Any], *args: Any) -> Any:
+            rows.append(len(feed["x"]))
+            return type(me()).run(me(), names, feed, *args)
+
+        sess.run = counted
+        return sess
+
+    monkeypatch.setattr(SessionRecipe, "create_session", spy)
+    with sharedml.SessionPool(
+        model, sessions="auto", batching=True, create_in_background=False
+    ) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None
+        probes = len(calibration.candidates)
+        assert calibration.decided == (usable_cores() > 1)
+        # Each probe, and the pool's first session, found no earlier session alive.
+        assert alive_before[: probes + 1] == [0] * (probes + 1)
+        assert len(alive_before) == probes + calibration.sessions
+        # A warm-up and at least three timed runs of the calibration batch per probe.
+        for rows in rows_run[:probes]:
+            assert len(rows) >= 4 and set(rows) == {_calibrate.CALIBRATION_ROWS}
+        assert pool.run(None, {"x": np.ones((1, DIM), np.float32)})[0].shape == (1, DIM)
+
+
+@pytest.mark.parametrize("pick", ["fewest sessions", "most sessions"])
+def test_the_pool_creates_the_split_that_calibration_chose(
+    model: Path, monkeypatch: pytest.MonkeyPatch, pick: str
+) -> None:
+    if usable_cores() == 1:
+        pytest.skip("one core: a single split, nothing to choose")
+
+    def forced(measured: Any) -> tuple[CalibrationCandidate, str]:
+        by_sessions = sorted(measured, key=lambda c: c.sessions)
+        return (by_sessions[0] if pick == "fewest sessions" else by_sessions[-1]), "forced"
+
+    monkeypatch.setattr(_calibrate, "choose", forced)
+    with sharedml.SessionPool(
+        model, sessions="auto", batching=True, create_in_background=False
+    ) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and calibration.reason == "forced"
+        sessions, threads = _calibrate.candidate_splits(usable_cores())[
+            0 if pick == "fewest sessions" else -1
+        ]
+        assert (calibration.sessions, calibration.threads) == (sessions, threads)
+        assert pool.max_sessions == pool.stats().sessions == sessions
+        with contextlib.ExitStack() as held:  # every session, each with the chosen threads
+            for _ in range(sessions):
+                sess = held.enter_context(pool.session(timeout_s=DEADLINE_S))
+                assert sess.get_session_options().intra_op_num_threads == threads
+
+
+def test_calibration_stops_probing_at_its_bound_and_says_so(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if usable_cores() == 1:
+        pytest.skip("one core: a single split, nothing to probe")
+    monkeypatch.setattr(_calibrate, "HARD_LIMIT_S", 0.0)  # spent as soon as it starts
+    with sharedml.SessionPool(model, sessions="auto", batching=True) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and calibration.decided
+        fewest = _calibrate.candidate_splits(usable_cores())[0]
+        assert [(c.sessions, c.threads) for c in calibration.candidates] == [fewest]
+        assert (calibration.sessions, calibration.threads) == fewest
+        skipped = len(_calibrate.candidate_splits(usable_cores())) - 1
+        assert f"{skipped} split(s) with more sessions were not measured" in calibration.reason
+        assert pool.run(None, {"x": np.ones((1, DIM), np.float32)})[0].shape == (1, DIM)
+
+
+def test_a_thread_count_in_sess_options_fixes_the_split(model: Path) -> None:
+    template = ort.SessionOptions()
+    template.intra_op_num_threads = 1
+    with sharedml.SessionPool(model, sessions="auto", batching=True, sess_options=template) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and not calibration.decided
+        assert calibration.candidates == ()
+        assert (calibration.sessions, calibration.threads) == (usable_cores(), 1)
+        assert "intra_op_num_threads=1" in calibration.reason
+        assert pool.max_sessions == usable_cores()
+        x = np.ones((2, DIM), np.float32)
+        np.testing.assert_allclose(
+            pool.run(None, {"x": x})[0],
+            ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(
+                None, {"x": x}
+            )[0],
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
+def _softmax_over_rows(path: Path) -> Path:
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["x"], ["y"], axis=0)],
+        "softmax0",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+    )
+    return _graph_model(path, graph)
+
+
+@pytest.mark.parametrize("case", ["rows-mixed", "batching-off"])
+def test_a_pool_that_does_not_batch_takes_the_default_and_says_why(
+    tmp_path: Path, model: Path, case: str
+) -> None:
+    if case == "rows-mixed":  # batching="auto": the analysis refuses Softmax over axis 0
+        path, batching, x = _softmax_over_rows(tmp_path / "s.onnx"), "auto", np.eye(3, 4)
+    else:
+        path, batching, x = model, False, np.ones((3, DIM))
+    feed = {"x": x.astype(np.float32)}
+    with sharedml.SessionPool(path, sessions="auto", batching=batching) as pool:
+        assert pool.batching is None
+        calibration = pool.stats().calibration
+        assert calibration is not None and not calibration.decided
+        assert calibration.candidates == ()
+        assert "does not merge requests" in calibration.reason
+        assert calibration.sessions == pool.max_sessions == sharedml.pool.DEFAULT_SESSIONS
+        assert calibration.threads == max(1, usable_cores() // sharedml.pool.DEFAULT_SESSIONS)
+        plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(
+            pool.run(None, feed)[0], plain.run(None, feed)[0], rtol=1e-5, atol=1e-6
+        )
+
+
+def test_a_probe_run_that_fails_takes_one_thread_sessions_and_says_why(tmp_path: Path) -> None:
+    # Generated integers are 1; a table of one row has no row 1, so the probe's Gather fails,
+    # while callers that send index 0 are served.
+    table = numpy_helper.from_array(np.arange(4, dtype=np.float32).reshape(1, 4), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"], axis=0)],
+        "gather",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+        initializer=[table],
+    )
+    path = _graph_model(tmp_path / "g.onnx", graph)
+    with sharedml.SessionPool(path, sessions="auto", batching=True) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and not calibration.decided
+        if usable_cores() > 1:
+            assert "failed on 8 generated rows" in calibration.reason
+            assert "out of data bounds" in calibration.reason
+        assert (calibration.sessions, calibration.threads) == (usable_cores(), 1)
+        out = pool.run(None, {"ids": np.zeros(3, np.int64)})[0]
+        np.testing.assert_array_equal(out, np.tile(np.arange(4, dtype=np.float32), (3, 1)))
+
+
+def test_inputs_that_cannot_be_generated_take_one_thread_sessions_and_say_why(
+    tmp_path: Path,
+) -> None:
+    graph = helper.make_graph(  # no shape, not even a rank: nothing to generate from
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "noshape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    path = _graph_model(tmp_path / "n.onnx", graph)
+    batching = sharedml.Batching(rows_independent=True)
+    with sharedml.SessionPool(path, sessions="auto", batching=batching) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and not calibration.decided
+        if usable_cores() > 1:
+            assert "inputs could not be generated" in calibration.reason
+        assert (calibration.sessions, calibration.threads) == (usable_cores(), 1)
+        x = np.array([[-1.0, 2.0]], np.float32)
+        np.testing.assert_array_equal(pool.run(None, {"x": x})[0], [[0.0, 2.0]])
+
+
+def test_serialized_runs_take_one_session_and_say_why(model: Path) -> None:
+    with sharedml.SessionPool(model, sessions="auto", batching=True, serialize_runs=True) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and not calibration.decided
+        assert "serialized" in calibration.reason
+        assert calibration.sessions == pool.max_sessions == 1
+        assert calibration.threads == usable_cores()
+        assert pool.run(None, {"x": np.ones((2, DIM), np.float32)})[0].shape == (2, DIM)
+
+
+def test_another_provider_keeps_its_default_without_measuring(model: Path) -> None:
+    # No GPU here: the CPU pool's recipe, planned as if for CUDA. calibrate() decides from the
+    # plan alone, before it creates anything.
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        cuda = plan_providers(
+            ["CUDAExecutionProvider"], available=["CUDAExecutionProvider", "CPUExecutionProvider"]
+        )
+        recipe = dataclasses.replace(pool.recipe, plan=cuda, intra_op_threads=None)
+        calibration = _calibrate.calibrate(
+            recipe, batching=pool.batching, serialized=False, default_sessions=4
+        )
+        assert pool.stats().calibration is None  # a pool given a number
+    assert not calibration.decided and calibration.candidates == ()
+    assert (calibration.sessions, calibration.threads) == (4, None)
+    assert "CPU provider only" in calibration.reason
+    assert "CUDAExecutionProvider" in calibration.reason
+
+
+@pytest.mark.parametrize(
+    ("sessions", "error"),
+    [("Auto", TypeError), ("", TypeError), (b"auto", TypeError), (2.0, TypeError),
+     (0, ValueError), (-1, ValueError), (True, ValueError)],
+)  # fmt: skip
+def test_bad_session_counts_are_refused_before_anything_is_prepared(
+    tmp_path: Path, sessions: object, error: type[Exception]
+) -> None:
+    missing = tmp_path / "missing.onnx"  # a check that came later would say the file is missing
+    with pytest.raises(error, match=r"sessions must be an integer .*or 'auto'"):
+        sharedml.SessionPool(missing, sessions=sessions)
+
+
+@pytest.mark.parametrize(
+    "bounds", [{"min_sessions": 1}, {"max_sessions": 4}, {"min_sessions": 1, "max_sessions": 4}]
+)
+def test_auto_with_min_or_max_sessions_is_refused_naming_both(
+    tmp_path: Path, bounds: dict[str, int]
+) -> None:
+    with pytest.raises(ValueError, match="sessions='auto' with") as raised:
+        sharedml.SessionPool(tmp_path / "missing.onnx", sessions="auto", **bounds)
+    for name, value in bounds.items():
+        assert f"{name}={value}" in str(raised.value)
