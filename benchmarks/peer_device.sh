@@ -38,21 +38,21 @@ case "${1:-}" in
       echo "the model's halves do not make the file"; exit 1; }
     common=(--callers 1 16 --rounds "${ROUNDS:-2}" --warmup-s 0.5 --duration-s "${WINDOW_S:-2}"
       --size "${SIZE:-full}"
-      --configs pool:1 pool:2 pool:1:batch pool:2:batch pool:1:batch:int4 pool:2:batch:int4
-      pool:2:batch:int8 --ov-configs ov:f32 ov:default ov:f32:latency ov:default:latency
+      --configs pool:2 pool:1:batch pool:2:batch pool:auto:batch pool:2:batch:int4
+      pool:auto:batch:int4 pool:2:batch:int8 --ov-configs ov:f32 ov:default ov:f32:latency ov:default:latency
       --timeout-s 300)
     mkdir -p /tmp/peer-out
     cpu=0
-    for model in mlp resnet bert minilm; do
+    for model in ${MODELS:-mlp resnet bert minilm}; do
       if [ "$model" = minilm ]; then what=(--models --model /tmp/minilm.onnx); else what=(--models "$model"); fi
       taskset -c "$cpu,$((cpu + 1))" timeout "${LIMIT_S:-540}" python3 benchmarks/peer_openvino.py \
         "${what[@]}" "${common[@]}" --out-dir "/tmp/peer-$model" --json "/tmp/peer-out/peer-$model.json" \
         > "$OUT/peer-$model.log" 2>&1 &
-      cpu=$((cpu + 2))
+      cpu=$(((cpu + 2) % ($(nproc) / 2 * 2)))  # a machine of fewer than 8 cores shares them (dry runs)
     done
     wait
     cp /tmp/peer-out/*.json "$OUT"/  # 8 files come back at most: the .md are re-made with --render
-    for model in mlp resnet bert minilm; do echo "== $model"; tail -n 25 "$OUT/peer-$model.log"; done
+    for model in ${MODELS:-mlp resnet bert minilm}; do echo "== $model"; tail -n 25 "$OUT/peer-$model.log"; done
     ;;
   *)
     echo "usage: $0 install|part1|run"; exit 2

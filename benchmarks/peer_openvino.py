@@ -718,6 +718,8 @@ def _line(model: str, r: dict[str, Any]) -> str:
     rows = f", {r['mean_batch_rows']:.1f} rows/batch" if r.get("mean_batch_rows") else ""
     extras = r.get("extras", {})
     ov = f", {extras['inference_precision_hint']}" if "inference_precision_hint" in extras else ""
+    if "calibration" in extras:  # sessions="auto": the split it chose
+        ov += f", auto: {extras['calibration']['sessions']}x{extras['calibration']['threads']}"
     p50 = "-" if r.get("p50_ms") is None else f"{r['p50_ms']:.2f}"
     return (
         f"{head} {r['requests_per_s']:8.1f} req/s  p50 {p50} ms  PSS {r['pss_mib']:6.0f} MiB"

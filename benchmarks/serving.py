@@ -9,6 +9,8 @@ as soon as the last one returned):
 ``single``             one plain session that every caller runs concurrently.
 ``pool:N``             ``sharedml.SessionPool(sessions=N)``.
 ``pool:N:batch``       ``SessionPool(sessions=N, batching=True)``: waiting requests merge.
+``pool:auto:batch``    ``SessionPool(sessions="auto", batching=True)``: the pool splits the cores
+                       into sessions x threads by measuring (its choice is recorded).
 ``...:serialized``     one ``Run`` at a time across the process, as onnxruntime-directml >= 1.18
                        forces: ``plain:N:serialized`` puts one lock around every Run of the N
                        sessions; ``pool:...:serialized`` is ``serialize_runs=True``.
@@ -261,8 +263,9 @@ def _max_rows(flag: str) -> int | None:
 def _parse_config(name: str) -> dict[str, Any]:
     parts = name.split(":")
     kind = parts[0]
-    sessions = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
-    flags = set(parts[2:] if len(parts) > 1 and parts[1].isdigit() else parts[1:])
+    counted = len(parts) > 1 and (parts[1].isdigit() or (kind == "pool" and parts[1] == "auto"))
+    sessions: int | str = (parts[1] if parts[1] == "auto" else int(parts[1])) if counted else 1
+    flags = set(parts[2:] if counted else parts[1:])
     known = {
         "batch",
         "nopad",
@@ -337,7 +340,7 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             providers=providers,
             batching=batching if "batch" in flags else False,
             serialize_runs=True if "serialized" in flags else None,
-            per_session_state="serialized" in flags and n > 1,
+            per_session_state="serialized" in flags and n != 1,
             cache_dir=spec["cache_dir"],
             weights=next((w for w in ("int8", "int4") if w in flags), "float"),
         )
@@ -356,7 +359,11 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             def close(self) -> None:
                 pool.close()
 
-        return _Pool(), {"mechanism": str(pool.mechanism)}
+        extras: dict[str, Any] = {"mechanism": str(pool.mechanism)}
+        calibration = pool.stats().calibration
+        if calibration is not None:  # sessions="auto": what it measured and chose
+            extras["calibration"] = dataclasses.asdict(calibration)
+        return _Pool(), extras
     so = ort.SessionOptions()
     if "threads" in flags:
         so.intra_op_num_threads = max(1, len(os.sched_getaffinity(0)) // n)

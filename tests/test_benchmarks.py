@@ -327,6 +327,19 @@ def test_compare_gives_each_output_its_own_scale() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+def test_serving_configurations_name_sessions_weights_and_auto() -> None:
+    assert serving._parse_config("pool:auto:batch:int4") == {
+        "kind": "pool",
+        "sessions": "auto",
+        "flags": {"batch", "int4"},
+    }
+    assert serving._parse_config("pool:2:batch")["sessions"] == 2
+    assert serving._parse_config("single")["sessions"] == 1
+    for bad in ("plain:auto", "pool:2:int3", "pool:Auto:batch"):
+        with pytest.raises(SystemExit, match="unknown configuration"):
+            serving._parse_config(bad)
+
+
 # benchmarks/peer_openvino.py: sharedml against OpenVINO
 
 import peer_openvino  # noqa: E402
