@@ -402,7 +402,10 @@ def _compare(
         if out.shape != ref.shape:
             return {"equal": False, "max_abs_diff": float("inf"), "max_rel_diff": float("inf")}
         diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
-        this_abs = float(diff.max(initial=0.0))
+        diff[np.isnan(out) & np.isnan(ref)] = 0.0  # NaN where the reference has NaN: equal
+        # A NaN (or infinity) where the reference has a number is the largest difference there
+        # is: max() would otherwise skip it and report 0.
+        this_abs = float("inf") if np.isnan(diff).any() else float(diff.max(initial=0.0))
         max_abs = max(max_abs, this_abs)
         scale = float(np.abs(ref).max(initial=0.0)) or 1.0
         max_rel = max(max_rel, this_abs / scale)

@@ -159,6 +159,12 @@ def test_compare_flags_differences_beyond_tolerance() -> None:
     off = _harness._compare([ref[0] + 1e-2], ref)
     assert not off["equal"] and off["max_abs_diff"] == pytest.approx(1e-2, rel=1e-3)
     assert not _harness._compare([ref[0][:10]], ref)["equal"]
+    nan = ref[0].copy()
+    nan[3] = np.nan
+    wrong = _harness._compare([nan], ref)  # a NaN where the reference has a number
+    assert not wrong["equal"] and wrong["max_abs_diff"] == wrong["max_rel_diff"] == float("inf")
+    both = _harness._compare([nan], [nan])  # where the reference has the NaN too: equal there
+    assert both["max_abs_diff"] == 0.0
 
 
 def test_without_matplotlib_the_run_skips_the_chart_with_a_note(tmp_path: Path) -> None:

@@ -152,3 +152,19 @@ def test_an_install_hint_works_without_a_package_index() -> None:
         assert "pip install 'sharedml[" not in source.read_text().replace(
             "``pip install 'sharedml[extra]'`` would not find it", ""
         ), source.name
+
+
+def test_the_windows_harness_pins_every_dependency_windows_installs() -> None:
+    # tools/windows/setup.sh installs its pinned wheels only (sharedml runs from src/): a
+    # dependency the package gains must be pinned there too, or the DirectML job fails to import.
+    pins: dict[str, str] = {}
+    for line in (ROOT / "tools" / "windows" / "requirements.txt").read_text().splitlines():
+        if line and not line[0].isspace() and not line.startswith("#"):
+            name, _, version = line.split(" ", 1)[0].partition("==")
+            pins[name.lower().replace("_", "-")] = version
+    base = project()["dependencies"]
+    assert isinstance(base, list)
+    for requirement in wanted(base, "win32"):
+        name = requirement.name.lower().replace("_", "-")
+        assert name in pins, f"{name} is not pinned in tools/windows/requirements.txt"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (name, pins[name])

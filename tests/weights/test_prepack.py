@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -105,6 +107,66 @@ def test_a_failed_build_falls_back_to_raw_sharing_with_a_warning(
         assert pool.run(None, {"input": np.ones((1, 1024), np.float32)})[0].shape == (1, 1024)
     with pytest.raises(sharedml.SessionCreationError, match="simulated"):
         sharedml.SessionPool(mlp_model, sessions=1, prepacking="shared")
+
+
+class _SavedFormComputes(ort.InferenceSession):
+    """ORT, except that a session over a saved prepacked model changes its first output with
+    ``change`` (onnxruntime 1.30 returned NaN there for a transformer's 8-bit MatMulNBits
+    weights, where plain sessions computed numbers)."""
+
+    change: Any = None
+
+    def __init__(self, path_or_bytes: object, *args: object, **kwargs: object) -> None:
+        self.wrong = isinstance(path_or_bytes, str) and "prepacked" in Path(path_or_bytes).parts
+        super().__init__(path_or_bytes, *args, **kwargs)  # type: ignore[arg-type]
+
+    def run(self, *args: object, **kwargs: object) -> list[object]:
+        outputs = super().run(*args, **kwargs)  # type: ignore[arg-type]
+        if self.wrong:
+            outputs[0] = type(self).change(outputs[0])
+        return outputs
+
+
+@pytest.mark.capability("prepacked-save")
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda out: np.full_like(out, np.nan), "NaN or infinity where plain ORT"),
+        (lambda out: np.where(out > 0, out * 1.01, out), "differs from"),
+    ],
+    ids=["nan", "one-percent-off"],
+)
+def test_a_saved_form_that_computes_other_values_is_never_used(
+    mlp_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    change: Callable[[np.ndarray], np.ndarray],
+    message: str,
+) -> None:
+    monkeypatch.setattr(_SavedFormComputes, "change", staticmethod(change))
+    monkeypatch.setattr(ort, "InferenceSession", _SavedFormComputes)
+    feed = {"input": np.random.default_rng(0).standard_normal((2, 1024)).astype(np.float32)}
+    with pytest.warns(RuntimeWarning, match=message):
+        pool = sharedml.SessionPool(mlp_model, sessions=1, cache_dir=tmp_path)
+    with pool:
+        assert pool.mechanism in sharedml.weights.zero_copy_mechanisms()
+        # Unpacked kernels: equal to plain ORT's packed ones up to float reassociation.
+        got = pool.run(None, feed)[0]
+        np.testing.assert_allclose(got, plain(mlp_model, feed), rtol=1e-4, atol=1e-5)
+    assert not list((tmp_path / "prepacked").glob("*/model.onnx"))  # nothing was published
+    with pytest.raises(sharedml.SessionCreationError, match=message):
+        sharedml.SessionPool(mlp_model, sessions=1, prepacking="shared", cache_dir=tmp_path)
+
+
+@pytest.mark.capability("prepacked-save")
+def test_a_saved_form_within_float_reassociation_of_plain_ort_is_used(
+    mlp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another kernel's summation order moves the last bits, not the result.
+    monkeypatch.setattr(_SavedFormComputes, "change", staticmethod(lambda out: out * (1 + 1e-6)))
+    monkeypatch.setattr(ort, "InferenceSession", _SavedFormComputes)
+    with sharedml.SessionPool(mlp_model, sessions=1, cache_dir=tmp_path) as pool:
+        assert pool.mechanism == "prepacked-file"
 
 
 @pytest.mark.capability("prepacked-save")

@@ -210,7 +210,9 @@ def build_prepacked_model(
     A build creates one CPU session over ``prepared_model`` that saves its optimized graph with
     ``session.save_external_prepacked_constant_initializers=1`` into the cache's temporary
     folder, reloads the result once as :meth:`PrepackedModel.apply` would (ORT validates every
-    blob against a fresh pack, so a bad entry fails here and not in the pool), and publishes it.
+    blob against a fresh pack, so a bad entry fails here and not in the pool), runs it on inputs
+    generated from the model's signature and compares its outputs with the saving session's
+    (plain ORT's), and publishes it: a saved form that computes other values is never used.
     A build costs about one fully optimized session creation, one reload and about twice the
     weights written to disk.
 
@@ -339,7 +341,13 @@ def build_prepacked_model(
         elif files:
             _check_read_by_path(prepared_model, files)  # ORT reads the weights file itself
         try:
-            ort.InferenceSession(str(prepared_model), so, providers=["CPUExecutionProvider"])
+            saving = ort.InferenceSession(
+                str(prepared_model), so, providers=["CPUExecutionProvider"]
+            )
+            # What plain ORT computes (prepacking per session), kept to hold the saved form
+            # to it; the session goes before the reload, so a build holds one at a time.
+            feed, expected = _reference_run(saving, source)
+            del saving
             if not (tmp / _DATA_NAME).exists():  # nothing was large enough to go external
                 (tmp / _DATA_NAME).write_bytes(b"")
             _read_only_own_data(tmp, files)
@@ -352,9 +360,11 @@ def build_prepacked_model(
             def check_reload() -> None:
                 check = ort.SessionOptions()
                 PrepackedModel(tmp / _MODEL_NAME, tmp / _DATA_NAME, key, stats).apply(check)
-                ort.InferenceSession(
+                reloaded = ort.InferenceSession(
                     str(tmp / _MODEL_NAME), check, providers=["CPUExecutionProvider"]
                 )
+                if feed is not None:
+                    _check_outputs(reloaded.run(None, feed), expected)
 
             try:
                 check_reload()
@@ -394,6 +404,64 @@ def build_prepacked_model(
 
     entry = ensure_entry(_KIND, key, build, cache=cache, verify=verify)
     return PrepackedModel._of(entry)
+
+
+# ORT validates each prepacked blob at load, not what the reloaded graph computes: onnxruntime
+# 1.30's reload of 8-bit MatMulNBits weights (accuracy_level 4) gave NaN for a transformer
+# whose plain sessions computed finite outputs, so the saved form must also compute what plain
+# ORT does. The tolerance allows other kernels' summation orders, not a wrong result.
+_OUTPUT_RTOL = 1e-3
+
+
+def _reference_run(
+    sess: ort.InferenceSession, model: ModelProto
+) -> tuple[dict[str, Any] | None, list[Any]]:
+    """Inputs generated from ``model``'s signature and ``sess``'s outputs for them.
+
+    ``(None, [])`` where no input can be generated or the session refuses the generated one
+    (a model that needs real inputs): the saved form is then checked by ORT's blob validation
+    alone.
+    """
+    from sharedml.model._inputs import generate, input_specs
+
+    try:
+        specs = input_specs(model)
+        feed = {s.name: generate({"shape": s.shape, "dtype": s.dtype}) for s in specs}
+        return feed, list(sess.run(None, feed))
+    except Exception:  # MeasurementError, or ORT's own errors (no common base but Exception)
+        return None, []
+
+
+def _check_outputs(got: list[Any], expected: list[Any]) -> None:
+    """Raise ``ValueError`` where the saved form computed other values than plain ORT."""
+    import numpy as np
+
+    for index, (out, ref) in enumerate(zip(got, expected, strict=True)):
+        if not isinstance(ref, np.ndarray) or ref.dtype.kind not in "fciub":
+            continue  # sequences and maps (ai.onnx.ml): not compared
+        out = np.asarray(out)
+        if out.shape != ref.shape:
+            raise ValueError(f"output {index} has shape {out.shape}, plain ORT's {ref.shape}")
+        if ref.dtype.kind != "f":
+            if not np.array_equal(out, ref):
+                raise ValueError(f"output {index} differs from plain ORT's")
+            continue
+        finite = np.isfinite(ref)
+        if not np.array_equal(np.isfinite(out), finite) or not np.array_equal(
+            np.isnan(out), np.isnan(ref)
+        ):
+            raise ValueError(
+                f"output {index} holds NaN or infinity where plain ORT's does not "
+                f"({int(np.count_nonzero(~np.isfinite(out)))} of {out.size} values)"
+            )
+        diff = np.abs(out[finite].astype(np.float64) - ref[finite].astype(np.float64))
+        scale = float(np.abs(ref[finite]).max(initial=0.0)) or 1.0
+        largest = float(diff.max(initial=0.0))
+        if largest > _OUTPUT_RTOL * scale:
+            raise ValueError(
+                f"output {index} differs from plain ORT's by up to {largest:.3g} "
+                f"(of a scale of {scale:.3g})"
+            )
 
 
 # --------------------------------------------------------------------------------------------
