@@ -72,5 +72,7 @@ def test_loading_weights_from_the_file_holds_no_host_copy_the_in_memory_file_doe
     weights = weights_bytes(model)
     # The in-memory route keeps the mapped file resident beside the device copy: one more copy.
     assert in_memory - from_file >= 0.75 * weights, (in_memory / MiB, from_file / MiB)
-    # Loading from the file costs what a plain session costs.
-    assert abs(from_file - plain) <= 0.25 * weights, (from_file / MiB, plain / MiB)
+    # Loading from the file costs no more than a plain session: no copy of the weights beside
+    # the device's (one would add a whole ``weights``; the software driver's own allocations
+    # move both figures by 10-15 MiB from run to run).
+    assert from_file - plain <= 0.5 * weights, (from_file / MiB, plain / MiB)

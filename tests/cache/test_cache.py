@@ -360,6 +360,7 @@ pool.close()
 def cache_cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "sharedml", "cache", *args],
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=120,
@@ -882,7 +883,8 @@ def test_a_weight_store_verifies_against_the_cache_it_was_opened_with(
     monkeypatch.setenv("SHAREDML_CACHE_DIR", str(second))
     assert sharedml.weights.WeightStore.open(prepared, verify=True) is store
     assert store.verified
-    assert list((first / "stamps").iterdir())
+    if os.name != "nt":  # Windows keeps no stamps: its st_ctime does not move on writes
+        assert list((first / "stamps").iterdir())
     assert not second.exists()
     store.close()
 

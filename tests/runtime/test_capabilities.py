@@ -6,6 +6,7 @@ floor; ``SHAREDML_ORT_WITHOUT`` lets the newest one take the routes an older one
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,27 @@ def test_a_capability_declared_missing_is_missing_with_that_reason(
     monkeypatch.setenv(WITHOUT_ENV, "dlpack,time-travel")
     with pytest.raises(ValueError, match=r"'time-travel'.*prepacked-save"):
         capability("dlpack")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_the_prepacked_probe_maps_nothing_in_the_folder_it_deletes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Windows deletes no file a process maps: a probe that deleted its folder under a live
+    session failed there, and the prepacked route was never offered on Windows."""
+    mapped_at_cleanup: list[str] = []
+
+    class WindowsLikeFolder(tempfile.TemporaryDirectory):  # type: ignore[type-arg]
+        def cleanup(self) -> None:
+            with open("/proc/self/maps") as maps:
+                mapped_at_cleanup.extend(line.split()[-1] for line in maps if self.name in line)
+            super().cleanup()
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", WindowsLikeFolder)
+    monkeypatch.setattr(_capabilities, "_DECIDED", {})  # probe again, in this process
+    found = capability("prepacked-save")
+    assert found.how == "tried in this process"
+    assert mapped_at_cleanup == []
 
 
 def test_a_probe_that_crashes_costs_its_child_only() -> None:

@@ -208,7 +208,11 @@ def _probe_prepacked_save() -> str:
     model = probe_model()
     x = probe_input()
     plain = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    with tempfile.TemporaryDirectory(prefix="sharedml-capability-") as folder:
+    # ignore_cleanup_errors: on Windows a file ORT still maps cannot be deleted; the sessions
+    # go first below, and a leftover temporary folder must not fail the probe.
+    with tempfile.TemporaryDirectory(
+        prefix="sharedml-capability-", ignore_cleanup_errors=True
+    ) as folder:
         saved = Path(folder) / "model.onnx"
         so = ort.SessionOptions()
         so.log_severity_level = 3
@@ -238,6 +242,7 @@ def _probe_prepacked_save() -> str:
         again.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         reloaded = ort.InferenceSession(str(saved), again, providers=["CPUExecutionProvider"])
         out = reloaded.run(None, {"x": x})[0]
+        del reloaded  # it maps model.data: Windows deletes no mapped file
     if not np.array_equal(out, plain):
         return (
             f"onnxruntime {ort_version()} reloaded its saved prepacked model, but it computed "
