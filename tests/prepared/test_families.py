@@ -427,6 +427,17 @@ MEMORY_BASE_BYTES = 100 * 2**20  # a 100 MiB MLP ...
 MEMORY_EXTRA_BYTES = 16 * 2**20  # ... and a variant with a 16 MiB extra layer
 
 
+def _about_one_copy(alone: int) -> float:
+    """The most the model and its variant may cost together if their common weights are shared.
+
+    Sharing nothing adds a whole second copy (``MEMORY_BASE_BYTES``) to ``alone``. Sharing
+    adds the extra layer (twice where it is prepacked: raw and packed forms), the second pool's
+    arenas, and allocator noise, which moved a run as an ordinary user by ~30 MiB: a third of
+    a copy covers those and stays far below a second copy.
+    """
+    return alone + 2 * MEMORY_EXTRA_BYTES + MEMORY_BASE_BYTES / 3
+
+
 def _pss_of_pools(models: list[Path], prepacking: str, warm: Path) -> tuple[int, list[str]]:
     out = subprocess.run(
         [sys.executable, "-c", POOLS, prepacking, str(MEMORY_WIDTH), str(warm), *map(str, models)],
@@ -491,8 +502,8 @@ def test_raw_pools_over_a_model_and_its_variant_cost_about_one_copy_prepared_or_
         f"unrelated one of its size {unrelated / 2**20:.1f} MiB ({unrelated / alone:.2f}x)"
     )
     assert alone >= 0.9 * MEMORY_BASE_BYTES  # the weights really were touched
-    assert both <= 1.3 * alone
-    assert unprepared <= 1.3 * alone
+    assert both <= _about_one_copy(alone)
+    assert unprepared <= _about_one_copy(alone)
     assert unrelated >= 1.7 * alone  # the baseline: two copies where nothing is identical
 
 
@@ -513,8 +524,8 @@ def test_pools_over_a_model_and_its_renamed_variant_share_identical_weights_auto
         f"{family / 2**20:.1f} MiB ({family / alone:.2f}x)"
     )
     assert alone >= 0.9 * MEMORY_BASE_BYTES
-    assert both <= 1.3 * alone
-    assert family <= 1.3 * alone
+    assert both <= _about_one_copy(alone)
+    assert family <= _about_one_copy(alone)
 
 
 # --------------------------------------------------------------------------------------------
