@@ -3,7 +3,8 @@
 The static part hashes every tensor prepare would move, in every member (content identity:
 :class:`sharedml.TensorDigest`), and reports the distinct against the total bytes. The measured
 part runs, each in a fresh process, N plain ``InferenceSession`` per member and then one
-``SessionPool`` of N per member, all run once, and reads the PSS growth of each process: the
+``SessionPool`` of N per member, all run twice (ORT allocates a shape's planned activation
+memory on the second run), and reads the PSS growth of each process: the
 pools' figure is what the family costs with sharedml's defaults (no family named: identical
 weights share through the cache).
 """

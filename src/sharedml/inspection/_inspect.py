@@ -1229,8 +1229,8 @@ def inspect(
     seconds, with a message naming the dimensions that were set to 1, and its outputs are what
     every strategy's outputs are checked against (:attr:`Measurement.plain_max_abs_diff`). Then
     each strategy is measured in a fresh subprocess, one after another: ``sessions`` sessions
-    created one at a time, and after each, all of them run once concurrently, memory recorded
-    (see :mod:`sharedml.inspection._measure`).
+    created one at a time, and after each, all of them run concurrently, round after round
+    until a round adds no memory, memory recorded (see :mod:`sharedml.inspection._child`).
 
     Args:
         model: An ONNX model file; ``None`` inspects sharedml's built-in demo model (built into
@@ -1462,6 +1462,7 @@ def inspect(
                 provider_options=plan.provider_options,
                 feeds=feeds,
                 timeout_s=timeout_s,
+                rounds=next(m for m in measurements if m.strategy == SHARED).points[-1].rounds,
             )
     by_name = {m.strategy: m for m in measurements}
     metric = measurements[0].metric if measurements else "pss"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import MeasurementError
-from sharedml.inspection._child import PROGRESS_PREFIX, SPEC_VERSION
+from sharedml.inspection._child import MIN_ROUNDS, PROGRESS_PREFIX, SPEC_VERSION
 from sharedml.inspection._results import Measurement
 from sharedml.inspection._strategies import get_strategy
 from sharedml.model._inputs import InputSpec, input_specs
@@ -39,14 +39,14 @@ __all__ = [
 DEFAULT_MEMORY_RESERVE_BYTES = 512 * 1024 * 1024  # bytes a measurement leaves free for the box
 _CHILD_CODE = entry_code("sharedml.inspection._child:measuring_child")
 
-# sharedml's own cost in a process: this child reads its memory with sharedml.inspection._memory
-# run as a
-# file (runpy), so that nothing of sharedml is imported before its first reading; then it imports
-# sharedml, opens a pool as README shows (sessions created in the background), runs its N
-# sessions at once as the measuring child does, and reads again: the pool as a process that used
-# plain onnxruntime before sees it. Less the pooled strategy's own figure, that is sharedml's
-# fixed cost. (A pool closed and read after would count twice what ORT sets up for the first
-# session of a model, which the strategy's figure holds too.)
+# sharedml's own cost in a process: this child reads its memory with
+# sharedml.inspection._memory run as a file (runpy), so that nothing of sharedml is imported
+# before its first reading; then it imports sharedml, opens a pool as README shows (sessions
+# created in the background), runs its N sessions at once, as many rounds as the measuring
+# child's last point ran, and reads again: the pool as a process that used plain onnxruntime
+# before sees it. Less the pooled strategy's own figure, that is sharedml's fixed cost. (A pool
+# closed and read after would count twice what ORT sets up for the first session of a model,
+# which the strategy's figure holds too.)
 _FIXED_COST_CODE = r"""
 import gc, json, runpy, sys
 spec = json.loads(sys.argv[1])
@@ -83,11 +83,12 @@ barrier = threading.Barrier(n)
 def work(sess):
     barrier.wait()
     sess.run(None, feeds)
-threads = [threading.Thread(target=work, args=(s,)) for s in sessions]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join()
+for _ in range(spec["rounds"]):  # as many rounds as the pooled strategy's last point ran
+    threads = [threading.Thread(target=work, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 opened = reading()
 keys = ("pss", "uss", "rss", "private")
 def growth(a, b):
@@ -122,7 +123,8 @@ def measure(
     Args:
         model: The ONNX model.
         strategy: A registered strategy's name (see :func:`registered_strategies`).
-        sessions: How many sessions to create (all of them run once, concurrently).
+        sessions: How many sessions to create (all of them run concurrently, round after
+            round until their memory settles: :attr:`MemoryPoint.rounds`).
         providers: As for ``onnxruntime.InferenceSession``; default CPU.
         provider_options: As for ``onnxruntime.InferenceSession``.
         dims: Sizes of the inputs' symbolic dimensions (default 1); ignored with ``inputs``.
@@ -295,7 +297,7 @@ class FixedCost:
 
     Attributes:
         imports: Growth after ``import sharedml`` and loading ``sharedml.SessionPool``.
-        pool: Growth with the pool open and every session run once.
+        pool: Growth with the pool open and its sessions run together ``rounds`` times.
         error: Why it could not be measured (the child's last line), else None.
     """
 
@@ -335,12 +337,15 @@ def fixed_cost(
     provider_options: Sequence[dict[str, Any]] | None = None,
     feeds: str | os.PathLike[str] | None = None,
     timeout_s: float | None = None,
+    rounds: int = MIN_ROUNDS,
 ) -> FixedCost:
     """Measure sharedml's own per-process cost (:class:`FixedCost`) in a fresh process.
 
     The model must be prepared already (the pool's first use prepares it; ``inspect`` measures
     this after the pooled strategies). A failure is returned in ``error``, not raised: the
-    report then says the figure is missing rather than stopping.
+    report then says the figure is missing rather than stopping. ``rounds``: how many times
+    the N sessions run together, as the pooled strategy's measurement ran them (its last
+    point's :attr:`MemoryPoint.rounds`), so that the two hold the same activation memory.
     """
     from sharedml.inspection import _memory
     from sharedml.inspection._child import warmup_model_bytes
@@ -349,6 +354,7 @@ def fixed_cost(
     plan = plan_providers(providers, provider_options)
     spec = _spec(Path(model), plan, inputs, feeds) | {
         "sessions": sessions,
+        "rounds": rounds,
         "warmup": warmup_model_bytes().hex(),
         "memory_module": str(Path(_memory.__file__).resolve()),
     }

@@ -18,7 +18,7 @@ __all__ = ["Measurement", "MemoryPoint"]
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPoint:
-    """Memory after ``sessions`` sessions were created and each had run once, concurrently.
+    """Memory after ``sessions`` sessions were created and had run concurrently until it settled.
 
     Byte figures are growth over the child's baseline; ``None`` where the platform does not
     report that metric.
@@ -39,6 +39,10 @@ class MemoryPoint:
             session's first run.
         private_bytes: Private bytes growth (Windows: memory no other process can share;
             mapped files are not in it), else ``None``.
+        rounds: How many times the sessions ran together before memory was read: until a
+            round added no memory (ORT allocates a shape's planned activation memory on its
+            second run), at most five.
+        settled: The last round added no memory; False where the rounds ran out first.
     """
 
     sessions: int
@@ -51,6 +55,8 @@ class MemoryPoint:
     run_seconds: float
     outputs_agree: bool = True
     private_bytes: int | None = None
+    rounds: int = 1
+    settled: bool = True
 
     def value(self, metric: str) -> int | None:
         """The figure of ``metric``: pss, uss, rss, private, untrimmed or device."""
