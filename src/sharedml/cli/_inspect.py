@@ -335,6 +335,15 @@ _OPTIONAL = ("RSS", "USS", "untrimmed")
 _TABLES_SHOWN = 3
 
 
+def _rounds_text(points: Sequence[Any]) -> str:
+    """How often the sessions ran before memory was read: ``run 3 times, until memory settled``."""
+    counts = sorted({p.rounds for p in points}) or [1]
+    times = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    if all(p.settled for p in points):
+        return f"run {times} times, until memory settled"
+    return f"run {times} times; memory still grew in the last round of some"
+
+
 def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
     """The memory table, with as many optional columns as fit in ``width``; and those left out."""
     from rich.table import Table
@@ -499,12 +508,13 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
 
     # ---- measured part
     concurrently = all(m.concurrent for m in measurements)
+    rounds = _rounds_text([m.points[-1] for m in measurements if m.points])
     if n == 1:
-        heading("Memory with 1 session", "  (run once)")
+        heading("Memory with 1 session", f"  ({rounds})")
     else:
         heading(
             f"Memory with {n} sessions",
-            f"  (each run once, {'all at once' if concurrently else 'one after another'}, "
+            f"  ({rounds}, {'all at once' if concurrently else 'one after another'}, "
             "one thread each)",
         )
     table, left_out = _memory_table(report, out.width)

@@ -228,7 +228,7 @@ class Measurement:
 
     @property
     def total_bytes(self) -> int | None:
-        """Memory of all N sessions after each ran once (headline metric)."""
+        """Memory of all N sessions after they ran until it settled (headline metric)."""
         return self.total()
 
     def _traffic_fit(self, metric: str | None = None) -> tuple[float, float] | None:
