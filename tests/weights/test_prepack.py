@@ -158,6 +158,42 @@ def test_a_saved_form_that_computes_other_values_is_never_used(
         sharedml.SessionPool(mlp_model, sessions=1, prepacking="shared", cache_dir=tmp_path)
 
 
+def picky_model(path: Path, width: int = 512) -> Path:
+    """y = MatMul(Flatten(x), W): x is float[batch, 1, "h", width], so only h = 1 runs (a text
+    recognizer refuses an image height that is not its own in the same way)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(4)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Flatten", ["x"], ["flat"], axis=1),
+            helper.make_node("MatMul", ["flat", "w"], ["y"]),
+        ],
+        "picky",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, "h", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+        [numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32), "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return save_model(model, path)
+
+
+@pytest.mark.capability("prepacked-save")
+def test_a_model_that_refuses_plausible_sizes_is_still_checked_and_quietly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The check's inputs are guessed as inspect guesses them, down to sizes of 1; the guesses
+    the model refuses are not printed as ORT errors."""
+    model = picky_model(tmp_path / "picky.onnx")
+    monkeypatch.setattr(_SavedFormComputes, "change", staticmethod(np.zeros_like))
+    monkeypatch.setattr(ort, "InferenceSession", _SavedFormComputes)
+    capfd.readouterr()
+    with pytest.raises(sharedml.SessionCreationError, match="differs from"):
+        sharedml.SessionPool(model, sessions=1, prepacking="shared", cache_dir=tmp_path / "c")
+    assert "ExecuteKernel" not in capfd.readouterr().err
+
+
 @pytest.mark.capability("prepacked-save")
 def test_a_saved_form_within_float_reassociation_of_plain_ort_is_used(
     mlp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -418,18 +418,26 @@ def _reference_run(
 ) -> tuple[dict[str, Any] | None, list[Any]]:
     """Inputs generated from ``model``'s signature and ``sess``'s outputs for them.
 
-    ``(None, [])`` where no input can be generated or the session refuses the generated one
-    (a model that needs real inputs): the saved form is then checked by ORT's blob validation
+    Symbolic sizes are guessed as ``sharedml inspect`` guesses them: plausible heights, widths
+    and lengths, then image axes at their stride (a text recognizer's height of 48), then 1.
+    ``(None, [])`` where no input can be generated or the session refuses every guess (a
+    model that needs real inputs): the saved form is then checked by ORT's blob validation
     alone.
     """
+    import onnxruntime as ort
+
     from sharedml.model._inputs import generate, input_specs
 
-    try:
-        specs = input_specs(model)
-        feed = {s.name: generate({"shape": s.shape, "dtype": s.dtype}) for s in specs}
-        return feed, list(sess.run(None, feed))
-    except Exception:  # MeasurementError, or ORT's own errors (no common base but Exception)
-        return None, []
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4  # a refused guess is expected: not an error for ORT to print
+    for guess in ("plausible", "strides", "ones"):
+        try:
+            specs = input_specs(model, guess=guess)
+            feed = {s.name: generate({"shape": s.shape, "dtype": s.dtype}) for s in specs}
+            return feed, list(sess.run(None, feed, quiet))
+        except Exception:  # MeasurementError, or ORT's own errors (no common base)
+            continue
+    return None, []
 
 
 def _check_outputs(got: list[Any], expected: list[Any]) -> None:
