@@ -31,7 +31,13 @@ import sharedml
 from sharedml._units import human_bytes
 from sharedml.cli import main
 from sharedml.cli._inspect import render_text, write_plot
-from sharedml.inspection._inspect import InspectReport, inspect, recommend, summarize_weights
+from sharedml.inspection._inspect import (
+    InspectReport,
+    _trial_failed,
+    inspect,
+    recommend,
+    summarize_weights,
+)
 from sharedml.inspection._results import Measurement, MemoryPoint
 from sharedml.model._graph import load_graph
 from sharedml.model._inputs import InputSpec
@@ -148,6 +154,8 @@ def test_the_demo_reports_the_documented_fields(demo_json: dict[str, Any]) -> No
 def test_shared_sessions_take_under_half_the_memory_of_plain_ones(
     demo_json: dict[str, Any],
 ) -> None:
+    if demo_json["memory_metric"] == "rss":  # Wine: psutil reads neither PSS nor USS
+        pytest.skip("RSS counts mapped weights in full for every strategy: nothing to compare")
     naive = demo_json["strategies"]["naive"]
     shared = demo_json["strategies"]["shared"]
     assert shared["total_bytes"] < 0.5 * naive["total_bytes"]
@@ -279,7 +287,7 @@ def test_a_model_file_is_reported_as_text_with_every_strategy(tmp_path: Path) ->
         "naive",
         "shared-private-packs",
         "single",
-        "Projected PSS",
+        "Projected ",  # PSS on Linux; what was read elsewhere
         "Recommendation",
         "until memory settled",
     ):
@@ -287,6 +295,38 @@ def test_a_model_file_is_reported_as_text_with_every_strategy(tmp_path: Path) ->
     assert max(len(line) for line in text.splitlines()) <= 100
     assert not any(line != line.rstrip() for line in text.splitlines())
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_report_piped_in_a_legacy_code_page_is_written_in_it(tmp_path: Path) -> None:
+    """Outside UTF-8 mode, Windows writes pipes and files in the ANSI code page (cp1252): box
+    lines and a model path it cannot encode must not fail the report after the measuring."""
+    # A folder's name: onnxruntime-directml (before 1.25) cannot open a file whose own name
+    # holds characters outside the ANSI code page (the next test).
+    model = save_model(placements_model(), tmp_path / "модель-模型" / "placed.onnx")
+    out = subprocess.run(
+        [sys.executable, "-m", "sharedml.cli", "inspect", str(model), "--sessions", "1"],
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "PYTHONIOENCODING": "cp1252", "PYTHONUTF8": "0"},
+    )
+    assert out.returncode == 0, out.stderr.decode("cp1252")
+    text = out.stdout.decode("cp1252")  # every byte is cp1252
+    assert "Recommendation" in text and "Memory with 1 session" in text
+    assert "??????-??" in text  # what cp1252 cannot hold is replaced, not an error
+    assert " | " in text  # the tables drawn in ASCII, not as rows of "?"
+
+
+def test_a_file_name_windows_onnxruntime_cannot_open_is_named_as_the_cause() -> None:
+    """Not "give real inputs": the file's name is what onnxruntime 1.24 on Windows refuses."""
+    error = (
+        "RuntimeException: [ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Exception during "
+        "initialization: No mapping for the Unicode character exists in the target multi-byte "
+        "code page."
+    )
+    message = _trial_failed("'C:\\m\\модель.onnx'", [{"error": error, "inputs": []}], {})
+    assert "file name" in message and "onnxruntime 1.25" in message
+    assert "--inputs" not in message and "No mapping for the Unicode character" in message
 
 
 @pytest.mark.slow

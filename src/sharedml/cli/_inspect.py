@@ -289,16 +289,29 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+class _TextFor(io.StringIO):
+    """A text buffer that says it has ``stream``'s encoding (a ``StringIO`` says none)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__()
+        self._encoding = getattr(stream, "encoding", None) or "utf-8"
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._encoding
+
+
 def _print_report(report: Any, *, json_out: bool, plot: Path | None) -> None:
     if json_out:
         print(json.dumps(report.to_dict(), indent=2))
     elif sys.stdout.isatty():
         render_text(report, plot=plot)
     else:
-        # Piped: plain text, 100 columns, no trailing blanks.
+        # Piped: plain text, 100 columns, no trailing blanks; ASCII boxes where the pipe's
+        # encoding is not UTF (rich draws them from the file's ``encoding``).
         from rich.console import Console
 
-        buffer = io.StringIO()
+        buffer = _TextFor(sys.stdout)
         render_text(report, plot=plot, console=Console(file=buffer, width=100, highlight=False))
         sys.stdout.write("".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines()))
         sys.stdout.flush()
