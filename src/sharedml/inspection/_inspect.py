@@ -1506,11 +1506,24 @@ def _serialized_for(plan: Any, proto: Any, label: str) -> SerializedRuns | None:
     return SerializedRuns(plan.primary, ort.__version__, why)
 
 
+# What Windows says where ORT turns a wide file name into the ANSI code page and cannot: the
+# message of ERROR_NO_UNICODE_TRANSLATION, as Wine and as Windows word it.
+_ANSI_PATH_ERRORS = ("No Unicode translation", "No mapping for the Unicode character")
+
+
 def _trial_failed(
     label: str, rejected: Sequence[Mapping[str, Any]], defaulted: Mapping[str, Sequence[str]]
 ) -> str:
     """The message for a trial run that failed at every size tried: ORT's errors, the dims."""
     first = rejected[0]
+    if any(sign in str(first["error"]) for sign in _ANSI_PATH_ERRORS):
+        return (
+            f"onnxruntime could not open {label}: on Windows, onnxruntime before 1.25 (every "
+            "onnxruntime-directml) fails to create a session from a file whose name has a "
+            "character outside the system's ANSI code page (onnxruntime pull request 27724). "
+            "Rename or copy the model to a file name without such characters (the folders may "
+            f"keep theirs), or use onnxruntime 1.25 or newer. ORT said: {first['error']}"
+        )
     text = (
         f"One plain onnxruntime session of {label} could not run on the inputs inspect made "
         f"(nothing was measured): {str(first['error']).rstrip('.')}."
