@@ -219,7 +219,7 @@ def test_npy_and_npz_bodies_and_replies() -> None:
         np.testing.assert_array_equal(request.feed["x"], x)
     assert "send an .npz" in refused(400, _npy(x), NPY)  # several inputs: which one?
 
-    request = parse_request(_npz(x=x, ids=np.array([1, 2])), NPZ, INPUTS)
+    request = parse_request(_npz(x=x, ids=np.array([1, 2], np.int64)), NPZ, INPUTS)
     assert request.style == "npz" and sorted(request.feed) == ["ids", "x"]
     assert parse_request(_npz(x=x), "", INPUTS).style == "npz"
     assert "holds no arrays" in refused(400, _npz(), NPZ)

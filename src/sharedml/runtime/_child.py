@@ -163,8 +163,8 @@ def run_child(
             errors="replace",
             env=child_env(),
         )
-    except OSError as exc:
-        raise ChildFailed(what, f"could not start: {exc}") from None
+    except OSError as exc:  # Windows' message names no file: say which Python it was
+        raise ChildFailed(what, f"could not start {sys.executable}: {exc}") from None
     assert proc.stdout is not None and proc.stderr is not None
     stderr = proc.stderr
 
