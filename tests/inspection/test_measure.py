@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -523,9 +525,6 @@ print(json.dumps(pss() - base))
 def test_a_measurement_holds_what_sessions_hold_after_many_runs(tmp_path: Path) -> None:
     """ORT allocates a shape's planned activation memory on the second run, beside the first
     run's: after one run, sessions hold about half of what traffic makes them hold."""
-    import json
-    import subprocess
-
     path = tmp_path / "activations.onnx"
     onnx.save(activation_heavy_model(), path)
     m = measure(path, "naive", sessions=2, dims={"batch": 1})

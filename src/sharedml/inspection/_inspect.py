@@ -1445,7 +1445,8 @@ def inspect(
                 )
             )
         fixed: FixedCost | None = None
-        if SHARED in {m.strategy for m in measurements}:
+        shared = next((m for m in measurements if m.strategy == SHARED), None)
+        if shared is not None:
             from sharedml.inspection._measure import fixed_cost
 
             if progress is not None:
@@ -1462,7 +1463,7 @@ def inspect(
                 provider_options=plan.provider_options,
                 feeds=feeds,
                 timeout_s=timeout_s,
-                rounds=next(m for m in measurements if m.strategy == SHARED).points[-1].rounds,
+                rounds=shared.points[-1].rounds,
             )
     by_name = {m.strategy: m for m in measurements}
     metric = measurements[0].metric if measurements else "pss"

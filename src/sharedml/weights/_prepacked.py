@@ -426,11 +426,11 @@ def _reference_run(
     """
     import onnxruntime as ort
 
-    from sharedml.model._inputs import generate, input_specs
+    from sharedml.model._inputs import SIZE_CHOICES, generate, input_specs
 
     quiet = ort.RunOptions()
     quiet.log_severity_level = 4  # a refused guess is expected: not an error for ORT to print
-    for guess in ("plausible", "strides", "ones"):
+    for guess in SIZE_CHOICES:
         try:
             specs = input_specs(model, guess=guess)
             feed = {s.name: generate({"shape": s.shape, "dtype": s.dtype}) for s in specs}
