@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
-from _models import OPSET, batchable_model, fixed_at_one, save_model
+from _models import OPSET, batchable_model, conv_model, fixed_at_one, save_model
 from _waiting import DEADLINE_S
 from onnx import TensorProto, helper, numpy_helper
 
@@ -40,8 +41,9 @@ def _graph_model(path: Path, graph: Any) -> Path:
     return save_model(model, path)
 
 
-def candidate(sessions: int, threads: int, rows_per_s: float) -> CalibrationCandidate:
-    rows = 8
+def candidate(
+    sessions: int, threads: int, rows_per_s: float, rows: int = 8
+) -> CalibrationCandidate:
     return CalibrationCandidate(threads, sessions, rows, sessions * rows / rows_per_s, rows_per_s)
 
 
@@ -91,6 +93,31 @@ def test_the_margin_is_measured_from_the_best_not_from_each_neighbour() -> None:
     assert _calibrate.choose([one, two, four])[0] is two
 
 
+def test_single_rows_win_where_a_batch_gains_little_and_costs_much_memory() -> None:
+    margin, costly = _calibrate.ROWS_MARGIN, _calibrate.BATCH_MEMORY_SHARE + 0.01
+    one_b, two_b = candidate(1, 2, 120.0), candidate(2, 1, 124.0)
+    one_s = candidate(1, 2, 90.0, rows=1)
+    two_s = candidate(2, 1, 124.0 / (1 + margin), rows=1)  # just at the margin
+    chosen, reason = _calibrate.choose([one_b, one_s, two_b, two_s], batch_memory_share=costly)
+    assert chosen is two_s  # at one row, 2 sessions are clearly faster than 1
+    assert "at most 1 row(s)" in reason and "not worth it" in reason
+    # The same timings, where the batch's memory is small or unknown: batches.
+    both = [one_b, one_s, two_b, two_s]
+    for share in (_calibrate.BATCH_MEMORY_SHARE, 0.0, None):
+        assert _calibrate.choose(both, batch_memory_share=share)[0] is one_b
+    # Single rows just beyond the margin: batches, however costly.
+    two_s = candidate(2, 1, 124.0 / (1 + margin) - 1.0, rows=1)
+    chosen, reason = _calibrate.choose([one_b, one_s, two_b, two_s], batch_memory_share=9.0)
+    assert chosen is one_b and "not worth it" not in reason
+
+
+def test_among_single_rows_the_fewest_sessions_within_the_margin_win() -> None:
+    batch = candidate(1, 2, 100.0)
+    one_s, two_s = candidate(1, 2, 99.0, rows=1), candidate(2, 1, 100.0, rows=1)
+    chosen, _ = _calibrate.choose([batch, one_s, two_s], batch_memory_share=1.0)
+    assert chosen is one_s
+
+
 def test_choosing_from_nothing_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one"):
         _calibrate.choose([])
@@ -110,15 +137,25 @@ def test_an_auto_pool_splits_the_cores_as_measured_and_serves_like_plain_ort(
         calibration = pool.stats().calibration
         assert isinstance(calibration, Calibration)
         assert calibration.decided and calibration.seconds > 0 and calibration.reason
-        measured = [(c.sessions, c.threads) for c in calibration.candidates]
-        assert measured == _calibrate.candidate_splits(cores)
+        measured = [(c.sessions, c.threads, c.rows) for c in calibration.candidates]
+        assert measured == [
+            (sessions, threads, rows)
+            for sessions, threads in _calibrate.candidate_splits(cores)
+            for rows in (1, _calibrate.CALIBRATION_ROWS)
+        ]
         for c in calibration.candidates:
-            assert c.rows == _calibrate.CALIBRATION_ROWS
             assert c.seconds_per_batch > 0
             assert c.rows_per_s == pytest.approx(c.sessions * c.rows / c.seconds_per_batch)
-        best, reason = _calibrate.choose(calibration.candidates)
+        # An MLP's batch of 8 rows adds next to nothing to a session's memory.
+        assert calibration.batch_memory_share is not None
+        assert calibration.batch_memory_share < _calibrate.BATCH_MEMORY_SHARE
+        best, reason = _calibrate.choose(
+            calibration.candidates, batch_memory_share=calibration.batch_memory_share
+        )
         assert (calibration.sessions, calibration.threads) == (best.sessions, best.threads)
         assert calibration.reason == reason
+        assert calibration.max_batch_size is None and pool.batching is not None
+        assert pool.batching.max_batch_size == sharedml.Batching().max_batch_size
         assert calibration.threads == cores // calibration.sessions
         if cores & (cores - 1) == 0:  # a power of two: every split is exact
             assert calibration.sessions * calibration.threads == cores
@@ -182,14 +219,17 @@ def test_probes_run_batches_of_the_calibration_rows_and_go_before_the_pools_sess
     ) as pool:
         calibration = pool.stats().calibration
         assert calibration is not None
-        probes = len(calibration.candidates)
+        probes = len(calibration.candidates) // 2  # two batch sizes each
         assert calibration.decided == (usable_cores() > 1)
         # Each probe, and the pool's first session, found no earlier session alive.
         assert alive_before[: probes + 1] == [0] * (probes + 1)
         assert len(alive_before) == probes + calibration.sessions
-        # A warm-up and at least three timed runs of the calibration batch per probe.
+        # Per probe: single rows, then the calibration batch, each twice to warm up; then
+        # both in turn, at least twice each.
         for rows in rows_run[:probes]:
-            assert len(rows) >= 4 and set(rows) == {_calibrate.CALIBRATION_ROWS}
+            assert rows[:4] == [1, 1, _calibrate.CALIBRATION_ROWS, _calibrate.CALIBRATION_ROWS]
+            timed = rows[4:]
+            assert len(timed) >= 4 and timed == [1, _calibrate.CALIBRATION_ROWS] * (len(timed) // 2)
         assert pool.run(None, {"x": np.ones((1, DIM), np.float32)})[0].shape == (1, DIM)
 
 
@@ -200,8 +240,9 @@ def test_the_pool_creates_the_split_that_calibration_chose(
     if usable_cores() == 1:
         pytest.skip("one core: a single split, nothing to choose")
 
-    def forced(measured: Any) -> tuple[CalibrationCandidate, str]:
-        by_sessions = sorted(measured, key=lambda c: c.sessions)
+    def forced(measured: Any, **_: Any) -> tuple[CalibrationCandidate, str]:
+        batches = [c for c in measured if c.rows == _calibrate.CALIBRATION_ROWS]
+        by_sessions = sorted(batches, key=lambda c: c.sessions)
         return (by_sessions[0] if pick == "fewest sessions" else by_sessions[-1]), "forced"
 
     monkeypatch.setattr(_calibrate, "choose", forced)
@@ -231,11 +272,85 @@ def test_calibration_stops_probing_at_its_bound_and_says_so(
         calibration = pool.stats().calibration
         assert calibration is not None and calibration.decided
         fewest = _calibrate.candidate_splits(usable_cores())[0]
-        assert [(c.sessions, c.threads) for c in calibration.candidates] == [fewest]
+        assert [(c.sessions, c.threads) for c in calibration.candidates] == [fewest, fewest]
         assert (calibration.sessions, calibration.threads) == fewest
         skipped = len(_calibrate.candidate_splits(usable_cores())) - 1
         assert f"{skipped} split(s) with more sessions were not measured" in calibration.reason
         assert pool.run(None, {"x": np.ones((1, DIM), np.float32)})[0].shape == (1, DIM)
+
+
+def _image_model(path: Path, *, symbolic_size: bool = False) -> Path:
+    """A convolution whose activations take about 2 MiB a row, over tiny weights."""
+    conv_model(path, channels=32, size=96)
+    if symbolic_size:
+        changed = onnx.load(path)
+        for value in (*changed.graph.input, *changed.graph.output):
+            for axis in (2, 3):
+                dim = value.type.tensor_type.shape.dim[axis]
+                dim.Clear()
+                dim.dim_param = "height" if axis == 2 else "width"
+        save_model(changed, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("sizes", "rows_margin", "capped"),
+    [
+        ("fixed", 1e9, True),  # single rows always within the margin: capped
+        ("fixed", -0.99, False),  # never within it: the batch stands
+        ("symbolic", 1e9, False),  # within it, but the image size was guessed
+    ],
+)
+def test_a_pool_runs_single_rows_only_where_a_costly_batch_measured_no_faster(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fast_switching: None,
+    sizes: str,
+    rows_margin: float,
+    capped: bool,
+) -> None:
+    if usable_cores() == 1:
+        pytest.skip("one core: nothing is measured")
+    path = _image_model(tmp_path / "conv.onnx", symbolic_size=sizes == "symbolic")
+    monkeypatch.setattr(_calibrate, "ROWS_MARGIN", rows_margin)
+    with sharedml.SessionPool(
+        path, sessions="auto", batching=True, create_in_background=False
+    ) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and calibration.decided
+        # The first probe measured the batch's activations (8 rows of 2-3 MiB each) against a
+        # session of 37 KiB of weights: far beyond the share that makes a batch costly.
+        assert calibration.batch_memory_share is not None
+        assert calibration.batch_memory_share > _calibrate.BATCH_MEMORY_SHARE
+        assert pool.batching is not None
+        if capped:
+            assert calibration.max_batch_size == pool.batching.max_batch_size == 1
+            assert "at most 1 row(s)" in calibration.reason
+            assert "at most 1 row(s) per Run" in pool.batching_reason
+        else:
+            assert calibration.max_batch_size is None
+            assert pool.batching.max_batch_size == sharedml.Batching().max_batch_size
+            assert "row(s) per Run" not in pool.batching_reason
+
+        plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(5)
+        xs = [rng.standard_normal((1, 32, 96, 96)).astype(np.float32) for _ in range(8)]
+        outs: list[Any] = [None] * len(xs)
+        start = threading.Barrier(len(xs))
+
+        def call(i: int) -> None:
+            start.wait()
+            outs[i] = pool.run(None, {"x": xs[i]})[0]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for x, out in zip(xs, outs, strict=True):
+            np.testing.assert_allclose(out, plain.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+        if capped:  # 8 callers at once, yet every Run held one row
+            assert pool.stats().max_batch_rows == 1
 
 
 def test_a_thread_count_in_sess_options_fixes_the_split(model: Path) -> None:

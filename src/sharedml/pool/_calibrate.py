@@ -10,12 +10,21 @@ creates its sessions:
   with S = cores // T sessions of T' = cores // S threads (the most each of S sessions may take).
 - For each, one probe session is created from the pool's own route recipe (the same shared
   weights, options and providers; only ``intra_op_num_threads`` differs), fed a batch of
-  :data:`CALIBRATION_ROWS` rows (at most ``Batching.max_batch_size``) generated from the model's
-  signature (:mod:`sharedml.model._inputs`), run once to warm up and then timed. Its predicted
-  throughput is ``S * rows / seconds_per_batch``. The probe is released before the next one
-  and before the pool creates its own sessions.
-- :func:`choose` picks the fewest sessions within :data:`SESSIONS_MARGIN` of the best
-  prediction.
+  :data:`CALIBRATION_ROWS` rows (at most ``Batching.max_batch_size``) and a single row, both
+  generated from the model's signature (:mod:`sharedml.model._inputs`), each run once to warm
+  up and then timed in turn. Its predicted throughput at each size is
+  ``S * rows / seconds_per_batch``. The probe is released before the next one and before the
+  pool creates its own sessions.
+- :func:`choose` decides whether merged batches pay for their memory: a session's activations
+  grow with the rows of its batch (a ResNet-50-like model's pool held 2.6x its unbatched
+  memory at 16 rows). The first probe measures what its batch adds to its resident memory over
+  single rows; where that is more than :data:`BATCH_MEMORY_SHARE` of what the session itself
+  took and one row at a time comes within :data:`ROWS_MARGIN` of the best batch, the pool runs
+  one row at a time (``Calibration.max_batch_size`` = 1). Only for inputs whose every size but
+  the rows is fixed: where a probe guessed a sequence length or an image size, the traffic's
+  own sizes decide what a batch gains (paraphrase-MiniLM-L3 gained 4% from 8-row batches at
+  128 tokens here, 15-34% at 32), so the batch size stands. Then, among the splits at that
+  size, the fewest sessions within :data:`SESSIONS_MARGIN` of the best.
 
 Where nothing can be measured (another provider, runs serialized, no batching, inputs that
 cannot be generated, a probe that fails) the pool takes a stated default, and
@@ -40,9 +49,11 @@ from sharedml.route._planner import SessionRecipe
 from sharedml.runtime._providers import CPU
 
 __all__ = [
+    "BATCH_MEMORY_SHARE",
     "BUDGET_S",
     "CALIBRATION_ROWS",
     "HARD_LIMIT_S",
+    "ROWS_MARGIN",
     "SESSIONS_MARGIN",
     "Calibration",
     "CalibrationCandidate",
@@ -54,14 +65,28 @@ __all__ = [
 CALIBRATION_ROWS = 8  # rows per probe batch: a batch that several callers fill quickly
 BUDGET_S = 1.0  # seconds of timed Runs, shared by the candidates
 HARD_LIMIT_S = 10.0  # seconds: no further candidate is probed once calibration took this long
-_MIN_RUNS = 3  # timed Runs per candidate, budget or not (a median needs a few)
-_MAX_RUNS = 50  # timed Runs per candidate: a small model's median settles long before
+_MIN_RUNS = 2  # timed Runs per batch size and candidate, budget or not
+_MAX_RUNS = 50  # timed Runs per batch size and candidate: a small model's settles long before
 
 # Prefer fewer sessions unless more are faster by more than this share of the best prediction.
 # Each extra session holds its own activations, arenas and threads, while the timings come from
 # a few Runs on a machine that may be busy: differences of a few percent between candidates
 # are within that noise, and not worth the memory.
 SESSIONS_MARGIN = 0.10
+
+# Merge rows only where batches serve more than this share more rows/s than single rows. A
+# batch's activations grow with its rows and each session's arena keeps its largest batch's;
+# where a model's kernels are already busy at one row (convolutions on a few cores), merged
+# batches cost that memory for a gain within the noise. Measured here (ResNet-50-like, 2 cores,
+# 16 callers): 1, 2, 4, 8 and 16 rows per batch all served 23.6-25.7 requests/s while the
+# pool's memory grew from +134 to +370 MiB.
+ROWS_MARGIN = 0.25
+
+# ... and only where the batch's activations are a cost worth saving: more than this share of
+# what one session took resident (its weights as it touched them, packs, arenas). A transformer
+# at 8 rows adds a few MiB to hundreds of MiB of weights, and single rows there would give up
+# the batch's gain at the sequence lengths traffic really has (calibration guesses them).
+BATCH_MEMORY_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +120,12 @@ class Calibration:
             applies (``reason`` says why).
         reason: Why this split, in one sentence.
         seconds: How long calibration took (probe sessions created, run and released).
+        max_batch_size: The most rows a merged run holds, where calibration lowered it: 1 where
+            single rows came within :data:`ROWS_MARGIN` of the best batch (the pool then runs
+            each request's rows alone); None where the pool's ``Batching`` setting stands.
+        batch_memory_share: What the first probe's batch added to its resident memory over
+            single rows, as a share of what the session took with single rows; None where not
+            measured.
     """
 
     candidates: tuple[CalibrationCandidate, ...]
@@ -103,6 +134,8 @@ class Calibration:
     decided: bool
     reason: str
     seconds: float
+    max_batch_size: int | None = None
+    batch_memory_share: float | None = None
 
 
 def candidate_splits(cores: int) -> list[tuple[int, int]]:
@@ -122,11 +155,19 @@ def candidate_splits(cores: int) -> list[tuple[int, int]]:
     return [(s, cores // s) for s in counts]
 
 
-def choose(candidates: Sequence[CalibrationCandidate]) -> tuple[CalibrationCandidate, str]:
-    """The candidate to use, and why: the fewest sessions within the margin of the best.
+def choose(
+    candidates: Sequence[CalibrationCandidate], *, batch_memory_share: float | None = None
+) -> tuple[CalibrationCandidate, str]:
+    """The candidate to use, and why.
 
-    Of the candidates whose predicted rows/s is at least ``best / (1 + SESSIONS_MARGIN)``, the
-    one with the fewest sessions (on equal sessions, the faster).
+    First the batch size: where the candidates were measured at several sizes, the batch's
+    memory is more than ``BATCH_MEMORY_SHARE`` of a session's (``batch_memory_share``; None:
+    unknown, never) and the best at the fewest rows predicts at least
+    ``best / (1 + ROWS_MARGIN)``, only the candidates at that size remain (merged rows do not
+    pay for their memory); otherwise those at the best's size.
+    Then, of the remaining candidates whose predicted rows/s is at least
+    ``their best / (1 + SESSIONS_MARGIN)``, the one with the fewest sessions (on equal sessions,
+    the faster).
 
     Raises:
         ValueError: no candidates.
@@ -134,18 +175,35 @@ def choose(candidates: Sequence[CalibrationCandidate]) -> tuple[CalibrationCandi
     if not candidates:
         raise ValueError("choose() needs at least one measured candidate.")
     best = max(candidates, key=lambda c: c.rows_per_s)
-    good = [c for c in candidates if c.rows_per_s * (1 + SESSIONS_MARGIN) >= best.rows_per_s]
+    fewest, most = min(c.rows for c in candidates), max(c.rows for c in candidates)
+    single = max((c for c in candidates if c.rows == fewest), key=lambda c: c.rows_per_s)
+    batch = max((c for c in candidates if c.rows == most), key=lambda c: c.rows_per_s)
+    size_note = ""
+    costly = batch_memory_share is not None and batch_memory_share > BATCH_MEMORY_SHARE
+    if fewest != most and costly and single.rows_per_s * (1 + ROWS_MARGIN) >= best.rows_per_s:
+        size = fewest
+        size_note = (
+            f" Batches of {most} rows predicted {batch.rows_per_s:.0f} rows/s, within "
+            f"{ROWS_MARGIN:.0%} of {fewest} row(s) at a time ({single.rows_per_s:.0f}), and "
+            f"added {batch_memory_share:.0%} to a session's memory: not worth it, so each Run "
+            f"holds at most {size} row(s)."
+        )
+    else:
+        size = best.rows
+    sized = [c for c in candidates if c.rows == size]
+    top = max(sized, key=lambda c: c.rows_per_s)
+    good = [c for c in sized if c.rows_per_s * (1 + SESSIONS_MARGIN) >= top.rows_per_s]
     chosen = min(good, key=lambda c: (c.sessions, -c.rows_per_s))
     split = _split_text(chosen.sessions, chosen.threads)
-    if chosen is best:
+    if chosen is top:
         return chosen, (
             f"{split}: the most rows/s predicted ({chosen.rows_per_s:.0f}) of "
-            f"{len(candidates)} split(s) measured."
+            f"{len(sized)} split(s) measured at {size} row(s).{size_note}"
         )
     return chosen, (
         f"{split}: {chosen.rows_per_s:.0f} rows/s predicted, within "
-        f"{SESSIONS_MARGIN:.0%} of the best ({best.rows_per_s:.0f} with "
-        f"{_split_text(best.sessions, best.threads)}), with fewer sessions."
+        f"{SESSIONS_MARGIN:.0%} of the best ({top.rows_per_s:.0f} with "
+        f"{_split_text(top.sessions, top.threads)}), with fewer sessions.{size_note}"
     )
 
 
@@ -223,8 +281,9 @@ def calibrate(
     if len(splits) == 1:
         return fallback(cores, 1, "one usable core: one session of one thread; nothing to measure.")
     rows = min(CALIBRATION_ROWS, batching.max_batch_size)
+    sizes = sorted({1, rows})  # single rows first: the batch's memory is measured over theirs
     try:
-        feed = _feed(recipe, rows)
+        feeds = [_feed(recipe, n) for n in sizes]
     except (ValueError, SharedMLError) as exc:  # MeasurementError: a type it cannot generate
         return fallback(
             cores,
@@ -234,16 +293,19 @@ def calibrate(
     measured: list[CalibrationCandidate] = []
     lock = creation_lock if creation_lock is not None else contextlib.nullcontext()
     share_s = BUDGET_S / len(splits)
+    probed = 0
+    share: float | None = None
     for sessions, threads in splits:
         if measured and time.perf_counter() - start > HARD_LIMIT_S:
             break
         try:
-            seconds = _seconds_per_batch(
+            seconds, grown = _seconds_per_run(
                 dataclasses.replace(recipe, intra_op_threads=threads),
-                feed,
+                feeds,
                 lock=lock,
                 share_s=share_s,
                 deadline=start + HARD_LIMIT_S,
+                resident=probed == 0 and len(feeds) > 1,  # later probes find weights touched
             )
         except Exception as exc:  # onnxruntime's own errors have no common base but Exception
             return fallback(
@@ -252,17 +314,32 @@ def calibrate(
                 f"a probe session of {threads} thread(s) failed on {rows} generated rows "
                 f"({type(exc).__name__}: {_short(exc)}); {on_failure}.",
             )
-        measured.append(
-            CalibrationCandidate(threads, sessions, rows, seconds, sessions * rows / seconds)
+        if grown is not None:
+            session_bytes, batch_bytes = grown
+            share = batch_bytes / session_bytes if session_bytes > 0 else None
+        probed += 1
+        measured.extend(
+            CalibrationCandidate(threads, sessions, n, s, sessions * n / s)
+            for n, s in zip(sizes, seconds, strict=True)
         )
-    chosen, reason = choose(measured)
-    if len(measured) < len(splits):
+    # A batch's cost per row depends on the other sizes (a transformer's sequence length): where
+    # probes guessed them, the traffic's own may make batches pay, so they are not capped.
+    guessed = _guesses_sizes(recipe)
+    chosen, reason = choose(measured, batch_memory_share=None if guessed else share)
+    if probed < len(splits):
         reason += (
-            f" {len(splits) - len(measured)} split(s) with more sessions were not measured: "
+            f" {len(splits) - probed} split(s) with more sessions were not measured: "
             f"calibration reached its bound of {HARD_LIMIT_S:.0f} s."
         )
     return Calibration(
-        tuple(measured), chosen.sessions, chosen.threads, True, reason, time.perf_counter() - start
+        tuple(measured),
+        chosen.sessions,
+        chosen.threads,
+        True,
+        reason,
+        time.perf_counter() - start,
+        max_batch_size=chosen.rows if chosen.rows < rows else None,
+        batch_memory_share=share,
     )
 
 
@@ -271,6 +348,13 @@ def _fixed_threads(recipe: SessionRecipe) -> int | None:
     options = dataclasses.replace(recipe, intra_op_threads=None).options()
     threads = int(options.intra_op_num_threads)
     return threads if threads > 0 else None
+
+
+def _guesses_sizes(recipe: SessionRecipe) -> bool:
+    """Whether an input has a symbolic dimension besides its rows, which probes only guess."""
+    return any(
+        d is not None for s in input_specs(load_graph(recipe.model_path)) for d in s.dim_names[1:]
+    )
 
 
 def _feed(recipe: SessionRecipe, rows: int) -> dict[str, Any]:
@@ -298,38 +382,60 @@ def _feed(recipe: SessionRecipe, rows: int) -> dict[str, Any]:
     return feed
 
 
-def _seconds_per_batch(
-    recipe: SessionRecipe, feed: dict[str, Any], *, lock: Any, share_s: float, deadline: float
-) -> float:
-    """The median time of one ``Run`` of ``feed`` on a probe session of ``recipe``.
+def _seconds_per_run(
+    recipe: SessionRecipe,
+    feeds: Sequence[dict[str, Any]],
+    *,
+    lock: Any,
+    share_s: float,
+    deadline: float,
+    resident: bool = False,
+) -> tuple[list[float], tuple[int, int] | None]:
+    """The median time of one ``Run`` of each feed on a probe session of ``recipe``.
 
-    One warm-up Run first (first-run allocations); then timed Runs until ``share_s`` seconds
-    passed and at least ``_MIN_RUNS`` ran, at most ``_MAX_RUNS``, or ``deadline`` passed after
-    one. The session is released before returning.
+    Two warm-up Runs of each feed first, in order (ORT plans a shape's memory on its first Run
+    and allocates the plan on the second); then the feeds in turn, so a moment of load slows
+    them alike, until ``share_s`` seconds passed and each ran at least ``_MIN_RUNS`` times, at
+    most ``_MAX_RUNS``, or ``deadline`` passed after one turn. The session is released before
+    returning.
+
+    With ``resident``, also what the process's resident memory grew by: from before the
+    session's creation to after the first feed's warm-up (the session), and over the warm-ups
+    of the rest (their larger activations); else None.
     """
     import onnxruntime as ort
+    import psutil
 
     quiet = ort.RunOptions()
     quiet.log_severity_level = 4  # a failing probe is reported in the reason, not logged too
+    me = psutil.Process()
+    before = me.memory_info().rss
     with lock:
         sess = recipe.create_session()
     try:
-        sess.run(None, feed, quiet)
-        times: list[float] = []
+        marks = []
+        for feed in feeds:
+            sess.run(None, feed, quiet)
+            sess.run(None, feed, quiet)
+            marks.append(me.memory_info().rss)
+        grown = (marks[0] - before, max(0, marks[-1] - marks[0])) if resident else None
+        times: list[list[float]] = [[] for _ in feeds]
         began = time.perf_counter()
         while True:
-            t0 = time.perf_counter()
-            sess.run(None, feed, quiet)
-            now = time.perf_counter()
-            times.append(now - t0)
-            if len(times) >= _MAX_RUNS or now >= deadline:
+            for feed, timed in zip(feeds, times, strict=True):
+                t0 = time.perf_counter()
+                sess.run(None, feed, quiet)
+                timed.append(time.perf_counter() - t0)
+            now, turns = time.perf_counter(), len(times[0])
+            if turns >= _MAX_RUNS or now >= deadline:
                 break
-            if len(times) >= _MIN_RUNS and now - began >= share_s:
+            if turns >= _MIN_RUNS and now - began >= share_s:
                 break
     finally:
         del sess
         release_freed_heap()
-    return max(statistics.median(times), 1e-9)  # a zero would divide the prediction
+    # A zero would divide the prediction.
+    return [max(statistics.median(t), 1e-9) for t in times], grown
 
 
 def _short(exc: BaseException, limit: int = 200) -> str:

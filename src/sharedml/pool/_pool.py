@@ -576,6 +576,15 @@ class SessionPool:
                 self.recipe = dataclasses.replace(
                     self.recipe, intra_op_threads=self._calibration.threads
                 )
+            if chosen is not None and self._calibration.max_batch_size is not None:
+                # Merged rows measured not worth their activation memory: fewer per Run.
+                chosen = dataclasses.replace(
+                    chosen, max_batch_size=self._calibration.max_batch_size
+                )
+                reason = reason.rstrip(".") + (
+                    f". sessions='auto' measured merged batches not worth their memory: at most "
+                    f"{chosen.max_batch_size} row(s) per Run (stats().calibration says why)."
+                )
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
         self._sessions = _Sessions(
             self.recipe,
