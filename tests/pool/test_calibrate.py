@@ -502,3 +502,27 @@ def test_auto_with_min_or_max_sessions_is_refused_naming_both(
         sharedml.SessionPool(tmp_path / "missing.onnx", sessions="auto", **bounds)
     for name, value in bounds.items():
         assert f"{name}={value}" in str(raised.value)
+
+
+def test_cores_given_to_the_pool_are_what_it_splits_and_divides(model: Path) -> None:
+    with sharedml.SessionPool(
+        model, sessions="auto", batching=True, cores=3, create_in_background=False
+    ) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and calibration.decided
+        assert {(c.sessions, c.threads) for c in calibration.candidates} == set(
+            _calibrate.candidate_splits(3)
+        )
+    with sharedml.SessionPool(model, sessions=2, cores=6, create_in_background=False) as pool:
+        with pool.session() as sess:
+            assert sess.get_session_options().intra_op_num_threads == 3
+
+
+@pytest.mark.parametrize(
+    ("cores", "error"), [(0, ValueError), (-2, ValueError), (True, ValueError), (2.0, TypeError)]
+)
+def test_bad_core_counts_are_refused_before_anything_is_prepared(
+    tmp_path: Path, cores: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="cores must be an integer"):
+        sharedml.SessionPool(tmp_path / "missing.onnx", cores=cores)

@@ -931,6 +931,11 @@ def test_deployment_lets_enough_requests_reach_each_pool(tmp_path: Path) -> None
     assert deployment(model)._bound_deployment.max_ongoing_requests == 4 * (32 + 1)
     custom = deployment(model, name="x", max_ongoing_requests=7, num_replicas=3)._bound_deployment
     assert (custom.name, custom.max_ongoing_requests, custom.num_replicas) == ("x", 7, 3)
+    # sessions="auto": up to a session per CPU of the replica, at least the default count.
+    auto = deployment(model, sessions="auto", ray_actor_options={"num_cpus": 8})._bound_deployment
+    assert auto.init_kwargs["sessions"] == "auto"
+    assert auto.max_ongoing_requests == 8 * (32 + 1)
+    assert deployment(model, sessions="auto")._bound_deployment.max_ongoing_requests == 4 * 33
     with pytest.raises(TypeError):
         deployment(model, no_such_serve_option=1)
 

@@ -34,6 +34,7 @@ import sharedml.cache
 import sharedml.ray
 from sharedml import _host
 from sharedml.cache import Cache, _entries, _locks
+from sharedml.pool._calibrate import candidate_splits
 from sharedml.ray import NodeModel, create_pool, prepare_on_node
 from sharedml.ray import _node as node_module
 
@@ -334,6 +335,40 @@ def test_in_a_ray_worker_the_replicas_cpus_are_shared(
     pool, _ = create_pool(mlp_model, sessions=2, cache_dir=tmp_path)
     with pool:
         assert pool.recipe.template.intra_op_num_threads == 3
+
+
+@pytest.mark.parametrize("cpus", [6.0, 3.5])
+def test_an_auto_replica_splits_the_cpus_ray_gave_it_by_measuring(
+    mlp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: float
+) -> None:
+    class Context:
+        def get_assigned_resources(self) -> dict[str, float]:
+            return {"CPU": cpus}
+
+    fake_ray = types.SimpleNamespace(is_initialized=lambda: True, get_runtime_context=Context)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    pool, _ = create_pool(mlp_model, sessions="auto", cache_dir=tmp_path)
+    with pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and calibration.decided, calibration
+        whole = int(cpus)  # a fraction of a CPU runs no thread of its own
+        splits = {(c.sessions, c.threads) for c in calibration.candidates}
+        assert splits == set(candidate_splits(whole))
+        assert calibration.sessions * calibration.threads <= whole
+        assert pool.max_sessions == calibration.sessions
+        with pool.session() as sess:
+            assert sess.get_session_options().intra_op_num_threads == calibration.threads
+        x = np.ones((2, 512), np.float32)
+        assert pool.run(None, {"input": x})[0].shape == (2, 512)
+
+
+def test_an_auto_pool_given_one_cpu_measures_nothing(mlp_model: Path, tmp_path: Path) -> None:
+    pool, _ = create_pool(mlp_model, sessions="auto", cpus=1, cache_dir=tmp_path)
+    with pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and not calibration.decided
+        assert (calibration.sessions, calibration.threads) == (1, 1)
+        assert "one usable core" in calibration.reason
 
 
 def test_node_model_is_a_frozen_record() -> None:

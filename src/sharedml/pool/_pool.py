@@ -433,6 +433,10 @@ class SessionPool:
             its MatMul and Gemm weights quantized to 8- or 4-bit blocks (onnxruntime's
             ``MatMulNBits``), built once into the cache and shared like any prepared model
             (``docs/compress.md``). Raises ``CompressError`` where nothing can be compressed.
+        cores: The CPU cores the pool's sessions share (default: this process's affinity
+            mask): what ``sessions="auto"`` splits, and what a CPU pool given a count divides
+            into intra-op threads (``cores // sessions`` each). A Ray replica passes its
+            ``num_cpus``; a process sharing its cores with other work passes its own share.
 
     Raises:
         SharedMLError: see :mod:`sharedml._errors`; the model, provider or first session failed.
@@ -465,6 +469,7 @@ class SessionPool:
         serialize_runs: bool | None = None,
         size_threshold_bytes: int | None = None,
         weights: str = "float",
+        cores: int | None = None,
     ) -> None:
         self._state = _State.OPENING
         self._pid = os.getpid()
@@ -480,6 +485,8 @@ class SessionPool:
                 f"sessions='auto' with {given}: 'auto' chooses the number of sessions itself. "
                 "Leave min_sessions and max_sessions out, or give sessions a number."
             )
+        if cores is not None:
+            cores = _count_argument("cores", cores, minimum=1, also="")
         counts = {
             name: _count_argument(name, value, minimum=minimum, also=also)
             for name, value, minimum, also in (
@@ -503,7 +510,7 @@ class SessionPool:
         if auto_sessions and self.plan.primary == CPU and not serialized:
             # Routed for the most sessions calibration may choose (map budget); the count and
             # the threads are set once it has measured.
-            self._max = max(default, usable_cores())
+            self._max = max(default, cores or usable_cores())
         self._min = counts.get("min_sessions", self._max)
         if self._min > self._max:
             raise ValueError(f"min_sessions ({self._min}) is more than max_sessions ({self._max}).")
@@ -542,6 +549,7 @@ class SessionPool:
             verify_weights=verify_weights,
             size_threshold_bytes=size_threshold_bytes,
             weights=weights,
+            cores=cores,
         )
         self.recipe: SessionRecipe = route(model)
         chosen, self._signature, reason, graph = _decide_batching(
@@ -569,6 +577,7 @@ class SessionPool:
                 serialized=serialized,
                 default_sessions=default,
                 creation_lock=CREATION_LOCK if serialize_creation else None,
+                cores=cores,
             )
             _log.info("sharedml: sessions='auto': %s", self._calibration.reason)
             self._max = self._min = self._calibration.sessions

@@ -32,7 +32,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sharedml._host import filesystem_type, is_remote_filesystem
 from sharedml.cache._locks import held_lock
@@ -274,7 +274,7 @@ def _session_options(sessions: int, cpus: float) -> Any:
 def create_pool(
     model: str | os.PathLike[str] | bytes,
     *,
-    sessions: int | None = None,
+    sessions: int | Literal["auto"] | None = None,
     batching: BatchingSetting = "auto",
     providers: Any = None,
     cache_dir: CacheDir = None,
@@ -291,7 +291,9 @@ def create_pool(
 
     Args:
         model: Path of any ONNX model (local disk or shared storage), or its bytes.
-        sessions: Sessions in the pool (default: the pool's).
+        sessions: Sessions in the pool (default: the pool's), or ``"auto"``: the pool splits
+            ``cpus`` (at least one) into sessions x threads by measuring, as
+            ``SessionPool(sessions="auto")`` does with its cores.
         batching: ``"auto"`` (default): merge waiting requests wherever the analysis proves it;
             else as ``SessionPool(batching=...)``.
         providers: As for ``SessionPool``.
@@ -319,7 +321,10 @@ def create_pool(
         lock_timeout_s=lock_timeout_s,
     ) as turn:
         share = cpus if cpus is not None else _replica_cpus()
-        if "sess_options" not in pool_options and share is not None:
+        if sessions == "auto":
+            if share is not None and "cores" not in pool_options:
+                pool_options["cores"] = max(1, math.floor(share))
+        elif "sess_options" not in pool_options and share is not None:
             count = pool_options.get("max_sessions") or sessions or DEFAULT_SESSIONS
             pool_options["sess_options"] = _session_options(count, share)
         pool = SessionPool(

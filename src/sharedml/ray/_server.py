@@ -31,12 +31,13 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -88,7 +89,9 @@ class ModelServer:
     Args:
         model: Path of any ONNX model, valid on every node (shared storage, or the same path
             on each), or its bytes.
-        sessions: Sessions in each replica's pool (default: the pool's).
+        sessions: Sessions in each replica's pool (default: the pool's), or ``"auto"``: each
+            replica splits its CPUs into sessions x threads by measuring (see
+            :func:`sharedml.ray.create_pool`).
         batching: See :func:`sharedml.ray.create_pool`.
         providers: As for ``SessionPool``.
         model_name: The name clients use (default: the model file's stem).
@@ -106,7 +109,7 @@ class ModelServer:
         self,
         model: str | os.PathLike[str] | bytes,
         *,
-        sessions: int | None = None,
+        sessions: int | Literal["auto"] | None = None,
         batching: BatchingSetting = "auto",
         providers: Any = None,
         model_name: str | None = None,
@@ -344,7 +347,7 @@ def _replica_identity() -> dict[str, str]:
 def deployment(
     model: str | os.PathLike[str] | bytes,
     *,
-    sessions: int | None = None,
+    sessions: int | Literal["auto"] | None = None,
     batching: BatchingSetting = "auto",
     providers: Any = None,
     model_name: str | None = None,
@@ -368,7 +371,8 @@ def deployment(
 
     Args:
         model: Path of any ONNX model, valid on every node, or its bytes.
-        sessions: Sessions in each replica's pool (default: the pool's, 4).
+        sessions: Sessions in each replica's pool (default: the pool's, 4), or ``"auto"``:
+            each replica splits its ``num_cpus`` into sessions x threads by measuring.
         batching: ``"auto"`` (default): merge the requests a replica holds wherever the model
             can be batched; True, False or a :class:`~sharedml.Batching`.
         providers: As for ``SessionPool``.
@@ -394,9 +398,14 @@ def deployment(
 
     rows = batching.max_batch_size if isinstance(batching, Batching) else Batching().max_batch_size
     per_session = rows + 1 if batching is not False else 2
+    if sessions == "auto":  # at most a session per CPU the replica holds
+        cpus = serve_options.get("ray_actor_options", {}).get("num_cpus") or 1
+        count = max(DEFAULT_SESSIONS, math.ceil(cpus))
+    else:
+        count = sessions or DEFAULT_SESSIONS
     options: dict[str, Any] = {
         "name": f"sharedml-{model_name or _model_name(model)}",
-        "max_ongoing_requests": (sessions or DEFAULT_SESSIONS) * per_session,
+        "max_ongoing_requests": count * per_session,
         **serve_options,
     }
     return (

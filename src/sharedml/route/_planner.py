@@ -283,6 +283,7 @@ def plan_route(
     verify_weights: bool = True,
     size_threshold_bytes: int | None = None,
     weights: WeightsFormat | str = WeightsFormat.FLOAT,
+    cores: int | None = None,
 ) -> SessionRecipe:
     """Decide how ``max_sessions`` sessions of ``model`` get their weights (see the module).
 
@@ -302,6 +303,8 @@ def plan_route(
         weights: ``"float"``, or compressed MatMul/Gemm weights (``"int8"``, ``"int4"``): the
             model is compressed once into the cache and the sessions share that file
             (:mod:`sharedml.prepared._compress`).
+        cores: The CPU cores the sessions share, each getting ``cores // max_sessions``
+            intra-op threads on the CPU (default: this process's usable cores).
 
     Returns:
         The recipe.
@@ -325,6 +328,7 @@ def plan_route(
         verify_weights=verify_weights,
         size_threshold_bytes=size_threshold_bytes,
         compressed=WeightsFormat.parse(weights),
+        cores=cores,
     )
     if graphs_reason:
         recipe = dataclasses.replace(recipe, reason=f"{recipe.reason} {graphs_reason}".strip())
@@ -357,6 +361,7 @@ def _plan(
     verify_weights: bool,
     size_threshold_bytes: int | None,
     compressed: WeightsFormat = WeightsFormat.FLOAT,
+    cores: int | None = None,
 ) -> SessionRecipe:
     """:func:`plan_route` for a plan whose options can run here."""
     requested = _parse_mechanism(mechanism)
@@ -405,7 +410,7 @@ def _plan(
         "configure": configure,
         "cache": cache,
         "intra_op_threads": (
-            max(1, usable_cores() // max_sessions) if plan.primary == CPU else None
+            max(1, (cores or usable_cores()) // max_sessions) if plan.primary == CPU else None
         ),
     }
 
