@@ -158,6 +158,35 @@ def test_a_saved_form_that_computes_other_values_is_never_used(
         sharedml.SessionPool(mlp_model, sessions=1, prepacking="shared", cache_dir=tmp_path)
 
 
+@pytest.mark.capability("prepacked-save")
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_compressed_weights_whose_saved_form_is_wrong_are_packed_by_each_session(
+    mlp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str
+) -> None:
+    """Unpacked MatMulNBits kernels run at a fraction of their packed speed, so compressed
+    weights fall back to each session's own packs, not to prepacking off."""
+    monkeypatch.setattr(_SavedFormComputes, "change", staticmethod(lambda o: o * np.nan))
+    monkeypatch.setattr(ort, "InferenceSession", _SavedFormComputes)
+    feed = {"input": np.random.default_rng(0).standard_normal((2, 1024)).astype(np.float32)}
+    with pytest.warns(RuntimeWarning, match="each session packs its own copy of the compressed"):
+        pool = sharedml.SessionPool(mlp_model, sessions=2, weights=weights, cache_dir=tmp_path)
+    with pool:
+        assert pool.recipe.prepacking is sharedml.route.Prepacking.PER_SESSION
+        assert "each session packs a private copy" in pool.recipe.reason
+        with pool.session() as sess:
+            assert (
+                sess.get_session_options().get_session_config_entry("session.disable_prepacking")
+                == "0"
+            )
+        got = pool.run(None, feed)[0]
+        np.testing.assert_allclose(got, plain(pool.recipe.model_path, feed), rtol=1e-4, atol=1e-5)
+    # A float model keeps the memory-first fallback: raw weights, prepacking off.
+    with pytest.warns(RuntimeWarning, match="prepacking off instead"):
+        pool = sharedml.SessionPool(mlp_model, sessions=2, cache_dir=tmp_path)
+    with pool:
+        assert pool.recipe.prepacking is sharedml.route.Prepacking.AUTO
+
+
 def picky_model(path: Path, width: int = 512) -> Path:
     """y = MatMul(Flatten(x), W): x is float[batch, 1, "h", width], so only h = 1 runs (a text
     recognizer refuses an image height that is not its own in the same way)."""

@@ -435,6 +435,7 @@ def _plan(
         and requested is None
         and packing in (Prepacking.AUTO, Prepacking.SHARED)
     ):
+        compressed_packs = compressed is not WeightsFormat.FLOAT and packing is Prepacking.AUTO
         prepacked, reason = _prepacked_weights(
             weights,
             sess_options,
@@ -443,6 +444,11 @@ def _plan(
             forced=packing is Prepacking.SHARED,
             verify=verify_weights,
             source=source,
+            instead=(
+                "each session packs its own copy of the compressed weights instead"
+                if compressed_packs
+                else "the pool shares raw weights with prepacking off instead"
+            ),
         )
         if prepacked is not None:
             return SessionRecipe(
@@ -457,6 +463,13 @@ def _plan(
                 runtime_stats=prepacked.stats,
                 **common,
             )
+        if compressed_packs:
+            # MatMulNBits unpacked ran 0.55x (int8) and 0.66x (int4) of its packed speed here
+            # (onnxruntime 1.32; 1.30's int8 reload computed NaN, and unpacked ran 0.09x): the
+            # compressed weights are a quarter or an eighth of the floats, so each session's
+            # own packs cost less than one float copy for a pool of up to 4-8 sessions.
+            packing = Prepacking.PER_SESSION
+            common["prepacking"] = packing
     else:
         reason = ""
     stats = None
@@ -603,8 +616,10 @@ def _prepacked_weights(
     forced: bool,
     verify: bool,
     source: Path,
+    instead: str = "the pool shares raw weights with prepacking off instead",
 ) -> tuple[Any, str]:
-    """The prepacked model where it pays (or is forced), else (None, why not)."""
+    """The prepacked model where it pays (or is forced), else (None, why not); ``instead``
+    says what the pool does where building it failed."""
     from sharedml.weights import _prepacked as _prepack
 
     saves = capability("prepacked-save")
@@ -624,8 +639,7 @@ def _prepacked_weights(
         if forced:
             raise
         warnings.warn(
-            f"sharedml: sharing prepacked weights failed for '{source}', the pool shares raw "
-            f"weights with prepacking off instead: {exc}",
+            f"sharedml: sharing prepacked weights failed for '{source}', {instead}: {exc}",
             RuntimeWarning,
             stacklevel=4,
         )
