@@ -513,9 +513,9 @@ def test_cores_given_to_the_pool_are_what_it_splits_and_divides(model: Path) -> 
         assert {(c.sessions, c.threads) for c in calibration.candidates} == set(
             _calibrate.candidate_splits(3)
         )
-    with sharedml.SessionPool(model, sessions=2, cores=6, create_in_background=False) as pool:
-        with pool.session() as sess:
-            assert sess.get_session_options().intra_op_num_threads == 3
+    pool = sharedml.SessionPool(model, sessions=2, cores=6, create_in_background=False)
+    with pool, pool.session() as sess:
+        assert sess.get_session_options().intra_op_num_threads == 3
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import onnxruntime as ort
 import pytest
 from _models import conv_model
 from onnx import TensorProto, helper, numpy_helper
+from packaging.version import Version
 
 import sharedml
 from sharedml._errors import CompressError
@@ -26,11 +27,13 @@ from sharedml.cli._inspect import compressed_lines
 from sharedml.inspection._compressed import compare_outputs
 from sharedml.pool._batching import signature_of
 from sharedml.pool._pool import SessionPool
+from sharedml.prepared import _compress
 from sharedml.prepared._compress import (
     WeightsFormat,
     compress,
     compressed_model_for,
     compression_unavailable,
+    tables_unavailable,
 )
 
 WIDTH = 256
@@ -390,3 +393,160 @@ def test_inspect_compress_takes_one_model(
     code = main(["inspect", str(a), str(b), "--compress", "int8"])
     out, err = capsys.readouterr()
     assert code != 0 and out == "" and "--compress inspects one model" in err
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding tables
+
+VOCAB, HIDDEN = 512, 256
+
+
+def embedder(path: Path, *, tie: bool = False, axis: int = 0, width: int = HIDDEN) -> Path:
+    """ids[N, 8] -> Gather(table) -> MatMul(W) -> ReduceMean over the tokens -> [N, width].
+
+    With ``tie``, the table is also read by a MatMul (a language model's tied output layer);
+    with ``axis`` 1 the lookup picks columns (the table then has ``width`` rows)."""
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((VOCAB, width) if axis == 0 else (width, VOCAB))
+    w = rng.standard_normal((width, width)) / np.sqrt(width)
+    inits = [
+        numpy_helper.from_array(table.astype(np.float32), "table"),
+        numpy_helper.from_array(w.astype(np.float32), "W"),
+        numpy_helper.from_array(np.array([1], np.int64), "tokens"),
+    ]
+    looked = "emb" if axis == 0 else "columns"  # [width, N, 8] -> [N, 8, width]
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], [looked], axis=axis),
+        *([helper.make_node("Transpose", ["columns"], ["emb"], perm=[1, 2, 0])] if axis else []),
+        helper.make_node("MatMul", ["emb", "W"], ["h"]),
+        helper.make_node("ReduceMean", ["h", "tokens"], ["y"], keepdims=0),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])]
+    if tie:
+        nodes.append(helper.make_node("MatMul", ["y", "table_t"], ["logits"]))
+        nodes.insert(0, helper.make_node("Transpose", ["table"], ["table_t"]))
+        outputs.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", VOCAB]))
+    graph = helper.make_graph(
+        nodes,
+        "embedder",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 8])],
+        outputs,
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    onnx.save(model, path)
+    return path
+
+
+def ids(n: int, seed: int = 2) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, (n, 8), dtype=np.int64)
+
+
+def lookups(path: Path) -> list[onnx.NodeProto]:
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return [n for n in graph.node if n.op_type in ("Gather", "GatherBlockQuantized")]
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_embedding_tables_are_compressed_and_their_lookups_stay_row_wise(
+    tmp_path: Path, weights: str
+) -> None:
+    needs(weights)
+    if (why := tables_unavailable(WeightsFormat.INT8)) is not None:
+        # 1.20 has no 8-bit GatherBlockQuantized; 1.24 and later run it (a probe that broke
+        # there would keep every table float without a word).
+        assert Version(ort.__version__) < Version("1.24"), why
+        pytest.skip(why)
+    src = embedder(tmp_path / "emb.onnx")
+    result = compress(src, tmp_path / "out" / "small.onnx", weights=weights)
+    assert (result.matrices, result.tables) == (1, 1)
+    [lookup] = lookups(result.model_path)
+    assert (lookup.op_type, lookup.domain) == ("GatherBlockQuantized", "com.microsoft")
+    names = {t.name for t in onnx.load(str(result.model_path)).graph.initializer}
+    assert "table" not in names  # the float table is gone from the compressed model
+    float_bytes = (VOCAB + HIDDEN) * HIDDEN * 4
+    assert result.float_bytes == float_bytes
+    assert result.compressed_bytes < 0.3 * float_bytes
+    assert result.compressed_bytes == _compress._nbits_bytes(onnx.load(str(result.model_path)))
+
+    # Every looked-up value is within half a quantization step of the table's own: 8-bit
+    # blocks, whatever the matrices' format.
+    table = numpy_helper.to_array(onnx.load(str(src)).graph.initializer[0])
+    step = (table.max() - min(table.min(), 0)) / 255
+    x = ids(4)
+    got = ort.InferenceSession(str(result.model_path)).run(None, {"ids": x})[0]
+    want = ort.InferenceSession(str(src)).run(None, {"ids": x})[0]
+    w = numpy_helper.to_array(onnx.load(str(src)).graph.initializer[1])
+    bound = 0.5 * step * np.abs(w).sum(axis=0).max() + TOLERANCE[weights] * np.abs(want).max()
+    assert np.abs(got - want).max() <= bound
+
+    # Batched: rows merged from 6 callers equal their solo runs.
+    callers = 6
+    results: list[np.ndarray | None] = [None] * callers
+    barrier = threading.Barrier(callers)
+    with SessionPool(
+        src,
+        sessions=1,
+        cache_dir=tmp_path / "cache",
+        weights=weights,
+        batching=sharedml.Batching(max_delay_ms=200),
+    ) as pool:
+        assert pool.batching is not None  # the analysis proves the quantized lookup row-wise
+        assert [n.op_type for n in lookups(pool.recipe.model_path)] == ["GatherBlockQuantized"]
+
+        def call(i: int) -> None:
+            barrier.wait()
+            results[i] = pool.run(None, {"ids": ids(1, seed=i)})[0]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        solo = ort.InferenceSession(str(pool.recipe.model_path))
+        for i, got_i in enumerate(results):
+            alone = solo.run(None, {"ids": ids(1, seed=i)})[0]
+            np.testing.assert_allclose(got_i, alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+        assert pool.stats().max_batch_rows > 1 and pool.stats().batch_mismatches == 0
+
+
+@pytest.mark.parametrize(
+    "kind", ["tied to an output layer", "columns looked up", "width not whole blocks"]
+)
+def test_tables_read_otherwise_stay_float(tmp_path: Path, kind: str) -> None:
+    needs("int4")
+    src = embedder(
+        tmp_path / "emb.onnx",
+        tie=kind == "tied to an output layer",
+        axis=1 if kind == "columns looked up" else 0,
+        width=HIDDEN + 16 if kind == "width not whole blocks" else HIDDEN,
+    )
+    result = compress(src, tmp_path / "out" / "small.onnx", weights="int4")
+    assert result.tables == 0
+    assert [n.op_type for n in lookups(result.model_path)] == ["Gather"]
+    x = ids(2) if kind != "columns looked up" else ids(2) % HIDDEN
+    got = ort.InferenceSession(str(result.model_path)).run(None, {"ids": x})[0]
+    want = ort.InferenceSession(str(src)).run(None, {"ids": x})[0]
+    assert np.abs(got - want).max() <= TOLERANCE["int4"] * np.abs(want).max()
+
+
+@pytest.mark.usefixtures("fresh_probe")
+def test_an_onnxruntime_that_cannot_run_quantized_tables_keeps_them_float(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    needs("int4")
+    tables_unavailable.cache_clear()
+    real = ort.InferenceSession
+
+    def refusing(model: object, *args: object, **kwargs: object) -> object:
+        if isinstance(model, bytes) and b"GatherBlockQuantized" in model:
+            raise RuntimeError("Could not find an implementation for GatherBlockQuantized(1)")
+        return real(model, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ort, "InferenceSession", refusing)
+    why = tables_unavailable(WeightsFormat.INT8)
+    assert why is not None and "could not run int8 GatherBlockQuantized" in why
+    result = compress(embedder(tmp_path / "emb.onnx"), tmp_path / "out" / "s.onnx", weights="int4")
+    assert (result.matrices, result.tables) == (1, 0)
+    monkeypatch.undo()
+    tables_unavailable.cache_clear()

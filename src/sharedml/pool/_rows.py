@@ -2315,6 +2315,26 @@ def _matmul_nbits(n: _Node) -> Fact:
     return n.rows([*shape[:-1], cols], a.axis, a.fold)
 
 
+@_rule(
+    "GatherBlockQuantized",
+    domain=_MS,
+    summary="a static block-quantized table looked up by indices that hold rows (an embedding)",
+)
+def _gather_block_quantized(n: _Node) -> Fact:
+    idx = n.need(1)
+    n.require_static([0, 2, 3], "quantized table")
+    dshape, ishape = n.shape(0), n.shape(1)
+    axis = _axis(n.attr("gather_axis", 0), len(dshape))
+    quantized = _axis(n.attr("quantize_axis", len(dshape) - 1), len(dshape))
+    table = list(dshape)
+    if n.attr("bits", 4) != 8:  # two 4-bit values per byte where the table is stored as uint8
+        table[quantized] = opaque()
+    out = table[:axis] + list(ishape) + table[axis + 1 :]
+    if not idx.rows:
+        return n.plain(out)
+    return n.rows(out, axis + idx.axis, idx.fold)
+
+
 @_rule("MatMulIntegerToFloat", domain=_MS, summary="as MatMul, static scales and zero points")
 def _matmul_int_float(n: _Node) -> Fact:
     return _matmul_like(n, 0, 1, range(2, len(n.ins)))

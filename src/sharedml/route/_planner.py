@@ -618,8 +618,10 @@ def _prepacked_weights(
     source: Path,
     instead: str = "the pool shares raw weights with prepacking off instead",
 ) -> tuple[Any, str]:
-    """The prepacked model where it pays (or is forced), else (None, why not); ``instead``
-    says what the pool does where building it failed."""
+    """The prepacked model where it pays (or is forced), else (None, why not).
+
+    ``instead`` says what the pool does where building it failed.
+    """
     from sharedml.weights import _prepacked as _prepack
 
     saves = capability("prepacked-save")
