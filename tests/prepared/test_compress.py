@@ -444,7 +444,11 @@ def ids(n: int, seed: int = 2) -> np.ndarray:
 
 def lookups(path: Path) -> list[onnx.NodeProto]:
     graph = onnx.load(str(path), load_external_data=False).graph
-    return [n for n in graph.node if n.op_type in ("Gather", "GatherBlockQuantized")]
+    return [  # the table lookups (not the index checks before them)
+        n
+        for n in graph.node
+        if n.op_type in ("Gather", "GatherBlockQuantized") and n.output[0] in ("emb", "columns")
+    ]
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
@@ -479,6 +483,20 @@ def test_embedding_tables_are_compressed_and_their_lookups_stay_row_wise(
     w = numpy_helper.to_array(onnx.load(str(src)).graph.initializer[1])
     bound = 0.5 * step * np.abs(w).sum(axis=0).max() + TOLERANCE[weights] * np.abs(want).max()
     assert np.abs(got - want).max() <= bound
+
+    # An index past the table fails the run as the float model's does: the quantized lookup
+    # checks nothing itself, and would hand back whatever memory lies beyond the table.
+    quantized = ort.InferenceSession(str(result.model_path))
+    for bad in (VOCAB, -VOCAB - 1, 10**9, -(10**9)):
+        x = ids(2)
+        x[1, 3] = bad
+        for sess in (quantized, ort.InferenceSession(str(src))):
+            with pytest.raises(Exception, match="out of data bounds"):
+                sess.run(None, {"ids": x})
+    negative = ids(2) - VOCAB  # in range from the end: the same rows
+    np.testing.assert_array_equal(
+        quantized.run(None, {"ids": negative})[0], quantized.run(None, {"ids": ids(2)})[0]
+    )
 
     # Batched: rows merged from 6 callers equal their solo runs.
     callers = 6

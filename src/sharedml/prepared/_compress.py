@@ -75,6 +75,7 @@ _PREPARED_NAME = "model.onnx"  # as in the models entries prepare builds
 _SCRATCH_MODEL = "quantized.onnx"  # the quantizer's output, before it is prepared
 _SCRATCH_DATA = "quantized.data"
 _FLOAT_TYPES = (1, 10)  # TensorProto.FLOAT, FLOAT16: what ORT's quantizer reads
+_INDEX_TYPES = (6, 7)  # TensorProto.INT32, INT64: a Gather's indices
 _MS_DOMAIN = "com.microsoft"
 
 
@@ -492,14 +493,28 @@ def _quantize_tables(model: Any, weights: WeightsFormat) -> int:
     """Replace each embedding lookup's float table with a ``GatherBlockQuantized`` one.
 
     A table is a float32 initializer of rank 2 that only ``Gather`` nodes on axis 0 read, by
-    indices that are not constant, whose width is a whole number of blocks. Returns how many
-    tables were quantized (in place).
+    indices that are not constant and whose type shape inference knows, whose width is a whole
+    number of blocks. Returns how many tables were quantized (in place).
+
+    ``GatherBlockQuantized`` does not check its indices (onnxruntime 1.32 returned memory
+    beyond a table for an index past its end, where ``Gather`` fails the run), so each lookup's
+    indices first pass through a plain ``Gather`` of a one-byte-per-row table of zeros: an index
+    out of range fails the run as the float model's would, and adding the zeros changes
+    nothing.
     """
-    from onnx import helper, numpy_helper
+    from onnx import helper, numpy_helper, shape_inference
 
     if weights.bits is None:
         return 0
     block = weights.block_size
+    try:  # the indices' element types, for the bounds check's Cast
+        inferred = shape_inference.infer_shapes(model).graph
+        types = {
+            v.name: v.type.tensor_type.elem_type
+            for v in (*inferred.input, *inferred.value_info, *inferred.output)
+        }
+    except Exception:  # a graph shape inference cannot read: no table is touched
+        return 0
     readers: dict[str, list[Any]] = {}
     for graph in _graphs(model.graph):
         for node in graph.node:
@@ -525,6 +540,7 @@ def _quantize_tables(model: Any, weights: WeightsFormat) -> int:
                     or u not in graph.node
                     or u.input[0] != table.name
                     or u.input[1] in constant
+                    or types.get(u.input[1]) not in _INDEX_TYPES
                     or _attrs(u).get("axis", 0) != 0
                     for u in users
                 )
@@ -535,13 +551,25 @@ def _quantize_tables(model: Any, weights: WeightsFormat) -> int:
                 q, zero_points = _nibbles(q), _nibbles(zero_points)
             names = [f"{table.name}_q{weights.bits}", f"{table.name}_scales"]
             names.append(f"{table.name}_zero_points")
+            names.append(f"{table.name}_rows")
             graph.initializer.remove(table)
-            for array, name in zip((q, scales, zero_points), names, strict=True):
+            rows = np.zeros(table.dims[0], np.uint8)
+            for array, name in zip((q, scales, zero_points, rows), names, strict=True):
                 graph.initializer.append(numpy_helper.from_array(array, name))
-            for user in users:
+            for k, user in enumerate(users):
+                at = list(graph.node).index(user)
+                checked = f"{names[3]}_checked_{k}"
+                zeros = [f"{names[3]}_zeros_{k}", f"{names[3]}_zeros_cast_{k}"]
+                guard = [
+                    helper.make_node("Gather", [names[3], user.input[1]], [zeros[0]], axis=0),
+                    helper.make_node("Cast", [zeros[0]], [zeros[1]], to=types[user.input[1]]),
+                    helper.make_node("Add", [user.input[1], zeros[1]], [checked]),
+                ]
+                for offset, node in enumerate(guard):
+                    graph.node.insert(at + offset, node)
                 lookup = helper.make_node(
                     "GatherBlockQuantized",
-                    [names[0], user.input[1], names[1], names[2]],
+                    [names[0], checked, names[1], names[2]],
                     list(user.output),
                     name=user.name,
                     domain=_MS_DOMAIN,
