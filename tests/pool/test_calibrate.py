@@ -41,6 +41,23 @@ def _graph_model(path: Path, graph: Any) -> Path:
     return save_model(model, path)
 
 
+def _at_once(pool: sharedml.SessionPool, xs: list[np.ndarray]) -> list[Any]:
+    """``pool.run`` of each ``{"x": x}`` from a thread of its own, all started on a barrier."""
+    outs: list[Any] = [None] * len(xs)
+    start = threading.Barrier(len(xs))
+
+    def call(i: int) -> None:
+        start.wait()
+        outs[i] = pool.run(None, {"x": xs[i]})[0]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
 def candidate(
     sessions: int, threads: int, rows_per_s: float, rows: int = 8
 ) -> CalibrationCandidate:
@@ -170,19 +187,7 @@ def test_an_auto_pool_splits_the_cores_as_measured_and_serves_like_plain_ort(
         plain = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(3)
         xs = [rng.standard_normal((1 + i % 3, DIM)).astype(np.float32) for i in range(12)]
-        outs: list[Any] = [None] * len(xs)
-        start = threading.Barrier(len(xs))
-
-        def call(i: int) -> None:
-            start.wait()
-            outs[i] = pool.run(None, {"x": xs[i]})[0]
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for x, out in zip(xs, outs, strict=True):
+        for x, out in zip(xs, _at_once(pool, xs), strict=True):
             # Merged batches may take another kernel blocking than one request alone.
             np.testing.assert_allclose(out, plain.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
 
@@ -335,19 +340,7 @@ def test_a_pool_runs_single_rows_only_where_a_costly_batch_measured_no_faster(
         plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(5)
         xs = [rng.standard_normal((1, 32, 96, 96)).astype(np.float32) for _ in range(8)]
-        outs: list[Any] = [None] * len(xs)
-        start = threading.Barrier(len(xs))
-
-        def call(i: int) -> None:
-            start.wait()
-            outs[i] = pool.run(None, {"x": xs[i]})[0]
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for x, out in zip(xs, outs, strict=True):
+        for x, out in zip(xs, _at_once(pool, xs), strict=True):
             np.testing.assert_allclose(out, plain.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
         if capped:  # 8 callers at once, yet every Run held one row
             assert pool.stats().max_batch_rows == 1

@@ -11,7 +11,7 @@ creates its sessions:
 - For each, one probe session is created from the pool's own route recipe (the same shared
   weights, options and providers; only ``intra_op_num_threads`` differs), fed a batch of
   :data:`CALIBRATION_ROWS` rows (at most ``Batching.max_batch_size``) and a single row, both
-  generated from the model's signature (:mod:`sharedml.model._inputs`), each run once to warm
+  generated from the model's signature (:mod:`sharedml.model._inputs`), each run twice to warm
   up and then timed in turn. Its predicted throughput at each size is
   ``S * rows / seconds_per_batch``. The probe is released before the next one and before the
   pool creates its own sessions.
@@ -121,8 +121,9 @@ class Calibration:
         reason: Why this split, in one sentence.
         seconds: How long calibration took (probe sessions created, run and released).
         max_batch_size: The most rows a merged run holds, where calibration lowered it: 1 where
-            single rows came within :data:`ROWS_MARGIN` of the best batch (the pool then runs
-            each request's rows alone); None where the pool's ``Batching`` setting stands.
+            the batch cost more than :data:`BATCH_MEMORY_SHARE` of a session's memory, single
+            rows came within :data:`ROWS_MARGIN` of it and no input size was guessed (the pool
+            then runs each request's rows alone); None where the ``Batching`` setting stands.
         batch_memory_share: What the first probe's batch added to its resident memory over
             single rows, as a share of what the session took with single rows; None where not
             measured.
