@@ -416,6 +416,8 @@ def _seconds_per_run(
     quiet = ort.RunOptions()
     quiet.log_severity_level = 4  # a failing probe is reported in the reason, not logged too
     me = psutil.Process()
+    if resident:  # heap freed earlier and trimmed during creation would read as a negative cost
+        release_freed_heap()
     before = me.memory_info().rss
     with lock:
         sess = recipe.create_session()

@@ -671,7 +671,7 @@ def _write(float_path: Path, dst: Path, fmt: WeightsFormat, scratch: Path) -> Co
 
     why = compression_unavailable(fmt)
     if why is not None:
-        raise CompressError(f"Cannot compress '{float_path}' to {fmt.value}: {why}.")
+        raise CompressError(f"Cannot compress '{float_path}' to {fmt.value}: {why.rstrip('.')}.")
     model = onnx.load(str(float_path))  # a prepared model: its weights file, read whole
     quantized, float_bytes = _quantize(model, fmt, _quantizer(fmt))
     matrices = sum(
@@ -829,7 +829,7 @@ def compressed_model_for(
             return entry.file(_PREPARED_NAME)
     why = compression_unavailable(fmt)
     if why is not None:
-        raise CompressError(f"Cannot compress '{named}' to {fmt.value}: {why}.")
+        raise CompressError(f"Cannot compress '{named}' to {fmt.value}: {why.rstrip('.')}.")
 
     def build(folder: Path) -> Built:
         result = _write(float_path, folder / _PREPARED_NAME, fmt, folder)
