@@ -50,6 +50,7 @@ from sharedml._host import usable_cores
 from sharedml.cache._root import CacheDir
 from sharedml.model._graph import load_graph
 from sharedml.model._proto import ModelProto
+from sharedml.pool._arena import ArenaPeaks
 from sharedml.pool._batching import (
     Batching,
     BatchingDefault,
@@ -290,6 +291,8 @@ class _Sessions:
         self._template: Any = None  # with graphs: see _graph_template
         self._guard = threading.Lock()
         self.meta: dict[str, Any] | None = None  # inputs, outputs, providers, modelmeta
+        # CPU arenas keep their largest run's memory: given back once a peak has passed.
+        self.peaks = ArenaPeaks() if plan.primary == CPU and not graphs else None
 
     def create(self) -> Any:
         """A new session (with graphs: a graph session; with buckets: a session per bucket)."""
@@ -340,7 +343,11 @@ class _Sessions:
                     )
                 result: list[Any] = sess.run(names, dict(feed or request.feed))
                 return result
-            return list(sess.run(names, dict(feed or request.feed), request.run_options))
+            inputs = dict(feed or request.feed)
+            options = request.run_options
+            if self.peaks is not None:
+                options = self.peaks.run_options(sess, inputs, options)
+            return list(sess.run(names, inputs, options))
 
     def discard(self, sess: Any) -> None:
         """Let a session go; a CUDA-graph session's thread stops first."""
@@ -891,9 +898,12 @@ class SessionPool:
     def stats(self) -> PoolStats:
         """Counters of this pool's sessions and runs (and, for ``sessions="auto"``, its split)."""
         stats = self._scheduler.stats()
-        if self._calibration is None:
-            return stats
-        return dataclasses.replace(stats, calibration=self._calibration)
+        peaks = self._sessions.peaks
+        return dataclasses.replace(
+            stats,
+            calibration=self._calibration,
+            arena_shrinks=peaks.shrinks if peaks is not None else 0,
+        )
 
     def close(self, timeout_s: float | None = None) -> None:
         """Refuse new work, wait for runs in flight, then release every session.

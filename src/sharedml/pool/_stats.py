@@ -78,6 +78,8 @@ class PoolStats:
             checks its first merged batches, until one of requests with different rows passed).
         batch_mismatches: Checks whose merged rows differed from the solo runs: the pool then
             gave every caller its solo result and stopped merging.
+        arena_shrinks: Runs that gave a CPU session's arena memory back after a peak of rows
+            had passed (see :mod:`sharedml.pool._arena`).
         calibration: For ``SessionPool(sessions="auto")``, how the pool split the cores into
             sessions and threads: what it measured, what it chose, and why
             (:class:`~sharedml.pool.Calibration`); None for a pool given a number.
@@ -105,6 +107,7 @@ class PoolStats:
     batch_checks: int = 0
     batch_mismatches: int = 0
     calibration: Calibration | None = None
+    arena_shrinks: int = 0
 
     @property
     def idle(self) -> int:

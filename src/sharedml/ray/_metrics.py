@@ -38,6 +38,10 @@ _COUNTERS = {
     "batches": ("sharedml_batches", "Runs the pool made for requests while batching."),
     "batched_rows": ("sharedml_batched_rows", "Rows those runs processed."),
     "run_seconds": ("sharedml_run_seconds", "Seconds the pool's sessions spent running requests."),
+    "arena_shrinks": (
+        "sharedml_arena_shrinks",
+        "Runs that gave a session's CPU arena memory back after a peak of rows.",
+    ),
 }
 # PoolStats field -> (gauge name, description): the state now.
 _GAUGES = {

@@ -1,0 +1,92 @@
+"""Give a CPU session's arena back after a peak of rows has passed.
+
+ORT's CPU arena keeps what the largest ``Run`` of a session needed, for the session's life: a
+ResNet-50-like session that once ran 16 rows held 393 MiB afterwards against 189 before, while
+it ran one row at a time again (two cores here, after ``malloc_trim``). ORT frees the arena's
+unused regions at the end of a ``Run`` given the run option
+``memory.enable_memory_arena_shrinkage`` (the same session then held 176 MiB); shrinking on every
+``Run`` would pay the peak's page faults again at each batch, so it is done once a peak has
+passed: when :data:`QUIET_RUNS` runs in a row on that session held at most ``1 / FALL`` of the
+rows of its largest run since it last shrank. A batching pool under steady load never shrinks;
+one whose load fell from 16 rows to a few gives the difference back. Only on the CPU provider,
+and never for a run given the caller's own run options.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+__all__ = ["FALL", "QUIET_RUNS", "ArenaPeaks", "rows_of"]
+
+# A run "below the peak" holds at most a quarter of its rows, and it takes 8 in a row: a pool
+# of two batching sessions under 16 callers runs batches of 1-16 rows (7.5 on average), and
+# shrinking there would pay a regrowth at the next large batch; a load that fell to a few
+# callers gives the memory back within 8 runs.
+QUIET_RUNS = 8
+FALL = 4
+
+_SHRINK_KEY = "memory.enable_memory_arena_shrinkage"
+_CPU_ARENA = "cpu:0"
+
+
+def rows_of(feed: Any) -> int | None:
+    """The rows (axis 0) of the first array input of ``feed``, or None (no such input)."""
+    for value in feed.values():
+        shape = getattr(value, "shape", None)
+        if shape:
+            return int(shape[0])
+    return None
+
+
+class ArenaPeaks:
+    """Per session: the largest rows since its last shrink, and the quiet runs since that peak.
+
+    Thread safety: :meth:`run_options` may be called from any thread (each session is run by
+    one thread at a time, but the table is shared).
+    """
+
+    def __init__(self) -> None:
+        self._state: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self.shrinks = 0
+
+    def shrink_due(self, sess: Any, rows: int) -> bool:
+        """Record a run of ``rows`` on ``sess``; True where this run should shrink the arena."""
+        with self._lock:
+            try:
+                state = self._state.get(sess)
+                if state is None:
+                    self._state[sess] = [rows, 0]
+                    return False
+            except TypeError:  # a session that cannot be weakly referenced: not tracked
+                return False
+            peak, quiet = state
+            if rows > peak:
+                state[:] = [rows, 0]
+                return False
+            quiet = quiet + 1 if rows * FALL <= peak else 0
+            if quiet < QUIET_RUNS:
+                state[1] = quiet
+                return False
+            state[:] = [rows, 0]  # the arena keeps what this run needs: the new peak
+            self.shrinks += 1
+            return True
+
+    def run_options(self, sess: Any, feed: Any, given: Any) -> Any:
+        """The run options for a run of ``feed`` on ``sess``: ``given``, or a shrinking one.
+
+        A caller's own run options are never changed (nor shrunk for: ORT's ``RunOptions``
+        cannot be copied).
+        """
+        if given is not None:
+            return given
+        rows = rows_of(feed)
+        if rows is None or not self.shrink_due(sess, rows):
+            return None
+        import onnxruntime as ort
+
+        options = ort.RunOptions()
+        options.add_run_config_entry(_SHRINK_KEY, _CPU_ARENA)
+        return options
