@@ -44,6 +44,7 @@ from sharedml._errors import SharedMLError
 from sharedml._host import release_freed_heap, usable_cores
 from sharedml.model._graph import load_graph
 from sharedml.model._inputs import UNNAMED_DIM, generate, input_specs
+from sharedml.model._proto import ModelProto
 from sharedml.pool._batching import Batching
 from sharedml.route._planner import SessionRecipe
 from sharedml.runtime._providers import CPU
@@ -284,7 +285,8 @@ def calibrate(
     rows = min(CALIBRATION_ROWS, batching.max_batch_size)
     sizes = sorted({1, rows})  # single rows first: the batch's memory is measured over theirs
     try:
-        feeds = [_feed(recipe, n) for n in sizes]
+        graph = load_graph(recipe.model_path)  # read once: the feeds and the guessed sizes
+        feeds = [_feed(graph, n) for n in sizes]
     except (ValueError, SharedMLError) as exc:  # MeasurementError: a type it cannot generate
         return fallback(
             cores,
@@ -331,7 +333,7 @@ def calibrate(
         )
     # A batch's cost per row depends on the other sizes (a transformer's sequence length): where
     # probes guessed them, the traffic's own may make batches pay, so they are not capped.
-    guessed = _guesses_sizes(recipe)
+    guessed = _guesses_sizes(graph)
     chosen, reason = choose(measured, batch_memory_share=None if guessed else share)
     if probed < len(splits):
         reason += (
@@ -357,14 +359,12 @@ def _fixed_threads(recipe: SessionRecipe) -> int | None:
     return threads if threads > 0 else None
 
 
-def _guesses_sizes(recipe: SessionRecipe) -> bool:
+def _guesses_sizes(graph: ModelProto) -> bool:
     """Whether an input has a symbolic dimension besides its rows, which probes only guess."""
-    return any(
-        d is not None for s in input_specs(load_graph(recipe.model_path)) for d in s.dim_names[1:]
-    )
+    return any(d is not None for s in input_specs(graph) for d in s.dim_names[1:])
 
 
-def _feed(recipe: SessionRecipe, rows: int) -> dict[str, Any]:
+def _feed(graph: ModelProto, rows: int) -> dict[str, Any]:
     """A batch of ``rows`` rows for the model's inputs, generated from its signature.
 
     Axis 0 (the rows, dynamic in a batchable model or relaxed) holds ``rows``; other symbolic
@@ -374,7 +374,6 @@ def _feed(recipe: SessionRecipe, rows: int) -> dict[str, Any]:
         MeasurementError: an input that cannot be generated.
         ValueError: an input whose axis 0 is fixed.
     """
-    graph = load_graph(recipe.model_path)
     specs = input_specs(graph)
     row_dims = {
         d for s in specs if s.dim_names and (d := s.dim_names[0]) is not None and d != UNNAMED_DIM
