@@ -128,6 +128,15 @@ def test_single_rows_win_where_a_batch_gains_little_and_costs_much_memory() -> N
     assert chosen is one_b and "not worth it" not in reason
 
 
+@pytest.mark.parametrize("share", [None, 0.0])
+def test_single_rows_timed_faster_never_cap_a_batch_whose_memory_is_cheap_or_unknown(
+    share: float | None,
+) -> None:
+    batch, single = candidate(1, 2, 100.0), candidate(1, 2, 130.0, rows=1)
+    chosen, reason = _calibrate.choose([batch, single], batch_memory_share=share)
+    assert chosen is batch and "not worth it" not in reason
+
+
 def test_among_single_rows_the_fewest_sessions_within_the_margin_win() -> None:
     batch = candidate(1, 2, 100.0)
     one_s, two_s = candidate(1, 2, 99.0, rows=1), candidate(2, 1, 100.0, rows=1)

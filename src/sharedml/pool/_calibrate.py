@@ -166,7 +166,7 @@ def choose(
     memory is more than ``BATCH_MEMORY_SHARE`` of a session's (``batch_memory_share``; None:
     unknown, never) and the best at the fewest rows predicts at least
     ``best / (1 + ROWS_MARGIN)``, only the candidates at that size remain (merged rows do not
-    pay for their memory); otherwise those at the best's size.
+    pay for their memory); otherwise those at the batch size.
     Then, of the remaining candidates whose predicted rows/s is at least
     ``their best / (1 + SESSIONS_MARGIN)``, the one with the fewest sessions (on equal sessions,
     the faster).
@@ -190,8 +190,8 @@ def choose(
             f"added {batch_memory_share:.0%} to a session's memory: not worth it, so each Run "
             f"holds at most {size} row(s)."
         )
-    else:
-        size = best.rows
+    else:  # the batch size stands, even where single rows happened to time faster
+        size = most
     sized = [c for c in candidates if c.rows == size]
     top = max(sized, key=lambda c: c.rows_per_s)
     good = [c for c in sized if c.rows_per_s * (1 + SESSIONS_MARGIN) >= top.rows_per_s]
