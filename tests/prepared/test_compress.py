@@ -322,11 +322,17 @@ def test_compressed_weights_cost_well_under_the_float_size(tmp_path: Path) -> No
         }
     float_cost = measured["single"].total_bytes
     assert float_cost is not None and float_cost >= 0.9 * info.weights_bytes
-    for strategy, bound in (("shared-int4", 0.3), ("shared-int8", 0.4)):
+    # Where ORT maps a saved pack of the blocks (1.28 and later) one session costs about the
+    # compressed bytes; before, it holds the mapped blocks and its own pack of them (1.24.4:
+    # int4 0.36x, int8 0.60x of the float session).
+    bounds = {"shared-int4": (0.3, 0.45), "shared-int8": (0.4, 0.7)}
+    for strategy, (mapped_pack, own_pack) in bounds.items():
         if strategy not in measured:
             continue
         cost = measured[strategy].total_bytes
         assert cost is not None
+        mapped = measured[strategy].details.get("mechanism") == "prepacked-file"
+        bound = mapped_pack if mapped else own_pack
         print(
             f"{strategy}: {cost / 2**20:.1f} MiB against plain ORT float {float_cost / 2**20:.1f} "
             f"MiB ({cost / float_cost:.2f}x), route {measured[strategy].details.get('mechanism')}"

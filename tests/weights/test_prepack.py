@@ -187,6 +187,76 @@ def test_compressed_weights_whose_saved_form_is_wrong_are_packed_by_each_session
         assert pool.recipe.prepacking is sharedml.route.Prepacking.AUTO
 
 
+def _quantized_elsewhere(mlp_model: Path, folder: Path, weights: str) -> Path:
+    """``mlp_model`` with its MatMuls already in ORT's blocks, as a user might bring it."""
+    from sharedml.prepared import WeightsFormat, compress
+    from sharedml.prepared._compress import compression_unavailable
+
+    why = compression_unavailable(WeightsFormat.parse(weights))
+    if why is not None:
+        pytest.skip(why)
+    return Path(compress(mlp_model, folder / "quantized" / "mlp.onnx", weights=weights).model_path)
+
+
+def _prepacking_setting(pool: sharedml.SessionPool) -> str | None:
+    with pool.session() as sess:
+        try:
+            return str(sess.get_session_options().get_session_config_entry(_DISABLE_PREPACKING))
+        except RuntimeError:  # never set: ORT's default, packing on
+            return None
+
+
+_DISABLE_PREPACKING = "session.disable_prepacking"
+
+
+@pytest.mark.capability("prepacked-save")
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_model_quantized_elsewhere_whose_saved_form_is_wrong_is_packed_by_each_session(
+    mlp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str
+) -> None:
+    quantized = _quantized_elsewhere(mlp_model, tmp_path, weights)
+    monkeypatch.setattr(_SavedFormComputes, "change", staticmethod(lambda o: o * np.nan))
+    monkeypatch.setattr(ort, "InferenceSession", _SavedFormComputes)
+    feed = {"input": np.random.default_rng(0).standard_normal((2, 1024)).astype(np.float32)}
+    with pytest.warns(RuntimeWarning, match="each session packs its own copy"):
+        pool = sharedml.SessionPool(quantized, sessions=2, cache_dir=tmp_path / "cache")
+    with pool:
+        assert pool.recipe.prepacking is sharedml.route.Prepacking.PER_SESSION
+        assert _prepacking_setting(pool) == "0"
+        got = pool.run(None, feed)[0]
+        np.testing.assert_allclose(got, plain(quantized, feed), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("origin", ["compressed-by-the-pool", "quantized-elsewhere"])
+def test_block_quantized_weights_never_run_unpacked(
+    mlp_model: Path, tmp_path: Path, weights: str, origin: str
+) -> None:
+    """Unpacked MatMulNBits kernels run at a fraction of their packed speed, and before
+    onnxruntime 1.28 ORT saves no packed form of them: the pool then packs in each session."""
+    if origin == "compressed-by-the-pool":
+        pool = sharedml.SessionPool(
+            mlp_model, sessions=2, weights=weights, cache_dir=tmp_path / "cache"
+        )
+    else:
+        quantized = _quantized_elsewhere(mlp_model, tmp_path, weights)
+        pool = sharedml.SessionPool(quantized, sessions=2, cache_dir=tmp_path / "cache")
+    with pool:
+        assert _prepacking_setting(pool) != "1", pool.mechanism_reason
+        if pool.mechanism != "prepacked-file":
+            assert pool.recipe.prepacking is sharedml.route.Prepacking.PER_SESSION
+            assert "neither prepacks" not in pool.mechanism_reason  # ORT does pack these
+
+
+def test_no_saved_pack_of_block_quantized_weights_is_not_taken_for_no_packing() -> None:
+    nothing_saved = _prepack.PrepackStats(4, 2**20, 0, 0, 0, 0, 4)
+    plain_decision = _prepack.choose_cpu_route(nothing_saved, sessions=2)
+    assert "neither prepacks" in plain_decision.reason
+    decision = _prepack.choose_cpu_route(nothing_saved, sessions=2, block_quantized=True)
+    assert decision.route is _prepack.CpuRoute.SHARED_RAW
+    assert "MatMulNBits" in decision.reason and "neither prepacks" not in decision.reason
+
+
 def picky_model(path: Path, width: int = 512) -> Path:
     """y = MatMul(Flatten(x), W): x is float[batch, 1, "h", width], so only h = 1 runs (a text
     recognizer refuses an image height that is not its own in the same way)."""

@@ -45,6 +45,7 @@ from typing import Any
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
 from sharedml._host import release_freed_heap, usable_cores, warn_deprecated
 from sharedml.cache._root import Cache, CacheDir
+from sharedml.model._graph import iter_graphs, load_graph
 from sharedml.prepared._compress import WeightsFormat, compressed_model_for
 from sharedml.prepared._prepare import prepared_model_for, prepared_model_from_bytes
 from sharedml.runtime._capabilities import capability
@@ -435,7 +436,11 @@ def _plan(
         and requested is None
         and packing in (Prepacking.AUTO, Prepacking.SHARED)
     ):
-        compressed_packs = compressed is not WeightsFormat.FLOAT and packing is Prepacking.AUTO
+        # Block-quantized MatMuls (compressed here, or quantized before they came to us) run on
+        # packed weights only: where the shared packed form cannot be used, each session packs.
+        block_packs = packing is Prepacking.AUTO and (
+            compressed is not WeightsFormat.FLOAT or _block_quantized(model_path)
+        )
         prepacked, reason = _prepacked_weights(
             weights,
             sess_options,
@@ -446,9 +451,10 @@ def _plan(
             source=source,
             instead=(
                 "each session packs its own copy of the compressed weights instead"
-                if compressed_packs
+                if block_packs
                 else "the pool shares raw weights with prepacking off instead"
             ),
+            block_quantized=block_packs,
         )
         if prepacked is not None:
             return SessionRecipe(
@@ -463,11 +469,12 @@ def _plan(
                 runtime_stats=prepacked.stats,
                 **common,
             )
-        if compressed_packs:
+        if block_packs:
             # MatMulNBits unpacked ran 0.55x (int8) and 0.66x (int4) of its packed speed here
             # (onnxruntime 1.32; 1.30's int8 reload computed NaN, and unpacked ran 0.09x): the
             # compressed weights are a quarter or an eighth of the floats, so each session's
-            # own packs cost less than one float copy for a pool of up to 4-8 sessions.
+            # own packs cost less than one float copy for a pool of up to 4-8 sessions. Before
+            # onnxruntime 1.28 this is every such pool: ORT saves no MatMulNBits pack.
             packing = Prepacking.PER_SESSION
             common["prepacking"] = packing
     else:
@@ -482,6 +489,12 @@ def _plan(
     return SessionRecipe(
         load_path=model_path, mechanism=host, reason=reason, runtime_stats=stats, **common
     )
+
+
+def _block_quantized(model_path: Path) -> bool:
+    """Whether the model runs ORT's ``MatMulNBits`` (weights in blocks of a few bits)."""
+    graph = load_graph(model_path).graph
+    return any(n.op_type == "MatMulNBits" for g, _ in iter_graphs(graph) for n in g.node)
 
 
 def _optimized_model(weights: WeightStore, sess_options: Any, cache: Cache, *, verify: bool) -> Any:
@@ -617,6 +630,7 @@ def _prepacked_weights(
     verify: bool,
     source: Path,
     instead: str = "the pool shares raw weights with prepacking off instead",
+    block_quantized: bool = False,
 ) -> tuple[Any, str]:
     """The prepacked model where it pays (or is forced), else (None, why not).
 
@@ -646,7 +660,9 @@ def _prepacked_weights(
             stacklevel=4,
         )
         return None, f"The prepacked model could not be built ({exc})."
-    decision = _prepack.choose_cpu_route(prepacked.stats, sessions=sessions)
+    decision = _prepack.choose_cpu_route(
+        prepacked.stats, sessions=sessions, block_quantized=block_quantized
+    )
     if forced or decision.route is _prepack.CpuRoute.PREPACKED_FILE:
         return prepacked, decision.reason
     return None, decision.reason

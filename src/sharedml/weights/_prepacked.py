@@ -730,7 +730,11 @@ def inspect_prepacked_model(
 
 
 def choose_cpu_route(
-    stats: PrepackStats, *, sessions: int, max_map_count: int | None = None
+    stats: PrepackStats,
+    *,
+    sessions: int,
+    max_map_count: int | None = None,
+    block_quantized: bool = False,
 ) -> CpuRouteDecision:
     """Pick the CPU weight route for ``sessions`` sessions of one model.
 
@@ -746,10 +750,20 @@ def choose_cpu_route(
         stats: From :func:`inspect_prepacked_model` or ``PrepackedModel.stats``.
         sessions: How many sessions of this model the process will hold at most.
         max_map_count: The per-process memory-map limit; None reads ``vm.max_map_count``.
+        block_quantized: The model has ``MatMulNBits`` kernels. ORT always packs their
+            weights, but before onnxruntime 1.28 it saves no packed form of them (measured:
+            1.24-1.27 saved none, 1.28 and later do), so no saved blob does not mean no pack.
 
     Returns:
         The route and a one-sentence reason.
     """
+    if stats.prepacked_bytes == 0 and stats.derived_bytes == 0 and block_quantized:
+        return CpuRouteDecision(
+            CpuRoute.SHARED_RAW,
+            "ORT saved no packed form of this model's MatMulNBits weights (onnxruntime before "
+            "1.28 packs them in each session and saves nothing), so the saved copy would only "
+            "double the disk use.",
+        )
     if stats.prepacked_bytes == 0 and stats.derived_bytes == 0:
         return CpuRouteDecision(
             CpuRoute.SHARED_RAW,
