@@ -70,15 +70,18 @@ class Outcome:
         crash: What killed it (``STATUS_ACCESS_VIOLATION, 0xC0000005``, ``SIGSEGV``), or None.
         result: The scenario's result (a JSON object), or None if it printed none.
         output: Its stdout and stderr, for the failure message.
+        hung: It did not exit within the timeout and was killed (``returncode`` is then -1).
     """
 
     returncode: int
     crash: str | None
     result: dict[str, Any] | None
     output: str
+    hung: bool = False
 
     def ok(self) -> dict[str, Any]:
         """The result of a scenario that must finish; fails the test with its output if not."""
+        assert not self.hung, f"the child did not exit in time:\n{self.output[-4000:]}"
         assert self.crash is None, f"the child crashed ({self.crash}):\n{self.output[-4000:]}"
         assert self.returncode == 0 and self.result is not None, (
             f"the child exited with {self.returncode} and no result:\n{self.output[-4000:]}"
@@ -89,15 +92,22 @@ class Outcome:
 def run_scenario(name: str, *, timeout_s: float = 300.0, **kwargs: Any) -> Outcome:
     """Run ``_dml_child.<name>(**kwargs)`` in a fresh Python child process."""
     code = _CHILD_CODE.format(tests=str(TESTS), root=str(TESTS.parent))
-    proc = subprocess.run(
-        [sys.executable, "-c", code, name, json.dumps(kwargs)],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=timeout_s,
-        check=False,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, name, json.dumps(kwargs)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:  # killed by subprocess.run
+        output = "".join(
+            part.decode(errors="replace") if isinstance(part, bytes) else part
+            for part in (exc.stdout or "", exc.stderr or "")
+        )
+        return Outcome(-1, None, None, output, hung=True)
     result = None
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(MARKER):
