@@ -187,14 +187,20 @@ def test_compressed_weights_whose_saved_form_is_wrong_are_packed_by_each_session
         assert pool.recipe.prepacking is sharedml.route.Prepacking.AUTO
 
 
-def _quantized_elsewhere(mlp_model: Path, folder: Path, weights: str) -> Path:
-    """``mlp_model`` with its MatMuls already in ORT's blocks, as a user might bring it."""
-    from sharedml.prepared import WeightsFormat, compress
+def _skip_unless_compressible(weights: str) -> None:
+    from sharedml.prepared import WeightsFormat
     from sharedml.prepared._compress import compression_unavailable
 
     why = compression_unavailable(WeightsFormat.parse(weights))
     if why is not None:
         pytest.skip(why)
+
+
+def _quantized_elsewhere(mlp_model: Path, folder: Path, weights: str) -> Path:
+    """``mlp_model`` with its MatMuls already in ORT's blocks, as a user might bring it."""
+    from sharedml.prepared import compress
+
+    _skip_unless_compressible(weights)
     return Path(compress(mlp_model, folder / "quantized" / "mlp.onnx", weights=weights).model_path)
 
 
@@ -234,6 +240,7 @@ def test_block_quantized_weights_never_run_unpacked(
 ) -> None:
     """Unpacked MatMulNBits kernels run at a fraction of their packed speed, and before
     onnxruntime 1.28 ORT saves no packed form of them: the pool then packs in each session."""
+    _skip_unless_compressible(weights)
     if origin == "compressed-by-the-pool":
         pool = sharedml.SessionPool(
             mlp_model, sessions=2, weights=weights, cache_dir=tmp_path / "cache"
