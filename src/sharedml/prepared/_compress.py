@@ -54,7 +54,7 @@ from sharedml._errors import CacheError, CompressError, missing_package
 from sharedml.cache._entries import Built, ensure_entry, open_entry
 from sharedml.cache._locks import lend_hold
 from sharedml.cache._root import Cache, CacheDir
-from sharedml.model._graph import load_graph
+from sharedml.model._graph import iter_graphs, load_graph
 from sharedml.prepared._plan import DEFAULT_SIZE_THRESHOLD_BYTES, check_threshold
 from sharedml.prepared._prepare import PrepareResult, prepare, prepared_model_for
 
@@ -341,13 +341,7 @@ def compression_unavailable(weights: WeightsFormat) -> str | None:
 
 def _graphs(graph: Any) -> Iterator[Any]:
     """``graph`` and every subgraph (``If``/``Loop``/``Scan`` bodies) at any depth."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("g"):
-                yield from _graphs(attr.g)
-            for sub in attr.graphs:
-                yield from _graphs(sub)
+    return (g for g, _ in iter_graphs(graph))
 
 
 def _attrs(node: Any) -> dict[str, Any]:
