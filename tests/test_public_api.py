@@ -35,7 +35,7 @@ MODULES = {
         "prepare", "prepare_family", "PrepareResult", "FamilyResult", "TensorDigest",
         "WeightsManifest",
         "SharedWeights", "weights_path_for", "prepared_model_for", "compress", "CompressResult",
-        "WeightsFormat", "compressed_model_for",
+        "WeightsFormat", "compressed_model_for", "compress_static", "StaticCompressResult",
     },
     "sharedml.cache": {
         "Cache", "cache_dir", "cache_summary", "list_entries", "verify_entries", "prune_cache",

@@ -11,42 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from sharedml.inspection._measure import trial_run
+from sharedml.model._accuracy import OutputAccuracy, compare_outputs
 from sharedml.model._inputs import InputSpec
 from sharedml.prepared._compress import WeightsFormat
 
 __all__ = ["CompressedAccuracy", "OutputAccuracy", "compare_outputs", "compressed_accuracy"]
-
-
-@dataclasses.dataclass(frozen=True)
-class OutputAccuracy:
-    """How far one output of the compressed model is from the float model's.
-
-    Attributes:
-        name: The output (``out0``, ``out1``...: by position, as the trial run saves them).
-        max_abs_diff: The largest absolute difference.
-        max_rel_diff: ``max_abs_diff`` over the float output's largest magnitude (a relative
-            difference per element is meaningless where the float value is near 0).
-        top1_agreement: For a classifier-like output (float, shape ``[rows, classes]`` with at
-            least 2 classes): the share of rows whose largest class is the same; else None.
-        top1_rows: How many rows that share is of (0 where not classifier-like).
-    """
-
-    name: str
-    max_abs_diff: float
-    max_rel_diff: float
-    top1_agreement: float | None
-    top1_rows: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready."""
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,39 +64,6 @@ class CompressedAccuracy:
             "outputs": [o.to_dict() for o in self.outputs],
             "error": self.error,
         }
-
-
-def compare_outputs(
-    reference: Mapping[str, np.ndarray], other: Mapping[str, np.ndarray]
-) -> tuple[OutputAccuracy, ...]:
-    """Compare each float output of ``reference`` with ``other``'s of the same name and shape.
-
-    Outputs that are not floats, or whose shapes differ, are left out.
-    """
-    found = []
-    for name, want in reference.items():
-        got = other.get(name)
-        if got is None or got.shape != want.shape or want.dtype.kind != "f" or not want.size:
-            continue
-        want64, got64 = want.astype(np.float64), got.astype(np.float64)
-        diff = float(np.max(np.abs(got64 - want64)))
-        scale = float(np.max(np.abs(want64)))
-        classifier = want.ndim == 2 and want.shape[1] >= 2
-        agreement = (
-            float(np.mean(np.argmax(got64, axis=1) == np.argmax(want64, axis=1)))
-            if classifier
-            else None
-        )
-        found.append(
-            OutputAccuracy(
-                name=name,
-                max_abs_diff=diff,
-                max_rel_diff=diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf")),
-                top1_agreement=agreement,
-                top1_rows=int(want.shape[0]) if classifier else 0,
-            )
-        )
-    return tuple(found)
 
 
 def _load(path: Path) -> dict[str, np.ndarray]:

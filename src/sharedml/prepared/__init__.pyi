@@ -11,5 +11,7 @@ from sharedml.prepared._format import weights_path_for as weights_path_for
 from sharedml.prepared._prepare import PrepareResult as PrepareResult
 from sharedml.prepared._prepare import prepare as prepare
 from sharedml.prepared._prepare import prepared_model_for as prepared_model_for
+from sharedml.prepared._static import StaticCompressResult as StaticCompressResult
+from sharedml.prepared._static import compress_static as compress_static
 
 __all__: list[str]

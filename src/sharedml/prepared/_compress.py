@@ -167,7 +167,7 @@ class CompressResult:
 
 
 @contextlib.contextmanager
-def _root_logging_kept() -> Iterator[None]:
+def root_logging_kept() -> Iterator[None]:
     """Undo what importing ORT's quantizer does to the application's root logger.
 
     Its module calls ``logging.basicConfig(level=logging.INFO)`` at import (1.32), which adds a
@@ -194,7 +194,7 @@ def _quantizer(fmt: WeightsFormat) -> Any:
 
     version = onnxruntime.__version__
     try:
-        with _root_logging_kept():
+        with root_logging_kept():
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     except ModuleNotFoundError as exc:
         if exc.name and not exc.name.startswith("onnxruntime"):  # the tool's own dependency
@@ -220,7 +220,7 @@ def _older_quantizer(fmt: WeightsFormat, version: str) -> Any:
     if fmt.bits != 4:
         raise _needs_newer(fmt, version)
     try:
-        with _root_logging_kept():
+        with root_logging_kept():
             from onnxruntime.quantization.matmul_4bits_quantizer import MatMul4BitsQuantizer
     except ImportError:
         raise CompressError(

@@ -1,0 +1,268 @@
+"""Static int8: weights *and* activations in 8 bits, at scales calibrated once on given inputs.
+
+Weight-only compression (:mod:`sharedml.prepared._compress`) leaves convolutions float and
+computes in float, so on CPUs with int8 dot products (VNNI, AMX) it cannot reach a runtime that
+computes in reduced precision. Static quantization can: onnxruntime's ``quantize_static`` runs
+the float model on calibration inputs, records each activation's range (min/max), and writes a
+QDQ model (``QuantizeLinear``/``DequantizeLinear`` around every op it quantizes: Conv, MatMul,
+Gemm, Add, pooling...), which ORT's CPU provider fuses into int8 kernels (``QLinearConv``,
+``MatMulIntegerToFloat``...) at load.
+
+Why this keeps callers apart in a batch: every activation's scale and zero point are constants
+of the written model, fixed by the calibration, so a row is quantized the same whether it runs
+alone or beside other callers' rows (the row-independence analysis treats ``QuantizeLinear``
+with constant parameters as row-wise). Dynamic quantization would not: ``DynamicQuantizeLinear``
+takes its scale from the whole tensor, every row of the batch (the analysis refuses to batch it).
+
+The cost is accuracy, and it depends on the calibration: inputs unlike the real ones give
+scales that clip or waste range. So the inputs are the caller's, never generated, and the result
+says how far the quantized model's outputs are from the float model's on the inputs checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sharedml import _host
+from sharedml._errors import CompressError, missing_package
+from sharedml.model._accuracy import OutputAccuracy, compare_outputs, worst_of
+from sharedml.model._graph import iter_graphs, load_graph, tensor_nbytes
+from sharedml.prepared._compress import root_logging_kept
+from sharedml.prepared._prepare import PrepareResult, prepare
+
+__all__ = ["StaticCompressResult", "compress_static"]
+
+_SCRATCH_MODEL = "static.onnx"
+_INT8_TYPES = (2, 3)  # TensorProto.UINT8, INT8
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticCompressResult:
+    """What :func:`compress_static` wrote, and what it cost in accuracy.
+
+    Attributes:
+        model_path: The quantized, prepared graph.
+        weights_path: Its weights file.
+        quantized_weights: How many weight tensors are stored as int8.
+        float_bytes: The model's float weights' bytes before.
+        compressed_bytes: All its weights' bytes after (int8 weights, their scales, the
+            tensors left float).
+        calibration_feeds: How many feeds calibrated the activations' scales.
+        checked_feeds: How many feeds ``accuracy`` was measured on.
+        accuracy: Per float output, the largest absolute and relative difference from the
+            float model over the checked feeds, and the top-1 agreement of classifier-like
+            outputs.
+        prepared: What prepare wrote for the quantized model.
+    """
+
+    model_path: Path
+    weights_path: Path
+    quantized_weights: int
+    float_bytes: int
+    compressed_bytes: int
+    calibration_feeds: int
+    checked_feeds: int
+    accuracy: tuple[OutputAccuracy, ...]
+    prepared: PrepareResult
+
+    @property
+    def max_rel_diff(self) -> float | None:
+        """The largest relative difference (to each output's scale) over every output."""
+        return max((o.max_rel_diff for o in self.accuracy), default=None)
+
+
+class _Feeds:
+    """The calibration inputs as ORT's ``CalibrationDataReader`` reads them."""
+
+    def __init__(self, feeds: Sequence[Mapping[str, np.ndarray]]) -> None:
+        self._feeds = iter(feeds)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        feed = next(self._feeds, None)
+        return None if feed is None else dict(feed)
+
+
+def _feeds(value: Iterable[Mapping[str, Any]] | None, what: str) -> list[dict[str, np.ndarray]]:
+    if value is None or isinstance(value, Mapping):
+        raise TypeError(f"{what} must be a list of feeds (dicts of input name -> array).")
+    feeds = [{str(k): np.asarray(v) for k, v in feed.items()} for feed in value]
+    if not feeds:
+        raise ValueError(f"{what} is empty: give at least one feed, like the model's real inputs.")
+    return feeds
+
+
+def _check_names(feeds: Sequence[Mapping[str, Any]], wanted: set[str], what: str) -> None:
+    for i, feed in enumerate(feeds):
+        if set(feed) != wanted:
+            missing, extra = sorted(wanted - set(feed)), sorted(set(feed) - wanted)
+            raise ValueError(
+                f"{what}[{i}] does not feed the model's inputs: missing {missing}, unknown {extra}."
+            )
+
+
+def _quantize_static() -> Any:
+    try:
+        with root_logging_kept():
+            from onnxruntime.quantization import (
+                CalibrationMethod,
+                QuantFormat,
+                QuantType,
+                quantize_static,
+            )
+    except ModuleNotFoundError as exc:  # the tools' own dependency (onnx-ir on recent ones)
+        package = (exc.name or "onnxruntime.quantization").replace("_", "-")
+        feature = "Static int8 (onnxruntime's quantization tools)"
+        raise CompressError(str(missing_package(feature, package, "compress"))) from None
+
+    def run(src: Path, dst: Path, feeds: Sequence[Mapping[str, np.ndarray]]) -> None:
+        root = logging.getLogger()
+        root.addFilter(_quantizer_advice)
+        try:
+            with root_logging_kept():
+                _call(src, dst, feeds)
+        finally:
+            root.removeFilter(_quantizer_advice)
+
+    def _call(src: Path, dst: Path, feeds: Sequence[Mapping[str, np.ndarray]]) -> None:
+        quantize_static(
+            str(src),
+            str(dst),
+            _Feeds(feeds),
+            quant_format=QuantFormat.QDQ,
+            # Weights: int8, symmetric, a scale per output channel (accuracy at no run cost).
+            # Activations: uint8 with a zero point, one scale per tensor: what MLAS's u8s8
+            # kernels take, and constant, so rows stay independent.
+            per_channel=True,
+            weight_type=QuantType.QInt8,
+            activation_type=QuantType.QUInt8,
+            calibrate_method=CalibrationMethod.MinMax,
+            use_external_data_format=True,
+            extra_options={"WeightSymmetric": True, "ActivationSymmetric": False},
+        )
+
+    return run
+
+
+def _quantizer_advice(record: logging.LogRecord) -> bool:
+    """Drop the quantizer's advice to pre-process the model, logged on the root logger.
+
+    It comes at every call, and a caller of compress_static cannot act on it; errors still pass.
+    """
+    quantizer = f"onnxruntime{os.sep}quantization" in record.pathname
+    return not (quantizer and record.levelno < logging.ERROR)
+
+
+def _weights(model: Any) -> dict[str, Any]:
+    return {t.name: t for g, _ in iter_graphs(model.graph) for t in g.initializer}
+
+
+def _run_all(path: Path, feeds: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, Any]]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return [dict(zip(names, session.run(None, dict(feed)), strict=True)) for feed in feeds]
+
+
+def _inputs_of(path: Path) -> set[str]:
+    model = load_graph(path)
+    initializers = {t.name for t in model.graph.initializer}
+    return {i.name for i in model.graph.input if i.name not in initializers}
+
+
+def compress_static(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    calibration: Iterable[Mapping[str, Any]],
+    check: Iterable[Mapping[str, Any]] | None = None,
+) -> StaticCompressResult:
+    """Write a prepared copy of ``src`` with int8 weights and int8 activations (static, QDQ).
+
+    The source is prepared first (prepare's checks apply), then quantized by onnxruntime's
+    ``quantize_static``: per-channel symmetric int8 weights, per-tensor uint8 activations whose
+    ranges are the min/max seen over ``calibration``. The result is prepared at ``dst``; a pool
+    given ``dst`` shares and batches it like any model (its scales are constants, so no row's
+    values depend on another's).
+
+    On CPUs with int8 dot products (AVX-512 VNNI, AMX) this runs convolutions and matrix
+    products in int8; elsewhere MLAS's int8 kernels still ran a ResNet-50-like model 2x faster
+    than float on AVX2 (docs/compress.md). Accuracy depends on the calibration inputs: give
+    real ones, as many as cover the inputs the model will see.
+
+    Args:
+        src: Any ONNX model with float weights.
+        dst: The graph file to write; its weights go to ``<dst stem>.weights`` beside it.
+        calibration: Feeds (input name -> array) of real inputs, one or more.
+        check: Feeds to measure the accuracy on (default: ``calibration``; held-out inputs
+            say more).
+
+    Returns:
+        What was written, with the accuracy against the float model on ``check``.
+
+    Raises:
+        TypeError: ``calibration`` or ``check`` is not a sequence of feeds.
+        ValueError: an empty ``calibration``, or a feed that is not the model's inputs.
+        CompressError: onnxruntime's quantization tools are missing or failed, or they found
+            nothing to quantize.
+        ModelError, PrepareError: from :func:`sharedml.prepare`.
+
+    Thread safety: safe to call concurrently (each call has its own temporary folder).
+    """
+    import onnx
+
+    calibrating = _feeds(calibration, "calibration")
+    checking = calibrating if check is None else _feeds(check, "check")
+    run_quantizer = _quantize_static()
+    dst_path = Path(dst)
+    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".sharedml-static-", dir=dst_path.parent) as tmp:
+        scratch = Path(tmp)
+        float_path = prepare(src, scratch / "float.onnx").model_path
+        wanted = _inputs_of(float_path)
+        _check_names(calibrating, wanted, "calibration")
+        _check_names(checking, wanted, "check")
+        quantized_path = scratch / _SCRATCH_MODEL
+        try:
+            run_quantizer(float_path, quantized_path, calibrating)
+        except Exception as exc:  # ORT's tools raise anything from ValueError to RuntimeError
+            raise CompressError(
+                f"onnxruntime's quantize_static failed on '{src}': {type(exc).__name__}: {exc}"
+            ) from exc
+        before = _weights(onnx.load(str(float_path), load_external_data=False))
+        after_model = onnx.load(str(quantized_path), load_external_data=False)
+        after = _weights(after_model)
+        quantized = [t for t in after.values() if t.data_type in _INT8_TYPES and len(t.dims) >= 2]
+        if not quantized:
+            raise CompressError(
+                f"onnxruntime's quantize_static quantized no weight of '{src}' (it quantizes "
+                "Conv, MatMul, Gemm and the like): nothing to gain from int8."
+            )
+        prepared = prepare(quantized_path, dst_path)
+        reference = _run_all(float_path, checking)
+        got = _run_all(prepared.model_path, checking)
+        _host.release_freed_heap()
+    float_bytes = sum(
+        tensor_nbytes(t) or 0 for t in before.values() if t.data_type in (1, 10, 11, 16)
+    )
+    return StaticCompressResult(
+        model_path=prepared.model_path,
+        weights_path=prepared.weights_path,
+        quantized_weights=len(quantized),
+        float_bytes=float_bytes,
+        compressed_bytes=sum(tensor_nbytes(t) or 0 for t in after.values()),
+        calibration_feeds=len(calibrating),
+        checked_feeds=len(checking),
+        accuracy=worst_of([compare_outputs(r, g) for r, g in zip(reference, got, strict=True)]),
+        prepared=prepared,
+    )
