@@ -22,6 +22,7 @@ TESTS=(
     tests/prepared/test_prepare.py
     tests/prepared/test_families.py
     tests/prepared/test_dedupe.py
+    tests/prepared/test_static.py
     tests/test_security.py
     tests/pool/test_pool.py
 )

@@ -10,8 +10,11 @@ run against one server:
                          (``pool:2:batch``: 2 sessions, batching on; its docstring lists the
                          flags). ``plain:...`` configurations run too if named, for context,
                          but never count as sharedml. ``pool:...:int8`` / ``:int4``
-                         (compressed weights) compete in a class of their own, against
-                         OpenVINO's reduced precisions: their outputs differ by design.
+                         (compressed weights) and ``:static`` (int8 weights and
+                         activations, ``sharedml.prepared.compress_static`` calibrated on
+                         16 generated inputs the measured requests never repeat) compete in
+                         classes of their own, against OpenVINO's reduced precisions: their
+                         outputs differ by design.
 ``ov:PRECISION[:...]``   OpenVINO: one compiled model on ``CPU``, one infer request per caller
                          (``:reqN``: N of them, shared through a queue), the ``THROUGHPUT``
                          performance hint (``:latency``: ``LATENCY``). ``PRECISION`` is ``f32``
@@ -143,7 +146,7 @@ def parse_ov_config(name: str) -> dict[str, Any]:
     return settings
 
 
-COMPRESSED = ("int8", "int4")
+COMPRESSED = ("int8", "int4", "static")
 
 
 def family(config: str) -> str:

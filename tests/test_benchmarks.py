@@ -9,6 +9,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -340,6 +342,7 @@ def test_serving_configurations_name_sessions_weights_and_auto() -> None:
         "flags": {"batch", "int4"},
     }
     assert serving._parse_config("pool:2:batch")["sessions"] == 2
+    assert serving._parse_config("pool:2:batch:static")["flags"] == {"batch", "static"}
     assert serving._parse_config("single")["sessions"] == 1
     for bad in ("plain:auto", "pool:2:int3", "pool:Auto:batch"):
         with pytest.raises(SystemExit, match="unknown configuration"):
@@ -439,6 +442,7 @@ def test_peer_openvino_ratios_are_best_against_best_per_round_then_the_median() 
 def test_peer_openvino_compressed_weights_compete_in_a_class_of_their_own() -> None:
     assert peer_openvino.family("pool:2:batch:int4") == "sharedml:int4"
     assert peer_openvino.family("pool:1:int8") == "sharedml:int8"
+    assert peer_openvino.family("pool:2:batch:static") == "sharedml:static"
     rows = _peer_results()
     for k, rps in enumerate([300, 150, 250]):  # faster than every float pool, and it differs
         rows.append(
@@ -532,3 +536,34 @@ def test_peer_openvino_quick_run_checks_every_configuration(tmp_path: Path) -> N
 
 def test_shared_arena_is_refused_for_providers_without_one() -> None:
     assert _arena.register_shared_arena("CPUExecutionProvider") is False
+
+
+def test_a_static_int8_pool_serves_a_model_calibrated_apart_from_the_measured_inputs(
+    tmp_path: Path,
+) -> None:
+    from tools.realistic_models import resnet_like
+
+    info = resnet_like(tmp_path / "resnet.onnx", size="tiny")
+    spec = {
+        "model": str(info.path),
+        "name": info.name,
+        "inputs": {k: [str(v[0]), list(v[1])] for k, v in info.inputs.items()},
+        "seq": 16,
+        "cache_dir": str(tmp_path / "out" / "cache"),
+        "providers": ["CPUExecutionProvider"],
+        "config": "pool:1:batch:static",
+    }
+    server, _ = serving._server(spec)
+    try:
+        static = serving._static_model(spec)
+        ops = {n.op_type for n in onnx.load(static).graph.node}
+        assert "QuantizeLinear" in ops
+        feed = {"pixel_values": np.random.default_rng(0).standard_normal((1, 3, 224, 224))}
+        feed = {k: v.astype(np.float32) for k, v in feed.items()}
+        got = server.run(feed)[0]
+    finally:
+        server.close()
+    int8 = ort.InferenceSession(static, providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    float32 = ort.InferenceSession(str(info.path), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(got, int8, rtol=0, atol=1e-5 * np.abs(int8).max())
+    assert not np.allclose(got, float32.run(None, feed)[0], rtol=0, atol=1e-5)  # not the float

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -18,28 +19,35 @@ from sharedml.prepared import compress_static
 CHANNELS, SIZE, CLASSES = 16, 12, 10
 
 
-def small_cnn(path: Path, *, seed: int = 0) -> Path:
-    """x[N, 3, 12, 12] -> Conv -> Relu -> Conv -> Relu -> GlobalAveragePool -> Flatten -> Gemm."""
+def small_cnn(
+    path: Path, *, seed: int = 0, width: int = CHANNELS, depth: int = 1, opset: int = 17
+) -> Path:
+    """x[N, 3, 12, 12] -> Conv -> Relu -> (Conv -> Relu) x depth -> GlobalAveragePool -> Flatten
+    -> Gemm: ``width`` channels."""
     rng = np.random.default_rng(seed)
 
     def w(*shape: int) -> np.ndarray:
         fan_in = int(np.prod(shape[1:]))
         return (rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
 
-    inits = [
-        numpy_helper.from_array(w(CHANNELS, 3, 3, 3), "c1"),
-        numpy_helper.from_array(w(CHANNELS) * 0.1, "b1"),
-        numpy_helper.from_array(w(CHANNELS, CHANNELS, 3, 3), "c2"),
-        numpy_helper.from_array(w(CHANNELS) * 0.1, "b2"),
-        numpy_helper.from_array(w(CLASSES, CHANNELS), "fc"),
+    conv = {"kernel_shape": [3, 3], "pads": [1] * 4}
+    inits, nodes, previous = [], [], "x"
+    for i in range(depth + 1):
+        inits += [
+            numpy_helper.from_array(w(width, width if i else 3, 3, 3), f"c{i}"),
+            numpy_helper.from_array(w(width) * 0.1, f"b{i}"),
+        ]
+        nodes += [
+            helper.make_node("Conv", [previous, f"c{i}", f"b{i}"], [f"h{i}"], **conv),
+            helper.make_node("Relu", [f"h{i}"], [f"r{i}"]),
+        ]
+        previous = f"r{i}"
+    inits += [
+        numpy_helper.from_array(w(CLASSES, width), "fc"),
         numpy_helper.from_array(w(CLASSES) * 0.1, "fcb"),
     ]
-    nodes = [
-        helper.make_node("Conv", ["x", "c1", "b1"], ["h1"], kernel_shape=[3, 3], pads=[1] * 4),
-        helper.make_node("Relu", ["h1"], ["r1"]),
-        helper.make_node("Conv", ["r1", "c2", "b2"], ["h2"], kernel_shape=[3, 3], pads=[1] * 4),
-        helper.make_node("Relu", ["h2"], ["r2"]),
-        helper.make_node("GlobalAveragePool", ["r2"], ["g"]),
+    nodes += [
+        helper.make_node("GlobalAveragePool", [f"r{depth}"], ["g"]),
         helper.make_node("Flatten", ["g"], ["f"]),
         helper.make_node("Gemm", ["f", "fc", "fcb"], ["logits"], transB=1),
     ]
@@ -50,7 +58,7 @@ def small_cnn(path: Path, *, seed: int = 0) -> Path:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=7)
     onnx.save(model, path)
     return path
 
@@ -92,6 +100,21 @@ def test_static_int8_stores_int8_weights_and_says_what_accuracy_it_cost(
     agree = np.mean([np.argmax(g, 1) == np.argmax(w, 1) for g, w in zip(got, want, strict=True)])
     assert logits.top1_agreement == pytest.approx(agree) and logits.top1_rows == 32
     assert 0 < logits.max_rel_diff < 0.1
+
+
+def test_a_model_of_an_old_opset_still_gets_a_weight_scale_per_channel(tmp_path: Path) -> None:
+    """Per-channel DequantizeLinear needs opset 13; many exported CNNs are opset 11."""
+    src = small_cnn(tmp_path / "cnn11.onnx", opset=11)
+    check = feeds(2, seed=500, rows=4)
+    result = compress_static(src, tmp_path / "q" / "cnn.onnx", calibration=feeds(8, 0), check=check)
+    assert result.per_channel
+    scales = [
+        t for t in onnx.load(str(result.model_path)).graph.initializer if t.name == "c1_scale"
+    ]
+    assert [list(t.dims) for t in scales] == [[CHANNELS]]  # one scale per output channel
+    want = plain(src, check[0]["x"])
+    got = plain(result.model_path, check[0]["x"])
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.1 * np.abs(want).max())
 
 
 def test_the_calibration_inputs_decide_the_accuracy(cnn: Path, tmp_path: Path) -> None:
@@ -167,6 +190,32 @@ def test_a_model_with_nothing_to_quantize_is_refused(tmp_path: Path) -> None:
     calibration = [{"x": np.ones((1, 4), np.float32)}]
     with pytest.raises(CompressError, match="no weight"):
         compress_static(src, tmp_path / "q" / "relu.onnx", calibration=calibration)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS is read from Linux smaps")
+def test_a_static_int8_pool_maps_its_int8_weights_once_for_every_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four sessions of a static int8 pool against four plain float sessions and one: the int8
+    weights are a quarter of the float ones, and the pool holds them once."""
+    src = small_cnn(tmp_path / "cnn.onnx", width=256, depth=8)  # 18 MiB of float weights
+    static = compress_static(src, tmp_path / "q" / "cnn.onnx", calibration=feeds(4, 0))
+    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
+    measure = sharedml.measure.measure
+    plain_float = measure(src, "naive", sessions=4)  # each a fresh subprocess
+    plain_int8 = measure(static.model_path, "naive", sessions=4)
+    pool_int8 = measure(static.model_path, "shared", sessions=4)
+    costs = {
+        name: m.total_bytes
+        for name, m in (("float", plain_float), ("int8", plain_int8), ("pool", pool_int8))
+    }
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in costs.items() if v is not None})
+    assert None not in costs.values()
+    # 4 float copies -> 1 int8 copy is 1/16 of the weights; each session keeps about 2 MiB of
+    # its own (kernel state, activations: 12.8 MiB in all, measured on onnxruntime 1.32).
+    assert costs["pool"] <= 0.25 * costs["float"]
+    assert costs["pool"] <= 0.7 * costs["int8"]  # 4 plain int8 sessions: 22.4 MiB
 
 
 def plain(path: Path, x: np.ndarray) -> np.ndarray:

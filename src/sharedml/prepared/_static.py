@@ -40,6 +40,8 @@ from sharedml.prepared._prepare import PrepareResult, prepare
 
 __all__ = ["StaticCompressResult", "compress_static"]
 
+_log = logging.getLogger("sharedml")
+
 _SCRATCH_MODEL = "static.onnx"
 _INT8_TYPES = (2, 3)  # TensorProto.UINT8, INT8
 
@@ -55,6 +57,8 @@ class StaticCompressResult:
         float_bytes: The model's float weights' bytes before.
         compressed_bytes: All its weights' bytes after (int8 weights, their scales, the
             tensors left float).
+        per_channel: Whether the weights have a scale per output channel (else one per tensor:
+            a model of an opset before 13 that onnx's version converter could not convert).
         calibration_feeds: How many feeds calibrated the activations' scales.
         checked_feeds: How many feeds ``accuracy`` was measured on.
         accuracy: Per float output, the largest absolute and relative difference from the
@@ -68,6 +72,7 @@ class StaticCompressResult:
     quantized_weights: int
     float_bytes: int
     compressed_bytes: int
+    per_channel: bool
     calibration_feeds: int
     checked_feeds: int
     accuracy: tuple[OutputAccuracy, ...]
@@ -122,16 +127,20 @@ def _quantize_static() -> Any:
         feature = "Static int8 (onnxruntime's quantization tools)"
         raise CompressError(str(missing_package(feature, package, "compress"))) from None
 
-    def run(src: Path, dst: Path, feeds: Sequence[Mapping[str, np.ndarray]]) -> None:
+    def run(
+        src: Path, dst: Path, feeds: Sequence[Mapping[str, np.ndarray]], per_channel: bool
+    ) -> None:
         root = logging.getLogger()
         root.addFilter(_quantizer_advice)
         try:
             with root_logging_kept():
-                _call(src, dst, feeds)
+                _call(src, dst, feeds, per_channel)
         finally:
             root.removeFilter(_quantizer_advice)
 
-    def _call(src: Path, dst: Path, feeds: Sequence[Mapping[str, np.ndarray]]) -> None:
+    def _call(
+        src: Path, dst: Path, feeds: Sequence[Mapping[str, np.ndarray]], per_channel: bool
+    ) -> None:
         quantize_static(
             str(src),
             str(dst),
@@ -140,7 +149,7 @@ def _quantize_static() -> Any:
             # Weights: int8, symmetric, a scale per output channel (accuracy at no run cost).
             # Activations: uint8 with a zero point, one scale per tensor: what MLAS's u8s8
             # kernels take, and constant, so rows stay independent.
-            per_channel=True,
+            per_channel=per_channel,
             weight_type=QuantType.QInt8,
             activation_type=QuantType.QUInt8,
             calibrate_method=CalibrationMethod.MinMax,
@@ -172,6 +181,41 @@ def _run_all(path: Path, feeds: Sequence[Mapping[str, np.ndarray]]) -> list[dict
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return [dict(zip(names, session.run(None, dict(feed)), strict=True)) for feed in feeds]
+
+
+# Per-channel weight scales need DequantizeLinear's `axis`, which is new in opset 13.
+_PER_CHANNEL_OPSET = 13
+
+
+def _per_channel_source(float_path: Path, scratch: Path) -> tuple[Path, bool]:
+    """The model to quantize, and whether its weights can take a scale per output channel.
+
+    Models of opsets before 13 (common among exported CNNs) are converted to opset 13 with
+    onnx's version converter; where it cannot convert them, their weights get one scale per
+    tensor instead (valid in every opset, less accurate).
+    """
+    import onnx
+    from onnx import version_converter
+
+    model = onnx.load(str(float_path), load_external_data=False)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset >= _PER_CHANNEL_OPSET:
+        return float_path, True
+    model = onnx.load(str(float_path))  # the converter rewrites some constants: every tensor
+    try:
+        converted = version_converter.convert_version(model, _PER_CHANNEL_OPSET)
+    except Exception:  # the converter raises anything; per-tensor scales work in any opset
+        _log.info("onnx cannot convert %s to opset 13: per-tensor weight scales", float_path)
+        return float_path, False
+    target = scratch / "float-opset13.onnx"
+    onnx.save_model(
+        converted,
+        str(target),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=target.with_suffix(".data").name,
+    )
+    return target, True
 
 
 def _inputs_of(path: Path) -> set[str]:
@@ -233,8 +277,9 @@ def compress_static(
         _check_names(calibrating, wanted, "calibration")
         _check_names(checking, wanted, "check")
         quantized_path = scratch / _SCRATCH_MODEL
+        source, per_channel = _per_channel_source(float_path, scratch)
         try:
-            run_quantizer(float_path, quantized_path, calibrating)
+            run_quantizer(source, quantized_path, calibrating, per_channel)
         except Exception as exc:  # ORT's tools raise anything from ValueError to RuntimeError
             raise CompressError(
                 f"onnxruntime's quantize_static failed on '{src}': {type(exc).__name__}: {exc}"
@@ -250,7 +295,15 @@ def compress_static(
             )
         prepared = prepare(quantized_path, dst_path)
         reference = _run_all(float_path, checking)
-        got = _run_all(prepared.model_path, checking)
+        try:
+            got = _run_all(prepared.model_path, checking)
+        except Exception as exc:  # the quantizer wrote a model this onnxruntime refuses
+            for written in (prepared.model_path, prepared.weights_path):
+                written.unlink(missing_ok=True)
+            raise CompressError(
+                f"onnxruntime's quantize_static wrote a model of '{src}' that onnxruntime cannot "
+                f"run: {type(exc).__name__}: {exc}"
+            ) from exc
         _host.release_freed_heap()
     float_bytes = sum(
         tensor_nbytes(t) or 0 for t in before.values() if t.data_type in (1, 10, 11, 16)
@@ -261,6 +314,7 @@ def compress_static(
         quantized_weights=len(quantized),
         float_bytes=float_bytes,
         compressed_bytes=sum(tensor_nbytes(t) or 0 for t in after.values()),
+        per_channel=per_channel,
         calibration_feeds=len(calibrating),
         checked_feeds=len(checking),
         accuracy=worst_of([compare_outputs(r, g) for r, g in zip(reference, got, strict=True)]),
