@@ -186,7 +186,9 @@ def test_a_model_with_nothing_to_quantize_is_refused(tmp_path: Path) -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
     )
     src = tmp_path / "relu.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), src)
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), src
+    )
     calibration = [{"x": np.ones((1, 4), np.float32)}]
     with pytest.raises(CompressError, match="no weight"):
         compress_static(src, tmp_path / "q" / "relu.onnx", calibration=calibration)
