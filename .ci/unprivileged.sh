@@ -87,6 +87,9 @@ echo "unprivileged tests: as $user ($(id -u "$user")), HOME=$work/home, $("$pyth
     "setup $((SECONDS - start)) s"
 
 cd "$work/repo"
+# pytest's temporary folders under this run's own home: /tmp/pytest-of-USER may be left by an
+# earlier user of that name with another uid (a CI user deleted and made again), which pytest
+# refuses to use.
 as_user env -i HOME="$work/home" PATH="$work/venv/bin:/usr/bin:/bin" LANG=C.UTF-8 \
-    "$work/venv/bin/python" -m pytest -q "${TESTS[@]}"
+    "$work/venv/bin/python" -m pytest -q --basetemp "$work/home/pytest" "${TESTS[@]}"
 echo "unprivileged tests: $((SECONDS - start)) s"
