@@ -23,6 +23,11 @@ are given its inputs. An operator without a rule keeps a tensor static if all it
 and refuses any input that carries rows. A model is batchable when every output is ``ROWS`` on
 axis 0, one entry per row.
 
+No declared shape is trusted but the graph inputs' (requests are checked against them): not an
+output's, not a ``value_info``, not a subgraph's. Every other shape is derived from the inputs
+and the graph's constants, and the pool's sessions load a graph that declares nothing else
+(:mod:`sharedml.pool._relax`), since ONNX Runtime folds what a graph declares into constants.
+
 ``N`` and the model's other symbolic dims are followed as polynomials (:mod:`sharedml.pool._dims`),
 so ``Reshape(x, [N * seq, hidden])`` and back is proven to keep each row whole, and
 ``Reshape(x, [4, -1])`` is proven not to. Merged requests share every dim but ``N`` (a pool
@@ -36,8 +41,10 @@ import dataclasses
 import enum
 import math
 from collections import ChainMap
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from typing import Any, TypeVar
+
+import numpy as np
 
 from sharedml.model._proto import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 from sharedml.pool._dims import BATCH, ONE, ZERO, Dim, opaque, product
@@ -514,6 +521,24 @@ def _div(a: Value, b: Value) -> Value | None:
     return float(_num(a)) / float(_num(b))
 
 
+def _mod(fmod: bool) -> Callable[[Value, Value], Value | None]:
+    """Integer ``Mod`` (``fmod=0``: the sign of the divisor; 1: of the dividend, as C's)."""
+
+    def apply(a: Value, b: Value) -> Value | None:
+        if not (isinstance(a, Dim) and isinstance(b, Dim)):
+            return None
+        ca, cb = a.const, b.const
+        if ca is None or cb is None:
+            # A size computed modulo another (pad to a multiple): not a polynomial, but a
+            # value of its own that depends on the row count only where its operands do.
+            return opaque([a, b])
+        if cb == 0:
+            return None
+        return Dim.of(int(math.fmod(ca, cb)) if fmod else ca % cb)
+
+    return apply
+
+
 def _num(v: Value) -> float:
     if isinstance(v, Dim):
         c = v.const
@@ -680,6 +705,8 @@ def _elementwise(n: _Node) -> Fact:
         values = _arith(_equal)
     elif op in _COMPARE:
         values = _arith(_compare(_COMPARE[op]))
+    elif op == "Mod":
+        values = _arith(_mod(bool(n.attr("fmod", 0))))
     elif op in ("Max", "Min") and len(n.ins) == 2:
         values = _arith(_extreme(max if op == "Max" else min))
     elif op == "Where":
@@ -758,6 +785,28 @@ def _constant_of_shape(n: _Node) -> Fact:
 # Layout: reshape, transpose, squeeze
 
 
+def _static_array(f: Fact) -> Any:
+    """A static or sized value of constant shape as a numpy array of its elements, or None.
+
+    Small tensors of any rank (a ``[2, 2]`` pads table that PyTorch's ``F.pad`` export reshapes,
+    reverses and transposes into ONNX's pads order) are followed through Reshape, Transpose and
+    Slice this way; every other rule reads values of rank 0 or 1 only.
+    """
+    if f.rows or f.value is None or f.shape is None:
+        return None
+    dims = [d.const for d in f.shape]
+    if any(d is None or d < 0 for d in dims) or math.prod(dims) != len(f.value):  # type: ignore[arg-type]
+        return None
+    array = np.empty(len(f.value), dtype=object)
+    array[:] = list(f.value)
+    return array.reshape(dims)
+
+
+def _constant(shape: Sequence[Dim]) -> bool:
+    """Whether every dim is a known integer (a shape a value's elements can be laid out in)."""
+    return all(d.const is not None for d in shape)
+
+
 def _reshape_rows(n: _Node, f: Fact, out: list[Dim]) -> Fact:
     """Rows of ``f`` reinterpreted in ``out``'s shape (row-major, as Reshape does).
 
@@ -826,7 +875,9 @@ def _reshape(n: _Node) -> Fact:
         if f.shape is None and any(t.const in (0, -1) for t in target):
             return n.plain(None, sized=f.kind is Kind.SIZED)
         out = _reshape_target(n, f, target, allowzero) if f.shape is not None else target
-        value = f.value if (f.value is not None and len(out) <= 1) else None
+        # Row-major order is what Reshape keeps: the flattened elements stay as they are.
+        kept = len(out) <= 1 or (_static_array(f) is not None and _constant(out))
+        value = f.value if f.value is not None and kept else None
         return n.pinned(
             n.plain(out, value, sized=None if value is not None else f.kind is Kind.SIZED), 1
         )
@@ -857,7 +908,10 @@ def _transpose(n: _Node) -> Fact:
     out = [shape[p] for p in perm]
     if f.rows:
         return n.rows(out, perm.index(f.axis), f.fold)
-    return n.plain(out, f.value if len(out) <= 1 else None, sized=f.kind is Kind.SIZED)
+    array = _static_array(f)
+    if array is not None:
+        return n.plain(out, list(array.transpose(perm).ravel()))
+    return n.plain(out, sized=f.kind is Kind.SIZED)
 
 
 def _axes(n: _Node, index: int, attr: str = "axes") -> list[int] | None:
@@ -1031,16 +1085,17 @@ def _slice(n: _Node) -> Fact:
     if f.rows:
         return n.rows(out, f.axis, f.fold)
     value = None
-    if f.value is not None and rank == 1 and len(axes) == 1:
-        st, en = starts_v[0], ends_v[0]
-        if (
-            isinstance(st, Dim)
-            and isinstance(en, Dim)
-            and st.const is not None
-            and en.const is not None
-        ):
-            value = list(f.value[slice(st.const, en.const, steps[0])])
-            out = [Dim.of(len(value))]
+    array = _static_array(f)
+    bounds_known = all(
+        isinstance(v, Dim) and v.const is not None for v in (*starts_v, *ends_v)
+    )
+    if array is not None and bounds_known:
+        picks: list[slice] = [slice(None)] * rank
+        for a, start, end, step in zip(axes, starts_v, ends_v, steps, strict=True):
+            picks[a] = slice(start.const, end.const, step)  # type: ignore[union-attr]
+        array = array[tuple(picks)]
+        value = list(array.ravel())
+        out = [Dim.of(d) for d in array.shape]
     return n.plain(out, value, sized=None if value is not None else f.kind is Kind.SIZED)
 
 
@@ -1527,6 +1582,10 @@ def _einsum(n: _Node) -> Fact:
     for i, f in enumerate(facts):
         if not f.rows and letter in letters[i]:
             raise _Refused("pairs each row with a static entry by position")
+        if f.rows and letters[i].count(letter) > 1:
+            # "ii->i": the rows' letter names another axis as well, so row k meets entry k of
+            # that axis: a diagonal across the rows, by position
+            raise _Refused("names the rows' axis and another axis with one letter")
     if letter not in rhs:
         raise _Refused("sums over the rows' axis")
     dims: dict[str, Dim] = {}
@@ -2364,35 +2423,81 @@ def _qlinear_concat(n: _Node) -> Fact:
 
 
 def _batch_first(
-    n: _Node, required: Sequence[int], optional: Sequence[int] = (), past: Sequence[int] = ()
+    n: _Node,
+    names: Sequence[str],
+    required: Sequence[int],
+    optional: Sequence[int] = (),
+    *,
+    past: Sequence[int] = (),
+    broadcast: Sequence[int] = (),
 ) -> None:
-    """Check that the inputs at ``required``/``optional``/``past`` hold the rows as expected.
+    """Check that the batch inputs at ``required``/``optional``/``past`` hold the rows apart.
 
-    On axis 0 (or absent, or static with size 1 there); those at ``past`` on axis 1 (the
-    ``[2, batch, ...]`` caches).
+    These operators read such an input per batch entry (a mask of key lengths per entry, a
+    cache per entry, ids per entry), and several of them tell an input's form by its length
+    (``mask_index`` of ``B``, ``2B`` or ``3B + 2`` entries): the input must hold the rows one
+    entry each on the batch axis (axis 0; axis 1 of the ``[2, batch, ...]`` caches at
+    ``past``). A static tensor there is refused: made for some batch, it would be read entry by
+    entry against merged requests' rows. Only inputs at ``broadcast``, which the operator
+    broadcasts over the batch where their batch axis is 1, may be static, and only where that 1
+    is proven (a shape the analysis computed).
+
+    Args:
+        n: The node.
+        names: The operator's input names, by index (for the messages).
+        required: Inputs that must be there.
+        optional: Inputs that may be absent.
+        past: Inputs with the batch on axis 1.
+        broadcast: Inputs that may also be static with 1 on the batch axis.
     """
     for i in [*required, *optional, *past]:
         f = n.input(i)
+        what = f"input {i} ({names[i]})" if i < len(names) else f"input {i}"
         if f is None:
             if i in required:
-                raise _Refused(f"has no input {i}")
+                raise _Refused(f"has no {what}")
             continue
         axis = 1 if i in past else 0
         if f.rows:
             if f.axis != axis or f.fold != ONE:
                 raise _Refused(
-                    f"expects the batch on axis {axis} of input {i}, where the rows are not"
+                    f"expects the batch on axis {axis} of {what}, one entry per row, where the "
+                    "rows are not"
                 )
         elif f.kind is Kind.SIZED:
-            raise _Refused(f"takes input {i} from the row count")
-        elif i in required and f.shape is not None and len(f.shape) > axis and f.shape[axis] != ONE:
-            raise _Refused(f"pairs each row with a static entry of input {i} by position")
+            raise _Refused(f"takes {what} from the row count")
+        elif not (
+            i in broadcast and f.shape is not None and len(f.shape) > axis and f.shape[axis] == ONE
+        ):
+            raise _Refused(
+                f"reads {what} per batch entry, and it is a static tensor: one request's "
+                "entries would be read against another request's rows"
+            )
 
 
-@_rule("Attention", domain=_MS, summary="batch on axis 0 (past/present on axis 1); static weights")
+_ATTENTION_INPUTS = (  # noqa: SIM905 (a table: one name each, compact)
+    "input weights bias mask_index past attention_bias past_sequence_length"
+).split()
+_MHA_INPUTS = (  # noqa: SIM905 (a table: one name each, compact)
+    "query key value bias key_padding_mask attention_bias past_key past_value "
+    "past_sequence_length cache_indirection"
+).split()
+_EMBED_INPUTS = (  # noqa: SIM905 (a table: one name each, compact)
+    "input_ids segment_ids word_embedding position_embedding segment_embedding gamma beta "
+    "mask position_ids"
+).split()
+
+
+@_rule(
+    "Attention",
+    domain=_MS,
+    summary="batch on axis 0 of the input and mask (past on axis 1); static weights; a static "
+    "mask or past refused",
+)
 def _attention(n: _Node) -> list[Fact]:
     n.require_static([1, 2], "weights")
-    _batch_first(n, [0], [3, 5], past=[4])
+    n.require_static([6], "past sequence length")
+    _batch_first(n, _ATTENTION_INPUTS, [0], [3, 5], past=[4], broadcast=[5])
     shape = n.shape(0)
     sizes = n.attr("qkv_hidden_sizes")
     hidden = Dim.of(sizes[2]) if sizes else shape[2]
@@ -2407,17 +2512,24 @@ def _attention(n: _Node) -> list[Fact]:
     "RotaryEmbedding",
     "GroupQueryAttention",
     domain=_MS,
-    summary="batch on axis 0 of every tensor input; static caches refused",
+    summary="batch on axis 0 of every tensor input; static masks, keys and caches refused",
 )
 def _mha(n: _Node) -> list[Fact]:
     if n.op == "GroupQueryAttention":
         raise _Refused("is GroupQueryAttention, whose cache lengths are not analyzed")
     if n.op == "RotaryEmbedding":
         n.require_static([2, 3], "cos/sin caches")
-        _batch_first(n, [0], [1])
+        ids = n.input(1)
+        if ids is not None and ids.kind is Kind.STATIC and ids.rank == 1:
+            # one position offset for every batch entry (shape [1]): the same for any rows
+            if ids.shape is None or ids.shape[0] != ONE:
+                raise _Refused("takes position ids of a static 1-D shape other than [1]")
+        else:
+            _batch_first(n, ("input", "position_ids"), [0, 1])
         return [n.like(n.need(0))]
     n.require_static([3], "bias")
-    _batch_first(n, [0], [1, 2, 4, 5, 6, 7])
+    n.require_static([8], "past sequence length")
+    _batch_first(n, _MHA_INPUTS, [0], [1, 2, 4, 5, 6, 7, 9], broadcast=[5])
     shape = n.shape(0)
     out = [n.rows(shape if len(shape) == 3 else [shape[0], shape[1], opaque()], 0)]
     for _ in range(1, n.outputs):
@@ -2425,18 +2537,14 @@ def _mha(n: _Node) -> list[Fact]:
     return out
 
 
-@_rule("EmbedLayerNormalization", domain=_MS, summary="ids on axis 0; static embeddings")
+@_rule(
+    "EmbedLayerNormalization",
+    domain=_MS,
+    summary="ids, segment ids and mask on axis 0; static embeddings; static position ids [1, S]",
+)
 def _embed_layer_norm(n: _Node) -> list[Fact]:
     n.require_static([2, 3, 4, 5, 6], "embeddings and norm parameters")
-    _batch_first(n, [0], [1, 7])
-    pos = n.input(8)
-    if pos is not None and not pos.rows:
-        if pos.kind is not Kind.STATIC or (
-            pos.shape is not None and pos.shape and pos.shape[0] != ONE
-        ):
-            raise _Refused("pairs each row with static position ids by position")
-    elif pos is not None:
-        _batch_first(n, [8])
+    _batch_first(n, _EMBED_INPUTS, [0], [1, 7, 8], broadcast=[8])
     shape = n.shape(0)
     out = [n.rows([shape[0], shape[1], opaque()], 0), n.rows([shape[0]], 0)]
     if n.outputs > 2:
@@ -2533,8 +2641,8 @@ class RowAnalysis:
         self.fixed_rows = fixed_rows
         self.facts: dict[str, Fact] = {}
         self._opsets: dict[str, int] = {o.domain or "": int(o.version) for o in model.opset_import}
-        self._declared: dict[str, tuple[Dim, ...]] = {}
         self._batch_params: set[str] = set()
+        self._outputs: list[tuple[str, Fact]] | None = None
 
     def opset(self, domain: str) -> int:
         """The opset version the model imports for ``domain`` (the default domain for '')."""
@@ -2586,7 +2694,6 @@ class RowAnalysis:
                 d0 = tensor.shape.dim[0]
                 if d0.HasField("dim_param") and d0.dim_param:
                     self._batch_params.add(d0.dim_param)
-        self._declared = self._declared_shapes()
         facts: dict[str, Fact] = {}
         for t in graph.initializer:
             facts[t.name] = _tensor_fact(t)
@@ -2595,34 +2702,6 @@ class RowAnalysis:
                 facts[value.name] = self._input_fact(value)
         self.facts.update(facts)
         return facts
-
-    def _declared_shapes(self) -> dict[str, tuple[Dim, ...]]:
-        """Shapes the file declares for its intermediate values (``value_info``).
-
-        Only those with no unknown and no rows' dim: they give the rank of a static value that
-        no rule computes.
-        """
-        out: dict[str, tuple[Dim, ...]] = {}
-        for graph in _graphs(self.model.graph):
-            for value in graph.value_info:
-                tensor = value.type.tensor_type if value.type.HasField("tensor_type") else None
-                if tensor is None or not tensor.HasField("shape"):
-                    continue
-                dims: list[Dim] = []
-                for d in tensor.shape.dim:
-                    if d.HasField("dim_value") and d.dim_value >= 0:
-                        dims.append(Dim.of(d.dim_value))
-                    elif (
-                        d.HasField("dim_param")
-                        and d.dim_param
-                        and d.dim_param not in self._batch_params
-                    ):
-                        dims.append(Dim.of(f"dim:{d.dim_param}"))
-                    else:
-                        break
-                else:
-                    out[value.name] = tuple(dims)
-        return out
 
     # Graphs -------------------------------------------------------------------------------
 
@@ -2656,14 +2735,6 @@ class RowAnalysis:
                     ins.append(scope.get(name) or self._unknown(name, where))
             for name, fact in zip(node.output, self._node(node, ins, where, scope), strict=False):
                 if name:
-                    if (
-                        fact.shape is None
-                        and fact.plain
-                        and name in self._declared
-                        # traced at one row: a shape sized by the row count reads 1 there
-                        and not (self.fixed_rows and fact.kind is Kind.SIZED)
-                    ):
-                        fact = dataclasses.replace(fact, shape=self._declared[name])
                     scope[name] = fact
                     self.facts[name] = fact
 
@@ -2721,13 +2792,22 @@ class RowAnalysis:
             )
         return Fact(Kind.MIXED, sources=n.sources, refusal=refusal)
 
+    @property
+    def batch_params(self) -> frozenset[str]:
+        """The symbolic dims the graph's inputs name their axis 0 with (after :meth:`outputs`)."""
+        return frozenset(self._batch_params)
+
     def outputs(self) -> list[tuple[str, Fact]]:
-        """Each graph output's name and fact."""
-        graph = self.model.graph
-        facts = self.input_facts()
-        scope: MutableMapping[str, Fact] = ChainMap(facts)
-        self._run_nodes(graph, scope, "")
-        return [(o.name, scope.get(o.name) or self._unknown(o.name, "")) for o in graph.output]
+        """Each graph output's name and fact (the analysis runs once; later calls reuse it)."""
+        if self._outputs is None:
+            graph = self.model.graph
+            facts = self.input_facts()
+            scope: MutableMapping[str, Fact] = ChainMap(facts)
+            self._run_nodes(graph, scope, "")
+            self._outputs = [
+                (o.name, scope.get(o.name) or self._unknown(o.name, "")) for o in graph.output
+            ]
+        return self._outputs
 
     def refusal(self) -> Refusal | None:
         """Why merging requests could change a caller's outputs, or None where it cannot."""
@@ -2756,14 +2836,3 @@ class RowAnalysis:
                     tuple(sorted(fact.sources)),
                 )
         return None
-
-
-def _graphs(graph: GraphProto) -> Iterator[GraphProto]:
-    yield graph
-    for node in graph.node:
-        for a in node.attribute:
-            if a.type == AttributeProto.GRAPH:
-                yield from _graphs(a.g)
-            elif a.type == AttributeProto.GRAPHS:
-                for g in a.graphs:
-                    yield from _graphs(g)
