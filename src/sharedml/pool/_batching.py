@@ -264,15 +264,24 @@ class Signature:
         outputs: Output names, in order.
         convolutions: Whether any graph of the model has a convolution (``CONVOLUTION_OPS``),
             which decides ``Batching.session_per_bucket``'s default.
-        relaxed: The analysis that proved a model with axis 0 fixed at 1 batchable with that
-            axis relaxed (:mod:`sharedml.pool._relax`), else None. Requests are still checked
-            against the model's own shapes (one row each).
+        proof: The row-independence analysis that proved the model batchable (None where
+            the caller's word was taken, ``Batching.rows_independent``). Its sessions load the
+            graph it proved (:func:`sharedml.pool._relax.relax`): one that declares no shape
+            the analysis did not prove.
     """
 
     inputs: Mapping[str, _Input]
     outputs: tuple[str, ...]
     convolutions: bool = False
-    relaxed: RowAnalysis | None = None
+    proof: RowAnalysis | None = None
+
+    @property
+    def relaxed(self) -> bool:
+        """Whether the model fixes axis 0 at 1 and is served with that axis relaxed.
+
+        Requests are still checked against the model's own shapes (one row each).
+        """
+        return self.proof is not None and self.proof.fixed_rows
 
     def request(
         self,
@@ -417,8 +426,8 @@ def signature_of(
             ``max_batch_size``).
         relax: Accept inputs whose axis 0 is fixed at 1 where the analysis proves that the
             graph holds the rows apart with that axis relaxed (``Signature.relaxed``; the
-            caller then runs the relaxed graph). Needs the analysis: ``rows_independent``
-            does not skip it for such a model.
+            caller then runs the relaxed graph, as it runs every proven one). Needs the
+            analysis: ``rows_independent`` does not skip it for such a model.
 
     Raises:
         NotBatchableError: an input whose axis 0 is fixed (or that is a scalar), or a node
@@ -448,11 +457,14 @@ def signature_of(
                 "(batching=False)."
             )
         inputs[value.name] = _Input(value.name, type_text, dtype, dims)
+    proof = relaxed
     if not rows_independent and relaxed is None:
-        # The outputs' declared shapes are not trusted (exporters declare [] for unknown
-        # shapes, and a declared [N, ...] proves nothing about the rows): the analysis derives
-        # every output's layout from the inputs.
-        refusal = RowAnalysis(model, max_rows=bound).refusal()
+        # No declared shape is trusted (exporters declare [] for unknown shapes, a batch-1
+        # export declares [1, ...], and a declared [N, ...] proves nothing about the rows): the
+        # analysis derives every layout from the inputs, and the sessions load a graph that
+        # declares nothing else (pool/_relax).
+        proof = RowAnalysis(model, max_rows=bound)
+        refusal = proof.refusal()
         if refusal is not None:
             raise NotBatchableError(
                 f"{name} cannot merge requests: {refusal.describe()}, so merged requests could "
@@ -465,7 +477,7 @@ def signature_of(
         inputs,
         tuple(o.name for o in model.graph.output),
         convolutions=bool(op_types & CONVOLUTION_OPS),
-        relaxed=relaxed,
+        proof=proof,
     )
 
 

@@ -73,7 +73,7 @@ from sharedml.pool._graphs import (
     ShapeSessions,
     cuda_graphs_enabled,
 )
-from sharedml.pool._relax import RELAXED_REASON, relaxed_recipe
+from sharedml.pool._relax import relax, relaxed_recipe
 from sharedml.pool._runlock import FairLock, SerializedSession, run_lock_for
 from sharedml.pool._scheduler import Scheduler, closed_error, is_session_fatal, run_error
 from sharedml.pool._stats import PoolStats
@@ -209,7 +209,8 @@ def _decide_batching(
     """Whether a pool merges requests: its settings, the model's signature, why, and its graph.
 
     A model that fixes axis 0 at 1 batches where the analysis proves that axis can be relaxed
-    (``signature.relaxed``): the caller then serves the graph relaxed (``pool/_relax``).
+    (``signature.relaxed``). The caller serves every proven model from the graph the analysis
+    proved (``pool/_relax``).
 
     Args:
         wanted: The settings asked for (``True`` or a ``Batching``); None: not asked for.
@@ -246,13 +247,12 @@ def _decide_batching(
         reason = f"not merging requests: {exc}"
         _log.info("sharedml: %s", reason)
         return None, None, reason, None
-    relaxed = signature.relaxed is not None
     reason = (
         "merging requests: the caller said each output row depends only on its own input row "
         "(Batching(rows_independent=True))"
-        if asked.rows_independent and not relaxed
+        if signature.proof is None
         else "merging requests: the row-independence analysis proved that every output row "
-        "depends only on its own input row" + (RELAXED_REASON if relaxed else "")
+        "depends only on its own input row"
     )
     return asked, signature, reason, graph
 
@@ -567,14 +567,20 @@ class SessionPool:
             model_path=self.recipe.model_path,
             name=f"model '{self.source_path}'",
         )
-        if graph is not None and self._signature is not None and self._signature.relaxed:
-            try:  # the sessions load the prepared graph with axis 0 relaxed
-                self.recipe = relaxed_recipe(self.recipe, graph, self._signature.relaxed, route)
+        if graph is not None and self._signature is not None and self._signature.proof:
+            # The sessions load the graph the analysis proved: no declared shape it did not
+            # prove, which ORT would fold into constants (pool/_relax).
+            relaxed = relax(graph, self._signature.proof)
+            try:
+                if relaxed.graph is not graph:
+                    self.recipe = relaxed_recipe(self.recipe, relaxed, route)
+                reason += relaxed.reason
             except NotBatchableError as exc:
                 if wanted is not None:
                     raise
                 chosen, self._signature, reason = None, None, f"not merging requests: {exc}"
                 _log.info("sharedml: %s", reason)
+            del relaxed
         del graph
         self._calibration: Calibration | None = None
         if auto_sessions:  # probes come and go before any session of the pool exists
