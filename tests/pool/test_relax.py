@@ -393,3 +393,30 @@ def test_a_static_value_declared_smaller_than_it_is_is_refused() -> None:
     assert together[1, 0] == 30.0 and alone[0, 0] == 20.0  # row k meets entry k, by position
     refusal = RowAnalysis(m).refusal()
     assert refusal is not None and "unknown rank" in refusal.reason, refusal
+
+
+def test_an_unused_mixing_node_is_found_though_another_branch_reuses_its_name() -> None:
+    """ORT runs every node of a model fixed at 1: one that mixes rows fails merged runs."""
+    then = helper.make_graph(
+        [
+            helper.make_node("ReduceSum", ["x", "ax0"], ["t"], keepdims=1),  # unused, mixing
+            helper.make_node("Add", ["x", "one"], ["o1"]),
+        ],
+        "then",
+        [],
+        [vi("o1", F, None)],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Add", ["x", "one"], ["t"]), helper.make_node("Neg", ["t"], ["o2"])],
+        "else",
+        [],
+        [vi("o2", F, None)],
+    )
+    m = mk(
+        [helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)],
+        [vi("x", F, [1, 4])],
+        [vi("y", F, [1, 4])],
+        [c("one", 1.0, np.float32), c("cond", True, np.bool_), *SHAPE_INITS],
+    )
+    with pytest.raises(sharedml.NotBatchableError, match="ReduceSum"):
+        signature_of(m, name="m", relax=True)

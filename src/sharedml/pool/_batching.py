@@ -487,16 +487,13 @@ def _relaxable(model: Any, name: str, input_name: str, shape: str, bound: int) -
     Raises:
         NotBatchableError: naming the node that ties axis 0 to 1 (or that mixes rows).
     """
-    from sharedml.pool._rows import Kind, RowAnalysis
+    from sharedml.pool._rows import RowAnalysis
 
     analysis = RowAnalysis(model, max_rows=bound, fixed_rows=True)
     refusal = analysis.refusal()
-    if refusal is None:
+    if refusal is None and analysis.refused:
         # ORT runs every node, used or not: one that fails for more rows fails the run.
-        refusal = next(
-            (f.refusal for f in analysis.facts.values() if f.kind is Kind.MIXED and f.refusal),
-            None,
-        )
+        refusal = analysis.refused[0]
     if refusal is not None:
         raise NotBatchableError(
             f"Input '{input_name}' of {name} is fixed at 1 on axis 0 (shape {shape}), and "

@@ -2630,7 +2630,10 @@ class RowAnalysis:
             ``Tile``, ``Reshape``) meets the rows names the node that made it.
 
     Attributes:
-        facts: After :meth:`outputs`, the fact of every value it reached, subgraphs included.
+        facts: After :meth:`outputs`, the fact of every value it reached, subgraphs included
+            (by name: where two subgraphs define one name, the one analyzed last).
+        refused: After :meth:`outputs`, why each node whose outputs mix rows does, in graph
+            order, whether or not an output needs it (ORT runs every node).
     """
 
     def __init__(
@@ -2641,6 +2644,7 @@ class RowAnalysis:
         self.fixed_rows = fixed_rows
         self.facts: dict[str, Fact] = {}
         self._opsets: dict[str, int] = {o.domain or "": int(o.version) for o in model.opset_import}
+        self.refused: list[Refusal] = []
         self._batch_params: set[str] = set()
         self._outputs: list[tuple[str, Fact]] | None = None
 
@@ -2737,6 +2741,9 @@ class RowAnalysis:
                 if name:
                     scope[name] = fact
                     self.facts[name] = fact
+                    refusal = fact.refusal
+                    if fact.kind is Kind.MIXED and refusal and refusal not in self.refused:
+                        self.refused.append(refusal)
 
     def _node(
         self, node: NodeProto, ins: list[Fact | None], where: str, scope: MutableMapping[str, Fact]
