@@ -45,6 +45,9 @@ from sharedml.model._inputs import generate
 spec = json.loads(sys.argv[1])
 for name in sharedml.__all__:  # as inspect's children: sharedml's modules before the baseline
     getattr(sharedml, name)
+from sharedml.runtime._capabilities import capability  # and its once-per-process probes
+from sharedml.weights._store import zero_copy_mechanisms
+capability("prepacked-save"), capability("files-in-memory"), zero_copy_mechanisms()
 feeds = {i["name"]: generate(i) for i in spec["inputs"]}
 warm = ort.InferenceSession(spec["warmup"], providers=["CPUExecutionProvider"])
 del warm

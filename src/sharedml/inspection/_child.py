@@ -614,9 +614,11 @@ def _load_everything(ctx: StrategyContext) -> None:
     """What any process that uses these providers has paid before its sessions: not counted.
 
     sharedml's own modules (and onnx, which they import) load on first use: all of them are
-    loaded now, so that a pooled strategy's first SessionPool does not count their imports as
-    its sessions' memory, and plain strategies are measured over the same baseline. Then the
-    providers' libraries, ORT's environment and thread pools, through a throwaway session.
+    loaded now, so that a pooled strategy's first SessionPool does not count their imports
+    (nor its once-per-process probes of onnxruntime) as its sessions' memory, and plain
+    strategies are measured over the same baseline. Then the providers' libraries, ORT's
+    environment and thread pools, through a throwaway session. sharedml's own cost (imports,
+    probes, creation thread) is measured on its own (``fixed_cost`` in ``_measure``).
     """
     import onnxruntime as ort
 
@@ -624,6 +626,16 @@ def _load_everything(ctx: StrategyContext) -> None:
 
     for name in sharedml.__all__:
         getattr(sharedml, name)
+    if ctx.providers[0] == "CPUExecutionProvider":
+        # What a process's first CPU pool probes once (tiny sessions that try what this
+        # onnxruntime can do): sharedml's own cost, as its imports are, not a pool's; about
+        # 1 MiB that a small classifier's pool otherwise showed over plain sessions.
+        from sharedml.runtime._capabilities import capability
+        from sharedml.weights._store import zero_copy_mechanisms
+
+        capability("prepacked-save")
+        capability("files-in-memory")
+        zero_copy_mechanisms()
     warmup = ort.InferenceSession(
         warmup_model_bytes(),
         providers=list(ctx.providers),

@@ -302,8 +302,9 @@ class FixedCost:
     sharedml, opens a pool of N of the model as README shows (its other sessions created on
     sharedml's background thread) and runs all N at once: ``pool`` is that growth, what a pool
     costs a process that used plain onnxruntime before. Less the pooled strategy's own figure
-    (measured over a baseline that had sharedml imported), what remains is sharedml's: its
-    imports, its creation thread and what that thread's heap keeps. Growth per metric (``pss``,
+    (measured over a baseline that had sharedml imported and its once-per-process probes of
+    onnxruntime run), what remains is sharedml's: its imports, those probes, its creation
+    thread and what that thread's heap keeps. Growth per metric (``pss``,
     ``uss``, ``rss``, ``private``), None where the platform does not give it.
 
     Attributes:
