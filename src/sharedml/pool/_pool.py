@@ -603,6 +603,7 @@ class SessionPool:
                 creation_lock=CREATION_LOCK if serialize_creation else None,
                 cores=cores,
             )
+            release_freed_heap()  # what the probe sessions freed: a server never trims
             _log.info("sharedml: sessions='auto': %s", self._calibration.reason)
             self._max = self._min = self._calibration.sessions
             if self._calibration.threads is not None:
