@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -49,7 +48,7 @@ from sharedml.runtime._capabilities import capability  # and its once-per-proces
 from sharedml.weights._store import zero_copy_mechanisms
 capability("prepacked-save"), capability("files-in-memory"), zero_copy_mechanisms()
 feeds = {i["name"]: generate(i) for i in spec["inputs"]}
-warm = ort.InferenceSession(spec["warmup"], providers=["CPUExecutionProvider"])
+warm = ort.InferenceSession(bytes.fromhex(spec["warmup"]), providers=["CPUExecutionProvider"])
 del warm
 
 def pss(trim):
@@ -97,10 +96,8 @@ def fresh_process(
         "sessions": sessions,
         "rounds": rounds,
         "inputs": list(inputs),
+        "warmup": warmup_model_bytes().hex(),
     }
-    warmup = Path(os.environ.get("TMPDIR", "/tmp")) / "sharedml-warmup.onnx"
-    warmup.write_bytes(warmup_model_bytes())
-    spec["warmup"] = str(warmup)
     out = subprocess.run(
         [sys.executable, "-c", _FRESH, json.dumps(spec)],
         capture_output=True,
