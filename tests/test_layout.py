@@ -20,6 +20,7 @@ SRC = Path(sharedml.__file__).parent
 STAGES: list[set[str]] = [
     {"_errors", "_exports", "_host", "_units"},
     {"model"},
+    {"rows"},
     {"runtime"},
     {"cache"},
     {"prepared"},

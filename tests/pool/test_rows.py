@@ -19,8 +19,8 @@ from onnx import ModelProto, TensorProto, helper, numpy_helper
 
 import sharedml
 from sharedml.pool._batching import signature_of
-from sharedml.pool._dims import BATCH, ONE, Dim
 from sharedml.pool._rows import Kind, RowAnalysis, rules_table
+from sharedml.rows._dims import BATCH, ONE, Dim
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64

@@ -45,10 +45,10 @@ from sharedml.cache._locks import lend_hold
 from sharedml.cache._root import Cache
 from sharedml.model._graph import external_locations
 from sharedml.model._proto import AttributeProto, GraphProto, ModelProto
-from sharedml.pool._dims import ONE, Dim
 from sharedml.pool._rows import Fact, RowAnalysis
 from sharedml.prepared._format import read_manifest
 from sharedml.route._planner import SessionRecipe
+from sharedml.rows._dims import ONE, Dim
 
 __all__ = [
     "ROWS_DIM",

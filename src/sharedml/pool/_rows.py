@@ -28,7 +28,7 @@ output's, not a ``value_info``, not a subgraph's. Every other shape is derived f
 and the graph's constants, and the pool's sessions load a graph that declares nothing else
 (:mod:`sharedml.pool._relax`), since ONNX Runtime folds what a graph declares into constants.
 
-``N`` and the model's other symbolic dims are followed as polynomials (:mod:`sharedml.pool._dims`),
+``N`` and the model's other symbolic dims are followed as polynomials (:mod:`sharedml.rows._dims`),
 so ``Reshape(x, [N * seq, hidden])`` and back is proven to keep each row whole, and
 ``Reshape(x, [4, -1])`` is proven not to. Merged requests share every dim but ``N`` (a pool
 merges only requests whose other dims are equal), so a symbolic dim other than ``N`` is a
@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from sharedml.model._proto import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
-from sharedml.pool._dims import BATCH, ONE, ZERO, Dim, opaque, product
+from sharedml.rows._dims import BATCH, ONE, ZERO, Dim, opaque, product
 
 __all__ = ["Fact", "Kind", "Refusal", "RowAnalysis", "rules_table"]
 
