@@ -12,7 +12,7 @@ import argparse
 import itertools
 from pathlib import Path
 
-from sharedml.pool._rows import rules_table
+from sharedml.rows import rules_table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "batching.md"
 BEGIN = "<!-- rule table: tools/batching_rules.py --write -->"

@@ -24,8 +24,7 @@ from onnx import ModelProto, TensorProto, helper, numpy_helper
 import sharedml
 from sharedml.pool._batching import signature_of
 from sharedml.pool._relax import ROWS_DIM, relax
-from sharedml.pool._rows import RowAnalysis
-from sharedml.rows._dims import Dim
+from sharedml.rows import Dim, RowAnalysis
 
 F = TensorProto.FLOAT
 I32 = TensorProto.INT32

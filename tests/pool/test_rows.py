@@ -19,8 +19,7 @@ from onnx import ModelProto, TensorProto, helper, numpy_helper
 
 import sharedml
 from sharedml.pool._batching import signature_of
-from sharedml.pool._rows import Kind, RowAnalysis, rules_table
-from sharedml.rows._dims import BATCH, ONE, Dim
+from sharedml.rows import BATCH, ONE, Dim, Kind, RowAnalysis, rules_table
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64

@@ -20,7 +20,7 @@ import pytest
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 
-from sharedml.pool._rows import RowAnalysis
+from sharedml.rows import RowAnalysis
 
 F = TensorProto.FLOAT
 I32 = TensorProto.INT32

@@ -4,7 +4,7 @@ The pool (:mod:`sharedml.pool._pool`) decides *when* requests merge (the ones qu
 session was busy, oldest first); this module decides *whether* they may and *how*:
 
 - A model is batchable when axis 0 of every input is dynamic and the row-independence
-  analysis (:mod:`sharedml.pool._rows`) proves that every output's axis 0 holds one entry per input
+  analysis (:mod:`sharedml.rows`) proves that every output's axis 0 holds one entry per input
   row, computed from that row alone: no node combines values across rows (a batch statistic,
   a Softmax over axis 0, a time-major RNN, dynamic quantization's one scale per tensor, ...).
   :func:`signature_of` refuses other models with :class:`~sharedml.NotBatchableError`, naming
@@ -41,7 +41,7 @@ from sharedml._errors import InvalidInputError, NotBatchableError
 from sharedml.model import _proto
 
 if TYPE_CHECKING:
-    from sharedml.pool._rows import RowAnalysis
+    from sharedml.rows import RowAnalysis
 
 __all__ = [
     "ADAPTIVE_DELAY_SHARE",
@@ -435,7 +435,7 @@ def signature_of(
             input fixed at 1 with ``relax``: the node that ties axis 0 to 1).
     """
     from sharedml.model._graph import iter_graphs
-    from sharedml.pool._rows import RowAnalysis
+    from sharedml.rows import RowAnalysis
 
     initializers = {t.name for t in model.graph.initializer}
     inputs: dict[str, _Input] = {}
@@ -487,7 +487,7 @@ def _relaxable(model: Any, name: str, input_name: str, shape: str, bound: int) -
     Raises:
         NotBatchableError: naming the node that ties axis 0 to 1 (or that mixes rows).
     """
-    from sharedml.pool._rows import RowAnalysis
+    from sharedml.rows import RowAnalysis
 
     analysis = RowAnalysis(model, max_rows=bound, fixed_rows=True)
     refusal = analysis.refusal()

@@ -3,7 +3,7 @@
 ONNX Runtime takes a model's declared shapes as facts: a ``value_info`` (or a graph output, or a
 subgraph's input) declared ``[1, 4]`` lets it fold ``Shape(t)`` into the constant ``[1, 4]``
 while the graph is loaded, whatever ``t`` holds at run time. The row-independence analysis
-(:class:`~sharedml.pool._rows.RowAnalysis`) derives every shape from the graph's inputs and
+(:class:`~sharedml.rows.RowAnalysis`) derives every shape from the graph's inputs and
 trusts no declaration, so a model whose declarations lie (an export that left a second output
 out of ``dynamic_axes`` declares it ``[1, 4]``) would be proven batchable while ORT runs another
 graph, one whose ``Reshape(x, [Shape(t)[0], -1])`` joins every caller's rows. So the pool never
@@ -45,10 +45,9 @@ from sharedml.cache._locks import lend_hold
 from sharedml.cache._root import Cache
 from sharedml.model._graph import external_locations
 from sharedml.model._proto import AttributeProto, GraphProto, ModelProto
-from sharedml.pool._rows import Fact, RowAnalysis
 from sharedml.prepared._format import read_manifest
 from sharedml.route._planner import SessionRecipe
-from sharedml.rows._dims import ONE, Dim
+from sharedml.rows import ONE, Dim, Fact, RowAnalysis
 
 __all__ = [
     "ROWS_DIM",

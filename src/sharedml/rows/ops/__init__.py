@@ -1,390 +1,48 @@
-"""Row independence: merge callers' requests only where no value crosses from one row to another.
-
-A batching pool concatenates callers' requests along axis 0 and splits the outputs back by rows.
-That is right only if the model computes every output row from its own input row alone. Many
-graphs with a dynamic axis 0 do not: a batch statistic (``ReduceMean`` over axis 0), a
-``Softmax`` over axis 0, a reversed or sliced axis 0, a ``Gather`` along it, a time-major RNN
-whose axis 0 is time. :func:`check_rows` proves independence before a pool merges anything, by
-following where the inputs' axis 0 goes through every node of the graph and its subgraphs.
-
-Every tensor gets a :class:`Fact`:
-
-- ``STATIC``: depends neither on the rows nor on how many there are (weights, constants, shapes
-  of other axes, which merged requests share).
-- ``SIZED``: depends on the number of rows ``N`` but on no row's values (``Shape(x)``, and what
-  is computed from it). It may size a tensor (``Reshape``'s shape, ``Expand``'s), where the
-  rule checks what it does with ``N``; it may not enter any value a caller receives.
-- ``ROWS``: one axis holds the rows (``N`` of them, or ``N`` blocks of ``fold`` entries each,
-  in row order), and every slice along it depends only on its own row and on static tensors.
-- ``MIXED``: anything else, with the node that made it so (a :class:`Refusal`).
-
-A rule per operator (``_RULES``, the one table; docs/batching.md lists it) says what its outputs
-are given its inputs. An operator without a rule keeps a tensor static if all its inputs are,
-and refuses any input that carries rows. A model is batchable when every output is ``ROWS`` on
-axis 0, one entry per row.
-
-No declared shape is trusted but the graph inputs' (requests are checked against them): not an
-output's, not a ``value_info``, not a subgraph's. Every other shape is derived from the inputs
-and the graph's constants, and the pool's sessions load a graph that declares nothing else
-(:mod:`sharedml.pool._relax`), since ONNX Runtime folds what a graph declares into constants.
-
-``N`` and the model's other symbolic dims are followed as polynomials (:mod:`sharedml.rows._dims`),
-so ``Reshape(x, [N * seq, hidden])`` and back is proven to keep each row whole, and
-``Reshape(x, [4, -1])`` is proven not to. Merged requests share every dim but ``N`` (a pool
-merges only requests whose other dims are equal), so a symbolic dim other than ``N`` is a
-constant here.
-"""
+"""The rules, one per operator: what its outputs are given its inputs' facts."""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
-from collections import ChainMap
-from collections.abc import Callable, Iterable, MutableMapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from sharedml.model._proto import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
+from sharedml.model._proto import GraphProto, TensorProto
 from sharedml.rows._dims import BATCH, ONE, ZERO, Dim, opaque, product
+from sharedml.rows._facts import (
+    MAX_VALUES,
+    TO_THE_END,
+    Fact,
+    Kind,
+    Value,
+    rows_among,
+    tensor_values,
+)
+from sharedml.rows._registry import Node, Refused, rule
 
-__all__ = ["Fact", "Kind", "Refusal", "RowAnalysis", "rules_table"]
-
-_DEFAULT = ("", "ai.onnx")
-_MS = "com.microsoft"
-_ML = "ai.onnx.ml"
-_MAX_VALUES = 64  # elements of a small tensor whose values are followed (shapes, axes, sizes)
-_TO_THE_END = 2**31 - 1  # a Slice end at least this large means "to the end of the axis"
 _LOOP_ROUNDS = 4  # rounds of a loop's carried values before they must be stable
 
 
-class Kind(enum.Enum):
-    """What a tensor's values depend on (see the module's docstring)."""
-
-    STATIC = "static"
-    SIZED = "sized"
-    ROWS = "rows"
-    MIXED = "mixed"
-
-
-@dataclasses.dataclass(frozen=True)
-class Refusal:
-    """Why a model cannot be batched: the first node that combines rows or cannot be proven.
-
-    Attributes:
-        node: The node's name (its op type and position where it has none), with the
-            subgraph it sits in.
-        op_type: Its operator.
-        reason: What it does with the rows.
-        inputs: The model inputs whose rows reach it.
-    """
-
-    node: str
-    op_type: str
-    reason: str
-    inputs: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        """One sentence: the node, its op type, the inputs it came from, and why."""
-        came = ""
-        if self.inputs:
-            names = ", ".join(f"'{name}'" for name in self.inputs)
-            came = f" (on the rows of input{'s' if len(self.inputs) > 1 else ''} {names})"
-        return f"node {self.node} ({self.op_type}){came} {self.reason}"
-
-
-Value = Any  # an element of a followed small tensor: Dim (integers), float or bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Pin:
-    """A node that made a tensor of a constant shape with 1 on axis 0 (see ``fixed_rows``)."""
-
-    node: str
-    op_type: str
-    shape: tuple[Dim, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Fact:
-    """What one tensor's values depend on, and its shape where it is known.
-
-    Attributes:
-        kind: See :class:`Kind`.
-        shape: Dims (``None``: rank unknown). For ``ROWS``, ``shape[axis]`` is ``N * fold``.
-        axis: ``ROWS``: the axis that holds the rows.
-        fold: ``ROWS``: entries per row along ``axis`` (1 unless a Reshape folded the rows
-            with another axis, ``[N, seq, h] -> [N * seq, h]``).
-        value: A small tensor's elements, flattened (rank 0 or 1 only), where known.
-        sources: The model inputs whose rows (or row count) it depends on.
-        refusal: ``MIXED``: why.
-        pin: With ``fixed_rows``: the node that gave a tensor without rows a literal 1 on
-            axis 0 from a constant shape (an export's batch of one), which a refusal names
-            where that tensor meets the rows.
-    """
-
-    kind: Kind
-    shape: tuple[Dim, ...] | None = None
-    axis: int = 0
-    fold: Dim = ONE
-    value: tuple[Value, ...] | None = None
-    sources: frozenset[str] = frozenset()
-    refusal: Refusal | None = None
-    pin: Pin | None = None
-
-    @property
-    def rank(self) -> int | None:
-        """The number of axes, where known."""
-        return None if self.shape is None else len(self.shape)
-
-    @property
-    def rows(self) -> bool:
-        """Whether one axis holds the rows."""
-        return self.kind is Kind.ROWS
-
-    @property
-    def plain(self) -> bool:
-        """Whether no row's values reach it (``STATIC`` or ``SIZED``)."""
-        return self.kind in (Kind.STATIC, Kind.SIZED)
-
-    def same_layout(self, other: Fact) -> bool:
-        """Whether both hold their rows on the same axis with the same fold."""
-        return self.axis == other.axis and self.fold == other.fold
-
-
-class _Refused(Exception):
-    """A rule's way to say that a node's outputs combine rows (or cannot be proven not to)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-# ----------------------------------------------------------------------------------------------
-# The node a rule looks at
-
-
-class _Node:
-    """One node, its inputs' facts and its attributes, as a rule sees them."""
-
-    def __init__(
-        self,
-        analysis: RowAnalysis,
-        node: NodeProto,
-        ins: list[Fact | None],
-        where: str,
-        scope: MutableMapping[str, Fact],
-    ) -> None:
-        self.analysis = analysis
-        self.proto = node
-        self.op = node.op_type
-        self.ins = ins
-        self.where = where
-        self.scope = scope
-        self.opset = analysis.opset(node.domain)
-        self.attrs = {a.name: a for a in node.attribute}
-        self.outputs = len(node.output)
-        self.sources = frozenset().union(*(f.sources for f in ins if f is not None))
-
-    # Inputs ------------------------------------------------------------------------------------
-
-    def input(self, i: int) -> Fact | None:
-        """Input ``i``'s fact; None where it is absent (optional, or given as '')."""
-        return self.ins[i] if i < len(self.ins) else None
-
-    def need(self, i: int) -> Fact:
-        fact = self.input(i)
-        if fact is None:
-            raise _Refused(f"has no input {i}")
-        return fact
-
-    def shape(self, i: int) -> tuple[Dim, ...]:
-        shape = self.need(i).shape
-        if shape is None:
-            raise _Refused(f"gets input {i} of unknown rank, so its axes cannot be followed")
-        return shape
-
-    def static_values(self, i: int, what: str) -> tuple[Value, ...] | None:
-        """Input ``i``'s values, which must not depend on the rows (None: absent)."""
-        fact = self.input(i)
-        if fact is None:
-            return None
-        if fact.rows:
-            raise _Refused(f"takes its {what} from the rows' values")
-        if fact.value is None:
-            raise _Refused(f"takes its {what} from a tensor whose values could not be followed")
-        return fact.value
-
-    def ints(self, i: int, what: str) -> list[int] | None:
-        """Input ``i``'s values as known integers (None: absent)."""
-        values = self.static_values(i, what)
-        if values is None:
-            return None
-        out = []
-        for v in values:
-            c = v.const if isinstance(v, Dim) else None
-            if c is None:
-                raise _Refused(f"takes its {what} from values that are not known integers")
-            out.append(c)
-        return out
-
-    def require_static(self, indices: Iterable[int], what: str = "parameters") -> None:
-        """The inputs at ``indices`` (where present) must not depend on the rows or their count."""
-        for i in indices:
-            fact = self.input(i)
-            if fact is not None and fact.kind is not Kind.STATIC:
-                raise _Refused(
-                    f"takes its {what} (input {i}) from "
-                    + ("the rows' values" if fact.rows else "the row count")
-                )
-
-    # Attributes --------------------------------------------------------------------------------
-
-    def attr(self, name: str, default: Any = None) -> Any:
-        a = self.attrs.get(name)
-        if a is None:
-            return default
-        if a.type == AttributeProto.INT:
-            return a.i
-        if a.type == AttributeProto.FLOAT:
-            return a.f
-        if a.type == AttributeProto.STRING:
-            return a.s.decode("utf-8", "replace")
-        if a.type == AttributeProto.INTS:
-            return list(a.ints)
-        if a.type == AttributeProto.FLOATS:
-            return list(a.floats)
-        if a.type == AttributeProto.STRINGS:
-            return [s.decode("utf-8", "replace") for s in a.strings]
-        if a.type == AttributeProto.TENSOR:
-            return a.t
-        if a.type == AttributeProto.GRAPH:
-            return a.g
-        return default
-
-    # Results -----------------------------------------------------------------------------------
-
-    def plain(
-        self,
-        shape: Sequence[Dim] | None,
-        value: Sequence[Value] | None = None,
-        *,
-        sized: bool | None = None,
-    ) -> Fact:
-        """A result no row's values reach: SIZED where it depends on N, else STATIC."""
-        val = tuple(value) if value is not None else None
-        if sized is None:
-            if val is not None:
-                sized = any(isinstance(v, Dim) and v.has_batch for v in val)
-            else:
-                sized = any(f is not None and f.kind is not Kind.STATIC for f in self.ins)
-        if shape is not None and any(d.has_batch for d in shape):
-            # A tensor whose size depends on N but whose values do not come from rows: which
-            # entry belongs to which row is a matter of position.
-            raise _Refused("makes a tensor whose size depends on the row count")
-        return Fact(
-            Kind.SIZED if sized else Kind.STATIC,
-            tuple(shape) if shape is not None else None,
-            value=val,
-            sources=self.sources if sized else frozenset(),
-            pin=next((f.pin for f in self.ins if f is not None and f.pin is not None), None),
-        )
-
-    def pinned(self, fact: Fact, shape_input: int) -> Fact:
-        """``fact``, marked as pinned by this node where ``fixed_rows`` finds it so.
-
-        Pinned: a static result of rank >= 1 with a literal 1 on axis 0 whose shape came from
-        the static values of input ``shape_input`` (a constant shape, as an export traced at
-        batch 1 writes it).
-        """
-        given = self.input(shape_input)
-        if (
-            not self.analysis.fixed_rows
-            or fact.kind is not Kind.STATIC
-            or not fact.shape
-            or fact.shape[0] != ONE
-            or given is None
-            or given.kind is not Kind.STATIC
-        ):
-            return fact
-        return dataclasses.replace(fact, pin=Pin(self.name(), self.op, fact.shape))
-
-    def rows(self, shape: Sequence[Dim] | None, axis: int, fold: Dim = ONE) -> Fact:
-        """A result holding the rows on ``axis``."""
-        if shape is None:
-            raise _Refused("makes a result of unknown rank from the rows")
-        dims = list(shape)
-        if not 0 <= axis < len(dims):
-            raise _Refused("moves the rows out of its result's axes")
-        dims[axis] = Dim.of(BATCH) * fold
-        for k, d in enumerate(dims):
-            if k != axis and d.has_batch:
-                raise _Refused(
-                    f"makes a result whose axis {k} depends on the row count as well as axis {axis}"
-                )
-        if fold.has_batch:
-            raise _Refused("folds the rows into themselves")
-        return Fact(Kind.ROWS, tuple(dims), axis, fold, sources=self.sources)
-
-    def like(self, fact: Fact, shape: Sequence[Dim] | None = None) -> Fact:
-        """A result laid out as ``fact`` (same axis and fold; another shape if given)."""
-        shape = fact.shape if shape is None else shape
-        if fact.rows:
-            return self.rows(shape, fact.axis, fact.fold)
-        return self.plain(shape, sized=fact.kind is Kind.SIZED)
-
-    def name(self) -> str:
-        return self.analysis.node_name(self.proto, self.where)
-
-
-Rule = Callable[[_Node], "Fact | list[Fact]"]
-_RULES: dict[tuple[str, str], tuple[Rule, str]] = {}
-
-
-_R = TypeVar("_R", bound=Rule)
-
-
-def _rule(*ops: str, domain: str = "", summary: str) -> Callable[[_R], _R]:
-    """Register ``fn`` as the rule of ``ops`` (one row of the rule table, with its summary)."""
-
-    def register(fn: _R) -> _R:
-        for op in ops:
-            _RULES[(domain, op)] = (fn, summary)
-        return fn
-
-    return register
-
-
-def rules_table() -> list[tuple[str, str, str]]:
-    """``(domain, op_type, rule)`` of every operator the analysis knows, sorted."""
-    return sorted(
-        ((domain or "ai.onnx", op, summary) for (domain, op), (_, summary) in _RULES.items()),
-        key=lambda r: (r[0] != "ai.onnx", r[0], r[1]),
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers shared by the rules
-
-
-def _axis(axis: int, rank: int, what: str = "axis") -> int:
+def norm_axis(axis: int, rank: int, what: str = "axis") -> int:
+    """``axis`` (negative: from the end) as an index into ``rank`` axes; refused if out of range."""
     if not -rank <= axis < rank:
-        raise _Refused(f"has {what} {axis} out of range for rank {rank}")
+        raise Refused(f"has {what} {axis} out of range for rank {rank}")
     return axis % rank
 
 
-def _dims_value(n: _Node, i: int, what: str) -> list[Dim] | None:
+def _dims_value(n: Node, i: int, what: str) -> list[Dim] | None:
     """Input ``i``'s values as dims (a shape, sizes, repeats); None where absent."""
     values = n.static_values(i, what)
     if values is None:
         return None
     if not all(isinstance(v, Dim) for v in values):
-        raise _Refused(f"takes its {what} from values that are not integers")
+        raise Refused(f"takes its {what} from values that are not integers")
     return list(values)
 
 
-def _join_dim(dims: Sequence[Dim]) -> Dim:
+def join_dim(dims: Sequence[Dim]) -> Dim:
     """The broadcast of ``dims`` (one axis, aligned): the one that is not 1, where known."""
     distinct = [d for d in dict.fromkeys(dims)]
     if len(distinct) == 1:
@@ -395,27 +53,25 @@ def _join_dim(dims: Sequence[Dim]) -> Dim:
     return opaque(rest)
 
 
-def _broadcast_shape(shapes: Sequence[tuple[Dim, ...]]) -> tuple[Dim, ...]:
+def broadcast_shape(shapes: Sequence[tuple[Dim, ...]]) -> tuple[Dim, ...]:
+    """The numpy broadcast of ``shapes`` (aligned at their last axes)."""
     rank = max(len(s) for s in shapes)
     out = []
     for k in range(rank):
         column = [s[k - (rank - len(s))] for s in shapes if k - (rank - len(s)) >= 0]
-        out.append(_join_dim(column))
+        out.append(join_dim(column))
     return tuple(out)
 
 
-def _rows_among(facts: Iterable[Fact | None]) -> list[Fact]:
-    return [f for f in facts if f is not None and f.rows]
-
-
-def _no_count_in_values(n: _Node, facts: Iterable[Fact | None]) -> None:
+def no_count_in_values(n: Node, facts: Iterable[Fact | None]) -> None:
+    """Refuse where a value computed from the row count would meet the rows."""
     for f in facts:
         if f is not None and f.kind is Kind.SIZED:
-            raise _Refused("puts the row count into values that reach the rows")
+            raise Refused("puts the row count into values that reach the rows")
 
 
-def _broadcast(
-    n: _Node,
+def broadcast(
+    n: Node,
     indices: Sequence[int] | None = None,
     values: Callable[[list[tuple[Value, ...]]], list[Value] | None] | None = None,
 ) -> Fact:
@@ -428,40 +84,40 @@ def _broadcast(
     idx = range(len(n.ins)) if indices is None else indices
     facts = [f for i in idx if i < len(n.ins) and (f := n.ins[i]) is not None]
     if not facts:
-        raise _Refused("has no inputs")
-    rows = _rows_among(facts)
+        raise Refused("has no inputs")
+    rows = rows_among(facts)
     if not rows:
         known = [f.shape for f in facts if f.shape is not None]
-        shape = _broadcast_shape(known) if len(known) == len(facts) else None
+        shape = broadcast_shape(known) if len(known) == len(facts) else None
         value = None
         if values is not None and shape is not None and len(shape) <= 1:
             vals = [f.value for f in facts]
             if all(v is not None for v in vals):
                 value = _elementwise_values(vals, values)  # type: ignore[arg-type]
         return n.plain(shape, value)
-    _no_count_in_values(n, facts)
+    no_count_in_values(n, facts)
     shapes = []
     for f in facts:
         if f.shape is None:
-            raise _Refused("meets the rows with a tensor of unknown rank")
+            raise Refused("meets the rows with a tensor of unknown rank")
         shapes.append(f.shape)
     rank = max(len(s) for s in shapes)
     positions = {f.axis + rank - len(f.shape) for f in rows}  # type: ignore[arg-type]
     if len(positions) > 1:
-        raise _Refused("pairs rows held on different axes: each result row meets every row")
+        raise Refused("pairs rows held on different axes: each result row meets every row")
     pos = positions.pop()
     if len({f.fold for f in rows}) > 1:
-        raise _Refused("pairs rows folded in different ways")
+        raise Refused("pairs rows folded in different ways")
     for f, s in zip(facts, shapes, strict=True):
         if f.rows:
             continue
         k = pos - (rank - len(s))
         if k >= 0 and s[k] != ONE:
-            raise _Refused(
+            raise Refused(
                 f"pairs each row with an entry of a {_kind_text(f)} tensor by the row's position "
                 f"in the batch (size {s[k]} on the rows' axis)"
             )
-    return n.rows(_broadcast_shape(shapes), pos, rows[0].fold)
+    return n.rows(broadcast_shape(shapes), pos, rows[0].fold)
 
 
 def _kind_text(f: Fact) -> str:
@@ -518,7 +174,7 @@ def _div(a: Value, b: Value) -> Value | None:
             return Dim.of(q if (ca >= 0) == (cb >= 0) else -q)  # ONNX integer Div truncates
         exact = a.divide(b)
         return exact if exact is not None else opaque([a, b])
-    return float(_num(a)) / float(_num(b))
+    return float(number(a)) / float(number(b))
 
 
 def _mod(fmod: bool) -> Callable[[Value, Value], Value | None]:
@@ -539,7 +195,8 @@ def _mod(fmod: bool) -> Callable[[Value, Value], Value | None]:
     return apply
 
 
-def _num(v: Value) -> float:
+def number(v: Value) -> float:
+    """A known number as a float (TypeError for a symbolic dim)."""
     if isinstance(v, Dim):
         c = v.const
         if c is None:
@@ -561,7 +218,7 @@ def _equal(a: Value, b: Value) -> Value | None:
                 return False
         return None
     try:
-        return _num(a) == _num(b)
+        return number(a) == number(b)
     except TypeError:
         return None
 
@@ -571,7 +228,7 @@ def _extreme(pick: Callable[[float, float], float]) -> Callable[[Value, Value], 
         if isinstance(a, Dim) and isinstance(b, Dim) and a == b:
             return a
         try:
-            result = pick(_num(a), _num(b))
+            result = pick(number(a), number(b))
         except TypeError:
             return opaque([x for x in (a, b) if isinstance(x, Dim)])
         return Dim.of(int(result)) if isinstance(a, Dim) and isinstance(b, Dim) else result
@@ -582,7 +239,7 @@ def _extreme(pick: Callable[[float, float], float]) -> Callable[[Value, Value], 
 def _compare(pred: Callable[[float, float], bool]) -> Callable[[Value, Value], Value | None]:
     def apply(a: Value, b: Value) -> Value | None:
         try:
-            return pred(_num(a), _num(b))
+            return pred(number(a), number(b))
         except TypeError:
             return None
 
@@ -598,9 +255,6 @@ def _where(columns: list[tuple[Value, ...]]) -> list[Value] | None:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Elementwise
-
 _UNARY = (  # noqa: SIM905 (a table: one name each, compact)
     "Abs Acos Acosh Asin Asinh Atan Atanh BitwiseNot Ceil Celu Cos Cosh Elu Erf Exp Floor "
     "Gelu HardSigmoid HardSwish IsInf IsNaN LeakyRelu Log Mish Reciprocal Relu Round Selu "
@@ -608,26 +262,26 @@ _UNARY = (  # noqa: SIM905 (a table: one name each, compact)
 ).split()
 
 
-@_rule(*_UNARY, summary="elementwise: the rows stay where they are")
-def _unary(n: _Node) -> Fact:
+@rule(*_UNARY, summary="elementwise: the rows stay where they are")
+def _unary(n: Node) -> Fact:
     return n.like(n.need(0))
 
 
-@_rule("Identity", summary="passes its input through")
-def _identity(n: _Node) -> Fact:
+@rule("Identity", summary="passes its input through")
+def _identity(n: Node) -> Fact:
     return n.need(0)
 
 
-@_rule("Neg", summary="elementwise")
-def _neg(n: _Node) -> Fact:
+@rule("Neg", summary="elementwise")
+def _neg(n: Node) -> Fact:
     f = n.need(0)
     if f.plain and f.value is not None and all(isinstance(v, (Dim, float)) for v in f.value):
         return n.plain(f.shape, [-v for v in f.value])
     return n.like(f)
 
 
-@_rule("Not", summary="elementwise")
-def _not(n: _Node) -> Fact:
+@rule("Not", summary="elementwise")
+def _not(n: Node) -> Fact:
     f = n.need(0)
     if f.plain and f.value is not None and all(isinstance(v, bool) for v in f.value):
         return n.plain(f.shape, [not v for v in f.value])
@@ -646,8 +300,8 @@ _INT_TYPES = {
 }
 
 
-@_rule("Cast", "CastLike", summary="elementwise (values followed for shape arithmetic)")
-def _cast(n: _Node) -> Fact:
+@rule("Cast", "CastLike", summary="elementwise (values followed for shape arithmetic)")
+def _cast(n: Node) -> Fact:
     f = n.need(0)
     if n.op == "CastLike":
         n.require_static([1], "target type")
@@ -677,6 +331,8 @@ def _cast(n: _Node) -> Fact:
 
 
 _ARITH = {"Add": _add, "Sub": _sub, "Mul": _mul, "Div": _div}
+
+
 _COMPARE = {
     "Greater": lambda a, b: a > b,
     "Less": lambda a, b: a < b,
@@ -691,12 +347,12 @@ _BINARY = (  # noqa: SIM905 (a table: one name each, compact)
 ).split()
 
 
-@_rule(
+@rule(
     *_BINARY,
     summary="elementwise with numpy broadcasting: rows meet rows on the same axis only, and a "
     "static tensor must have size 1 on the rows' axis",
 )
-def _elementwise(n: _Node) -> Fact:
+def _elementwise(n: Node) -> Fact:
     op = n.op
     values: Callable[[list[tuple[Value, ...]]], list[Value] | None] | None = None
     if op in _ARITH:
@@ -713,17 +369,17 @@ def _elementwise(n: _Node) -> Fact:
         values = _where
     if op == "Clip" and n.opset < 11:
         return n.like(n.need(0))
-    return _broadcast(n, values=values)
+    return broadcast(n, values=values)
 
 
-@_rule("Dropout", summary="identity where it is not training (a training Dropout is random)")
-def _dropout(n: _Node) -> list[Fact]:
+@rule("Dropout", summary="identity where it is not training (a training Dropout is random)")
+def _dropout(n: Node) -> list[Fact]:
     if n.opset >= 12 and n.input(2) is not None:
         training = n.static_values(2, "training mode")
         if training is None or any(bool(v) if isinstance(v, bool) else v != ZERO for v in training):
-            raise _Refused("may run in training mode, which draws random numbers per row")
+            raise Refused("may run in training mode, which draws random numbers per row")
     elif n.attr("is_test", 1) == 0 and n.opset < 7:
-        raise _Refused("runs in training mode, which draws random numbers per row")
+        raise Refused("runs in training mode, which draws random numbers per row")
     f = n.need(0)
     out = [n.like(f)]
     if n.outputs > 1:
@@ -731,12 +387,8 @@ def _dropout(n: _Node) -> list[Fact]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Shapes as values
-
-
-@_rule("Shape", summary="a shape: sized by N where the input holds rows")
-def _shape_op(n: _Node) -> Fact:
+@rule("Shape", summary="a shape: sized by N where the input holds rows")
+def _shape_op(n: Node) -> Fact:
     f = n.need(0)
     if f.shape is None:
         return n.plain([opaque()], sized=f.kind is not Kind.STATIC)
@@ -749,40 +401,36 @@ def _shape_op(n: _Node) -> Fact:
     return n.plain([Dim.of(len(picked))], picked)
 
 
-@_rule("Size", summary="an element count: sized by N where the input holds rows")
-def _size(n: _Node) -> Fact:
+@rule("Size", summary="an element count: sized by N where the input holds rows")
+def _size(n: Node) -> Fact:
     f = n.need(0)
     if f.shape is None:
         return n.plain((), sized=f.kind is not Kind.STATIC)
     return n.plain((), [product(f.shape)])
 
 
-@_rule(
+@rule(
     "ConstantOfShape",
     summary="a filled tensor: holds rows (all alike) where its shape has N on exactly one axis",
 )
-def _constant_of_shape(n: _Node) -> Fact:
+def _constant_of_shape(n: Node) -> Fact:
     dims = _dims_value(n, 0, "shape")
     if dims is None:
-        raise _Refused("has no shape")
+        raise Refused("has no shape")
     fill: Value = 0.0
     t = n.attr("value")
     if t is not None:
-        vals = _tensor_values(t)
+        vals = tensor_values(t)
         if vals:
             fill = vals[0]
     if not any(d.has_batch for d in dims):
         value = None
         if len(dims) <= 1:
             count = product(dims).const
-            if count is not None and count <= _MAX_VALUES:
+            if count is not None and count <= MAX_VALUES:
                 value = [fill] * count
         return n.pinned(n.plain(dims, value, sized=False), 0)
     return _spread(n, Fact(Kind.STATIC, ()), dims, [ONE] * len(dims), dims)
-
-
-# ----------------------------------------------------------------------------------------------
-# Layout: reshape, transpose, squeeze
 
 
 def _static_array(f: Fact) -> Any:
@@ -807,7 +455,7 @@ def _constant(shape: Sequence[Dim]) -> bool:
     return all(d.const is not None for d in shape)
 
 
-def _reshape_rows(n: _Node, f: Fact, out: list[Dim]) -> Fact:
+def _reshape_rows(n: Node, f: Fact, out: list[Dim]) -> Fact:
     """Rows of ``f`` reinterpreted in ``out``'s shape (row-major, as Reshape does).
 
     Row-major, the input is ``[P, N, R]`` (``P``: the entries before the rows' axis, ``R``:
@@ -827,34 +475,34 @@ def _reshape_rows(n: _Node, f: Fact, out: list[Dim]) -> Fact:
             if n.analysis.fixed_rows and f.axis == 0 and b > 0:
                 # [1, -1] of an export traced at batch 1: its 1 stood for the rows, and the
                 # -1 would take them all. (A shape written for any batch has 0 or -1 there.)
-                raise _Refused(
+                raise Refused(
                     f"reshapes {list(f.shape)} to {out}: its shape puts a literal 1 where the "
                     "rows were, fixed for one row when the model was exported"
                 )
             return n.rows(out, b, fold)
         break
-    raise _Refused(
+    raise Refused(
         f"reshapes {list(f.shape)} (rows on axis {f.axis}) to {out}: the rows would not stay whole "
         "on one axis"
     )
 
 
-def _reshape_target(n: _Node, f: Fact, target: list[Dim], allowzero: bool) -> list[Dim]:
+def _reshape_target(n: Node, f: Fact, target: list[Dim], allowzero: bool) -> list[Dim]:
     if f.shape is None:
-        raise _Refused("reshapes a tensor of unknown rank")
+        raise Refused("reshapes a tensor of unknown rank")
     out: list[Dim | None] = []
     for k, t in enumerate(target):
         c = t.const
         if c == 0 and not allowzero:
             if k >= len(f.shape):
-                raise _Refused("copies a dim its input does not have")
+                raise Refused("copies a dim its input does not have")
             out.append(f.shape[k])
         elif c == -1:
             out.append(None)
         else:
             out.append(t)
     if out.count(None) > 1:
-        raise _Refused("has more than one -1 in its shape")
+        raise Refused("has more than one -1 in its shape")
     if None in out:
         known = product(d for d in out if d is not None)
         inferred = product(f.shape).divide(known)
@@ -862,15 +510,15 @@ def _reshape_target(n: _Node, f: Fact, target: list[Dim], allowzero: bool) -> li
     return [d for d in out if d is not None]
 
 
-@_rule("Reshape", summary="rows stay whole where the new shape keeps them, row-major, on one axis")
-def _reshape(n: _Node) -> Fact:
+@rule("Reshape", summary="rows stay whole where the new shape keeps them, row-major, on one axis")
+def _reshape(n: Node) -> Fact:
     f = n.need(0)
     target = (
         _dims_value(n, 1, "shape") if n.opset >= 5 else [Dim.of(d) for d in n.attr("shape", [])]
     )
     allowzero = bool(n.attr("allowzero", 0))
     if target is None:
-        raise _Refused("has no shape")
+        raise Refused("has no shape")
     if not f.rows:
         if f.shape is None and any(t.const in (0, -1) for t in target):
             return n.plain(None, sized=f.kind is Kind.SIZED)
@@ -884,27 +532,27 @@ def _reshape(n: _Node) -> Fact:
     return _reshape_rows(n, f, _reshape_target(n, f, target, allowzero))
 
 
-@_rule("Flatten", summary="as Reshape to [prod(dims before axis), prod(dims from axis)]")
-def _flatten(n: _Node) -> Fact:
+@rule("Flatten", summary="as Reshape to [prod(dims before axis), prod(dims from axis)]")
+def _flatten(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
     axis = n.attr("axis", 1)
     axis = axis + len(shape) if axis < 0 else axis
     if not 0 <= axis <= len(shape):
-        raise _Refused(f"has axis {axis} out of range")
+        raise Refused(f"has axis {axis} out of range")
     out = [product(shape[:axis]), product(shape[axis:])]
     if not f.rows:
         return n.plain(out, sized=f.kind is Kind.SIZED)
     return _reshape_rows(n, f, out)
 
 
-@_rule("Transpose", summary="the rows move with their axis")
-def _transpose(n: _Node) -> Fact:
+@rule("Transpose", summary="the rows move with their axis")
+def _transpose(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
     perm = n.attr("perm") or list(range(len(shape)))[::-1]
     if sorted(perm) != list(range(len(shape))):
-        raise _Refused(f"has perm {perm} for rank {len(shape)}")
+        raise Refused(f"has perm {perm} for rank {len(shape)}")
     out = [shape[p] for p in perm]
     if f.rows:
         return n.rows(out, perm.index(f.axis), f.fold)
@@ -914,7 +562,7 @@ def _transpose(n: _Node) -> Fact:
     return n.plain(out, sized=f.kind is Kind.SIZED)
 
 
-def _axes(n: _Node, index: int, attr: str = "axes") -> list[int] | None:
+def listed_axes(n: Node, index: int, attr: str = "axes") -> list[int] | None:
     """Axes from an attribute (older opsets) or an input; None where not given."""
     listed = n.attr(attr)
     if listed is not None:
@@ -924,37 +572,37 @@ def _axes(n: _Node, index: int, attr: str = "axes") -> list[int] | None:
     return None
 
 
-@_rule("Squeeze", summary="drops size-1 axes; never the rows' axis")
-def _squeeze(n: _Node) -> Fact:
+@rule("Squeeze", summary="drops size-1 axes; never the rows' axis")
+def _squeeze(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
-    axes = _axes(n, 1)
+    axes = listed_axes(n, 1)
     if axes is None:
         if f.rows:
-            raise _Refused(
+            raise Refused(
                 "squeezes every size-1 axis, which drops the rows' axis of a one-row request"
             )
         if any(d.const is None for d in shape):
             return n.plain(None, sized=f.kind is Kind.SIZED)
         axes = [k for k, d in enumerate(shape) if d == ONE]
-    axes = sorted({_axis(a, len(shape)) for a in axes})
+    axes = sorted({norm_axis(a, len(shape)) for a in axes})
     if f.rows and f.axis in axes:
-        raise _Refused("squeezes the rows' axis")
+        raise Refused("squeezes the rows' axis")
     out = [d for k, d in enumerate(shape) if k not in axes]
     if f.rows:
         return n.rows(out, f.axis - sum(a < f.axis for a in axes), f.fold)
     return n.plain(out, f.value, sized=None if f.value is not None else f.kind is Kind.SIZED)
 
 
-@_rule("Unsqueeze", summary="inserts size-1 axes; the rows move with theirs")
-def _unsqueeze(n: _Node) -> Fact:
+@rule("Unsqueeze", summary="inserts size-1 axes; the rows move with theirs")
+def _unsqueeze(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
-    axes = _axes(n, 1)
+    axes = listed_axes(n, 1)
     if axes is None:
-        raise _Refused("has no axes")
+        raise Refused("has no axes")
     rank = len(shape) + len(axes)
-    axes = sorted({_axis(a, rank) for a in axes})
+    axes = sorted({norm_axis(a, rank) for a in axes})
     out: list[Dim] = []
     it = iter(shape)
     for k in range(rank):
@@ -968,22 +616,22 @@ def _unsqueeze(n: _Node) -> Fact:
     return n.plain(out, f.value, sized=None if f.value is not None else f.kind is Kind.SIZED)
 
 
-@_rule("Concat", summary="joins tensors on an axis other than the rows' (rows with rows only)")
-def _concat(n: _Node) -> Fact:
+@rule("Concat", summary="joins tensors on an axis other than the rows' (rows with rows only)")
+def _concat(n: Node) -> Fact:
     return _concat_facts(n, [f for f in n.ins if f is not None])
 
 
-def _concat_facts(n: _Node, facts: list[Fact]) -> Fact:
+def _concat_facts(n: Node, facts: list[Fact]) -> Fact:
     if not facts:
-        raise _Refused("has no inputs")
+        raise Refused("has no inputs")
     shapes = [f.shape for f in facts]
-    rows = _rows_among(facts)
+    rows = rows_among(facts)
     if any(s is None for s in shapes):
         if rows:
-            raise _Refused("joins rows with a tensor of unknown rank")
+            raise Refused("joins rows with a tensor of unknown rank")
         return n.plain(None, sized=any(f.kind is Kind.SIZED for f in facts))
     rank = len(shapes[0])  # type: ignore[arg-type]
-    axis = _axis(n.attr("axis", 0), rank)
+    axis = norm_axis(n.attr("axis", 0), rank)
     out = list(shapes[0])  # type: ignore[arg-type]
     out[axis] = sum((s[axis] for s in shapes), ZERO)  # type: ignore[index]
     if not rows:
@@ -992,24 +640,24 @@ def _concat_facts(n: _Node, facts: list[Fact]) -> Fact:
             value = [v for f in facts for v in f.value]  # type: ignore[union-attr]
         return n.plain(out, value)
     if len(rows) != len(facts):
-        raise _Refused("joins rows with a tensor that has none: the sizes match only by position")
+        raise Refused("joins rows with a tensor that has none: the sizes match only by position")
     first = rows[0]
     if any(not f.same_layout(first) for f in rows):
-        raise _Refused("joins tensors whose rows lie on different axes")
+        raise Refused("joins tensors whose rows lie on different axes")
     if first.axis == axis:
-        raise _Refused(
+        raise Refused(
             "joins tensors along the rows' axis: the result's rows are no longer the callers'"
         )
     return n.rows(out, first.axis, first.fold)
 
 
-@_rule("Split", summary="splits an axis other than the rows'")
-def _split(n: _Node) -> list[Fact]:
+@rule("Split", summary="splits an axis other than the rows'")
+def _split(n: Node) -> list[Fact]:
     f = n.need(0)
     shape = n.shape(0)
-    axis = _axis(n.attr("axis", 0), len(shape))
+    axis = norm_axis(n.attr("axis", 0), len(shape))
     if f.rows and f.axis == axis:
-        raise _Refused("splits the rows' axis")
+        raise Refused("splits the rows' axis")
     sizes = (
         n.attr("split")
         if n.opset < 13
@@ -1034,10 +682,8 @@ def _split(n: _Node) -> list[Fact]:
     return outs
 
 
-@_rule(
-    "Slice", summary="slices other axes; the rows' axis only whole (start 0, step 1, to the end)"
-)
-def _slice(n: _Node) -> Fact:
+@rule("Slice", summary="slices other axes; the rows' axis only whole (start 0, step 1, to the end)")
+def _slice(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
     rank = len(shape)
@@ -1054,21 +700,21 @@ def _slice(n: _Node) -> Fact:
         for i, what in ((1, "starts"), (2, "ends")):
             g = n.need(i)
             if g.rows:
-                raise _Refused(f"takes its {what} from the rows' values")
+                raise Refused(f"takes its {what} from the rows' values")
             counted = counted or (g.value is None and g.kind is Kind.SIZED)
             bounds.append(g)
-        axes = _axes(n, 3) if n.input(3) is not None else None
+        axes = listed_axes(n, 3) if n.input(3) is not None else None
         count = len(bounds[0].value) if bounds[0].value is not None else None
         if axes is None:
             if count is None:
-                raise _Refused("slices axes that could not be followed")
+                raise Refused("slices axes that could not be followed")
             axes = list(range(count))
         steps = n.ints(4, "steps") or [1] * len(axes)
         starts_v = list(bounds[0].value) if bounds[0].value is not None else [None] * len(axes)
         ends_v = list(bounds[1].value) if bounds[1].value is not None else [None] * len(axes)
-    axes = [_axis(a, rank) for a in axes]
+    axes = [norm_axis(a, rank) for a in axes]
     if not (len(starts_v) == len(ends_v) == len(steps) == len(axes)):
-        raise _Refused("has starts, ends, axes and steps of different lengths")
+        raise Refused("has starts, ends, axes and steps of different lengths")
     out = list(shape)
     for a, start, end, step in zip(axes, starts_v, ends_v, steps, strict=True):
         if f.rows and a == f.axis:
@@ -1077,18 +723,16 @@ def _slice(n: _Node) -> Fact:
                 (end.const is not None and end.const >= n.analysis.max_rows) or end == shape[a]
             )
             if not (start == ZERO and step == 1 and whole):
-                raise _Refused("takes part of the rows' axis, or reorders it")
+                raise Refused("takes part of the rows' axis, or reorders it")
             continue
         if f.rows and (counted or any(isinstance(v, Dim) and v.has_batch for v in (start, end))):
-            raise _Refused("slices another axis by amounts that depend on the row count")
+            raise Refused("slices another axis by amounts that depend on the row count")
         out[a] = _slice_len(shape[a], start, end, step)
     if f.rows:
         return n.rows(out, f.axis, f.fold)
     value = None
     array = _static_array(f)
-    bounds_known = all(
-        isinstance(v, Dim) and v.const is not None for v in (*starts_v, *ends_v)
-    )
+    bounds_known = all(isinstance(v, Dim) and v.const is not None for v in (*starts_v, *ends_v))
     if array is not None and bounds_known:
         picks: list[slice] = [slice(None)] * rank
         for a, start, end, step in zip(axes, starts_v, ends_v, steps, strict=True):
@@ -1105,40 +749,36 @@ def _slice_len(dim: Dim, start: Value, end: Value, step: int) -> Dim:
     e0 = end.const if isinstance(end, Dim) else None
     if size is not None and s0 is not None and e0 is not None:
         return Dim.of(len(range(size)[slice(s0, e0, step)]))
-    if step == 1 and s0 is not None and s0 >= 0 and e0 is not None and e0 >= _TO_THE_END:
+    if step == 1 and s0 is not None and s0 >= 0 and e0 is not None and e0 >= TO_THE_END:
         return dim - s0
     if step == 1 and s0 == 0 and isinstance(end, Dim) and end == dim:
         return dim
     return opaque([dim])
 
 
-# ----------------------------------------------------------------------------------------------
-# Indexing
-
-
-@_rule(
+@rule(
     "Gather",
     summary="indexes an axis other than the rows' with static indices, or a static table by "
     "indices that hold rows (an embedding lookup)",
 )
-def _gather(n: _Node) -> Fact:
+def _gather(n: Node) -> Fact:
     data, idx = n.need(0), n.need(1)
     dshape = n.shape(0)
     ishape = n.shape(1)
-    axis = _axis(n.attr("axis", 0), len(dshape))
+    axis = norm_axis(n.attr("axis", 0), len(dshape))
     out = list(dshape[:axis]) + list(ishape) + list(dshape[axis + 1 :])
     if data.rows and idx.rows:
-        raise _Refused("looks rows up by indices that hold rows: each result row meets every row")
+        raise Refused("looks rows up by indices that hold rows: each result row meets every row")
     if data.rows:
         if axis == data.axis:
-            raise _Refused("picks entries of the rows' axis by position")
+            raise Refused("picks entries of the rows' axis by position")
         if idx.kind is Kind.SIZED:
-            raise _Refused("picks entries by indices that depend on the row count")
+            raise Refused("picks entries by indices that depend on the row count")
         a = data.axis if data.axis < axis else data.axis + len(ishape) - 1
         return n.rows(out, a, data.fold)
     if idx.rows:
         if data.kind is Kind.SIZED:
-            raise _Refused("looks rows up in a table that depends on the row count")
+            raise Refused("looks rows up in a table that depends on the row count")
         return n.rows(out, axis + idx.axis, idx.fold)
     value = None
     if data.value is not None and idx.value is not None and len(dshape) == 1 and len(ishape) <= 1:
@@ -1154,79 +794,79 @@ def _gather(n: _Node) -> Fact:
     return n.plain(out, value)
 
 
-@_rule("GatherElements", summary="rows index their own rows on another axis")
-def _gather_elements(n: _Node) -> Fact:
+@rule("GatherElements", summary="rows index their own rows on another axis")
+def _gather_elements(n: Node) -> Fact:
     data, idx = n.need(0), n.need(1)
     shape = n.shape(1)
-    axis = _axis(n.attr("axis", 0), len(shape))
+    axis = norm_axis(n.attr("axis", 0), len(shape))
     if not data.rows and not idx.rows:
         return n.plain(shape)
     if data.rows and idx.rows and data.same_layout(idx) and axis != data.axis:
         return n.rows(shape, idx.axis, idx.fold)
     if idx.rows and not data.rows and data.kind is Kind.STATIC and axis == idx.axis:
         return n.rows(shape, idx.axis, idx.fold)
-    raise _Refused("pairs indices and data by position across the rows")
+    raise Refused("pairs indices and data by position across the rows")
 
 
-@_rule("GatherND", summary="batch_dims over the rows, or static data indexed by rows")
-def _gather_nd(n: _Node) -> Fact:
+@rule("GatherND", summary="batch_dims over the rows, or static data indexed by rows")
+def _gather_nd(n: Node) -> Fact:
     data, idx = n.need(0), n.need(1)
     dshape, ishape = n.shape(0), n.shape(1)
     b = n.attr("batch_dims", 0)
     depth = ishape[-1].const
     if depth is None:
-        raise _Refused("has an index depth that could not be followed")
+        raise Refused("has an index depth that could not be followed")
     out = list(ishape[:-1]) + list(dshape[b + depth :])
     if not data.rows and not idx.rows:
         return n.plain(out)
     if data.rows and idx.rows:
         if data.same_layout(idx) and data.axis == idx.axis < b:
             return n.rows(out, idx.axis, idx.fold)
-        raise _Refused("looks rows up by indices that hold other rows")
+        raise Refused("looks rows up by indices that hold other rows")
     if idx.rows:
         if data.kind is not Kind.STATIC or b != 0 or idx.axis == len(ishape) - 1:
-            raise _Refused("indexes by rows in a way that pairs them by position")
+            raise Refused("indexes by rows in a way that pairs them by position")
         return n.rows(out, idx.axis, idx.fold)
     if data.axis < b + depth:
-        raise _Refused("picks entries of the rows' axis by position")
+        raise Refused("picks entries of the rows' axis by position")
     return n.rows(out, len(ishape) - 1 + data.axis - b - depth, data.fold)
 
 
-@_rule("ScatterElements", "Scatter", summary="rows update their own rows on another axis")
-def _scatter_elements(n: _Node) -> Fact:
+@rule("ScatterElements", "Scatter", summary="rows update their own rows on another axis")
+def _scatter_elements(n: Node) -> Fact:
     data, idx, upd = n.need(0), n.need(1), n.need(2)
     shape = n.shape(0)
-    axis = _axis(n.attr("axis", 0), len(shape))
+    axis = norm_axis(n.attr("axis", 0), len(shape))
     facts = [data, idx, upd]
-    if not _rows_among(facts):
+    if not rows_among(facts):
         return n.plain(shape)
     if all(f.rows and f.same_layout(data) for f in facts) and axis != data.axis:
         return n.rows(shape, data.axis, data.fold)
-    raise _Refused("scatters entries across the rows")
+    raise Refused("scatters entries across the rows")
 
 
-@_rule("ScatterND", summary="rows update their own rows below the indexed axes")
-def _scatter_nd(n: _Node) -> Fact:
+@rule("ScatterND", summary="rows update their own rows below the indexed axes")
+def _scatter_nd(n: Node) -> Fact:
     data, idx, upd = n.need(0), n.need(1), n.need(2)
     shape, ishape = n.shape(0), n.shape(1)
-    if not _rows_among([data, idx, upd]):
+    if not rows_among([data, idx, upd]):
         return n.plain(shape)
     depth = ishape[-1].const
     if not data.rows or idx.rows or depth is None or data.axis < depth:
-        raise _Refused("scatters entries into the rows' axis by position")
+        raise Refused("scatters entries into the rows' axis by position")
     want = len(ishape) - 1 + data.axis - depth
     if not (upd.rows and upd.axis == want and upd.fold == data.fold):
-        raise _Refused("scatters updates that do not hold the same rows")
+        raise Refused("scatters updates that do not hold the same rows")
     return n.rows(shape, data.axis, data.fold)
 
 
-@_rule("OneHot", summary="indices that hold rows give rows")
-def _one_hot(n: _Node) -> Fact:
+@rule("OneHot", summary="indices that hold rows give rows")
+def _one_hot(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
     n.require_static([1, 2], "depth and values")
     rank = len(shape) + 1
-    axis = _axis(n.attr("axis", -1), rank)
+    axis = norm_axis(n.attr("axis", -1), rank)
     depth = n.need(1).value
     d = depth[0] if depth and isinstance(depth[0], Dim) else opaque()
     out = [*shape[:axis], d, *shape[axis:]]
@@ -1235,8 +875,8 @@ def _one_hot(n: _Node) -> Fact:
     return n.rows(out, f.axis + (1 if axis <= f.axis else 0), f.fold)
 
 
-@_rule("Compress", summary="selects by a static condition on an axis other than the rows'")
-def _compress(n: _Node) -> Fact:
+@rule("Compress", summary="selects by a static condition on an axis other than the rows'")
+def _compress(n: Node) -> Fact:
     f = n.need(0)
     n.require_static([1], "condition")
     axis = n.attr("axis")
@@ -1244,38 +884,34 @@ def _compress(n: _Node) -> Fact:
         return n.plain(None)
     shape = n.shape(0)
     if axis is None:
-        raise _Refused("flattens the rows before selecting")
-    axis = _axis(axis, len(shape))
+        raise Refused("flattens the rows before selecting")
+    axis = norm_axis(axis, len(shape))
     if axis == f.axis:
-        raise _Refused("selects entries of the rows' axis")
+        raise Refused("selects entries of the rows' axis")
     out = list(shape)
     out[axis] = opaque([shape[axis]])
     return n.rows(out, f.axis, f.fold)
 
 
-@_rule("NonZero", "Unique", summary="data-dependent sizes: refused where rows reach it")
-def _data_sized(n: _Node) -> list[Fact]:
-    if _rows_among(n.ins):
-        raise _Refused("counts entries across all rows (its size depends on every row)")
+@rule("NonZero", "Unique", summary="data-dependent sizes: refused where rows reach it")
+def _data_sized(n: Node) -> list[Fact]:
+    if rows_among(n.ins):
+        raise Refused("counts entries across all rows (its size depends on every row)")
     return [n.plain(None) for _ in range(n.outputs)]
 
 
-# ----------------------------------------------------------------------------------------------
-# Sizing: expand, tile, pad, resize, range
-
-
-@_rule("Expand", summary="broadcasts to a shape; N may appear only on the rows' axis")
-def _expand(n: _Node) -> Fact:
+@rule("Expand", summary="broadcasts to a shape; N may appear only on the rows' axis")
+def _expand(n: Node) -> Fact:
     f = n.need(0)
     target = _dims_value(n, 1, "shape")
     if target is None:
-        raise _Refused("has no shape")
+        raise Refused("has no shape")
     shape = n.shape(0)
     rank = max(len(shape), len(target))
     padded_in = [ONE] * (rank - len(shape)) + list(shape)
     padded_t = [ONE] * (rank - len(target)) + list(target)
     out = [
-        t if d == ONE else d if t == ONE else _join_dim([d, t])
+        t if d == ONE else d if t == ONE else join_dim([d, t])
         for d, t in zip(padded_in, padded_t, strict=True)
     ]
     if f.rows:
@@ -1283,15 +919,15 @@ def _expand(n: _Node) -> Fact:
         for k, t in enumerate(padded_t):
             if k == pos:
                 if t != ONE and t != shape[f.axis]:
-                    raise _Refused("expands the rows' axis to another size")
+                    raise Refused("expands the rows' axis to another size")
             elif t.has_batch:
-                raise _Refused("expands another axis to a size that depends on the row count")
+                raise Refused("expands another axis to a size that depends on the row count")
         out[pos] = shape[f.axis]
         return n.rows(out, pos, f.fold)
     return n.pinned(_spread(n, f, padded_t, padded_in, out), 1)
 
 
-def _spread(n: _Node, f: Fact, sizes: Sequence[Dim], base: Sequence[Dim], out: list[Dim]) -> Fact:
+def _spread(n: Node, f: Fact, sizes: Sequence[Dim], base: Sequence[Dim], out: list[Dim]) -> Fact:
     """A tensor without rows (dims ``base``) repeated to ``sizes``, which may hold the row count.
 
     Repeated along one axis of size 1 to ``N`` (times an ``N``-free fold), a static tensor holds
@@ -1302,36 +938,36 @@ def _spread(n: _Node, f: Fact, sizes: Sequence[Dim], base: Sequence[Dim], out: l
     if not batched:
         return n.plain(out, sized=False if f.kind is Kind.STATIC else None)
     if f.kind is not Kind.STATIC:
-        raise _Refused("spreads values that depend on the row count over the rows")
+        raise Refused("spreads values that depend on the row count over the rows")
     if len(batched) > 1 or base[batched[0]] != ONE:
-        raise _Refused("spreads a static tensor to a size that depends on the row count")
+        raise Refused("spreads a static tensor to a size that depends on the row count")
     k = batched[0]
     fold = sizes[k].batch_factor()
     if fold is None:
-        raise _Refused("spreads a tensor to a size that is not a whole number of rows")
+        raise Refused("spreads a tensor to a size that is not a whole number of rows")
     return n.rows(out, k, fold)
 
 
-@_rule("Tile", summary="repeats other axes; the rows' axis only once")
-def _tile(n: _Node) -> Fact:
+@rule("Tile", summary="repeats other axes; the rows' axis only once")
+def _tile(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
     reps = _dims_value(n, 1, "repeats")
     if reps is None or len(reps) != len(shape):
-        raise _Refused("has repeats that could not be followed")
+        raise Refused("has repeats that could not be followed")
     out = [d * r for d, r in zip(shape, reps, strict=True)]
     if f.rows:
         for k, r in enumerate(reps):
             if k == f.axis and r != ONE:
-                raise _Refused("repeats the rows' axis: the copies interleave callers' rows")
+                raise Refused("repeats the rows' axis: the copies interleave callers' rows")
             if k != f.axis and r.has_batch:
-                raise _Refused("repeats another axis by the row count")
+                raise Refused("repeats another axis by the row count")
         return n.rows(out, f.axis, f.fold)
     return n.pinned(_spread(n, f, reps, shape, out), 1)
 
 
-@_rule("Pad", summary="pads other axes; never the rows'")
-def _pad(n: _Node) -> Fact:
+@rule("Pad", summary="pads other axes; never the rows'")
+def _pad(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
     rank = len(shape)
@@ -1340,23 +976,23 @@ def _pad(n: _Node) -> Fact:
     else:
         n.require_static([2], "padding value")
         pads = _dims_value(n, 1, "pads")
-    axes = (_axes(n, 3) if n.opset >= 18 else None) or list(range(rank))
+    axes = (listed_axes(n, 3) if n.opset >= 18 else None) or list(range(rank))
     if pads is None or len(pads) != 2 * len(axes):
-        raise _Refused("has pads that could not be followed")
+        raise Refused("has pads that could not be followed")
     out = list(shape)
     for k, a in enumerate(axes):
-        a = _axis(a, rank)
+        a = norm_axis(a, rank)
         before, after = pads[k], pads[k + len(axes)]
         if f.rows and a == f.axis and (before != ZERO or after != ZERO):
-            raise _Refused("pads the rows' axis")
+            raise Refused("pads the rows' axis")
         if before.has_batch or after.has_batch:
-            raise _Refused("pads by amounts that depend on the row count")
+            raise Refused("pads by amounts that depend on the row count")
         out[a] = out[a] + before + after
     return n.like(f, out)
 
 
-@_rule("Resize", "Upsample", summary="resizes other axes; the rows' axis keeps scale 1 (or size N)")
-def _resize(n: _Node) -> Fact:
+@rule("Resize", "Upsample", summary="resizes other axes; the rows' axis keeps scale 1 (or size N)")
+def _resize(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
     rank = len(shape)
@@ -1367,7 +1003,7 @@ def _resize(n: _Node) -> Fact:
     else:
         scale_in, size_in = 2, 3
         n.require_static([1], "region of interest")
-    axes = [_axis(a, rank) for a in (n.attr("axes") or range(rank))]
+    axes = [norm_axis(a, rank) for a in (n.attr("axes") or range(rank))]
     out = list(shape)
     sizes = (
         _dims_value(n, size_in, "sizes")
@@ -1378,48 +1014,48 @@ def _resize(n: _Node) -> Fact:
         for a, s in zip(axes, sizes, strict=True):
             if f.rows and a == f.axis:
                 if s != shape[a]:
-                    raise _Refused("resizes the rows' axis")
+                    raise Refused("resizes the rows' axis")
                 continue
             if s.has_batch:
-                raise _Refused("resizes another axis by the row count")
+                raise Refused("resizes another axis by the row count")
             out[a] = s
         return n.like(f, out)
     if scale_in is None:
         scales = n.attr("scales")
     else:
         if n.input(scale_in) is None:
-            raise _Refused("has neither scales nor sizes that could be followed")
+            raise Refused("has neither scales nor sizes that could be followed")
         raw = n.static_values(scale_in, "scales")
-        scales = [_num(v) if not isinstance(v, bool) else float(v) for v in raw or []]
+        scales = [number(v) if not isinstance(v, bool) else float(v) for v in raw or []]
     if scales is None or len(scales) != len(axes):
-        raise _Refused("has scales that could not be followed")
+        raise Refused("has scales that could not be followed")
     for a, s in zip(axes, scales, strict=True):
         if f.rows and a == f.axis:
             if s != 1.0:
-                raise _Refused("scales the rows' axis")
+                raise Refused("scales the rows' axis")
             continue
         c = shape[a].const
         out[a] = Dim.of(math.floor(c * s)) if c is not None else opaque([shape[a]])
     return n.like(f, out)
 
 
-@_rule("Range", summary="a static sequence; one that counts rows is refused where it meets them")
-def _range(n: _Node) -> Fact:
+@rule("Range", summary="a static sequence; one that counts rows is refused where it meets them")
+def _range(n: Node) -> Fact:
     facts = [n.need(i) for i in range(3)]
-    if _rows_among(facts):
-        raise _Refused("counts by the rows' values")
+    if rows_among(facts):
+        raise Refused("counts by the rows' values")
     vals = [f.value[0] if f.value else None for f in facts]
     if any(isinstance(v, Dim) and v.has_batch for v in vals) or (
         any(v is None for v in vals) and any(f.kind is Kind.SIZED for f in facts)
     ):
-        raise _Refused("counts up to the row count: entries stand for rows by position")
+        raise Refused("counts up to the row count: entries stand for rows by position")
     consts = [v.const if isinstance(v, Dim) else None for v in vals]
     if all(c is not None for c in consts):
         start, limit, delta = (int(c or 0) for c in consts)
         if delta:
             count = max(0, math.ceil((limit - start) / delta))
             value = [Dim.of(start + k * delta) for k in range(count)]
-            return n.plain([Dim.of(count)], value if count <= _MAX_VALUES else None)
+            return n.plain([Dim.of(count)], value if count <= MAX_VALUES else None)
     start_v, limit_v, delta_v = vals
     if delta_v == ONE and isinstance(start_v, Dim) and isinstance(limit_v, Dim):
         length = limit_v - start_v  # a count up to a symbolic size: the positions of a sequence
@@ -1427,18 +1063,14 @@ def _range(n: _Node) -> Fact:
     return n.plain([opaque()])
 
 
-# ----------------------------------------------------------------------------------------------
-# Linear algebra
-
-
-def _matmul_rows(n: _Node, a: Fact, b: Fact, ashape: Sequence[Dim], bshape: Sequence[Dim]) -> Fact:
+def _matmul_rows(n: Node, a: Fact, b: Fact, ashape: Sequence[Dim], bshape: Sequence[Dim]) -> Fact:
     """A @ B with numpy's matmul broadcasting (1-D operands promoted and dropped again)."""
     a_vec, b_vec = len(ashape) == 1, len(bshape) == 1
     A = [ONE, *ashape] if a_vec else list(ashape)  # a row vector: [1, K]
     B = [*bshape, ONE] if b_vec else list(bshape)  # a column vector: [K, 1]
     operands = ((a, A, a.axis + (1 if a_vec else 0), True), (b, B, b.axis, False))
     stacks = [tuple(A[:-2]), tuple(B[:-2])]
-    batch = _broadcast_shape(stacks) if any(stacks) else ()
+    batch = broadcast_shape(stacks) if any(stacks) else ()
     out = [*batch, A[-2], B[-1]]
     r = len(out)
     pos: int | None = None
@@ -1448,7 +1080,7 @@ def _matmul_rows(n: _Node, a: Fact, b: Fact, ashape: Sequence[Dim], bshape: Sequ
             continue
         k = len(shape)
         if axis == (k - 1 if left else k - 2):
-            raise _Refused("sums over the rows' axis (it is the contracted one)")
+            raise Refused("sums over the rows' axis (it is the contracted one)")
         if left and axis == k - 2:
             p = r - 2
         elif not left and axis == k - 1:
@@ -1456,7 +1088,7 @@ def _matmul_rows(n: _Node, a: Fact, b: Fact, ashape: Sequence[Dim], bshape: Sequ
         else:
             p = axis + r - k
         if pos is not None and (p != pos or f.fold != fold):
-            raise _Refused("pairs every row of one operand with every row of the other")
+            raise Refused("pairs every row of one operand with every row of the other")
         pos, fold = p, f.fold
     assert pos is not None
     for f, shape, _, _ in operands:
@@ -1464,52 +1096,52 @@ def _matmul_rows(n: _Node, a: Fact, b: Fact, ashape: Sequence[Dim], bshape: Sequ
             continue
         q = pos - (r - len(shape))
         if pos < r - 2 and q >= 0 and shape[q] != ONE:
-            raise _Refused("pairs each row with a matrix of a static stack by position")
+            raise Refused("pairs each row with a matrix of a static stack by position")
     dropped = ([r - 1] if b_vec else []) + ([r - 2] if a_vec else [])
     out = [d for k, d in enumerate(out) if k not in dropped]
     pos -= sum(k < pos for k in dropped)
     return n.rows(out, pos, fold)
 
 
-def _matmul_like(n: _Node, ai: int, bi: int, static: Sequence[int]) -> Fact:
+def _matmul_like(n: Node, ai: int, bi: int, static: Sequence[int]) -> Fact:
     a, b = n.need(ai), n.need(bi)
     n.require_static(static, "quantization parameters")
     ashape, bshape = n.shape(ai), n.shape(bi)
     if not a.rows and not b.rows:
         return n.plain(None)
-    _no_count_in_values(n, [a, b])
+    no_count_in_values(n, [a, b])
     return _matmul_rows(n, a, b, ashape, bshape)
 
 
-@_rule("MatMul", summary="rows on a batch axis of both operands or on A's row / B's column axis")
-def _matmul(n: _Node) -> Fact:
+@rule("MatMul", summary="rows on a batch axis of both operands or on A's row / B's column axis")
+def _matmul(n: Node) -> Fact:
     return _matmul_like(n, 0, 1, ())
 
 
-@_rule("MatMulInteger", summary="as MatMul")
-def _matmul_integer(n: _Node) -> Fact:
+@rule("MatMulInteger", summary="as MatMul")
+def _matmul_integer(n: Node) -> Fact:
     return _matmul_like(n, 0, 1, (2, 3))
 
 
-@_rule("QLinearMatMul", summary="as MatMul, static quantization parameters")
-def _qlinear_matmul(n: _Node) -> Fact:
+@rule("QLinearMatMul", summary="as MatMul, static quantization parameters")
+def _qlinear_matmul(n: Node) -> Fact:
     return _matmul_like(n, 0, 3, (1, 2, 4, 5, 6, 7))
 
 
-@_rule(
+@rule(
     "Gemm", summary="rows on A's row axis (or B's column axis); C static or holding the same rows"
 )
-def _gemm(n: _Node) -> Fact:
+def _gemm(n: Node) -> Fact:
     return _gemm_like(n, (0, 1, 2), ())
 
 
-def _gemm_like(n: _Node, abc: tuple[int, int, int], static: Sequence[int]) -> Fact:
+def _gemm_like(n: Node, abc: tuple[int, int, int], static: Sequence[int]) -> Fact:
     ai, bi, ci = abc
     a, b = n.need(ai), n.need(bi)
     n.require_static(static, "quantization parameters")
     ashape, bshape = n.shape(ai), n.shape(bi)
     if len(ashape) != 2 or len(bshape) != 2:
-        raise _Refused("is a Gemm of operands that are not matrices")
+        raise Refused("is a Gemm of operands that are not matrices")
     ta, tb = bool(n.attr("transA", 0)), bool(n.attr("transB", 0))
     m = ashape[1] if ta else ashape[0]
     cols = bshape[0] if tb else bshape[1]
@@ -1517,53 +1149,53 @@ def _gemm_like(n: _Node, abc: tuple[int, int, int], static: Sequence[int]) -> Fa
     if not a.rows and not b.rows:
         c = n.input(ci)
         if c is not None and c.rows:
-            raise _Refused("adds rows to a product that has none")
+            raise Refused("adds rows to a product that has none")
         return n.plain(out)
-    _no_count_in_values(n, [a, b, n.input(ci)])
+    no_count_in_values(n, [a, b, n.input(ci)])
     if a.rows and b.rows:
-        raise _Refused("pairs every row of A with every row of B")
+        raise Refused("pairs every row of A with every row of B")
     if a.rows:
         if a.axis != (1 if ta else 0):
-            raise _Refused("sums over the rows' axis (it is the contracted one)")
+            raise Refused("sums over the rows' axis (it is the contracted one)")
         pos, fold = 0, a.fold
     else:
         if b.axis != (0 if tb else 1):
-            raise _Refused("sums over the rows' axis (it is the contracted one)")
+            raise Refused("sums over the rows' axis (it is the contracted one)")
         pos, fold = 1, b.fold
     c = n.input(ci)
     if c is not None:
         if c.shape is None:
-            raise _Refused("adds a C of unknown rank")
+            raise Refused("adds a C of unknown rank")
         if c.rows:
             if c.axis + 2 - len(c.shape) != pos or c.fold != fold:
-                raise _Refused("adds a C whose rows lie on another axis")
+                raise Refused("adds a C whose rows lie on another axis")
         else:
             k = pos - (2 - len(c.shape))
             if k >= 0 and c.shape[k] != ONE:
-                raise _Refused("adds a static C entry to each row by position")
+                raise Refused("adds a static C entry to each row by position")
     return n.rows(out, pos, fold)
 
 
-@_rule("Einsum", summary="the rows' letter is kept in the output and held by row operands only")
-def _einsum(n: _Node) -> Fact:
+@rule("Einsum", summary="the rows' letter is kept in the output and held by row operands only")
+def _einsum(n: Node) -> Fact:
     eq = str(n.attr("equation", "")).replace(" ", "")
     facts = [n.need(i) for i in range(len(n.ins))]
     shapes = [n.shape(i) for i in range(len(n.ins))]
     lhs, _, rhs = eq.partition("->")
     terms = lhs.split(",")
     if len(terms) != len(facts):
-        raise _Refused("has an equation that does not match its inputs")
+        raise Refused("has an equation that does not match its inputs")
     letters: list[str] = []
     for term, shape in zip(terms, shapes, strict=True):
         if "..." in term:
             extra = len(shape) - (len(term) - 3)
             term = term.replace("...", "".join(chr(0x3B1 + k) for k in range(max(0, extra))))
         if len(term) != len(shape):
-            raise _Refused("has an equation that does not match its inputs' ranks")
+            raise Refused("has an equation that does not match its inputs' ranks")
         letters.append(term)
-    if not _rows_among(facts):
+    if not rows_among(facts):
         return n.plain(None)
-    _no_count_in_values(n, facts)
+    no_count_in_values(n, facts)
     if "->" not in eq:
         counts: dict[str, int] = {}
         for term in letters:
@@ -1577,17 +1209,17 @@ def _einsum(n: _Node) -> Fact:
     row_letters = {letters[i][f.axis] for i, f in enumerate(facts) if f.rows}
     folds = {f.fold for f in facts if f.rows}
     if len(row_letters) > 1 or len(folds) > 1:
-        raise _Refused("pairs rows held on different axes")
+        raise Refused("pairs rows held on different axes")
     letter = row_letters.pop()
     for i, f in enumerate(facts):
         if not f.rows and letter in letters[i]:
-            raise _Refused("pairs each row with a static entry by position")
+            raise Refused("pairs each row with a static entry by position")
         if f.rows and letters[i].count(letter) > 1:
             # "ii->i": the rows' letter names another axis as well, so row k meets entry k of
             # that axis: a diagonal across the rows, by position
-            raise _Refused("names the rows' axis and another axis with one letter")
+            raise Refused("names the rows' axis and another axis with one letter")
     if letter not in rhs:
-        raise _Refused("sums over the rows' axis")
+        raise Refused("sums over the rows' axis")
     dims: dict[str, Dim] = {}
     for term, shape in zip(letters, shapes, strict=True):
         for ch, d in zip(term, shape, strict=True):
@@ -1596,12 +1228,8 @@ def _einsum(n: _Node) -> Fact:
     return n.rows([dims.get(ch, opaque()) for ch in rhs], rhs.index(letter), folds.pop())
 
 
-# ----------------------------------------------------------------------------------------------
-# Convolutions, pooling, normalizations
-
-
 def _window_dims(
-    n: _Node, spatial: Sequence[Dim], kernel: Sequence[int], transpose: bool = False
+    n: Node, spatial: Sequence[Dim], kernel: Sequence[int], transpose: bool = False
 ) -> list[Dim]:
     k = len(spatial)
     strides = n.attr("strides") or [1] * k
@@ -1635,7 +1263,7 @@ def _window_dims(
 
 
 def _conv_like(
-    n: _Node,
+    n: Node,
     x: int,
     w: int,
     static: Sequence[int],
@@ -1649,7 +1277,7 @@ def _conv_like(
     if not f.rows:
         return n.plain(None)
     if f.axis != 0 or f.fold != ONE:
-        raise _Refused("convolves across the rows (they are not on axis 0)")
+        raise Refused("convolves across the rows (they are not on axis 0)")
     kernel = n.attr("kernel_shape") or ([d.const for d in wshape[2:]] if wshape else [])
     spatial = shape[1:-1] if channels_last else shape[2:]
     group = n.attr("group", 1)
@@ -1664,69 +1292,71 @@ def _conv_like(
     return n.rows(out, 0)
 
 
-@_rule("Conv", summary="rows on axis 0; static weights")
-def _conv(n: _Node) -> Fact:
+@rule("Conv", summary="rows on axis 0; static weights")
+def _conv(n: Node) -> Fact:
     return _conv_like(n, 0, 1, (1, 2))
 
 
-@_rule("ConvTranspose", summary="rows on axis 0; static weights")
-def _conv_transpose(n: _Node) -> Fact:
+@rule("ConvTranspose", summary="rows on axis 0; static weights")
+def _conv_transpose(n: Node) -> Fact:
     return _conv_like(n, 0, 1, (1, 2), transpose=True)
 
 
-@_rule("ConvInteger", summary="rows on axis 0; static weights")
-def _conv_integer(n: _Node) -> Fact:
+@rule("ConvInteger", summary="rows on axis 0; static weights")
+def _conv_integer(n: Node) -> Fact:
     return _conv_like(n, 0, 1, (1, 2, 3))
 
 
-@_rule("QLinearConv", summary="rows on axis 0; static weights and quantization parameters")
-def _qlinear_conv(n: _Node) -> Fact:
+@rule("QLinearConv", summary="rows on axis 0; static weights and quantization parameters")
+def _qlinear_conv(n: Node) -> Fact:
     return _conv_like(n, 0, 3, (1, 2, 3, 4, 5, 6, 7, 8))
 
 
-@_rule("FusedConv", domain=_MS, summary="as Conv; the added Z holds the same rows")
-def _fused_conv(n: _Node) -> Fact:
+@rule("FusedConv", domain="com.microsoft", summary="as Conv; the added Z holds the same rows")
+def _fused_conv(n: Node) -> Fact:
     z = n.input(3)
     out = _conv_like(n, 0, 1, (1, 2))
     if z is not None and not (z.rows and z.axis == 0 and z.fold == ONE):
-        raise _Refused("adds a Z that does not hold the rows on axis 0")
+        raise Refused("adds a Z that does not hold the rows on axis 0")
     return out
 
 
-@_rule("NhwcConv", domain=_MS, summary="as Conv, channels last")
-def _nhwc_conv(n: _Node) -> Fact:
+@rule("NhwcConv", domain="com.microsoft", summary="as Conv, channels last")
+def _nhwc_conv(n: Node) -> Fact:
     return _conv_like(n, 0, 1, (1, 2), channels_last=True)
 
 
 _POOLS = ["AveragePool", "MaxPool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool"]
 
 
-@_rule(*_POOLS, summary="pools spatial axes (2 and later): rows on axis 0 or 1")
-def _pool(n: _Node) -> list[Fact]:
+@rule(*_POOLS, summary="pools spatial axes (2 and later): rows on axis 0 or 1")
+def _pool(n: Node) -> list[Fact]:
     f = n.need(0)
     shape = n.shape(0)
     if f.rows and (f.axis > 1 or f.fold != ONE):
-        raise _Refused("pools over the rows' axis")
+        raise Refused("pools over the rows' axis")
     if n.op.startswith("Global"):
         dims = [ONE] * (len(shape) - 2)
     else:
         dims = _window_dims(n, shape[2:], n.attr("kernel_shape") or [])
     out = n.like(f, [shape[0], shape[1], *dims])
     if n.op == "MaxPool" and n.outputs > 1 and n.proto.output[1] and f.rows:
-        raise _Refused(
+        raise Refused(
             "returns indices counted over the whole batch (each row's depend on its position)"
         )
     return [out] + [out] * (n.outputs - 1)
 
 
-@_rule("QLinearAveragePool", "QLinearGlobalAveragePool", domain=_MS, summary="as the pools")
-def _qlinear_pool(n: _Node) -> Fact:
+@rule(
+    "QLinearAveragePool", "QLinearGlobalAveragePool", domain="com.microsoft", summary="as the pools"
+)
+def _qlinear_pool(n: Node) -> Fact:
     n.require_static(range(1, len(n.ins)), "quantization parameters")
     f = n.need(0)
     shape = n.shape(0)
     last = bool(n.attr("channels_last", 0))
     if f.rows and (f.axis != 0 or f.fold != ONE):
-        raise _Refused("pools over the rows' axis")
+        raise Refused("pools over the rows' axis")
     if n.op == "QLinearGlobalAveragePool":
         dims = [ONE] * (len(shape) - 2)
     else:
@@ -1735,12 +1365,12 @@ def _qlinear_pool(n: _Node) -> Fact:
     return n.like(f, out)
 
 
-@_rule("DepthToSpace", "SpaceToDepth", summary="rows on axis 0")
-def _depth_space(n: _Node) -> Fact:
+@rule("DepthToSpace", "SpaceToDepth", summary="rows on axis 0")
+def _depth_space(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
     if f.rows and (f.axis != 0 or f.fold != ONE):
-        raise _Refused("moves entries across the rows' axis")
+        raise Refused("moves entries across the rows' axis")
     b = n.attr("blocksize", 1)
     if n.op == "DepthToSpace":
         out = [shape[0], _cdiv(shape[1], b * b), shape[2] * b, shape[3] * b]
@@ -1754,11 +1384,11 @@ def _cdiv(d: Dim, k: int) -> Dim:
     return exact if exact is not None else opaque([d])
 
 
-@_rule(
+@rule(
     "BatchNormalization",
     summary="inference only (training computes batch statistics); rows not on the channel axis",
 )
-def _batch_norm(n: _Node) -> Fact:
+def _batch_norm(n: Node) -> Fact:
     f = n.need(0)
     training = (
         n.attr("training_mode", 0)
@@ -1766,105 +1396,106 @@ def _batch_norm(n: _Node) -> Fact:
         else (0 if n.attr("is_test", 1) or n.opset >= 7 else 1)
     )
     if training or (n.outputs > 1 and any(n.proto.output[1:])):
-        raise _Refused("runs in training mode: it normalizes with statistics of the whole batch")
+        raise Refused("runs in training mode: it normalizes with statistics of the whole batch")
     n.require_static(range(1, 5), "scale, bias, mean and variance")
     if f.rows and f.axis == 1:
-        raise _Refused("pairs each row with a channel's statistics by position")
+        raise Refused("pairs each row with a channel's statistics by position")
     return n.like(f)
 
 
-@_rule("InstanceNormalization", "GroupNormalization", summary="statistics per row: rows on axis 0")
-def _instance_norm(n: _Node) -> Fact:
+@rule("InstanceNormalization", "GroupNormalization", summary="statistics per row: rows on axis 0")
+def _instance_norm(n: Node) -> Fact:
     f = n.need(0)
     n.require_static(range(1, len(n.ins)), "scale and bias")
     if f.rows and (f.axis != 0 or f.fold != ONE):
-        raise _Refused("normalizes with statistics that span the rows' axis")
+        raise Refused("normalizes with statistics that span the rows' axis")
     return n.like(f)
 
 
-def _normalized_from(n: _Node, f: Fact, first: int) -> None:
+def normalized_from(n: Node, f: Fact, first: int) -> None:
+    """Refuse where ``f``'s rows lie on an axis from ``first`` on (normalized together)."""
     if f.rows and f.axis >= first:
-        raise _Refused("normalizes over the rows' axis")
+        raise Refused("normalizes over the rows' axis")
 
 
-@_rule("LayerNormalization", "RMSNormalization", summary="normalizes axes after the rows'")
-def _layer_norm(n: _Node) -> list[Fact]:
+@rule("LayerNormalization", "RMSNormalization", summary="normalizes axes after the rows'")
+def _layer_norm(n: Node) -> list[Fact]:
     f = n.need(0)
     shape = n.shape(0)
-    axis = _axis(n.attr("axis", -1), len(shape))
-    _normalized_from(n, f, axis)
-    _broadcast(n, [0, 1, 2])  # scale and bias meet the rows as in broadcasting
+    axis = norm_axis(n.attr("axis", -1), len(shape))
+    normalized_from(n, f, axis)
+    broadcast(n, [0, 1, 2])  # scale and bias meet the rows as in broadcasting
     y = n.like(f)
     stats = n.like(f, [*shape[:axis], *([ONE] * (len(shape) - axis))])
     return [y] + [stats] * (n.outputs - 1)
 
 
-@_rule(
+@rule(
     "LayerNormalization",
     "SimplifiedLayerNormalization",
-    domain=_MS,
+    domain="com.microsoft",
     summary="normalizes axes after the rows'",
 )
-def _ms_layer_norm(n: _Node) -> list[Fact]:
+def _ms_layer_norm(n: Node) -> list[Fact]:
     return _layer_norm(n)
 
 
-@_rule(
+@rule(
     "SkipLayerNormalization",
     "SkipSimplifiedLayerNormalization",
-    domain=_MS,
+    domain="com.microsoft",
     summary="adds a skip and normalizes the last axis: rows elsewhere",
 )
-def _skip_layer_norm(n: _Node) -> list[Fact]:
+def _skip_layer_norm(n: Node) -> list[Fact]:
     f = n.need(0)
     shape = n.shape(0)
-    _normalized_from(n, f, len(shape) - 1)
-    y = _broadcast(n)
+    normalized_from(n, f, len(shape) - 1)
+    y = broadcast(n)
     outs = [y]
     for k in range(1, n.outputs):
         outs.append(y if k == 3 else n.like(y, [*shape[:-1], ONE]))
     return outs
 
 
-def _along(n: _Node, axis: int, why: str) -> Fact:
+def along(n: Node, axis: int, why: str) -> Fact:
     """An operator along one ``axis`` of input 0, which must not be the rows'; same layout out."""
     f = n.need(0)
-    if f.rows and _axis(axis, len(n.shape(0))) == f.axis:
-        raise _Refused(why)
+    if f.rows and norm_axis(axis, len(n.shape(0))) == f.axis:
+        raise Refused(why)
     return n.like(f)
 
 
-@_rule("LpNormalization", summary="normalizes one axis: not the rows'")
-def _lp_norm(n: _Node) -> Fact:
-    return _along(n, n.attr("axis", -1), "normalizes along the rows' axis")
+@rule("LpNormalization", summary="normalizes one axis: not the rows'")
+def _lp_norm(n: Node) -> Fact:
+    return along(n, n.attr("axis", -1), "normalizes along the rows' axis")
 
 
-@_rule("MeanVarianceNormalization", summary="normalizes its axes (default 0, 2, 3): not the rows'")
-def _mvn(n: _Node) -> Fact:
+@rule("MeanVarianceNormalization", summary="normalizes its axes (default 0, 2, 3): not the rows'")
+def _mvn(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
-    axes = [_axis(a, len(shape)) for a in n.attr("axes", [0, 2, 3])]
+    axes = [norm_axis(a, len(shape)) for a in n.attr("axes", [0, 2, 3])]
     if f.rows and f.axis in axes:
-        raise _Refused("normalizes with statistics over the rows' axis")
+        raise Refused("normalizes with statistics over the rows' axis")
     return n.like(f)
 
 
-@_rule(
+@rule(
     "Softmax",
     "LogSoftmax",
     "Hardmax",
     summary="over one axis (opset 13+) or the axes from it: not the rows'",
 )
-def _softmax(n: _Node) -> Fact:
+def _softmax(n: Node) -> Fact:
     if n.opset >= 13:
-        return _along(n, n.attr("axis", -1), "normalizes along the rows' axis")
+        return along(n, n.attr("axis", -1), "normalizes along the rows' axis")
     f = n.need(0)
-    _normalized_from(n, f, _axis(n.attr("axis", 1), len(n.shape(0))))
+    normalized_from(n, f, norm_axis(n.attr("axis", 1), len(n.shape(0))))
     return n.like(f)
 
 
-@_rule("QLinearSoftmax", domain=_MS, summary="as Softmax")
-def _qlinear_softmax(n: _Node) -> Fact:
+@rule("QLinearSoftmax", domain="com.microsoft", summary="as Softmax")
+def _qlinear_softmax(n: Node) -> Fact:
     n.require_static(range(1, len(n.ins)), "quantization parameters")
     return _softmax(n)
 
@@ -1875,25 +1506,25 @@ _REDUCE = (  # noqa: SIM905 (a table: one name each, compact)
 ).split()
 
 
-@_rule(*_REDUCE, summary="reduces axes other than the rows' (no axes: all of them)")
-def _reduce(n: _Node) -> Fact:
+@rule(*_REDUCE, summary="reduces axes other than the rows' (no axes: all of them)")
+def _reduce(n: Node) -> Fact:
     f = n.need(0)
     shape = f.shape
     keep = bool(n.attr("keepdims", 1))
     axes_from_input = n.opset >= 18 or (n.op == "ReduceSum" and n.opset >= 13)
-    axes = _axes(n, 1) if axes_from_input else n.attr("axes")
+    axes = listed_axes(n, 1) if axes_from_input else n.attr("axes")
     if shape is None:
         if f.rows:
-            raise _Refused("reduces a tensor of unknown rank")
+            raise Refused("reduces a tensor of unknown rank")
         return n.plain(None)
     rank = len(shape)
     if not axes:
         if n.attr("noop_with_empty_axes", 0) and axes_from_input:
             return n.like(f)
         axes = list(range(rank))
-    axes = sorted({_axis(a, rank) for a in axes})
+    axes = sorted({norm_axis(a, rank) for a in axes})
     if f.rows and f.axis in axes:
-        raise _Refused("reduces over the rows' axis: every row's result depends on all rows")
+        raise Refused("reduces over the rows' axis: every row's result depends on all rows")
     out = (
         [ONE if k in axes else d for k, d in enumerate(shape)]
         if keep
@@ -1913,13 +1544,13 @@ def _reduce(n: _Node) -> Fact:
     return n.plain(out, value)
 
 
-@_rule("ArgMax", "ArgMin", summary="along an axis other than the rows'")
-def _argmax(n: _Node) -> Fact:
+@rule("ArgMax", "ArgMin", summary="along an axis other than the rows'")
+def _argmax(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
-    axis = _axis(n.attr("axis", 0), len(shape))
+    axis = norm_axis(n.attr("axis", 0), len(shape))
     if f.rows and axis == f.axis:
-        raise _Refused("compares entries along the rows' axis")
+        raise Refused("compares entries along the rows' axis")
     keep = bool(n.attr("keepdims", 1))
     out = (
         [ONE if k == axis else d for k, d in enumerate(shape)]
@@ -1931,13 +1562,13 @@ def _argmax(n: _Node) -> Fact:
     return n.plain(out)
 
 
-@_rule("TopK", summary="along an axis other than the rows'; a static K")
-def _topk(n: _Node) -> list[Fact]:
+@rule("TopK", summary="along an axis other than the rows'; a static K")
+def _topk(n: Node) -> list[Fact]:
     f = n.need(0)
     shape = n.shape(0)
-    axis = _axis(n.attr("axis", -1), len(shape))
+    axis = norm_axis(n.attr("axis", -1), len(shape))
     if f.rows and axis == f.axis:
-        raise _Refused("ranks entries along the rows' axis")
+        raise Refused("ranks entries along the rows' axis")
     if n.opset >= 10:
         n.require_static([1], "K")
         k = n.need(1).value
@@ -1949,55 +1580,55 @@ def _topk(n: _Node) -> list[Fact]:
     return [n.like(f, out), n.like(f, out)]
 
 
-@_rule("CumSum", summary="along an axis other than the rows'")
-def _cumsum(n: _Node) -> Fact:
+@rule("CumSum", summary="along an axis other than the rows'")
+def _cumsum(n: Node) -> Fact:
     axis = n.ints(1, "axis")
     if not axis:
-        raise _Refused("has no axis")
-    return _along(n, axis[0], "accumulates along the rows' axis")
+        raise Refused("has no axis")
+    return along(n, axis[0], "accumulates along the rows' axis")
 
 
-@_rule("Trilu", summary="on the last two axes: not the rows'")
-def _trilu(n: _Node) -> Fact:
+@rule("Trilu", summary="on the last two axes: not the rows'")
+def _trilu(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
     n.require_static([1], "k")
     if f.rows and f.axis >= len(shape) - 2:
-        raise _Refused("masks by position along the rows' axis")
+        raise Refused("masks by position along the rows' axis")
     return n.like(f)
 
 
-@_rule("Det", summary="over the last two axes: rows before them")
-def _det(n: _Node) -> Fact:
+@rule("Det", summary="over the last two axes: rows before them")
+def _det(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
     if f.rows and f.axis >= len(shape) - 2:
-        raise _Refused("combines entries along the rows' axis")
+        raise Refused("combines entries along the rows' axis")
     return n.like(f, shape[:-2])
 
 
-@_rule("EyeLike", summary="a static identity: refused where its input holds rows")
-def _eye_like(n: _Node) -> Fact:
+@rule("EyeLike", summary="a static identity: refused where its input holds rows")
+def _eye_like(n: Node) -> Fact:
     f = n.need(0)
     if not f.plain:
-        raise _Refused("puts ones on a diagonal that runs across the rows")
+        raise Refused("puts ones on a diagonal that runs across the rows")
     return n.plain(f.shape, sized=False)
 
 
-@_rule("ReverseSequence", summary="rows on batch_axis, their own lengths")
-def _reverse_sequence(n: _Node) -> Fact:
+@rule("ReverseSequence", summary="rows on batch_axis, their own lengths")
+def _reverse_sequence(n: Node) -> Fact:
     f, lens = n.need(0), n.need(1)
     shape = n.shape(0)
-    batch_axis = _axis(n.attr("batch_axis", 1), len(shape))
+    batch_axis = norm_axis(n.attr("batch_axis", 1), len(shape))
     if f.rows and (f.axis != batch_axis or f.fold != ONE):
-        raise _Refused("reverses along the rows' axis, or takes its batch elsewhere")
+        raise Refused("reverses along the rows' axis, or takes its batch elsewhere")
     if f.rows and not (lens.rows and lens.axis == 0 and lens.fold == ONE):
-        raise _Refused("pairs each row with a static sequence length by position")
+        raise Refused("pairs each row with a static sequence length by position")
     return n.like(f)
 
 
-@_rule("GridSample", summary="both inputs hold the rows on axis 0")
-def _grid_sample(n: _Node) -> Fact:
+@rule("GridSample", summary="both inputs hold the rows on axis 0")
+def _grid_sample(n: Node) -> Fact:
     x, grid = n.need(0), n.need(1)
     xs, gs = n.shape(0), n.shape(1)
     out = [xs[0], xs[1], *gs[1:-1]]
@@ -2005,14 +1636,14 @@ def _grid_sample(n: _Node) -> Fact:
         return n.plain(out)
     for f in (x, grid):
         if not (f.rows and f.axis == 0 and f.fold == ONE):
-            raise _Refused("samples a batch by another batch's position")
+            raise Refused("samples a batch by another batch's position")
     return n.rows(out, 0)
 
 
-@_rule(
+@rule(
     "QuantizeLinear", "DequantizeLinear", summary="per-tensor or per-axis parameters, not per row"
 )
-def _quantize(n: _Node) -> Fact:
+def _quantize(n: Node) -> Fact:
     f = n.need(0)
     n.require_static([1, 2], "scale and zero point")
     if not f.rows:
@@ -2020,12 +1651,12 @@ def _quantize(n: _Node) -> Fact:
     shape = n.shape(0)
     scale = n.need(1).shape
     if scale is None:
-        raise _Refused("has a scale of unknown rank")
+        raise Refused("has a scale of unknown rank")
     if len(scale) >= 1 and product(scale) != ONE:
         if len(scale) > 1 or n.attr("block_size", 0):
-            raise _Refused("quantizes in blocks that may span the rows' axis")
-        if _axis(n.attr("axis", 1), len(shape)) == f.axis:
-            raise _Refused("pairs each row with a scale by position")
+            raise Refused("quantizes in blocks that may span the rows' axis")
+        if norm_axis(n.attr("axis", 1), len(shape)) == f.axis:
+            raise Refused("pairs each row with a scale by position")
     return n.like(f)
 
 
@@ -2034,33 +1665,29 @@ _RANDOM = (  # noqa: SIM905 (a table: one name each, compact)
 ).split()
 
 
-@_rule(*_RANDOM, summary="random: refused (a merged run draws other numbers for every row)")
-def _random(n: _Node) -> Fact:
-    raise _Refused("draws random numbers: a merged run would give each row other draws")
+@rule(*_RANDOM, summary="random: refused (a merged run draws other numbers for every row)")
+def _random(n: Node) -> Fact:
+    raise Refused("draws random numbers: a merged run would give each row other draws")
 
 
-@_rule(
+@rule(
     "DynamicQuantizeLinear",
     "DynamicQuantizeMatMul",
     "DynamicQuantizeLSTM",
     domain="",
     summary="refused: one quantization scale for the whole tensor, all rows together",
 )
-def _dynamic_quantize(n: _Node) -> Fact:
-    raise _Refused("quantizes with one scale computed from the whole tensor, all rows together")
+def _dynamic_quantize(n: Node) -> Fact:
+    raise Refused("quantizes with one scale computed from the whole tensor, all rows together")
 
 
-# ----------------------------------------------------------------------------------------------
-# Recurrences
-
-
-@_rule(
+@rule(
     "RNN",
     "GRU",
     "LSTM",
     summary="rows on the batch axis of its layout (1 time-major, 0 batch-major)",
 )
-def _recurrent(n: _Node) -> list[Fact]:
+def _recurrent(n: Node) -> list[Fact]:
     layout = n.attr("layout", 0)
     batch_axis = 0 if layout else 1
     x = n.need(0)
@@ -2072,29 +1699,25 @@ def _recurrent(n: _Node) -> list[Fact]:
     y = [batch, seq, dirs, hidden] if layout else [seq, dirs, batch, hidden]
     h = [batch, dirs, hidden] if layout else [dirs, batch, hidden]
     facts = [n.input(i) for i in (0, 4, 5, 6)]
-    if not _rows_among(facts):
+    if not rows_among(facts):
         return [n.plain(y)] + [n.plain(h)] * (n.outputs - 1)
     if not (x.rows and x.axis == batch_axis and x.fold == ONE):
-        raise _Refused(
+        raise Refused(
             f"runs its recurrence along axis {1 - batch_axis} of X, where the rows are: the state "
             "carries from one row to the next"
         )
     lens = n.input(4)
     if lens is not None and not (lens.rows and lens.axis == 0 and lens.fold == ONE):
-        raise _Refused("pairs each row with a sequence length by position")
+        raise Refused("pairs each row with a sequence length by position")
     for i in (5, 6):
         init = n.input(i)
         if init is not None and not (
             init.rows and init.axis == (0 if layout else 1) and init.fold == ONE
         ):
-            raise _Refused("starts each row from an initial state picked by position")
+            raise Refused("starts each row from an initial state picked by position")
     outs = [n.rows(y, 0 if layout else 2)]
     outs += [n.rows(h, 0 if layout else 1)] * (n.outputs - 1)
     return outs
-
-
-# ----------------------------------------------------------------------------------------------
-# Control flow
 
 
 def _join(a: Fact, b: Fact) -> Fact | None:
@@ -2125,13 +1748,13 @@ def _structure(f: Fact) -> tuple[Any, ...]:
     return (f.kind, f.axis, f.fold, f.rank)
 
 
-@_rule("If", summary="a static condition; both branches give the same layouts")
-def _if(n: _Node) -> list[Fact]:
+@rule("If", summary="a static condition; both branches give the same layouts")
+def _if(n: Node) -> list[Fact]:
     cond = n.need(0)
     if cond.rows:
-        raise _Refused("branches on the rows' values: one row's value decides for all")
+        raise Refused("branches on the rows' values: one row's value decides for all")
     if cond.kind is Kind.SIZED:
-        raise _Refused("branches on the row count")
+        raise Refused("branches on the row count")
     branches = [n.attr("then_branch"), n.attr("else_branch")]
     results = [
         n.analysis.run_graph(g, n.scope, f"{n.where}{n.name()}/{name}/", [])
@@ -2141,19 +1764,19 @@ def _if(n: _Node) -> list[Fact]:
     for k, (a, b) in enumerate(zip(*results, strict=True)):
         joined = _join(a, b)
         if joined is None:
-            raise _Refused(f"gives output {k} different layouts in its two branches")
+            raise Refused(f"gives output {k} different layouts in its two branches")
         outs.append(joined)
     return outs
 
 
-@_rule("Loop", summary="a static trip count and condition; carried values keep their layout")
-def _loop(n: _Node) -> list[Fact]:
+@rule("Loop", summary="a static trip count and condition; carried values keep their layout")
+def _loop(n: Node) -> list[Fact]:
     trip, cond = n.input(0), n.input(1)
     for f, what in ((trip, "trip count"), (cond, "condition")):
         if f is not None and f.rows:
-            raise _Refused(f"takes its {what} from the rows' values: one row decides for all")
+            raise Refused(f"takes its {what} from the rows' values: one row decides for all")
         if f is not None and f.kind is Kind.SIZED:
-            raise _Refused(f"takes its {what} from the row count: it iterates over the rows")
+            raise Refused(f"takes its {what} from the row count: it iterates over the rows")
     body: GraphProto = n.attr("body")
     carried = [n.need(i) for i in range(2, len(n.ins))]
     scalar = Fact(Kind.STATIC, ())
@@ -2165,12 +1788,12 @@ def _loop(n: _Node) -> list[Fact]:
         if mixed:
             return [mixed[0]] * n.outputs
         if outs[0].kind is not Kind.STATIC:
-            raise _Refused("stops on a condition computed from the rows (or their count)")
+            raise Refused("stops on a condition computed from the rows (or their count)")
         new = []
         for k, (old, got) in enumerate(zip(carried, outs[1 : 1 + len(carried)], strict=True)):
             joined = _join(old, got)
             if joined is None:
-                raise _Refused(
+                raise Refused(
                     f"changes the layout of carried value {k} from one iteration to the next"
                 )
             new.append(joined)
@@ -2178,16 +1801,16 @@ def _loop(n: _Node) -> list[Fact]:
             scans = outs[1 + len(carried) :]
             return new + [_stack(n, f, 0) for f in scans]
         carried = new
-    raise _Refused("has carried values whose layout does not settle")
+    raise Refused("has carried values whose layout does not settle")
 
 
-def _stack(n: _Node, f: Fact, axis: int) -> Fact:
+def _stack(n: Node, f: Fact, axis: int) -> Fact:
     """Per-iteration values stacked on a new ``axis`` (a loop's scan outputs)."""
     if f.kind is Kind.MIXED:
         return f
     if f.shape is None:
         if f.rows:
-            raise _Refused("stacks rows of unknown rank")
+            raise Refused("stacks rows of unknown rank")
         return dataclasses.replace(f, shape=None, value=None)
     shape = [*f.shape[:axis], opaque(), *f.shape[axis:]]
     if f.rows:
@@ -2201,10 +1824,10 @@ def _stack(n: _Node, f: Fact, axis: int) -> Fact:
     return Fact(f.kind, tuple(shape), sources=f.sources)
 
 
-@_rule("Scan", summary="scans axes other than the rows'; carried values keep their layout")
-def _scan(n: _Node) -> list[Fact]:
+@rule("Scan", summary="scans axes other than the rows'; carried values keep their layout")
+def _scan(n: Node) -> list[Fact]:
     if n.opset < 9:
-        raise _Refused("is an opset-8 Scan, which is not analyzed")
+        raise Refused("is an opset-8 Scan, which is not analyzed")
     body: GraphProto = n.attr("body")
     k = n.attr("num_scan_inputs")
     states = [n.need(i) for i in range(len(n.ins) - k)]
@@ -2214,12 +1837,12 @@ def _scan(n: _Node) -> list[Fact]:
     slices = []
     for f, axis in zip(scans, in_axes, strict=True):
         if f.shape is None:
-            raise _Refused("scans a tensor of unknown rank")
-        axis = _axis(axis, len(f.shape))
+            raise Refused("scans a tensor of unknown rank")
+        axis = norm_axis(axis, len(f.shape))
         shape = f.shape[:axis] + f.shape[axis + 1 :]
         if f.rows:
             if f.axis == axis:
-                raise _Refused("iterates over the rows' axis: its state carries from row to row")
+                raise Refused("iterates over the rows' axis: its state carries from row to row")
             slices.append(
                 Fact(
                     Kind.ROWS,
@@ -2240,7 +1863,7 @@ def _scan(n: _Node) -> list[Fact]:
         for i, (old, got) in enumerate(zip(states, outs[: len(states)], strict=True)):
             joined = _join(old, got)
             if joined is None:
-                raise _Refused(f"changes the layout of state {i} from one iteration to the next")
+                raise Refused(f"changes the layout of state {i} from one iteration to the next")
             new.append(joined)
         if [_structure(f) for f in new] == [_structure(f) for f in states]:
             per = outs[len(states) :]
@@ -2248,14 +1871,10 @@ def _scan(n: _Node) -> list[Fact]:
             stacked = []
             for f, axis in zip(per, axes, strict=True):
                 rank = (f.rank or 0) + 1
-                stacked.append(_stack(n, f, _axis(axis, rank)))
+                stacked.append(_stack(n, f, norm_axis(axis, rank)))
             return new + stacked
         states = new
-    raise _Refused("has states whose layout does not settle")
-
-
-# ----------------------------------------------------------------------------------------------
-# ONNX-ML: one result per row of a [N, features] input
+    raise Refused("has states whose layout does not settle")
 
 
 _ML_ROWWISE = (  # noqa: SIM905 (a table: one name each, compact)
@@ -2265,10 +1884,14 @@ _ML_ROWWISE = (  # noqa: SIM905 (a table: one name each, compact)
 ).split()
 
 
-@_rule(*_ML_ROWWISE, domain=_ML, summary="one result row per input row: rows on axis 0 of a matrix")
-def _ml_rowwise(n: _Node) -> list[Fact]:
+@rule(
+    *_ML_ROWWISE,
+    domain="ai.onnx.ml",
+    summary="one result row per input row: rows on axis 0 of a matrix",
+)
+def _ml_rowwise(n: Node) -> list[Fact]:
     facts = [f for f in n.ins if f is not None]
-    rows = _rows_among(facts)
+    rows = rows_among(facts)
     if not rows:
         return [n.plain(None) for _ in range(n.outputs)]
     if n.op == "ArrayFeatureExtractor":
@@ -2276,16 +1899,16 @@ def _ml_rowwise(n: _Node) -> list[Fact]:
         facts = facts[:1]
     for f in rows:
         if f.axis != 0 or f.fold != ONE:
-            raise _Refused("takes its samples from axis 0, where the rows are not")
+            raise Refused("takes its samples from axis 0, where the rows are not")
         if (
             f.rank is not None
             and f.rank < 2
             and n.op
             not in ("LabelEncoder", "CategoryMapper", "Binarizer", "Imputer", "Scaler", "ZipMap")
         ):
-            raise _Refused("reads a one-dimensional input as a single sample")
+            raise Refused("reads a one-dimensional input as a single sample")
     if len(rows) != len(facts):
-        raise _Refused("combines rows with a tensor that has none")
+        raise Refused("combines rows with a tensor that has none")
     first = rows[0]
     outs = []
     for k in range(n.outputs):
@@ -2307,34 +1930,30 @@ def _ml_rowwise(n: _Node) -> list[Fact]:
     return outs
 
 
-# ----------------------------------------------------------------------------------------------
-# com.microsoft: fused transformer operators
-
-
-@_rule(
+@rule(
     "Gelu",
     "FastGelu",
     "BiasGelu",
     "QuickGelu",
     "BiasAdd",
     "BiasDropout",
-    domain=_MS,
+    domain="com.microsoft",
     summary="elementwise with broadcasting",
 )
-def _ms_elementwise(n: _Node) -> list[Fact]:
-    y = _broadcast(n, [0, 1, 2] if n.op == "BiasAdd" else None)
+def _ms_elementwise(n: Node) -> list[Fact]:
+    y = broadcast(n, [0, 1, 2] if n.op == "BiasAdd" else None)
     return [y] * max(1, n.outputs)
 
 
-@_rule("FusedMatMul", domain=_MS, summary="as MatMul (batch transposes refused)")
-def _fused_matmul(n: _Node) -> Fact:
+@rule("FusedMatMul", domain="com.microsoft", summary="as MatMul (batch transposes refused)")
+def _fused_matmul(n: Node) -> Fact:
     if n.attr("transBatchA", 0) or n.attr("transBatchB", 0):
-        raise _Refused("transposes batch axes, which is not analyzed")
+        raise Refused("transposes batch axes, which is not analyzed")
     a, b = n.need(0), n.need(1)
     ashape, bshape = list(n.shape(0)), list(n.shape(1))
     if not a.rows and not b.rows:
         return n.plain(None)
-    _no_count_in_values(n, [a, b])
+    no_count_in_values(n, [a, b])
     a2, b2 = a, b
     if n.attr("transA", 0):
         ashape[-1], ashape[-2] = ashape[-2], ashape[-1]
@@ -2351,18 +1970,23 @@ def _fused_matmul(n: _Node) -> Fact:
     return _matmul_rows(n, a2, b2, ashape, bshape)
 
 
-@_rule("FusedGemm", domain=_MS, summary="as Gemm")
-def _fused_gemm(n: _Node) -> Fact:
+@rule("FusedGemm", domain="com.microsoft", summary="as Gemm")
+def _fused_gemm(n: Node) -> Fact:
     return _gemm_like(n, (0, 1, 2), ())
 
 
-@_rule("QGemm", domain=_MS, summary="as Gemm, static quantization parameters")
-def _qgemm(n: _Node) -> Fact:
+@rule("QGemm", domain="com.microsoft", summary="as Gemm, static quantization parameters")
+def _qgemm(n: Node) -> Fact:
     return _gemm_like(n, (0, 3, 6), (1, 2, 4, 5, 7, 8))
 
 
-@_rule("MatMulNBits", "MatMulBnb4", domain=_MS, summary="A @ a static packed weight: rows of A")
-def _matmul_nbits(n: _Node) -> Fact:
+@rule(
+    "MatMulNBits",
+    "MatMulBnb4",
+    domain="com.microsoft",
+    summary="A @ a static packed weight: rows of A",
+)
+def _matmul_nbits(n: Node) -> Fact:
     a = n.need(0)
     n.require_static(range(1, len(n.ins)), "packed weights")
     shape = n.shape(0)
@@ -2370,21 +1994,21 @@ def _matmul_nbits(n: _Node) -> Fact:
     if not a.rows:
         return n.plain([*shape[:-1], cols])
     if a.axis == len(shape) - 1:
-        raise _Refused("sums over the rows' axis (it is the contracted one)")
+        raise Refused("sums over the rows' axis (it is the contracted one)")
     return n.rows([*shape[:-1], cols], a.axis, a.fold)
 
 
-@_rule(
+@rule(
     "GatherBlockQuantized",
-    domain=_MS,
+    domain="com.microsoft",
     summary="a static block-quantized table looked up by indices that hold rows (an embedding)",
 )
-def _gather_block_quantized(n: _Node) -> Fact:
+def _gather_block_quantized(n: Node) -> Fact:
     idx = n.need(1)
     n.require_static([0, 2, 3], "quantized table")
     dshape, ishape = n.shape(0), n.shape(1)
-    axis = _axis(n.attr("gather_axis", 0), len(dshape))
-    quantized = _axis(n.attr("quantize_axis", len(dshape) - 1), len(dshape))
+    axis = norm_axis(n.attr("gather_axis", 0), len(dshape))
+    quantized = norm_axis(n.attr("quantize_axis", len(dshape) - 1), len(dshape))
     table = list(dshape)
     if n.attr("bits", 4) != 8:  # two 4-bit values per byte where the table is stored as uint8
         table[quantized] = opaque()
@@ -2394,27 +2018,34 @@ def _gather_block_quantized(n: _Node) -> Fact:
     return n.rows(out, axis + idx.axis, idx.fold)
 
 
-@_rule("MatMulIntegerToFloat", domain=_MS, summary="as MatMul, static scales and zero points")
-def _matmul_int_float(n: _Node) -> Fact:
+@rule(
+    "MatMulIntegerToFloat",
+    domain="com.microsoft",
+    summary="as MatMul, static scales and zero points",
+)
+def _matmul_int_float(n: Node) -> Fact:
     return _matmul_like(n, 0, 1, range(2, len(n.ins)))
 
 
-@_rule(
-    "QLinearAdd", "QLinearMul", domain=_MS, summary="elementwise, static quantization parameters"
+@rule(
+    "QLinearAdd",
+    "QLinearMul",
+    domain="com.microsoft",
+    summary="elementwise, static quantization parameters",
 )
-def _qlinear_binary(n: _Node) -> Fact:
+def _qlinear_binary(n: Node) -> Fact:
     n.require_static([1, 2, 4, 5, 6, 7], "quantization parameters")
-    return _broadcast(n, [0, 3])
+    return broadcast(n, [0, 3])
 
 
-@_rule("QLinearSigmoid", "QLinearLeakyRelu", domain=_MS, summary="elementwise")
-def _qlinear_unary(n: _Node) -> Fact:
+@rule("QLinearSigmoid", "QLinearLeakyRelu", domain="com.microsoft", summary="elementwise")
+def _qlinear_unary(n: Node) -> Fact:
     n.require_static(range(1, len(n.ins)), "quantization parameters")
     return n.like(n.need(0))
 
 
-@_rule("QLinearConcat", domain=_MS, summary="as Concat")
-def _qlinear_concat(n: _Node) -> Fact:
+@rule("QLinearConcat", domain="com.microsoft", summary="as Concat")
+def _qlinear_concat(n: Node) -> Fact:
     # Inputs: y_scale, y_zero_point, then (tensor, scale, zero_point) triples.
     n.require_static([0, 1], "quantization parameters")
     tensors = list(range(2, len(n.ins), 3))
@@ -2423,7 +2054,7 @@ def _qlinear_concat(n: _Node) -> Fact:
 
 
 def _batch_first(
-    n: _Node,
+    n: Node,
     names: Sequence[str],
     required: Sequence[int],
     optional: Sequence[int] = (),
@@ -2455,21 +2086,21 @@ def _batch_first(
         what = f"input {i} ({names[i]})" if i < len(names) else f"input {i}"
         if f is None:
             if i in required:
-                raise _Refused(f"has no {what}")
+                raise Refused(f"has no {what}")
             continue
         axis = 1 if i in past else 0
         if f.rows:
             if f.axis != axis or f.fold != ONE:
-                raise _Refused(
+                raise Refused(
                     f"expects the batch on axis {axis} of {what}, one entry per row, where the "
                     "rows are not"
                 )
         elif f.kind is Kind.SIZED:
-            raise _Refused(f"takes {what} from the row count")
+            raise Refused(f"takes {what} from the row count")
         elif not (
             i in broadcast and f.shape is not None and len(f.shape) > axis and f.shape[axis] == ONE
         ):
-            raise _Refused(
+            raise Refused(
                 f"reads {what} per batch entry, and it is a static tensor: one request's "
                 "entries would be read against another request's rows"
             )
@@ -2478,23 +2109,27 @@ def _batch_first(
 _ATTENTION_INPUTS = (  # noqa: SIM905 (a table: one name each, compact)
     "input weights bias mask_index past attention_bias past_sequence_length"
 ).split()
+
+
 _MHA_INPUTS = (  # noqa: SIM905 (a table: one name each, compact)
     "query key value bias key_padding_mask attention_bias past_key past_value "
     "past_sequence_length cache_indirection"
 ).split()
+
+
 _EMBED_INPUTS = (  # noqa: SIM905 (a table: one name each, compact)
     "input_ids segment_ids word_embedding position_embedding segment_embedding gamma beta "
     "mask position_ids"
 ).split()
 
 
-@_rule(
+@rule(
     "Attention",
-    domain=_MS,
+    domain="com.microsoft",
     summary="batch on axis 0 of the input and mask (past on axis 1); static weights; a static "
     "mask or past refused",
 )
-def _attention(n: _Node) -> list[Fact]:
+def _attention(n: Node) -> list[Fact]:
     n.require_static([1, 2], "weights")
     n.require_static([6], "past sequence length")
     _batch_first(n, _ATTENTION_INPUTS, [0], [3, 5], past=[4], broadcast=[5])
@@ -2507,23 +2142,23 @@ def _attention(n: _Node) -> list[Fact]:
     return out
 
 
-@_rule(
+@rule(
     "MultiHeadAttention",
     "RotaryEmbedding",
     "GroupQueryAttention",
-    domain=_MS,
+    domain="com.microsoft",
     summary="batch on axis 0 of every tensor input; static masks, keys and caches refused",
 )
-def _mha(n: _Node) -> list[Fact]:
+def _mha(n: Node) -> list[Fact]:
     if n.op == "GroupQueryAttention":
-        raise _Refused("is GroupQueryAttention, whose cache lengths are not analyzed")
+        raise Refused("is GroupQueryAttention, whose cache lengths are not analyzed")
     if n.op == "RotaryEmbedding":
         n.require_static([2, 3], "cos/sin caches")
         ids = n.input(1)
         if ids is not None and ids.kind is Kind.STATIC and ids.rank == 1:
             # one position offset for every batch entry (shape [1]): the same for any rows
             if ids.shape is None or ids.shape[0] != ONE:
-                raise _Refused("takes position ids of a static 1-D shape other than [1]")
+                raise Refused("takes position ids of a static 1-D shape other than [1]")
         else:
             _batch_first(n, ("input", "position_ids"), [0, 1])
         return [n.like(n.need(0))]
@@ -2537,12 +2172,12 @@ def _mha(n: _Node) -> list[Fact]:
     return out
 
 
-@_rule(
+@rule(
     "EmbedLayerNormalization",
-    domain=_MS,
+    domain="com.microsoft",
     summary="ids, segment ids and mask on axis 0; static embeddings; static position ids [1, S]",
 )
-def _embed_layer_norm(n: _Node) -> list[Fact]:
+def _embed_layer_norm(n: Node) -> list[Fact]:
     n.require_static([2, 3, 4, 5, 6], "embeddings and norm parameters")
     _batch_first(n, _EMBED_INPUTS, [0], [1, 7, 8], broadcast=[8])
     shape = n.shape(0)
@@ -2550,296 +2185,3 @@ def _embed_layer_norm(n: _Node) -> list[Fact]:
     if n.outputs > 2:
         out.append(out[0])
     return out[: n.outputs]
-
-
-# ----------------------------------------------------------------------------------------------
-# The analysis
-
-
-def _tensor_values(t: TensorProto) -> list[Value] | None:
-    """The elements of a small inline tensor, or None (too large, external, or another type)."""
-    dims = list(t.dims)
-    count = math.prod(dims) if dims else 1
-    if len(dims) > 1 or count > _MAX_VALUES or t.data_location == TensorProto.EXTERNAL:
-        return None
-    import numpy as np
-
-    from sharedml.model._proto import np_dtype
-
-    try:
-        dtype = np_dtype(t.data_type)
-    except Exception:
-        return None
-    if dtype.kind not in "biuf":
-        return None
-    if t.HasField("raw_data"):
-        arr = np.frombuffer(t.raw_data, dtype=dtype.newbyteorder("<"))
-    elif dtype.kind == "f" and dtype.itemsize == 8:
-        arr = np.array(t.double_data, dtype=dtype)
-    elif dtype.kind == "f" and dtype.itemsize == 4:
-        arr = np.array(t.float_data, dtype=dtype)
-    elif dtype.kind == "f":
-        arr = np.array(t.int32_data, dtype=np.uint16).view(dtype)
-    elif dtype.kind in "iu" and dtype.itemsize == 8:
-        arr = np.array(t.uint64_data if dtype.kind == "u" else t.int64_data, dtype=dtype)
-    else:
-        arr = np.array(t.int32_data, dtype=dtype)
-    if arr.size != count:
-        return None
-    if dtype.kind == "b":
-        return [bool(x) for x in arr.tolist()]
-    if dtype.kind == "f":
-        return [float(x) for x in arr.tolist()]
-    return [Dim.of(int(x)) for x in arr.tolist()]
-
-
-def _tensor_fact(t: TensorProto) -> Fact:
-    return Fact(Kind.STATIC, tuple(Dim.of(int(d)) for d in t.dims), value=_tensor_values(t))  # type: ignore[arg-type]
-
-
-def _constant_fact(node: NodeProto) -> Fact:
-    for a in node.attribute:
-        if a.name == "value" and a.type == AttributeProto.TENSOR:
-            return _tensor_fact(a.t)
-        if a.name == "value_int":
-            return Fact(Kind.STATIC, (), value=(Dim.of(a.i),))
-        if a.name == "value_ints":
-            return Fact(Kind.STATIC, (Dim.of(len(a.ints)),), value=tuple(Dim.of(v) for v in a.ints))
-        if a.name == "value_float":
-            return Fact(Kind.STATIC, (), value=(float(a.f),))
-        if a.name == "value_floats":
-            return Fact(
-                Kind.STATIC, (Dim.of(len(a.floats)),), value=tuple(float(v) for v in a.floats)
-            )
-    return Fact(Kind.STATIC)
-
-
-class RowAnalysis:
-    """Facts for every tensor of a model whose inputs all hold the rows on axis 0.
-
-    Args:
-        model: The model (external data need not be loaded: only small inline tensors are read).
-        max_rows: The most rows a merged run holds (``Batching.max_batch_size``): a Slice of
-            the rows' axis up to at least that many keeps them all (exporters write "to the
-            end" as 2**31 - 1, 10**9, ...). Default: no bound below 2**31 - 1.
-        fixed_rows: The model was exported with axis 0 fixed at 1, and is to be served with
-            that axis relaxed (:mod:`sharedml.pool._relax`). Its constants were traced at one
-            row, so a literal 1 may stand where the rows go: a Reshape of the rows whose shape
-            has a 1 before the rows' new axis (``[1, -1]``) is refused, and a refusal where a
-            tensor with a constant shape of 1 on axis 0 (``Expand``, ``ConstantOfShape``,
-            ``Tile``, ``Reshape``) meets the rows names the node that made it.
-
-    Attributes:
-        facts: After :meth:`outputs`, the fact of every value it reached, subgraphs included
-            (by name: where two subgraphs define one name, the one analyzed last).
-        refused: After :meth:`outputs`, why each node whose outputs mix rows does, in graph
-            order, whether or not an output needs it (ORT runs every node).
-    """
-
-    def __init__(
-        self, model: ModelProto, *, max_rows: int = _TO_THE_END, fixed_rows: bool = False
-    ) -> None:
-        self.model = model
-        self.max_rows = max_rows
-        self.fixed_rows = fixed_rows
-        self.facts: dict[str, Fact] = {}
-        self._opsets: dict[str, int] = {o.domain or "": int(o.version) for o in model.opset_import}
-        self.refused: list[Refusal] = []
-        self._batch_params: set[str] = set()
-        self._outputs: list[tuple[str, Fact]] | None = None
-
-    def opset(self, domain: str) -> int:
-        """The opset version the model imports for ``domain`` (the default domain for '')."""
-        key = "" if domain in _DEFAULT else domain
-        return self._opsets.get(key, self._opsets.get("ai.onnx", 0) if key == "" else 1)
-
-    @staticmethod
-    def node_name(node: NodeProto, where: str = "") -> str:
-        return f"'{where}{node.name}'" if node.name else f"{where}<unnamed {node.op_type}>"
-
-    # Inputs -------------------------------------------------------------------------------
-
-    def _input_fact(self, value: Any) -> Fact:
-        tensor = value.type.tensor_type if value.type.HasField("tensor_type") else None
-        if tensor is None or not tensor.HasField("shape"):
-            return Fact(Kind.ROWS, None, 0, sources=frozenset([value.name]))
-        dims: list[Dim] = []
-        for k, d in enumerate(tensor.shape.dim):
-            if k == 0:
-                dims.append(Dim.of(BATCH))
-            elif d.HasField("dim_value") and d.dim_value >= 0:
-                dims.append(Dim.of(d.dim_value))
-            elif d.HasField("dim_param") and d.dim_param:
-                if d.dim_param in self._batch_params:
-                    refusal = Refusal(
-                        f"input '{value.name}'",
-                        "graph input",
-                        f"has the rows' dim '{d.dim_param}' on axis {k} as well as on axis 0",
-                        (value.name,),
-                    )
-                    return Fact(Kind.MIXED, refusal=refusal, sources=frozenset([value.name]))
-                dims.append(Dim.of(f"dim:{d.dim_param}"))
-            else:
-                dims.append(opaque())
-        if not dims:
-            refusal = Refusal(f"input '{value.name}'", "graph input", "is a scalar: it has no rows")
-            return Fact(Kind.MIXED, refusal=refusal)
-        return Fact(Kind.ROWS, tuple(dims), 0, sources=frozenset([value.name]))
-
-    def input_facts(self) -> dict[str, Fact]:
-        """The facts of the model's inputs (rows on axis 0) and initializers (static)."""
-        graph = self.model.graph
-        initializers = {t.name for t in graph.initializer}
-        for value in graph.input:
-            if value.name in initializers:
-                continue
-            tensor = value.type.tensor_type if value.type.HasField("tensor_type") else None
-            if tensor is not None and tensor.HasField("shape") and tensor.shape.dim:
-                d0 = tensor.shape.dim[0]
-                if d0.HasField("dim_param") and d0.dim_param:
-                    self._batch_params.add(d0.dim_param)
-        facts: dict[str, Fact] = {}
-        for t in graph.initializer:
-            facts[t.name] = _tensor_fact(t)
-        for value in graph.input:
-            if value.name not in initializers:
-                facts[value.name] = self._input_fact(value)
-        self.facts.update(facts)
-        return facts
-
-    # Graphs -------------------------------------------------------------------------------
-
-    def run_graph(
-        self,
-        graph: GraphProto,
-        outer: MutableMapping[str, Fact],
-        where: str,
-        inputs: Sequence[Fact],
-    ) -> list[Fact]:
-        """Facts of ``graph``'s outputs, its inputs given (a subgraph sees ``outer`` too)."""
-        scope: MutableMapping[str, Fact] = ChainMap({}, outer)
-        for t in graph.initializer:
-            scope[t.name] = _tensor_fact(t)
-        for value, fact in zip(graph.input, inputs, strict=False):
-            scope[value.name] = fact
-            self.facts[value.name] = fact
-        self._run_nodes(graph, scope, where)
-        return [scope.get(o.name, self._unknown(o.name, where)) for o in graph.output]
-
-    def _unknown(self, name: str, where: str) -> Fact:
-        return Fact(Kind.MIXED, refusal=Refusal(f"'{where}{name}'", "value", "is never computed"))
-
-    def _run_nodes(self, graph: GraphProto, scope: MutableMapping[str, Fact], where: str) -> None:
-        for node in graph.node:
-            ins: list[Fact | None] = []
-            for name in node.input:
-                if not name:
-                    ins.append(None)
-                else:
-                    ins.append(scope.get(name) or self._unknown(name, where))
-            for name, fact in zip(node.output, self._node(node, ins, where, scope), strict=False):
-                if name:
-                    scope[name] = fact
-                    self.facts[name] = fact
-                    refusal = fact.refusal
-                    if fact.kind is Kind.MIXED and refusal and refusal not in self.refused:
-                        self.refused.append(refusal)
-
-    def _node(
-        self, node: NodeProto, ins: list[Fact | None], where: str, scope: MutableMapping[str, Fact]
-    ) -> list[Fact]:
-        count = len(node.output)
-        for f in ins:
-            if f is not None and f.kind is Kind.MIXED:
-                return [f] * count
-        domain = "" if node.domain in _DEFAULT else node.domain
-        if domain == "" and node.op_type == "Constant":
-            return [_constant_fact(node)]
-        n = _Node(self, node, ins, where, scope)
-        entry = _RULES.get((domain, node.op_type))
-        try:
-            if entry is None:
-                return self._unruled(n, count)
-            result = entry[0](n)
-        except _Refused as refused:
-            return [self._mixed(n, refused.reason)] * count
-        except Exception as exc:
-            # A node the rule did not expect (an attribute out of range, a malformed graph):
-            # nothing is proven about it, and refusing is the safe answer.
-            return [self._mixed(n, f"could not be analyzed ({type(exc).__name__}: {exc})")] * count
-        outs = result if isinstance(result, list) else [result]
-        if len(outs) < count:
-            outs = outs + [self._mixed(n, "has outputs the analysis does not model")] * (
-                count - len(outs)
-            )
-        return outs
-
-    def _unruled(self, n: _Node, count: int) -> list[Fact]:
-        """An operator without a rule: static stays static; rows are refused."""
-        facts = [f for f in n.ins if f is not None]
-        if _rows_among(facts):
-            domain = n.proto.domain or "ai.onnx"
-            return [self._mixed(n, f"is an operator ({domain}) the analysis does not know")] * count
-        sized = any(f.kind is Kind.SIZED for f in facts)
-        return [
-            Fact(Kind.SIZED if sized else Kind.STATIC, sources=n.sources if sized else frozenset())
-        ] * count
-
-    def _mixed(self, n: _Node, reason: str) -> Fact:
-        refusal = Refusal(n.name(), n.op, reason, tuple(sorted(n.sources)))
-        pin = next((f.pin for f in n.ins if f is not None and f.pin is not None), None)
-        if self.fixed_rows and pin is not None:
-            # The node that fixed the shape for one row is the one to change (or to blame).
-            refusal = Refusal(
-                pin.node,
-                pin.op_type,
-                f"makes a tensor of the constant shape {list(pin.shape)}, its axis 0 fixed at "
-                f"1 when the model was exported; where it meets the rows, node {n.name()} "
-                f"({n.op}) {reason}",
-            )
-        return Fact(Kind.MIXED, sources=n.sources, refusal=refusal)
-
-    @property
-    def batch_params(self) -> frozenset[str]:
-        """The symbolic dims the graph's inputs name their axis 0 with (after :meth:`outputs`)."""
-        return frozenset(self._batch_params)
-
-    def outputs(self) -> list[tuple[str, Fact]]:
-        """Each graph output's name and fact (the analysis runs once; later calls reuse it)."""
-        if self._outputs is None:
-            graph = self.model.graph
-            facts = self.input_facts()
-            scope: MutableMapping[str, Fact] = ChainMap(facts)
-            self._run_nodes(graph, scope, "")
-            self._outputs = [
-                (o.name, scope.get(o.name) or self._unknown(o.name, "")) for o in graph.output
-            ]
-        return self._outputs
-
-    def refusal(self) -> Refusal | None:
-        """Why merging requests could change a caller's outputs, or None where it cannot."""
-        for name, fact in self.outputs():
-            if fact.kind is Kind.MIXED:
-                assert fact.refusal is not None
-                return fact.refusal
-            if fact.kind is not Kind.ROWS:
-                return Refusal(
-                    f"output '{name}'",
-                    "graph output",
-                    "does not depend on the rows: its axis 0 is not one entry per row",
-                )
-            if fact.axis != 0:
-                return Refusal(
-                    f"output '{name}'",
-                    "graph output",
-                    f"holds the rows on axis {fact.axis}, not axis 0",
-                    tuple(sorted(fact.sources)),
-                )
-            if fact.fold != ONE:
-                return Refusal(
-                    f"output '{name}'",
-                    "graph output",
-                    f"holds {fact.fold} entries per row on axis 0, not one",
-                    tuple(sorted(fact.sources)),
-                )
-        return None
