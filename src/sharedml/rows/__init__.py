@@ -37,7 +37,9 @@ constant here.
 The modules behind it, one job each: ``_dims`` (symbolic sizes), ``_facts`` (what is known of
 one tensor), ``_registry`` (which rule answers for an operator, and the view of a node a rule
 gets), ``_engine`` (:class:`RowAnalysis`: the inputs, the graphs, the node loop), ``ops/`` (the
-rules). ``__init__.pyi`` lists the public names.
+rules, one module per operator family: ``_elementwise``, ``_shape``, ``_indexing``, ``_linear``,
+``_conv``, ``_norm``, ``_reduce``, ``_recurrent``, ``_control``, ``_quant``, ``_random``, ``_ml``,
+``_attention``; ``_common`` holds what several share). ``__init__.pyi`` lists the public names.
 """
 
 from sharedml import _exports
