@@ -10,9 +10,9 @@ from sharedml.model._proto import AttributeProto, GraphProto, ModelProto, NodePr
 from sharedml.rows import ops  # noqa: F401 (importing the op families registers every rule)
 from sharedml.rows._dims import BATCH, ONE, Dim, opaque
 from sharedml.rows._facts import TO_THE_END, Fact, Kind, Refusal, rows_among, tensor_values
-from sharedml.rows._registry import RULES, Node, Refused, domain_key
+from sharedml.rows._registry import RULES, SUMMARIES, Node, Refused, RuleEntry, domain_key
 
-__all__ = ["RowAnalysis", "rules_table"]
+__all__ = ["RowAnalysis", "rule_entries", "rules_table"]
 
 
 def _tensor_fact(t: TensorProto) -> Fact:
@@ -179,11 +179,20 @@ class RowAnalysis:
         if domain == "" and node.op_type == "Constant":
             return [_constant_fact(node)]
         n = Node(self, node, ins, where, scope)
-        entry = RULES.get((domain, node.op_type))
+        registered = RULES.get((domain, node.op_type))
         try:
-            if entry is None:
+            if registered is None:
                 return self._unruled(n, count)
-            result = entry[0](n)
+            if n.opset < registered.since:
+                # An older version of the operator may mean something else (Add-6 broadcasts
+                # by an axis attribute; Scan-8 has a batch axis of its own) or carry subgraphs
+                # the rule does not follow: refused whatever its inputs, like Scan-8 always was.
+                reason = (
+                    f"is {node.op_type} of {domain or 'ai.onnx'} opset {n.opset}, older than the "
+                    f"analysis knows it: its rule covers opset {registered.since} and later"
+                )
+                return [self._mixed(n, reason)] * count
+            result = registered.rule(n)
         except Refused as refused:
             return [self._mixed(n, refused.reason)] * count
         except Exception as exc:
@@ -268,9 +277,22 @@ class RowAnalysis:
         return None
 
 
+def rule_entries() -> list[RuleEntry]:
+    """Every operator the analysis has a rule for, with the opsets it covers, sorted.
+
+    Returns:
+        One entry per operator: the default domain first, then by domain and operator.
+    """
+    entries = [
+        RuleEntry(domain or "ai.onnx", op, registered.since, SUMMARIES.get(registered.rule, ""))
+        for (domain, op), registered in RULES.items()
+    ]
+    return sorted(entries, key=lambda e: (e.domain != "ai.onnx", e.domain, e.op_type))
+
+
 def rules_table() -> list[tuple[str, str, str]]:
-    """``(domain, op_type, rule)`` of every operator the analysis knows, sorted."""
-    return sorted(
-        ((domain or "ai.onnx", op, summary) for (domain, op), (_, summary) in RULES.items()),
-        key=lambda r: (r[0] != "ai.onnx", r[0], r[1]),
-    )
+    """``(domain, op_type, rule)`` of every operator the analysis knows, sorted.
+
+    :func:`rule_entries` gives each operator's first opset as well.
+    """
+    return [(e.domain, e.op_type, e.summary) for e in rule_entries()]

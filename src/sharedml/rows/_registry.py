@@ -16,7 +16,19 @@ from sharedml.model._proto import AttributeProto, GraphProto, NodeProto
 from sharedml.rows._dims import BATCH, ONE, Dim
 from sharedml.rows._facts import Fact, Kind, Pin, Value
 
-__all__ = ["RULES", "Analysis", "Node", "Refused", "Rule", "domain_key", "rule"]
+__all__ = [
+    "RULES",
+    "SUMMARIES",
+    "Analysis",
+    "Node",
+    "Refused",
+    "Registration",
+    "Rule",
+    "RuleEntry",
+    "domain_key",
+    "rule",
+    "summary",
+]
 
 
 class Refused(Exception):
@@ -233,18 +245,83 @@ class Node:
 
 Rule = Callable[[Node], "Fact | list[Fact]"]
 
-RULES: dict[tuple[str, str], tuple[Rule, str]] = {}
 
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """One operator's rule, and the first opset of the operator's domain that it covers."""
+
+    rule: Rule
+    since: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleEntry:
+    """One row of the rule table: an operator, the opsets its rule covers, and what it does.
+
+    Attributes:
+        domain: The operator's domain ("ai.onnx" for the default one).
+        op_type: The operator.
+        since: The first opset of ``domain`` the rule covers: a node of an older opset is
+            refused, whatever its inputs.
+        summary: What the rule does with the rows (the docs' rule table).
+    """
+
+    domain: str
+    op_type: str
+    since: int
+    summary: str
+
+
+RULES: dict[tuple[str, str], Registration] = {}
+SUMMARIES: dict[Rule, str] = {}
 
 _R = TypeVar("_R", bound=Rule)
 
 
-def rule(*ops: str, domain: str = "", summary: str) -> Callable[[_R], _R]:
-    """Register ``fn`` as the rule of ``ops`` (one row of the rule table, with its summary)."""
+def rule(domain: str, op_type: str, *, since: int) -> Callable[[_R], _R]:
+    """Register the decorated function as ``op_type``'s rule from opset ``since`` of ``domain`` on.
+
+    One line per operator, stacked on the function that implements it (as onnx-ir's shape
+    inference registers its functions), so that grepping an operator's quoted name finds its
+    rule. ``since`` is the first version the rule was written for: the operator's first version
+    where the rule reads every version right, a later one where an older version meant
+    something else. A node of an older opset is refused, whatever its inputs (it might have
+    subgraphs or attributes the rule does not read).
+
+    Args:
+        domain: The operator's domain ("" for the default one).
+        op_type: The operator.
+        since: The first opset of ``domain`` the rule covers.
+
+    Returns:
+        A decorator that registers its function and returns it unchanged.
+
+    Raises:
+        ValueError: ``op_type`` of ``domain`` has a rule already (two would silently shadow).
+    """
+    key = (domain_key(domain), op_type)
 
     def register(fn: _R) -> _R:
-        for op in ops:
-            RULES[(domain, op)] = (fn, summary)
+        if key in RULES:
+            raise ValueError(f"{op_type} ({domain or 'ai.onnx'}) is registered twice")
+        RULES[key] = Registration(fn, since)
+        return fn
+
+    return register
+
+
+def summary(text: str) -> Callable[[_R], _R]:
+    """Give the decorated rule its line in the docs' rule table, one for all its operators.
+
+    Args:
+        text: What the rule does with the rows, in a few words.
+
+    Returns:
+        A decorator that records ``text`` for its function and returns it unchanged.
+    """
+
+    def register(fn: _R) -> _R:
+        SUMMARIES[fn] = text
         return fn
 
     return register

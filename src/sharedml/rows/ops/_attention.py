@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from sharedml.rows._dims import ONE, Dim, opaque
 from sharedml.rows._facts import Fact, Kind
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 
 
 def _batch_first(
@@ -79,11 +79,10 @@ _EMBED_INPUTS = (  # noqa: SIM905 (a table: one name each, compact)
 ).split()
 
 
-@rule(
-    "Attention",
-    domain="com.microsoft",
-    summary="batch on axis 0 of the input and mask (past on axis 1); static weights; a static "
-    "mask or past refused",
+@rule("com.microsoft", "Attention", since=1)
+@summary(
+    "batch on axis 0 of the input and mask (past on axis 1); static weights; a static "
+    "mask or past refused"
 )
 def _attention(n: Node) -> list[Fact]:
     n.require_static([1, 2], "weights")
@@ -98,13 +97,10 @@ def _attention(n: Node) -> list[Fact]:
     return out
 
 
-@rule(
-    "MultiHeadAttention",
-    "RotaryEmbedding",
-    "GroupQueryAttention",
-    domain="com.microsoft",
-    summary="batch on axis 0 of every tensor input; static masks, keys and caches refused",
-)
+@rule("com.microsoft", "MultiHeadAttention", since=1)
+@rule("com.microsoft", "RotaryEmbedding", since=1)
+@rule("com.microsoft", "GroupQueryAttention", since=1)
+@summary("batch on axis 0 of every tensor input; static masks, keys and caches refused")
 def _mha(n: Node) -> list[Fact]:
     if n.op == "GroupQueryAttention":
         raise Refused("is GroupQueryAttention, whose cache lengths are not analyzed")
@@ -128,11 +124,8 @@ def _mha(n: Node) -> list[Fact]:
     return out
 
 
-@rule(
-    "EmbedLayerNormalization",
-    domain="com.microsoft",
-    summary="ids, segment ids and mask on axis 0; static embeddings; static position ids [1, S]",
-)
+@rule("com.microsoft", "EmbedLayerNormalization", since=1)
+@summary("ids, segment ids and mask on axis 0; static embeddings; static position ids [1, S]")
 def _embed_layer_norm(n: Node) -> list[Fact]:
     n.require_static([2, 3, 4, 5, 6], "embeddings and norm parameters")
     _batch_first(n, _EMBED_INPUTS, [0], [1, 7, 8], broadcast=[8])

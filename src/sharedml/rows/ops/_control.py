@@ -8,7 +8,7 @@ from typing import Any
 from sharedml.model._proto import GraphProto
 from sharedml.rows._dims import Dim, opaque
 from sharedml.rows._facts import Fact, Kind
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 from sharedml.rows.ops._common import norm_axis
 
 _LOOP_ROUNDS = 4  # rounds of a loop's carried values before they must be stable
@@ -42,7 +42,8 @@ def _structure(f: Fact) -> tuple[Any, ...]:
     return (f.kind, f.axis, f.fold, f.rank)
 
 
-@rule("If", summary="a static condition; both branches give the same layouts")
+@rule("", "If", since=1)
+@summary("a static condition; both branches give the same layouts")
 def _if(n: Node) -> list[Fact]:
     cond = n.need(0)
     if cond.rows:
@@ -63,7 +64,8 @@ def _if(n: Node) -> list[Fact]:
     return outs
 
 
-@rule("Loop", summary="a static trip count and condition; carried values keep their layout")
+@rule("", "Loop", since=1)
+@summary("a static trip count and condition; carried values keep their layout")
 def _loop(n: Node) -> list[Fact]:
     trip, cond = n.input(0), n.input(1)
     for f, what in ((trip, "trip count"), (cond, "condition")):
@@ -118,10 +120,9 @@ def _stack(n: Node, f: Fact, axis: int) -> Fact:
     return Fact(f.kind, tuple(shape), sources=f.sources)
 
 
-@rule("Scan", summary="scans axes other than the rows'; carried values keep their layout")
+@rule("", "Scan", since=9)  # Scan-8 has a batch axis and sequence lengths of its own
+@summary("scans axes other than the rows'; carried values keep their layout")
 def _scan(n: Node) -> list[Fact]:
-    if n.opset < 9:
-        raise Refused("is an opset-8 Scan, which is not analyzed")
     body: GraphProto = n.attr("body")
     k = n.attr("num_scan_inputs")
     states = [n.need(i) for i in range(len(n.ins) - k)]

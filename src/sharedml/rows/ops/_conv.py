@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from sharedml.rows._dims import ONE, Dim, opaque
 from sharedml.rows._facts import Fact
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 
 
 def _window_dims(
@@ -73,27 +73,32 @@ def _conv_like(
     return n.rows(out, 0)
 
 
-@rule("Conv", summary="rows on axis 0; static weights")
+@rule("", "Conv", since=1)
+@summary("rows on axis 0; static weights")
 def _conv(n: Node) -> Fact:
     return _conv_like(n, 0, 1, (1, 2))
 
 
-@rule("ConvTranspose", summary="rows on axis 0; static weights")
+@rule("", "ConvTranspose", since=1)
+@summary("rows on axis 0; static weights")
 def _conv_transpose(n: Node) -> Fact:
     return _conv_like(n, 0, 1, (1, 2), transpose=True)
 
 
-@rule("ConvInteger", summary="rows on axis 0; static weights")
+@rule("", "ConvInteger", since=10)
+@summary("rows on axis 0; static weights")
 def _conv_integer(n: Node) -> Fact:
     return _conv_like(n, 0, 1, (1, 2, 3))
 
 
-@rule("QLinearConv", summary="rows on axis 0; static weights and quantization parameters")
+@rule("", "QLinearConv", since=10)
+@summary("rows on axis 0; static weights and quantization parameters")
 def _qlinear_conv(n: Node) -> Fact:
     return _conv_like(n, 0, 3, (1, 2, 3, 4, 5, 6, 7, 8))
 
 
-@rule("FusedConv", domain="com.microsoft", summary="as Conv; the added Z holds the same rows")
+@rule("com.microsoft", "FusedConv", since=1)
+@summary("as Conv; the added Z holds the same rows")
 def _fused_conv(n: Node) -> Fact:
     z = n.input(3)
     out = _conv_like(n, 0, 1, (1, 2))
@@ -102,15 +107,19 @@ def _fused_conv(n: Node) -> Fact:
     return out
 
 
-@rule("NhwcConv", domain="com.microsoft", summary="as Conv, channels last")
+@rule("com.microsoft", "NhwcConv", since=1)
+@summary("as Conv, channels last")
 def _nhwc_conv(n: Node) -> Fact:
     return _conv_like(n, 0, 1, (1, 2), channels_last=True)
 
 
-_POOLS = ["AveragePool", "MaxPool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool"]
-
-
-@rule(*_POOLS, summary="pools spatial axes (2 and later): rows on axis 0 or 1")
+@rule("", "AveragePool", since=1)
+@rule("", "MaxPool", since=1)
+@rule("", "LpPool", since=1)
+@rule("", "GlobalAveragePool", since=1)
+@rule("", "GlobalMaxPool", since=1)
+@rule("", "GlobalLpPool", since=1)
+@summary("pools spatial axes (2 and later): rows on axis 0 or 1")
 def _pool(n: Node) -> list[Fact]:
     f = n.need(0)
     shape = n.shape(0)
@@ -128,9 +137,9 @@ def _pool(n: Node) -> list[Fact]:
     return [out] + [out] * (n.outputs - 1)
 
 
-@rule(
-    "QLinearAveragePool", "QLinearGlobalAveragePool", domain="com.microsoft", summary="as the pools"
-)
+@rule("com.microsoft", "QLinearAveragePool", since=1)
+@rule("com.microsoft", "QLinearGlobalAveragePool", since=1)
+@summary("as the pools")
 def _qlinear_pool(n: Node) -> Fact:
     n.require_static(range(1, len(n.ins)), "quantization parameters")
     f = n.need(0)
@@ -146,7 +155,9 @@ def _qlinear_pool(n: Node) -> Fact:
     return n.like(f, out)
 
 
-@rule("DepthToSpace", "SpaceToDepth", summary="rows on axis 0")
+@rule("", "DepthToSpace", since=1)
+@rule("", "SpaceToDepth", since=1)
+@summary("rows on axis 0")
 def _depth_space(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -165,7 +176,8 @@ def _cdiv(d: Dim, k: int) -> Dim:
     return exact if exact is not None else opaque([d])
 
 
-@rule("GridSample", summary="both inputs hold the rows on axis 0")
+@rule("", "GridSample", since=16)
+@summary("both inputs hold the rows on axis 0")
 def _grid_sample(n: Node) -> Fact:
     x, grid = n.need(0), n.need(1)
     xs, gs = n.shape(0), n.shape(1)

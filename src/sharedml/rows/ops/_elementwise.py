@@ -8,27 +8,63 @@ from collections.abc import Callable
 from sharedml.model._proto import TensorProto
 from sharedml.rows._dims import ZERO, Dim, opaque
 from sharedml.rows._facts import Fact, Kind, Value
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 from sharedml.rows.ops._common import broadcast, number
 
-_UNARY = (  # noqa: SIM905 (a table: one name each, compact)
-    "Abs Acos Acosh Asin Asinh Atan Atanh BitwiseNot Ceil Celu Cos Cosh Elu Erf Exp Floor "
-    "Gelu HardSigmoid HardSwish IsInf IsNaN LeakyRelu Log Mish Reciprocal Relu Round Selu "
-    "Shrink Sigmoid Sign Sin Sinh Softplus Softsign Sqrt Swish Tan Tanh ThresholdedRelu"
-).split()
 
-
-@rule(*_UNARY, summary="elementwise: the rows stay where they are")
+@rule("", "Abs", since=1)
+@rule("", "Acos", since=7)
+@rule("", "Acosh", since=9)
+@rule("", "Asin", since=7)
+@rule("", "Asinh", since=9)
+@rule("", "Atan", since=7)
+@rule("", "Atanh", since=9)
+@rule("", "BitwiseNot", since=18)
+@rule("", "Ceil", since=1)
+@rule("", "Celu", since=12)
+@rule("", "Cos", since=7)
+@rule("", "Cosh", since=9)
+@rule("", "Elu", since=1)
+@rule("", "Erf", since=9)
+@rule("", "Exp", since=1)
+@rule("", "Floor", since=1)
+@rule("", "Gelu", since=20)
+@rule("", "HardSigmoid", since=1)
+@rule("", "HardSwish", since=14)
+@rule("", "IsInf", since=10)
+@rule("", "IsNaN", since=9)
+@rule("", "LeakyRelu", since=1)
+@rule("", "Log", since=1)
+@rule("", "Mish", since=18)
+@rule("", "Reciprocal", since=1)
+@rule("", "Relu", since=1)
+@rule("", "Round", since=11)
+@rule("", "Selu", since=1)
+@rule("", "Shrink", since=9)
+@rule("", "Sigmoid", since=1)
+@rule("", "Sign", since=9)
+@rule("", "Sin", since=7)
+@rule("", "Sinh", since=9)
+@rule("", "Softplus", since=1)
+@rule("", "Softsign", since=1)
+@rule("", "Sqrt", since=1)
+@rule("", "Swish", since=24)
+@rule("", "Tan", since=7)
+@rule("", "Tanh", since=1)
+@rule("", "ThresholdedRelu", since=10)
+@summary("elementwise: the rows stay where they are")
 def _unary(n: Node) -> Fact:
     return n.like(n.need(0))
 
 
-@rule("Identity", summary="passes its input through")
+@rule("", "Identity", since=1)
+@summary("passes its input through")
 def _identity(n: Node) -> Fact:
     return n.need(0)
 
 
-@rule("Neg", summary="elementwise")
+@rule("", "Neg", since=1)
+@summary("elementwise")
 def _neg(n: Node) -> Fact:
     f = n.need(0)
     if f.plain and f.value is not None and all(isinstance(v, (Dim, float)) for v in f.value):
@@ -36,7 +72,8 @@ def _neg(n: Node) -> Fact:
     return n.like(f)
 
 
-@rule("Not", summary="elementwise")
+@rule("", "Not", since=1)
+@summary("elementwise")
 def _not(n: Node) -> Fact:
     f = n.need(0)
     if f.plain and f.value is not None and all(isinstance(v, bool) for v in f.value):
@@ -56,7 +93,9 @@ _INT_TYPES = {
 }
 
 
-@rule("Cast", "CastLike", summary="elementwise (values followed for shape arithmetic)")
+@rule("", "Cast", since=6)  # Cast-1 names its target type as a string ("FLOAT")
+@rule("", "CastLike", since=15)
+@summary("elementwise (values followed for shape arithmetic)")
 def _cast(n: Node) -> Fact:
     f = n.need(0)
     if n.op == "CastLike":
@@ -205,16 +244,37 @@ _COMPARE = {
 }
 
 
-_BINARY = (  # noqa: SIM905 (a table: one name each, compact)
-    "Add Sub Mul Div Pow Mod And Or Xor Equal Greater Less GreaterOrEqual LessOrEqual "
-    "BitShift BitwiseAnd BitwiseOr BitwiseXor PRelu Max Min Sum Mean Where Clip"
-).split()
-
-
-@rule(
-    *_BINARY,
-    summary="elementwise with numpy broadcasting: rows meet rows on the same axis only, and a "
-    "static tensor must have size 1 on the rows' axis",
+# Add, Sub, Mul, Div, Pow, And, Or, Xor, Equal, Greater, Less from opset 7 (PRelu too): their
+# older versions broadcast B by a `broadcast` attribute, from the axis an `axis` attribute names,
+# which numpy's rule would misread.
+@rule("", "Add", since=7)
+@rule("", "Sub", since=7)
+@rule("", "Mul", since=7)
+@rule("", "Div", since=7)
+@rule("", "Pow", since=7)
+@rule("", "Mod", since=10)
+@rule("", "And", since=7)
+@rule("", "Or", since=7)
+@rule("", "Xor", since=7)
+@rule("", "Equal", since=7)
+@rule("", "Greater", since=7)
+@rule("", "Less", since=7)
+@rule("", "GreaterOrEqual", since=12)
+@rule("", "LessOrEqual", since=12)
+@rule("", "BitShift", since=11)
+@rule("", "BitwiseAnd", since=18)
+@rule("", "BitwiseOr", since=18)
+@rule("", "BitwiseXor", since=18)
+@rule("", "PRelu", since=7)
+@rule("", "Max", since=1)
+@rule("", "Min", since=1)
+@rule("", "Sum", since=1)
+@rule("", "Mean", since=1)
+@rule("", "Where", since=9)
+@rule("", "Clip", since=1)
+@summary(
+    "elementwise with numpy broadcasting: rows meet rows on the same axis only, and a "
+    "static tensor must have size 1 on the rows' axis"
 )
 def _elementwise(n: Node) -> Fact:
     op = n.op
@@ -236,14 +296,13 @@ def _elementwise(n: Node) -> Fact:
     return broadcast(n, values=values)
 
 
-@rule("Dropout", summary="identity where it is not training (a training Dropout is random)")
+@rule("", "Dropout", since=7)  # Dropout-1/6 train unless an is_test attribute says otherwise
+@summary("identity where it is not training (a training Dropout is random)")
 def _dropout(n: Node) -> list[Fact]:
     if n.opset >= 12 and n.input(2) is not None:
         training = n.static_values(2, "training mode")
         if training is None or any(bool(v) if isinstance(v, bool) else v != ZERO for v in training):
             raise Refused("may run in training mode, which draws random numbers per row")
-    elif n.attr("is_test", 1) == 0 and n.opset < 7:
-        raise Refused("runs in training mode, which draws random numbers per row")
     f = n.need(0)
     out = [n.like(f)]
     if n.outputs > 1:
@@ -251,33 +310,29 @@ def _dropout(n: Node) -> list[Fact]:
     return out
 
 
-@rule(
-    "Gelu",
-    "FastGelu",
-    "BiasGelu",
-    "QuickGelu",
-    "BiasAdd",
-    "BiasDropout",
-    domain="com.microsoft",
-    summary="elementwise with broadcasting",
-)
+@rule("com.microsoft", "Gelu", since=1)
+@rule("com.microsoft", "FastGelu", since=1)
+@rule("com.microsoft", "BiasGelu", since=1)
+@rule("com.microsoft", "QuickGelu", since=1)
+@rule("com.microsoft", "BiasAdd", since=1)
+@rule("com.microsoft", "BiasDropout", since=1)
+@summary("elementwise with broadcasting")
 def _ms_elementwise(n: Node) -> list[Fact]:
     y = broadcast(n, [0, 1, 2] if n.op == "BiasAdd" else None)
     return [y] * max(1, n.outputs)
 
 
-@rule(
-    "QLinearAdd",
-    "QLinearMul",
-    domain="com.microsoft",
-    summary="elementwise, static quantization parameters",
-)
+@rule("com.microsoft", "QLinearAdd", since=1)
+@rule("com.microsoft", "QLinearMul", since=1)
+@summary("elementwise, static quantization parameters")
 def _qlinear_binary(n: Node) -> Fact:
     n.require_static([1, 2, 4, 5, 6, 7], "quantization parameters")
     return broadcast(n, [0, 3])
 
 
-@rule("QLinearSigmoid", "QLinearLeakyRelu", domain="com.microsoft", summary="elementwise")
+@rule("com.microsoft", "QLinearSigmoid", since=1)
+@rule("com.microsoft", "QLinearLeakyRelu", since=1)
+@summary("elementwise")
 def _qlinear_unary(n: Node) -> Fact:
     n.require_static(range(1, len(n.ins)), "quantization parameters")
     return n.like(n.need(0))

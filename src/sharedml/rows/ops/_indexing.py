@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from sharedml.rows._dims import Dim, opaque
 from sharedml.rows._facts import Fact, Kind, Value, rows_among
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 from sharedml.rows.ops._common import norm_axis
 
 
-@rule(
-    "Gather",
-    summary="indexes an axis other than the rows' with static indices, or a static table by "
-    "indices that hold rows (an embedding lookup)",
+@rule("", "Gather", since=1)
+@summary(
+    "indexes an axis other than the rows' with static indices, or a static table by "
+    "indices that hold rows (an embedding lookup)"
 )
 def _gather(n: Node) -> Fact:
     data, idx = n.need(0), n.need(1)
@@ -46,7 +46,8 @@ def _gather(n: Node) -> Fact:
     return n.plain(out, value)
 
 
-@rule("GatherElements", summary="rows index their own rows on another axis")
+@rule("", "GatherElements", since=11)
+@summary("rows index their own rows on another axis")
 def _gather_elements(n: Node) -> Fact:
     data, idx = n.need(0), n.need(1)
     shape = n.shape(1)
@@ -60,7 +61,8 @@ def _gather_elements(n: Node) -> Fact:
     raise Refused("pairs indices and data by position across the rows")
 
 
-@rule("GatherND", summary="batch_dims over the rows, or static data indexed by rows")
+@rule("", "GatherND", since=11)
+@summary("batch_dims over the rows, or static data indexed by rows")
 def _gather_nd(n: Node) -> Fact:
     data, idx = n.need(0), n.need(1)
     dshape, ishape = n.shape(0), n.shape(1)
@@ -84,7 +86,9 @@ def _gather_nd(n: Node) -> Fact:
     return n.rows(out, len(ishape) - 1 + data.axis - b - depth, data.fold)
 
 
-@rule("ScatterElements", "Scatter", summary="rows update their own rows on another axis")
+@rule("", "ScatterElements", since=11)
+@rule("", "Scatter", since=9)
+@summary("rows update their own rows on another axis")
 def _scatter_elements(n: Node) -> Fact:
     data, idx, upd = n.need(0), n.need(1), n.need(2)
     shape = n.shape(0)
@@ -97,7 +101,8 @@ def _scatter_elements(n: Node) -> Fact:
     raise Refused("scatters entries across the rows")
 
 
-@rule("ScatterND", summary="rows update their own rows below the indexed axes")
+@rule("", "ScatterND", since=11)
+@summary("rows update their own rows below the indexed axes")
 def _scatter_nd(n: Node) -> Fact:
     data, idx, upd = n.need(0), n.need(1), n.need(2)
     shape, ishape = n.shape(0), n.shape(1)
@@ -112,7 +117,8 @@ def _scatter_nd(n: Node) -> Fact:
     return n.rows(shape, data.axis, data.fold)
 
 
-@rule("OneHot", summary="indices that hold rows give rows")
+@rule("", "OneHot", since=9)
+@summary("indices that hold rows give rows")
 def _one_hot(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -127,7 +133,8 @@ def _one_hot(n: Node) -> Fact:
     return n.rows(out, f.axis + (1 if axis <= f.axis else 0), f.fold)
 
 
-@rule("Compress", summary="selects by a static condition on an axis other than the rows'")
+@rule("", "Compress", since=9)
+@summary("selects by a static condition on an axis other than the rows'")
 def _compress(n: Node) -> Fact:
     f = n.need(0)
     n.require_static([1], "condition")
@@ -145,18 +152,17 @@ def _compress(n: Node) -> Fact:
     return n.rows(out, f.axis, f.fold)
 
 
-@rule("NonZero", "Unique", summary="data-dependent sizes: refused where rows reach it")
+@rule("", "NonZero", since=9)
+@rule("", "Unique", since=11)
+@summary("data-dependent sizes: refused where rows reach it")
 def _data_sized(n: Node) -> list[Fact]:
     if rows_among(n.ins):
         raise Refused("counts entries across all rows (its size depends on every row)")
     return [n.plain(None) for _ in range(n.outputs)]
 
 
-@rule(
-    "GatherBlockQuantized",
-    domain="com.microsoft",
-    summary="a static block-quantized table looked up by indices that hold rows (an embedding)",
-)
+@rule("com.microsoft", "GatherBlockQuantized", since=1)
+@summary("a static block-quantized table looked up by indices that hold rows (an embedding)")
 def _gather_block_quantized(n: Node) -> Fact:
     idx = n.need(1)
     n.require_static([0, 2, 3], "quantized table")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from sharedml.rows._dims import ONE, Dim, opaque
 from sharedml.rows._facts import Fact, rows_among
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 from sharedml.rows.ops._common import broadcast_shape, no_count_in_values
 
 
@@ -61,24 +61,26 @@ def _matmul_like(n: Node, ai: int, bi: int, static: Sequence[int]) -> Fact:
     return _matmul_rows(n, a, b, ashape, bshape)
 
 
-@rule("MatMul", summary="rows on a batch axis of both operands or on A's row / B's column axis")
+@rule("", "MatMul", since=1)
+@summary("rows on a batch axis of both operands or on A's row / B's column axis")
 def _matmul(n: Node) -> Fact:
     return _matmul_like(n, 0, 1, ())
 
 
-@rule("MatMulInteger", summary="as MatMul")
+@rule("", "MatMulInteger", since=10)
+@summary("as MatMul")
 def _matmul_integer(n: Node) -> Fact:
     return _matmul_like(n, 0, 1, (2, 3))
 
 
-@rule("QLinearMatMul", summary="as MatMul, static quantization parameters")
+@rule("", "QLinearMatMul", since=10)
+@summary("as MatMul, static quantization parameters")
 def _qlinear_matmul(n: Node) -> Fact:
     return _matmul_like(n, 0, 3, (1, 2, 4, 5, 6, 7))
 
 
-@rule(
-    "Gemm", summary="rows on A's row axis (or B's column axis); C static or holding the same rows"
-)
+@rule("", "Gemm", since=1)
+@summary("rows on A's row axis (or B's column axis); C static or holding the same rows")
 def _gemm(n: Node) -> Fact:
     return _gemm_like(n, (0, 1, 2), ())
 
@@ -124,7 +126,8 @@ def _gemm_like(n: Node, abc: tuple[int, int, int], static: Sequence[int]) -> Fac
     return n.rows(out, pos, fold)
 
 
-@rule("Einsum", summary="the rows' letter is kept in the output and held by row operands only")
+@rule("", "Einsum", since=12)
+@summary("the rows' letter is kept in the output and held by row operands only")
 def _einsum(n: Node) -> Fact:
     eq = str(n.attr("equation", "")).replace(" ", "")
     facts = [n.need(i) for i in range(len(n.ins))]
@@ -176,7 +179,8 @@ def _einsum(n: Node) -> Fact:
     return n.rows([dims.get(ch, opaque()) for ch in rhs], rhs.index(letter), folds.pop())
 
 
-@rule("FusedMatMul", domain="com.microsoft", summary="as MatMul (batch transposes refused)")
+@rule("com.microsoft", "FusedMatMul", since=1)
+@summary("as MatMul (batch transposes refused)")
 def _fused_matmul(n: Node) -> Fact:
     if n.attr("transBatchA", 0) or n.attr("transBatchB", 0):
         raise Refused("transposes batch axes, which is not analyzed")
@@ -201,22 +205,21 @@ def _fused_matmul(n: Node) -> Fact:
     return _matmul_rows(n, a2, b2, ashape, bshape)
 
 
-@rule("FusedGemm", domain="com.microsoft", summary="as Gemm")
+@rule("com.microsoft", "FusedGemm", since=1)
+@summary("as Gemm")
 def _fused_gemm(n: Node) -> Fact:
     return _gemm_like(n, (0, 1, 2), ())
 
 
-@rule("QGemm", domain="com.microsoft", summary="as Gemm, static quantization parameters")
+@rule("com.microsoft", "QGemm", since=1)
+@summary("as Gemm, static quantization parameters")
 def _qgemm(n: Node) -> Fact:
     return _gemm_like(n, (0, 3, 6), (1, 2, 4, 5, 7, 8))
 
 
-@rule(
-    "MatMulNBits",
-    "MatMulBnb4",
-    domain="com.microsoft",
-    summary="A @ a static packed weight: rows of A",
-)
+@rule("com.microsoft", "MatMulNBits", since=1)
+@rule("com.microsoft", "MatMulBnb4", since=1)
+@summary("A @ a static packed weight: rows of A")
 def _matmul_nbits(n: Node) -> Fact:
     a = n.need(0)
     n.require_static(range(1, len(n.ins)), "packed weights")
@@ -229,16 +232,14 @@ def _matmul_nbits(n: Node) -> Fact:
     return n.rows([*shape[:-1], cols], a.axis, a.fold)
 
 
-@rule(
-    "MatMulIntegerToFloat",
-    domain="com.microsoft",
-    summary="as MatMul, static scales and zero points",
-)
+@rule("com.microsoft", "MatMulIntegerToFloat", since=1)
+@summary("as MatMul, static scales and zero points")
 def _matmul_int_float(n: Node) -> Fact:
     return _matmul_like(n, 0, 1, range(2, len(n.ins)))
 
 
-@rule("Trilu", summary="on the last two axes: not the rows'")
+@rule("", "Trilu", since=14)
+@summary("on the last two axes: not the rows'")
 def _trilu(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -248,7 +249,8 @@ def _trilu(n: Node) -> Fact:
     return n.like(f)
 
 
-@rule("Det", summary="over the last two axes: rows before them")
+@rule("", "Det", since=11)
+@summary("over the last two axes: rows before them")
 def _det(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -257,7 +259,8 @@ def _det(n: Node) -> Fact:
     return n.like(f, shape[:-2])
 
 
-@rule("EyeLike", summary="a static identity: refused where its input holds rows")
+@rule("", "EyeLike", since=9)
+@summary("a static identity: refused where its input holds rows")
 def _eye_like(n: Node) -> Fact:
     f = n.need(0)
     if not f.plain:

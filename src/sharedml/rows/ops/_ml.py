@@ -4,20 +4,27 @@ from __future__ import annotations
 
 from sharedml.rows._dims import BATCH, ONE, Dim, opaque
 from sharedml.rows._facts import Fact, rows_among
-from sharedml.rows._registry import Node, Refused, rule
-
-_ML_ROWWISE = (  # noqa: SIM905 (a table: one name each, compact)
-    "LinearClassifier LinearRegressor SVMClassifier SVMRegressor TreeEnsembleClassifier "
-    "TreeEnsembleRegressor TreeEnsemble Normalizer Scaler Binarizer Imputer LabelEncoder "
-    "OneHotEncoder ZipMap ArrayFeatureExtractor FeatureVectorizer CategoryMapper"
-).split()
+from sharedml.rows._registry import Node, Refused, rule, summary
 
 
-@rule(
-    *_ML_ROWWISE,
-    domain="ai.onnx.ml",
-    summary="one result row per input row: rows on axis 0 of a matrix",
-)
+@rule("ai.onnx.ml", "LinearClassifier", since=1)
+@rule("ai.onnx.ml", "LinearRegressor", since=1)
+@rule("ai.onnx.ml", "SVMClassifier", since=1)
+@rule("ai.onnx.ml", "SVMRegressor", since=1)
+@rule("ai.onnx.ml", "TreeEnsembleClassifier", since=1)
+@rule("ai.onnx.ml", "TreeEnsembleRegressor", since=1)
+@rule("ai.onnx.ml", "TreeEnsemble", since=5)
+@rule("ai.onnx.ml", "Normalizer", since=1)
+@rule("ai.onnx.ml", "Scaler", since=1)
+@rule("ai.onnx.ml", "Binarizer", since=1)
+@rule("ai.onnx.ml", "Imputer", since=1)
+@rule("ai.onnx.ml", "LabelEncoder", since=1)
+@rule("ai.onnx.ml", "OneHotEncoder", since=1)
+@rule("ai.onnx.ml", "ZipMap", since=1)
+@rule("ai.onnx.ml", "ArrayFeatureExtractor", since=1)
+@rule("ai.onnx.ml", "FeatureVectorizer", since=1)
+@rule("ai.onnx.ml", "CategoryMapper", since=1)
+@summary("one result row per input row: rows on axis 0 of a matrix")
 def _ml_rowwise(n: Node) -> list[Fact]:
     facts = [f for f in n.ins if f is not None]
     rows = rows_among(facts)

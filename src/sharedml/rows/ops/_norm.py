@@ -4,21 +4,15 @@ from __future__ import annotations
 
 from sharedml.rows._dims import ONE
 from sharedml.rows._facts import Fact
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 from sharedml.rows.ops._common import along, broadcast, norm_axis, normalized_from
 
 
-@rule(
-    "BatchNormalization",
-    summary="inference only (training computes batch statistics); rows not on the channel axis",
-)
+@rule("", "BatchNormalization", since=7)  # 1/6 train unless an is_test attribute says otherwise
+@summary("inference only (training computes batch statistics); rows not on the channel axis")
 def _batch_norm(n: Node) -> Fact:
     f = n.need(0)
-    training = (
-        n.attr("training_mode", 0)
-        if n.opset >= 14
-        else (0 if n.attr("is_test", 1) or n.opset >= 7 else 1)
-    )
+    training = n.attr("training_mode", 0) if n.opset >= 14 else 0
     if training or (n.outputs > 1 and any(n.proto.output[1:])):
         raise Refused("runs in training mode: it normalizes with statistics of the whole batch")
     n.require_static(range(1, 5), "scale, bias, mean and variance")
@@ -27,7 +21,9 @@ def _batch_norm(n: Node) -> Fact:
     return n.like(f)
 
 
-@rule("InstanceNormalization", "GroupNormalization", summary="statistics per row: rows on axis 0")
+@rule("", "InstanceNormalization", since=1)
+@rule("", "GroupNormalization", since=18)
+@summary("statistics per row: rows on axis 0")
 def _instance_norm(n: Node) -> Fact:
     f = n.need(0)
     n.require_static(range(1, len(n.ins)), "scale and bias")
@@ -36,7 +32,9 @@ def _instance_norm(n: Node) -> Fact:
     return n.like(f)
 
 
-@rule("LayerNormalization", "RMSNormalization", summary="normalizes axes after the rows'")
+@rule("", "LayerNormalization", since=17)
+@rule("", "RMSNormalization", since=23)
+@summary("normalizes axes after the rows'")
 def _layer_norm(n: Node) -> list[Fact]:
     f = n.need(0)
     shape = n.shape(0)
@@ -48,22 +46,16 @@ def _layer_norm(n: Node) -> list[Fact]:
     return [y] + [stats] * (n.outputs - 1)
 
 
-@rule(
-    "LayerNormalization",
-    "SimplifiedLayerNormalization",
-    domain="com.microsoft",
-    summary="normalizes axes after the rows'",
-)
+@rule("com.microsoft", "LayerNormalization", since=1)
+@rule("com.microsoft", "SimplifiedLayerNormalization", since=1)
+@summary("normalizes axes after the rows'")
 def _ms_layer_norm(n: Node) -> list[Fact]:
     return _layer_norm(n)
 
 
-@rule(
-    "SkipLayerNormalization",
-    "SkipSimplifiedLayerNormalization",
-    domain="com.microsoft",
-    summary="adds a skip and normalizes the last axis: rows elsewhere",
-)
+@rule("com.microsoft", "SkipLayerNormalization", since=1)
+@rule("com.microsoft", "SkipSimplifiedLayerNormalization", since=1)
+@summary("adds a skip and normalizes the last axis: rows elsewhere")
 def _skip_layer_norm(n: Node) -> list[Fact]:
     f = n.need(0)
     shape = n.shape(0)
@@ -75,12 +67,14 @@ def _skip_layer_norm(n: Node) -> list[Fact]:
     return outs
 
 
-@rule("LpNormalization", summary="normalizes one axis: not the rows'")
+@rule("", "LpNormalization", since=1)
+@summary("normalizes one axis: not the rows'")
 def _lp_norm(n: Node) -> Fact:
     return along(n, n.attr("axis", -1), "normalizes along the rows' axis")
 
 
-@rule("MeanVarianceNormalization", summary="normalizes its axes (default 0, 2, 3): not the rows'")
+@rule("", "MeanVarianceNormalization", since=9)
+@summary("normalizes its axes (default 0, 2, 3): not the rows'")
 def _mvn(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from sharedml.rows._dims import ONE, product
 from sharedml.rows._facts import Fact
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 from sharedml.rows.ops._common import norm_axis
 
 
-@rule(
-    "QuantizeLinear", "DequantizeLinear", summary="per-tensor or per-axis parameters, not per row"
-)
+@rule("", "QuantizeLinear", since=10)
+@rule("", "DequantizeLinear", since=10)
+@summary("per-tensor or per-axis parameters, not per row")
 def _quantize(n: Node) -> Fact:
     f = n.need(0)
     n.require_static([1, 2], "scale and zero point")
@@ -28,12 +28,11 @@ def _quantize(n: Node) -> Fact:
     return n.like(f)
 
 
-@rule(
-    "DynamicQuantizeLinear",
-    "DynamicQuantizeMatMul",
-    "DynamicQuantizeLSTM",
-    domain="",
-    summary="refused: one quantization scale for the whole tensor, all rows together",
-)
+@rule("", "DynamicQuantizeLinear", since=11)
+# ONNX has no DynamicQuantizeMatMul or DynamicQuantizeLSTM: ORT defines them in com.microsoft,
+# where they have no rule (refused where rows reach them). Kept as registered so far.
+@rule("", "DynamicQuantizeMatMul", since=1)
+@rule("", "DynamicQuantizeLSTM", since=1)
+@summary("refused: one quantization scale for the whole tensor, all rows together")
 def _dynamic_quantize(n: Node) -> Fact:
     raise Refused("quantizes with one scale computed from the whole tensor, all rows together")

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from sharedml.rows._dims import ONE, Dim, opaque
 from sharedml.rows._facts import Fact, rows_among
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 from sharedml.rows.ops._common import norm_axis
 
 
-@rule(
-    "RNN",
-    "GRU",
-    "LSTM",
-    summary="rows on the batch axis of its layout (1 time-major, 0 batch-major)",
-)
+@rule("", "RNN", since=1)
+@rule("", "GRU", since=1)
+@rule("", "LSTM", since=1)
+@summary("rows on the batch axis of its layout (1 time-major, 0 batch-major)")
 def _recurrent(n: Node) -> list[Fact]:
     layout = n.attr("layout", 0)
     batch_axis = 0 if layout else 1
@@ -47,7 +45,8 @@ def _recurrent(n: Node) -> list[Fact]:
     return outs
 
 
-@rule("ReverseSequence", summary="rows on batch_axis, their own lengths")
+@rule("", "ReverseSequence", since=10)
+@summary("rows on batch_axis, their own lengths")
 def _reverse_sequence(n: Node) -> Fact:
     f, lens = n.need(0), n.need(1)
     shape = n.shape(0)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from sharedml.rows._dims import ONE, ZERO, Dim, opaque, product
 from sharedml.rows._facts import Fact
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 from sharedml.rows.ops._common import along, listed_axes, norm_axis, normalized_from
 
 
-@rule(
-    "Softmax",
-    "LogSoftmax",
-    "Hardmax",
-    summary="over one axis (opset 13+) or the axes from it: not the rows'",
-)
+@rule("", "Softmax", since=1)
+@rule("", "LogSoftmax", since=1)
+@rule("", "Hardmax", since=1)
+@summary("over one axis (opset 13+) or the axes from it: not the rows'")
 def _softmax(n: Node) -> Fact:
     if n.opset >= 13:
         return along(n, n.attr("axis", -1), "normalizes along the rows' axis")
@@ -22,19 +20,24 @@ def _softmax(n: Node) -> Fact:
     return n.like(f)
 
 
-@rule("QLinearSoftmax", domain="com.microsoft", summary="as Softmax")
+@rule("com.microsoft", "QLinearSoftmax", since=1)
+@summary("as Softmax")
 def _qlinear_softmax(n: Node) -> Fact:
     n.require_static(range(1, len(n.ins)), "quantization parameters")
     return _softmax(n)
 
 
-_REDUCE = (  # noqa: SIM905 (a table: one name each, compact)
-    "ReduceSum ReduceMean ReduceMax ReduceMin ReduceProd ReduceL1 ReduceL2 ReduceLogSum "
-    "ReduceLogSumExp ReduceSumSquare"
-).split()
-
-
-@rule(*_REDUCE, summary="reduces axes other than the rows' (no axes: all of them)")
+@rule("", "ReduceSum", since=1)
+@rule("", "ReduceMean", since=1)
+@rule("", "ReduceMax", since=1)
+@rule("", "ReduceMin", since=1)
+@rule("", "ReduceProd", since=1)
+@rule("", "ReduceL1", since=1)
+@rule("", "ReduceL2", since=1)
+@rule("", "ReduceLogSum", since=1)
+@rule("", "ReduceLogSumExp", since=1)
+@rule("", "ReduceSumSquare", since=1)
+@summary("reduces axes other than the rows' (no axes: all of them)")
 def _reduce(n: Node) -> Fact:
     f = n.need(0)
     shape = f.shape
@@ -72,7 +75,9 @@ def _reduce(n: Node) -> Fact:
     return n.plain(out, value)
 
 
-@rule("ArgMax", "ArgMin", summary="along an axis other than the rows'")
+@rule("", "ArgMax", since=1)
+@rule("", "ArgMin", since=1)
+@summary("along an axis other than the rows'")
 def _argmax(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -90,7 +95,8 @@ def _argmax(n: Node) -> Fact:
     return n.plain(out)
 
 
-@rule("TopK", summary="along an axis other than the rows'; a static K")
+@rule("", "TopK", since=1)
+@summary("along an axis other than the rows'; a static K")
 def _topk(n: Node) -> list[Fact]:
     f = n.need(0)
     shape = n.shape(0)
@@ -108,7 +114,8 @@ def _topk(n: Node) -> list[Fact]:
     return [n.like(f, out), n.like(f, out)]
 
 
-@rule("CumSum", summary="along an axis other than the rows'")
+@rule("", "CumSum", since=11)
+@summary("along an axis other than the rows'")
 def _cumsum(n: Node) -> Fact:
     axis = n.ints(1, "axis")
     if not axis:

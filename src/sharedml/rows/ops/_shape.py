@@ -18,7 +18,7 @@ from sharedml.rows._facts import (
     rows_among,
     tensor_values,
 )
-from sharedml.rows._registry import Node, Refused, rule
+from sharedml.rows._registry import Node, Refused, rule, summary
 from sharedml.rows.ops._common import join_dim, listed_axes, norm_axis, number
 
 
@@ -32,7 +32,8 @@ def _dims_value(n: Node, i: int, what: str) -> list[Dim] | None:
     return list(values)
 
 
-@rule("Shape", summary="a shape: sized by N where the input holds rows")
+@rule("", "Shape", since=1)
+@summary("a shape: sized by N where the input holds rows")
 def _shape_op(n: Node) -> Fact:
     f = n.need(0)
     if f.shape is None:
@@ -46,7 +47,8 @@ def _shape_op(n: Node) -> Fact:
     return n.plain([Dim.of(len(picked))], picked)
 
 
-@rule("Size", summary="an element count: sized by N where the input holds rows")
+@rule("", "Size", since=1)
+@summary("an element count: sized by N where the input holds rows")
 def _size(n: Node) -> Fact:
     f = n.need(0)
     if f.shape is None:
@@ -54,10 +56,8 @@ def _size(n: Node) -> Fact:
     return n.plain((), [product(f.shape)])
 
 
-@rule(
-    "ConstantOfShape",
-    summary="a filled tensor: holds rows (all alike) where its shape has N on exactly one axis",
-)
+@rule("", "ConstantOfShape", since=9)
+@summary("a filled tensor: holds rows (all alike) where its shape has N on exactly one axis")
 def _constant_of_shape(n: Node) -> Fact:
     dims = _dims_value(n, 0, "shape")
     if dims is None:
@@ -155,7 +155,8 @@ def _reshape_target(n: Node, f: Fact, target: list[Dim], allowzero: bool) -> lis
     return [d for d in out if d is not None]
 
 
-@rule("Reshape", summary="rows stay whole where the new shape keeps them, row-major, on one axis")
+@rule("", "Reshape", since=1)
+@summary("rows stay whole where the new shape keeps them, row-major, on one axis")
 def _reshape(n: Node) -> Fact:
     f = n.need(0)
     target = (
@@ -177,7 +178,8 @@ def _reshape(n: Node) -> Fact:
     return _reshape_rows(n, f, _reshape_target(n, f, target, allowzero))
 
 
-@rule("Flatten", summary="as Reshape to [prod(dims before axis), prod(dims from axis)]")
+@rule("", "Flatten", since=1)
+@summary("as Reshape to [prod(dims before axis), prod(dims from axis)]")
 def _flatten(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -191,7 +193,8 @@ def _flatten(n: Node) -> Fact:
     return _reshape_rows(n, f, out)
 
 
-@rule("Transpose", summary="the rows move with their axis")
+@rule("", "Transpose", since=1)
+@summary("the rows move with their axis")
 def _transpose(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -207,7 +210,8 @@ def _transpose(n: Node) -> Fact:
     return n.plain(out, sized=f.kind is Kind.SIZED)
 
 
-@rule("Squeeze", summary="drops size-1 axes; never the rows' axis")
+@rule("", "Squeeze", since=1)
+@summary("drops size-1 axes; never the rows' axis")
 def _squeeze(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -229,7 +233,8 @@ def _squeeze(n: Node) -> Fact:
     return n.plain(out, f.value, sized=None if f.value is not None else f.kind is Kind.SIZED)
 
 
-@rule("Unsqueeze", summary="inserts size-1 axes; the rows move with theirs")
+@rule("", "Unsqueeze", since=1)
+@summary("inserts size-1 axes; the rows move with theirs")
 def _unsqueeze(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -251,7 +256,8 @@ def _unsqueeze(n: Node) -> Fact:
     return n.plain(out, f.value, sized=None if f.value is not None else f.kind is Kind.SIZED)
 
 
-@rule("Concat", summary="joins tensors on an axis other than the rows' (rows with rows only)")
+@rule("", "Concat", since=4)  # Concat-1 joined on axis 1 where no axis attribute was given
+@summary("joins tensors on an axis other than the rows' (rows with rows only)")
 def _concat(n: Node) -> Fact:
     return _concat_facts(n, [f for f in n.ins if f is not None])
 
@@ -286,7 +292,8 @@ def _concat_facts(n: Node, facts: list[Fact]) -> Fact:
     return n.rows(out, first.axis, first.fold)
 
 
-@rule("QLinearConcat", domain="com.microsoft", summary="as Concat")
+@rule("com.microsoft", "QLinearConcat", since=1)
+@summary("as Concat")
 def _qlinear_concat(n: Node) -> Fact:
     # Inputs: y_scale, y_zero_point, then (tensor, scale, zero_point) triples.
     n.require_static([0, 1], "quantization parameters")
@@ -295,7 +302,8 @@ def _qlinear_concat(n: Node) -> Fact:
     return _concat_facts(n, [f for i in tensors if (f := n.ins[i]) is not None])
 
 
-@rule("Split", summary="splits an axis other than the rows'")
+@rule("", "Split", since=2)  # Split-1 could take its sizes from an input, which this rule ignores
+@summary("splits an axis other than the rows'")
 def _split(n: Node) -> list[Fact]:
     f = n.need(0)
     shape = n.shape(0)
@@ -326,7 +334,8 @@ def _split(n: Node) -> list[Fact]:
     return outs
 
 
-@rule("Slice", summary="slices other axes; the rows' axis only whole (start 0, step 1, to the end)")
+@rule("", "Slice", since=1)
+@summary("slices other axes; the rows' axis only whole (start 0, step 1, to the end)")
 def _slice(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -400,7 +409,8 @@ def _slice_len(dim: Dim, start: Value, end: Value, step: int) -> Dim:
     return opaque([dim])
 
 
-@rule("Expand", summary="broadcasts to a shape; N may appear only on the rows' axis")
+@rule("", "Expand", since=8)
+@summary("broadcasts to a shape; N may appear only on the rows' axis")
 def _expand(n: Node) -> Fact:
     f = n.need(0)
     target = _dims_value(n, 1, "shape")
@@ -448,7 +458,8 @@ def _spread(n: Node, f: Fact, sizes: Sequence[Dim], base: Sequence[Dim], out: li
     return n.rows(out, k, fold)
 
 
-@rule("Tile", summary="repeats other axes; the rows' axis only once")
+@rule("", "Tile", since=6)  # Tile-1 took a scalar count and an axis
+@summary("repeats other axes; the rows' axis only once")
 def _tile(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -466,7 +477,8 @@ def _tile(n: Node) -> Fact:
     return n.pinned(_spread(n, f, reps, shape, out), 1)
 
 
-@rule("Pad", summary="pads other axes; never the rows'")
+@rule("", "Pad", since=2)  # Pad-1 named its pads "paddings"
+@summary("pads other axes; never the rows'")
 def _pad(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -491,7 +503,9 @@ def _pad(n: Node) -> Fact:
     return n.like(f, out)
 
 
-@rule("Resize", "Upsample", summary="resizes other axes; the rows' axis keeps scale 1 (or size N)")
+@rule("", "Resize", since=10)
+@rule("", "Upsample", since=7)  # Upsample-1 had height_scale and width_scale attributes
+@summary("resizes other axes; the rows' axis keeps scale 1 (or size N)")
 def _resize(n: Node) -> Fact:
     f = n.need(0)
     shape = n.shape(0)
@@ -539,7 +553,8 @@ def _resize(n: Node) -> Fact:
     return n.like(f, out)
 
 
-@rule("Range", summary="a static sequence; one that counts rows is refused where it meets them")
+@rule("", "Range", since=11)
+@summary("a static sequence; one that counts rows is refused where it meets them")
 def _range(n: Node) -> Fact:
     facts = [n.need(i) for i in range(3)]
     if rows_among(facts):
