@@ -18,10 +18,11 @@ Every tensor gets a :class:`Fact`:
   in row order), and every slice along it depends only on its own row and on static tensors.
 - ``MIXED``: anything else, with the node that made it so (a :class:`Refusal`).
 
-A rule per operator (registered in :mod:`sharedml.rows.ops`; docs/batching.md lists them) says
-what its outputs are given its inputs. An operator without a rule keeps a tensor static if all
-its inputs are, and refuses any input that carries rows. A model is batchable when every output
-is ``ROWS`` on axis 0, one entry per row.
+A rule per operator (registered in :mod:`sharedml.rows.ops` on a line of its own, with the first
+opset it covers; docs/batching.md lists them) says what its outputs are given its inputs. An
+operator without a rule keeps a tensor static if all its inputs are, and refuses any input that
+carries rows; a node older than its rule's first opset is refused whatever its inputs. A model
+is batchable when every output is ``ROWS`` on axis 0, one entry per row.
 
 No declared shape is trusted but the graph inputs' (requests are checked against them): not an
 output's, not a ``value_info``, not a subgraph's. Every other shape is derived from the inputs
