@@ -196,6 +196,26 @@ MIXING: dict[str, tuple[Callable[[], ModelProto], list[dict[str, np.ndarray]]]] 
         lambda: model([helper.make_node("Einsum", ["x"], ["y"], equation="ii->i")], X, Y),
         x_feeds(rows=(4, 4)),
     ),
+    "Resize keeping the aspect ratio, the rows' axis among its axes": (
+        lambda: model(
+            [
+                helper.make_node("Shape", ["x"], ["s"], start=0, end=2),
+                helper.make_node("Concat", ["s", "hw"], ["sizes"], axis=0),
+                helper.make_node(
+                    "Resize",
+                    ["x", "", "", "sizes"],
+                    ["y"],
+                    mode="nearest",
+                    keep_aspect_ratio_policy="not_larger",
+                ),
+            ],
+            [("x", F, ["N", 3, 4, 4])],
+            Y,
+            [ints("hw", [2, 2])],
+            opset=18,
+        ),
+        [{"x": np.full((2, 3, 4, 4), k, np.float32)} for k in range(2)],
+    ),
     "Softmax over axis 0": (
         lambda: model([helper.make_node("Softmax", ["x"], ["y"], axis=0)], X, Y),
         x_feeds(),
@@ -527,6 +547,32 @@ def test_an_operator_the_analysis_does_not_know_is_refused_by_name() -> None:
     )
     why = refusal(m)
     assert why is not None and "'mystery' (Frobnicate)" in why and "does not know" in why
+
+
+def test_an_unknown_operator_whose_subgraph_reads_the_rows_is_refused() -> None:
+    body = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "ax0"], ["s"])],  # x: from the enclosing graph
+        "body",
+        [],
+        [helper.make_tensor_value_info("s", F, None)],
+        [ints("ax0", [0])],
+    )
+    m = model(
+        [
+            helper.make_node(
+                "Frobnicate", ["w"], ["z"], domain="example.custom", name="mystery", body=body
+            ),
+            helper.make_node("Add", ["x", "z"], ["y"]),
+        ],
+        X,
+        Y,
+        [const("w", np.ones((1, 4)))],
+        domains=[("example.custom", 1)],
+    )
+    why = refusal(m)
+    assert why is not None and "'mystery' (Frobnicate)" in why and "enclosing graph" in why
+    m.graph.node[0].attribute[0].g.node[0].input[0] = "w"  # over static values only: static
+    assert "Frobnicate" not in (refusal(m) or "")  # (its result, of unknown rank, is refused)
 
 
 def test_rows_independent_takes_the_callers_word_and_skips_the_analysis() -> None:

@@ -172,6 +172,14 @@ ACCEPTED: dict[str, tuple[Callable[[], ModelProto], list[dict[str, np.ndarray]]]
         x_feeds(),
     ),
     "MultiHeadAttention, self-attention": (lambda: mk(mha(), [X], []), x_feeds()),
+    "SimplifiedLayerNormalization in the ONNX domain (ORT's RMS norm)": (
+        lambda: mk(
+            helper.make_node("SimplifiedLayerNormalization", ["x", "scale"], ["y"], axis=-1),
+            [X],
+            [w("scale", H)],
+        ),
+        x_feeds(),
+    ),
     "RotaryEmbedding, one static position offset ([1])": (
         lambda: rotary(c("pos", [1], np.int64)),
         x_feeds(),

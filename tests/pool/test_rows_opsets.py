@@ -105,7 +105,7 @@ def test_each_rule_starts_at_a_version_onnx_defines_for_its_operator() -> None:
     checked = 0
     for entry in rule_entries():
         known = versions.get((entry.domain, entry.op_type))
-        if known is None:  # com.microsoft's operators (all version 1), and two strays
+        if known is None:  # com.microsoft, and ORT's SimplifiedLayerNormalization in ai.onnx
             assert entry.since == 1, entry
             continue
         # A rule starts at its operator's first version or at a later version of it, never

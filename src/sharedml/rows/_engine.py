@@ -209,9 +209,19 @@ class RowAnalysis:
     def _unruled(self, n: Node, count: int) -> list[Fact]:
         """An operator without a rule: static stays static; rows are refused."""
         facts = [f for f in n.ins if f is not None]
+        domain = n.proto.domain or "ai.onnx"
         if rows_among(facts):
-            domain = n.proto.domain or "ai.onnx"
             return [self._mixed(n, f"is an operator ({domain}) the analysis does not know")] * count
+        outer = [n.scope.get(name) for name in sorted(_outer_names(n.proto))]
+        if any(f is None or f.kind is not Kind.STATIC for f in outer):
+            # Its subgraph reads values of the enclosing graphs that its inputs do not show.
+            return [
+                self._mixed(
+                    n,
+                    f"is an operator ({domain}) the analysis does not know, whose subgraph "
+                    "reads the rows (or their count) from the enclosing graph",
+                )
+            ] * count
         sized = any(f.kind is Kind.SIZED for f in facts)
         return [
             Fact(Kind.SIZED if sized else Kind.STATIC, sources=n.sources if sized else frozenset())
@@ -296,3 +306,17 @@ def rules_table() -> list[tuple[str, str, str]]:
     :func:`rule_entries` gives each operator's first opset as well.
     """
     return [(e.domain, e.op_type, e.summary) for e in rule_entries()]
+
+
+def _outer_names(node: NodeProto) -> set[str]:
+    """The names a node's subgraphs read from the graphs that enclose the node."""
+    found: set[str] = set()
+    for a in node.attribute:
+        subs = [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)
+        for g in subs:
+            defined = {v.name for v in g.input} | {t.name for t in g.initializer}
+            for inner in g.node:
+                found.update(n for n in inner.input if n and n not in defined)
+                found.update(_outer_names(inner) - defined)
+                defined.update(inner.output)
+    return found

@@ -48,6 +48,8 @@ def _layer_norm(n: Node) -> list[Fact]:
 
 @rule("com.microsoft", "LayerNormalization", since=1)
 @rule("com.microsoft", "SimplifiedLayerNormalization", since=1)
+# ORT registers its RMS norm in the ONNX domain as well (what its LLM exports use).
+@rule("", "SimplifiedLayerNormalization", since=1)
 @summary("normalizes axes after the rows'")
 def _ms_layer_norm(n: Node) -> list[Fact]:
     return _layer_norm(n)

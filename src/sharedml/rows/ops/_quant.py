@@ -29,10 +29,8 @@ def _quantize(n: Node) -> Fact:
 
 
 @rule("", "DynamicQuantizeLinear", since=11)
-# ONNX has no DynamicQuantizeMatMul or DynamicQuantizeLSTM: ORT defines them in com.microsoft,
-# where they have no rule (refused where rows reach them). Kept as registered so far.
-@rule("", "DynamicQuantizeMatMul", since=1)
-@rule("", "DynamicQuantizeLSTM", since=1)
+@rule("com.microsoft", "DynamicQuantizeMatMul", since=1)
+@rule("com.microsoft", "DynamicQuantizeLSTM", since=1)
 @summary("refused: one quantization scale for the whole tensor, all rows together")
 def _dynamic_quantize(n: Node) -> Fact:
     raise Refused("quantizes with one scale computed from the whole tensor, all rows together")

@@ -524,6 +524,15 @@ def _resize(n: Node) -> Fact:
         if size_in is not None and n.input(size_in) is not None
         else None
     )
+    policy = n.attr("keep_aspect_ratio_policy", "stretch")
+    if sizes is not None and policy != "stretch":
+        # One scale for every axis in `axes` (the smallest or largest of their ratios): the
+        # rows' axis among them is scaled as the others are.
+        if f.rows and f.axis in axes:
+            raise Refused(f"resizes with keep_aspect_ratio_policy '{policy}' over the rows' axis")
+        for a in axes:
+            out[a] = opaque([shape[a], *sizes])
+        return n.like(f, out)
     if sizes is not None and len(sizes) == len(axes):
         for a, s in zip(axes, sizes, strict=True):
             if f.rows and a == f.axis:
