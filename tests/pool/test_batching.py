@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
+from sharedml.pool._batching import UNTOLD_GAP
 
 DIM = 32
 
@@ -398,18 +400,100 @@ def test_a_model_that_mixes_rows_despite_the_callers_word_is_caught_by_the_first
         assert pool.stats().batches == stats.batches
 
 
-def test_the_first_merge_of_different_rows_is_checked_once_against_solo_runs(model: Path) -> None:
-    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
-        assert "analysis proved" in pool.batching_reason
+def test_merged_batches_are_checked_first_and_then_within_check_within(model: Path) -> None:
+    def three_batches(pool: sharedml.SessionPool) -> sharedml.PoolStats:
         for seed in range(3):
             outs = queue_behind_a_checkout(
                 pool,
                 [lambda s=s: pool.run(None, feed(2, s)) for s in range(10 * seed, 10 * seed + 3)],
             )
             assert all(not isinstance(o, BaseException) for o in outs)
-        stats = pool.stats()
-        assert stats.batch_checks == 1 and stats.batch_mismatches == 0
+        return pool.stats()
+
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        assert "analysis proved" in pool.batching_reason
+        stats = three_batches(pool)
+        assert 1 <= stats.batch_checks <= 3 and stats.batch_mismatches == 0
         assert stats.batches == 3 and pool.batching is not None
+    # check_within=1: every merged batch (a spot check after the first, full one); None: the
+    # first only, once it could have shown a leak.
+    with sharedml.SessionPool(
+        model, sessions=1, batching=sharedml.Batching(check_within=1)
+    ) as pool:
+        stats = three_batches(pool)
+        assert (stats.batch_checks, stats.check_runs) == (3, 3 + 1 + 1)
+    with sharedml.SessionPool(
+        model, sessions=1, batching=sharedml.Batching(check_within=None)
+    ) as pool:
+        stats = three_batches(pool)
+        assert (stats.batch_checks, stats.check_runs) == (1, 3)
+        assert 0 < stats.check_seconds < stats.run_seconds
+
+
+def _leaks_above(path: Path, threshold: float) -> Path:
+    """y = x + the batch's column sums of relu(x - threshold): rows mix only above it."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Sub", ["x", "t"], ["shifted"]),
+            helper.make_node("Relu", ["shifted"], ["over"]),
+            helper.make_node("ReduceSum", ["over", "axes"], ["total"], keepdims=1),
+            helper.make_node("Add", ["x", "total"], ["y"]),
+        ],
+        "leaks_above",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+        initializer=[
+            numpy_helper.from_array(np.array(threshold, np.float32), "t"),
+            numpy_helper.from_array(np.array([0], np.int64), "axes"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    return save_model(model, path)
+
+
+@pytest.mark.parametrize("priming", ["settled", "zeros", "zero-sum"])
+def test_a_leak_is_caught_within_check_within_batches_whatever_came_first(
+    tmp_path: Path, priming: str
+) -> None:
+    # A model that mixes rows only for values above 10 (taken on the caller's word): batches
+    # below it settle the class (or, zeros and zero-sum rows, prove nothing), then every batch
+    # leaks. A check must come within check_within of them (UNTOLD_GAP after harmless rows),
+    # give that batch's callers their solo results, and stop merging.
+    path = _leaks_above(tmp_path / "leaks.onnx", 10.0)
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    batching = sharedml.Batching(max_delay_ms=0, rows_independent=True, check_within=16)
+    within = 16 if priming == "settled" else UNTOLD_GAP
+
+    def prime(b: int) -> list[np.ndarray]:
+        if priming == "zeros":
+            return [np.zeros((1, 4), np.float32), np.full((1, 4), 1e-7 * (b + 1), np.float32)]
+        if priming == "zero-sum":
+            row = rng.uniform(1, 5, (1, 4)).astype(np.float32)
+            return [np.concatenate([row, -row]), np.array([[1, -1, 2, -2]] * 2, np.float32)]
+        return [rng.uniform(0, 5, (1, 4)).astype(np.float32) for _ in range(2)]
+
+    with sharedml.SessionPool(path, sessions=1, batching=batching) as pool:
+        for b in range(24):
+            queue_behind_a_checkout(pool, [lambda x=x: pool.run(None, {"x": x}) for x in prime(b)])
+        assert pool.stats().batch_mismatches == 0 and pool.batching is not None
+        shapes = [x.shape for x in prime(0)]
+        for _ in range(within):
+            inputs = [rng.uniform(20, 30, shape).astype(np.float32) for shape in shapes]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                outs = queue_behind_a_checkout(
+                    pool, [lambda x=x: pool.run(None, {"x": x}) for x in inputs]
+                )
+            if pool.stats().batch_mismatches:
+                break
+        else:
+            pytest.fail(f"{within} leaking batches in a row went unchecked")
+        assert any("other values than running its request alone" in str(w.message) for w in caught)
+        assert pool.batching is None and not pool.stats().batching
+    for x, out in zip(inputs, outs, strict=True):
+        np.testing.assert_array_equal(out[0], plain.run(None, {"x": x})[0])
 
 
 def test_a_request_of_zero_rows_runs_alone_and_never_stops_merging(model: Path) -> None:

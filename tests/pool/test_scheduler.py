@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 from _waiting import DEADLINE_S, wait_until
 
 from sharedml import Batching, InvalidInputError, PoolClosedError, SessionCreationError
-from sharedml.pool._batching import Request
+from sharedml.pool._batching import UNTOLD_GAP, Request
 from sharedml.pool._creation import create_with_retries
 from sharedml.pool._scheduler import Scheduler
 
@@ -27,13 +28,25 @@ POISON = -1.0  # a row holding this fails any run it is in, as a bad input would
 
 
 class FakeSessions:
-    """A session source whose sessions compute ``2 * x + 1`` (no ORT)."""
+    """A session source whose sessions compute ``2 * x + 1`` (no ORT).
 
-    def __init__(self, *, fail_merged: bool = False, interrupt_merged: bool = False) -> None:
+    ``leak_above``: a run whose feed holds a value above it adds the feed's column sums to
+    every row (a batch statistic): a model that mixes rows only for some inputs.
+    """
+
+    def __init__(
+        self,
+        *,
+        fail_merged: bool = False,
+        interrupt_merged: bool = False,
+        leak_above: float | None = None,
+    ) -> None:
         self.fail_merged = fail_merged
         self.interrupt_merged = interrupt_merged
+        self.leak_above = leak_above
         self.lock = threading.Lock()
         self.feeds: list[tuple[int, bool]] = []  # (rows, merged) of every run
+        self.seen: list[np.ndarray] = []  # the rows of every run
         self.created = 0
         self.running: set[int] = set()
         self.overlapped = False  # two runs on one session at once
@@ -49,6 +62,7 @@ class FakeSessions:
             self.overlapped |= session in self.running
             self.running.add(session)
             self.feeds.append((len(x), feed is not None))
+            self.seen.append(x.copy())
         try:
             if feed is not None and self.interrupt_merged:
                 raise KeyboardInterrupt
@@ -56,6 +70,8 @@ class FakeSessions:
                 raise RuntimeError("the merged run failed")
             if (x == POISON).any():
                 raise ValueError("a row holds the poison value")
+            if self.leak_above is not None and (x > self.leak_above).any():
+                return [x * 2.0 + 1.0 + x.sum(axis=0)]
             return [x * 2.0 + 1.0]
         finally:
             with self.lock:
@@ -79,10 +95,16 @@ def make() -> Iterator[Callable[..., tuple[Scheduler, FakeSessions]]]:
     made: list[Scheduler] = []
 
     def factory(
-        sessions: int = 1, *, batching: Batching | None = None, **fake: bool
+        sessions: int = 1,
+        *,
+        batching: Batching | None = None,
+        check_seed: int | None = None,
+        **fake: Any,
     ) -> tuple[Scheduler, FakeSessions]:
         source = FakeSessions(**fake)
-        scheduler = Scheduler(source, max_sessions=sessions, batching=batching)
+        scheduler = Scheduler(
+            source, max_sessions=sessions, batching=batching, check_seed=check_seed
+        )
         scheduler.add_sessions([source.create() for _ in range(sessions)])
         made.append(scheduler)
         return scheduler, source
@@ -310,3 +332,151 @@ def test_background_creation_retries_and_tells_the_waiting_caller_of_a_failure()
     assert (stats.creation_failures, stats.created, stats.sessions) == (2, 1, 1)
     scheduler.checkin(scheduler.checkout(timeout_s=DEADLINE_S))  # the retry's session serves
     scheduler.close(None, deadline=None)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks of merged batches against solo runs: found within a bound, whatever came first
+
+LEAK = 100.0  # FakeSessions(leak_above=LEAK): rows above it mix with the batch's other rows
+
+
+def merged_batch(scheduler: Scheduler, inputs: list[np.ndarray]) -> list[Any]:
+    """Run ``inputs`` as one merged batch (queued behind a checkout, no threads); results."""
+    session = scheduler.checkout(None)
+    futures = [scheduler.submit(request(x)) for x in inputs]
+    scheduler.checkin(session)
+    return [f.result(DEADLINE_S) for f in futures]
+
+
+def distinct(batch: int, members: int = 2) -> list[np.ndarray]:
+    """``members`` requests of one row each, unlike any other batch's and not blank."""
+    return [rows(1, 1 + batch + i / 10) for i in range(members)]
+
+
+# Requests (POISON-free) whose rows add nothing to a batch sum: a leak cannot show through them.
+HARMLESS: list[Callable[[int], list[np.ndarray]]] = [
+    lambda b: [np.zeros((1, 3)), np.zeros((1, 3)) + 1e-9 * (b + 1)],  # zeros, near-zeros
+    lambda b: [np.full((1, 3), b + 1.0), np.full((1, 3), b + 2.0)],  # one value throughout
+    lambda b: [np.array([[b + 2.0, -(b + 2.0), 0]]), np.array([[1.0, 2.0, -3.0]])],  # zero sums
+    lambda b: [
+        np.array([[1.0, 2, 5], [-1, -2, -5]]) * (2 + b / 8),
+        np.array([[3.0, 2, 4], [-3, -2, -4]]),
+    ],
+    lambda b: [  # every position of the sequence the same vector
+        np.tile([[[1.0, 2, 3 + b]]], (1, 4, 1)),
+        np.tile([[[5.0, b, 6]]], (1, 4, 1)),
+    ],
+]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_leak_after_settled_traffic_is_found_within_check_within_batches(
+    make: Callable[..., tuple[Scheduler, FakeSessions]], seed: int
+) -> None:
+    # 40 batches that cannot leak settle the class (checks spread out to gaps of up to 8);
+    # then every batch leaks, and a check must come within 8 of them.
+    batching = Batching(max_batch_size=2, max_delay_ms=0, check_within=8)
+    scheduler, _ = make(1, batching=batching, check_seed=seed, leak_above=LEAK)
+    for b in range(40):
+        merged_batch(scheduler, distinct(b))
+    settled = scheduler.stats()
+    assert settled.batch_mismatches == 0 and 5 <= settled.batch_checks < 40  # sampled
+    for n in range(1, 9):
+        inputs = distinct(LEAK + 10 * n)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = merged_batch(scheduler, inputs)
+        if scheduler.stats().batch_mismatches:
+            break
+    else:
+        pytest.fail("8 leaking batches in a row went unchecked")
+    assert any("stops merging" in str(w.message) for w in caught)
+    for x, out in zip(inputs, outs, strict=True):  # the batch caught: each caller's solo result
+        np.testing.assert_array_equal(out[0], x * 2.0 + 1.0 + x.sum(axis=0))
+    assert scheduler.batching is None and not scheduler.stats().batching
+
+
+@pytest.mark.parametrize("harmless", range(len(HARMLESS)))
+@pytest.mark.parametrize("seed", range(6))
+def test_priming_with_harmless_rows_buys_no_gaps_between_checks(
+    make: Callable[..., tuple[Scheduler, FakeSessions]], harmless: int, seed: int
+) -> None:
+    # Batches whose rows could not show a leak (zeros, one value, zero sums, one vector at every
+    # position) are checked but prove nothing: however many passed, the class is checked at
+    # least every UNTOLD_GAP batches, so the leak that follows is found within that many.
+    shapes = [x.shape for x in HARMLESS[harmless](0)]
+    batching = Batching(max_batch_size=2 * shapes[0][0], max_delay_ms=0)  # check_within: 64
+    scheduler, _ = make(1, batching=batching, check_seed=seed, leak_above=LEAK)
+    for b in range(30):
+        merged_batch(scheduler, HARMLESS[harmless](b))
+    assert scheduler.stats().batch_checks >= 30 // UNTOLD_GAP
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the leaders' threads warn: recorded, not raised
+        for n in range(1, UNTOLD_GAP + 1):
+            leaking = [  # the same class: the same shapes
+                np.arange(np.prod(shape)).reshape(shape) / 10 + (LEAK if i == 0 else 7) + n
+                for i, shape in enumerate(shapes)
+            ]
+            merged_batch(scheduler, leaking)
+            if scheduler.stats().batch_mismatches:
+                break
+        else:
+            pytest.fail(f"{UNTOLD_GAP} leaking batches after harmless ones went unchecked")
+    assert any("stops merging" in str(w.message) for w in caught)
+
+
+def test_the_first_batch_of_every_class_is_checked_in_full(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    batching = Batching(max_batch_size=8, max_delay_ms=0, check_within=None)
+    scheduler, source = make(1, batching=batching, check_seed=0)
+    merged_batch(scheduler, distinct(0))
+    for b in range(1, 10):  # settled: check_within=None checks no more
+        merged_batch(scheduler, distinct(b))
+    assert (scheduler.stats().batch_checks, scheduler.stats().check_runs) == (1, 2)
+    # A new row bucket (4 rows), a new non-batch shape, new output names: each checked at once.
+    merged_batch(scheduler, distinct(20, members=4))
+    merged_batch(scheduler, [rows(1, 30)[:, :2], rows(1, 31)[:, :2]])
+    session = scheduler.checkout(None)
+    futures = [
+        scheduler.submit(Request(("y",), {"x": x}, None, 1, key=(("x", (3,)), ("y",))))
+        for x in distinct(40)
+    ]
+    scheduler.checkin(session)
+    [f.result(DEADLINE_S) for f in futures]
+    stats = scheduler.stats()
+    assert (stats.batch_checks, stats.check_runs) == (4, 2 + 4 + 2 + 2)  # full: every request
+    assert stats.batch_mismatches == 0 and len(source.feeds) == 13 + stats.check_runs
+
+
+def test_equal_requests_are_not_checked_and_the_next_different_batch_is(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    scheduler, _ = make(1, batching=Batching(max_batch_size=2, max_delay_ms=0), check_seed=0)
+    x = rows(1, 5)
+    for _ in range(5):
+        merged_batch(scheduler, [x, x.copy()])
+    assert scheduler.stats().batch_checks == 0
+    merged_batch(scheduler, distinct(1))
+    assert scheduler.stats().batch_checks == 1
+
+
+def test_a_spot_check_reruns_one_request_and_a_failed_one_gives_every_caller_its_solo_result(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    batching = Batching(max_batch_size=4, max_delay_ms=0, check_within=1)  # every batch
+    scheduler, _ = make(1, batching=batching, check_seed=3, leak_above=LEAK)
+    for b in range(4):
+        merged_batch(scheduler, distinct(b, members=4))
+    stats = scheduler.stats()
+    assert (stats.batch_checks, stats.check_runs) == (4, 4 + 3)  # one full, then spot checks
+    inputs = [rows(1, 1), rows(1, LEAK + 1), rows(1, 2), rows(1, 3)]
+    with pytest.warns(RuntimeWarning, match="other values than running its request alone"):
+        outs = merged_batch(scheduler, inputs)
+    for x, out in zip(inputs, outs, strict=True):
+        solo = x * 2.0 + 1.0 + (x.sum(axis=0) if (x > LEAK).any() else 0)
+        np.testing.assert_array_equal(out[0], solo)
+    stats = scheduler.stats()
+    assert (stats.batch_checks, stats.batch_mismatches, stats.check_runs) == (5, 1, 7 + 4)
+    assert stats.check_seconds > 0 and scheduler.batching is None
+    assert stats.busy == 0 and stats.waiting == 0

@@ -27,10 +27,13 @@ outputs can differ from a solo run in the last bits of float precision (``docs/b
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import math
 import operator
+import random
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -49,13 +52,19 @@ __all__ = [
     "Batching",
     "BatchingDefault",
     "BatchingSetting",
+    "CheckKind",
+    "CheckSchedule",
     "Request",
     "Signature",
+    "UNTOLD_GAP",
+    "blank_feed",
     "bucket_for",
     "merge",
+    "same_feed",
     "same_results",
     "signature_of",
     "split",
+    "tells",
 ]
 
 # With Batching(max_delay_ms=None): the most a session waits for the rows it expects, as a share
@@ -118,9 +127,17 @@ class Batching:
             ORT's arrays either way.
         rows_independent: Take the caller's word that every output row depends only on its own
             input row, and merge without the row-independence analysis (for a model it cannot
-            prove, e.g. one with a custom operator). The pool still checks its first merged
-            batches against solo runs and stops merging on a mismatch. False (default): merge
-            only models the analysis proves.
+            prove, e.g. one with a custom operator). The pool still checks merged batches
+            against solo runs (``check_within``) and stops merging on a mismatch. False
+            (default): merge only models the analysis proves.
+        check_within: The most merged batches of different requests, in one class of batches
+            (the requests' input signature and the batch's power-of-two row bucket), from one
+            check against solo runs to the next: a leak of rows between callers that shows in
+            a class's batches is found within this many of them, whatever the first requests
+            were (``docs/batching.md``, defence in depth, has the schedule and its cost). The
+            first merged batch of every class is checked, then batches at random gaps that
+            grow to this bound. None: check each class only until a batch that could show a
+            leak has passed (the first batches of a class), then never again.
     """
 
     max_batch_size: int = 32
@@ -130,6 +147,7 @@ class Batching:
     share_rows: bool | None = None
     copy_outputs: bool = True
     rows_independent: bool = False
+    check_within: int | None = 64
 
     def __post_init__(self) -> None:
         try:
@@ -158,6 +176,13 @@ class Batching:
         for name in ("copy_outputs", "rows_independent"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}.")
+        within: object = self.check_within
+        if within is not None and (
+            isinstance(within, bool) or not isinstance(within, int) or within < 1
+        ):
+            raise ValueError(
+                f"check_within must be None or an integer >= 1 (merged batches), not {within!r}."
+            )
 
     def pads(self, provider: str, *, cuda_graphs: bool = False) -> bool:
         """Whether batches on ``provider`` are padded to buckets (see ``pad_to_buckets``)."""
@@ -585,6 +610,169 @@ def same_results(merged: Sequence[Any], solo: Sequence[Any], *, rtol: float) -> 
             if diff > rtol * max(scale, np.finfo(s.dtype).tiny):
                 return False
     return True
+
+
+# A class whose checks all passed without one that could have shown a leak (every other
+# caller's rows blank: see blank_feed) is checked at least this often (merged batches of different
+# requests), however many of them passed: priming a pool with harmless requests buys no gaps.
+UNTOLD_GAP = 4
+
+# Classes a schedule remembers (least recently batched dropped first). A dropped class is
+# checked again at its next batch, as a new one: forgetting only adds checks.
+_MAX_CLASSES = 4096
+
+CheckKind = Literal["full", "spot"]
+"""A check of a merged batch: ``"full"`` reruns every request alone, ``"spot"`` one of them."""
+
+
+@dataclasses.dataclass
+class _Class:
+    due: int = 1  # merged batches of the class until the next check (<= 0: the next one)
+    gap: int = 1  # the most merged batches from one check to the next, for now
+    checked: bool = False  # a check of the class passed
+    told: bool = False  # ... one that could have shown a leak
+
+
+class CheckSchedule:
+    """When a batching pool checks a merged batch against solo runs of its requests.
+
+    Batches fall into classes: the requests' key (input names, dtypes and non-batch dims,
+    output names) and the batch's row bucket (the power of two at or above its rows). A
+    class's first merged batch gets a full check (every request rerun alone); after a check
+    passes the next one comes at a random gap of 1 to ``gap`` merged batches, ``gap``
+    doubling with every passed check up to ``within`` (a spot check: one request, picked at
+    random, rerun alone). Until a check of the class passed that could have shown a leak
+    (:func:`tells`), ``gap`` stays at most :data:`UNTOLD_GAP`. A batch of equal requests
+    proves nothing and is not checked: the check that was due goes to the class's next batch.
+
+    So a class's merged batches of different requests go at most ``within`` in a row
+    unchecked, whatever the first requests were, and once a class is settled about
+    ``2 / (within + 1)`` of its batches are checked. The gaps are random, so that a client
+    cannot time its requests between checks.
+
+    Args:
+        within: The bound on the gaps (``Batching.check_within``); None: no check after the
+            first that could have shown a leak passed.
+        limit: The most rows a batch holds (``Batching.max_batch_size``), the last bucket.
+        seed: Seeds the gaps and the spot checks' picks (tests); None: from the OS.
+
+    Not thread-safe: the scheduler calls it with its lock held.
+    """
+
+    def __init__(self, within: int | None, *, limit: int, seed: int | None = None) -> None:
+        self._within = within
+        self._limit = limit
+        self._rng = random.Random(seed)
+        self._classes: collections.OrderedDict[Any, _Class] = collections.OrderedDict()
+
+    def _class(self, key: Any, rows: int) -> _Class:
+        name = (key, bucket_for(rows, self._limit))
+        found = self._classes.get(name)
+        if found is None:
+            found = self._classes[name] = _Class()
+            if len(self._classes) > _MAX_CLASSES:
+                self._classes.popitem(last=False)
+        else:
+            self._classes.move_to_end(name)
+        return found
+
+    def due(self, key: Any, rows: int) -> CheckKind | None:
+        """Count a merged batch of ``rows`` rows of requests keyed ``key``; its check if due."""
+        found = self._class(key, rows)
+        found.due -= 1
+        if found.due > 0:
+            return None
+        return "spot" if found.checked else "full"
+
+    def skipped(self, key: Any, rows: int) -> None:
+        """A due check was not made (equal requests): the class's next batch gets it."""
+        found = self._class(key, rows)
+        found.due = min(found.due, 0)
+
+    def passed(self, key: Any, rows: int, *, telling: bool) -> None:
+        """A check of the class passed; ``telling``: one that could have shown a leak."""
+        found = self._class(key, rows)
+        found.checked = True
+        found.told = found.told or telling
+        if found.told and self._within is None:
+            found.due = sys.maxsize  # settled: never again
+            return
+        cap = UNTOLD_GAP if self._within is None else self._within
+        if not found.told:
+            cap = min(cap, UNTOLD_GAP)
+        found.gap = min(found.gap * 2, cap)
+        found.due = self._rng.randint(1, found.gap)
+
+    def pick(self, members: int) -> int:
+        """The member of a batch of ``members`` requests that a spot check reruns."""
+        return self._rng.randrange(members)
+
+
+def blank_feed(feed: Mapping[str, Any]) -> bool:
+    """Whether a request's rows could hide a leak: every input blank (:func:`_blank`).
+
+    A leak hands a caller values computed from another caller's rows; rows that add nothing
+    to a sum, a mean or an attention over positions (zeros, one value throughout, rows that
+    sum to zero, every position the same) leave the caller's values as they were, so a check
+    of a batch whose other rows are all such passes whether the model leaks or not.
+    """
+    return all(_blank(value) for value in feed.values())
+
+
+def _blank(value: Any) -> bool:
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "biufc":
+        return False  # strings and the like: cannot tell, so taken as telling
+    if value.size == 0:
+        return True
+    if value.ndim == 0 or np.all(value == value.flat[0]):
+        return True  # zeros, or one value throughout
+    wide = value.astype(np.complex128 if value.dtype.kind == "c" else np.float64)
+    magnitude = np.abs(wide)
+    # Sums within float rounding of zero: the whole request's, or each column's over its rows.
+    if abs(wide.sum()) <= _ZERO_SUM * magnitude.sum():
+        return True
+    if len(value) > 1 and np.all(np.abs(wide.sum(axis=0)) <= _ZERO_SUM * magnitude.sum(axis=0)):
+        return True
+    if value.ndim >= 2:
+        # Every position (all axes but the rows' and the features') holding the same vector:
+        # a sequence of one repeated token, which an attention over positions cannot tell.
+        positions = (
+            value[:, :, None] if value.ndim == 2 else value.reshape(len(value), -1, value.shape[-1])
+        )
+        if positions.shape[1] > 1 and np.array_equal(
+            positions, np.broadcast_to(positions[:, :1], positions.shape)
+        ):
+            return True
+    return False
+
+
+_ZERO_SUM = 1e-6  # a sum this small against the sum of magnitudes is zero, up to rounding
+
+
+def tells(feeds: Sequence[Mapping[str, Any]], checked: Sequence[int]) -> bool:
+    """Whether a check of the requests ``checked`` (indices into ``feeds``) could show a leak.
+
+    It could where a checked request shares its batch with another that holds other values
+    and is not blank (:func:`blank_feed`): that one's rows change what a leaking model hands
+    the checked caller.
+    """
+    blank: dict[int, bool] = {}
+    for i in checked:
+        for j, other in enumerate(feeds):
+            if j == i:
+                continue
+            if j not in blank:
+                blank[j] = blank_feed(other)
+            if not blank[j] and not same_feed(feeds[i], other):
+                return True
+    return False
+
+
+def same_feed(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two requests' feeds hold the same values (a check of them proves nothing)."""
+    return a.keys() == b.keys() and all(
+        np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] is b[k] for k in a
+    )
 
 
 def owned(part: Sequence[Any]) -> list[Any]:

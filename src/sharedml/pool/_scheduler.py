@@ -10,8 +10,8 @@ One queue of tickets serves every caller (``run``, ``run_async``, checkouts), ol
 The oldest ticket gets the next free session and becomes its *leader*: with batching on it takes
 the compatible requests queued behind it, oldest first, up to ``max_batch_size`` rows, runs them
 as one ``Run`` and hands each follower its rows (``docs/batching.md`` has the policy: the
-adaptive delay, rows shared over sessions, the check of the first merged batches, the fallback
-to solo runs where merged outputs do not split).
+adaptive delay, rows shared over sessions, the checks of merged batches against solo runs, the
+fallback to solo runs where merged outputs do not split).
 
 The session released last is handed out first: on a lightly used pool one session does the
 work, with its intra-op threads still spinning and its buffers in cache, while the others'
@@ -44,12 +44,16 @@ from sharedml._errors import (
 from sharedml.pool._batching import (
     ADAPTIVE_DELAY_SHARE,
     Batching,
+    CheckKind,
+    CheckSchedule,
     Request,
     bucket_for,
     merge,
     owned,
+    same_feed,
     same_results,
     split,
+    tells,
 )
 from sharedml.pool._stats import Counters, PoolStats
 
@@ -108,13 +112,6 @@ def run_error(exc: BaseException) -> SharedMLError:
 def closed_error() -> PoolClosedError:
     """The error of a call on a closed pool (or a waiter that a closing pool turned away)."""
     return PoolClosedError("This SessionPool is closed; create a new pool to run more work.")
-
-
-def _same_feed(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Whether two requests' feeds hold the same values (a check of them proves nothing)."""
-    import numpy as np
-
-    return all(np.array_equal(a[k], b[k]) for k in a)
 
 
 class _Signal:
@@ -199,6 +196,8 @@ class Scheduler:
         shares_rows: Share the rows in play over the sessions (``Batching.shares_rows``).
         check_rtol: The tolerance of the check of merged batches against solo runs, relative
             to an output's largest magnitude.
+        check_seed: Seeds when those checks come and which request a spot check reruns
+            (:class:`~sharedml.pool._batching.CheckSchedule`; tests). None: from the OS.
         name: The model, as warnings name it.
 
     Thread safety: every method may be called from any thread.
@@ -214,6 +213,7 @@ class Scheduler:
         pads: bool = False,
         shares_rows: bool = False,
         check_rtol: float = 1e-3,
+        check_seed: int | None = None,
         name: str = "model",
     ) -> None:
         self._source = source
@@ -239,8 +239,13 @@ class Scheduler:
         self._leading = 0
         self._held_rows = 0
         # Defence in depth behind the analysis: merged batches are checked against solo runs of
-        # their requests until one with requests of different rows has passed.
-        self._checked = False
+        # their requests, the first of every class and then at random (CheckSchedule).
+        self._checks = CheckSchedule(
+            batching.check_within if batching is not None else None,
+            limit=batching.max_batch_size if batching is not None else 1,
+            seed=check_seed,
+        )
+        self._leaked = False  # a check failed: batches still in flight are checked in full
         self._executor: ThreadPoolExecutor | None = None
         self._creation_error: BaseException | None = None  # undelivered background failure
 
@@ -650,8 +655,8 @@ class Scheduler:
                 if outputs is not None
                 else None
             )
-            if parts is not None and len(batch) > 1 and not self._checked:
-                parts = self._check_merged(sess, batch, parts)
+            if parts is not None and len(batch) > 1:
+                parts = self._check_merged(sess, batch, parts, merged_rows)
                 if parts is None:
                     return False  # each request got its solo outcome
             if parts is not None:
@@ -685,36 +690,59 @@ class Scheduler:
             counters.padded_rows += padded
             counters.max_batch_rows = max(counters.max_batch_rows, rows)
 
-    def _check_merged(self, sess: Any, batch: list[Ticket], parts: list[Any]) -> list[Any] | None:
-        """Compare a merged batch's rows with each request run alone (until one check passed).
+    def _check_merged(
+        self, sess: Any, batch: list[Ticket], parts: list[Any], rows: int
+    ) -> list[Any] | None:
+        """Check a merged batch against solo runs of its requests where the schedule says so.
 
-        Only batches whose requests hold different values are checked (equal rows would hide a
-        model that mixes them). Returns ``parts`` where every request's rows match its solo
-        run; else None, after giving every request its solo outcome (a result, or the error
-        its run alone raised): the scheduler then stops merging.
+        The solo runs are made here, on the batch's session, right after the merged run: the
+        batch's callers wait for them (one run for a spot check), and the callers of other
+        batches only where they wait for this session. Returns ``parts`` where no check was
+        due or every request checked matched its solo run; else None, after giving every
+        request its solo outcome (a result, or the error its run alone raised): the
+        scheduler then stops merging. Once a check failed, every merged batch still in
+        flight is checked in full, so that none of them hands out merged rows.
         """
         requests = [t.request for t in batch]
-        first = requests[0].feed  # type: ignore[union-attr]
-        if all(_same_feed(first, r.feed) for r in requests[1:]):  # type: ignore[union-attr]
-            return parts
-        outcomes: list[Any] = []
-        for t in batch:
-            try:
-                outcomes.append(self._source.run(sess, t.request, None))  # type: ignore[arg-type]
-            except Exception as exc:
-                outcomes.append(run_error(exc))
-        same = all(
-            not isinstance(solo, BaseException) and same_results(part, solo, rtol=self._rtol)
-            for part, solo in zip(parts, outcomes, strict=True)
-        )
+        key = requests[0].key  # type: ignore[union-attr]
         with self.cond:
-            self.counters.batch_checks += 1
-            self._checked = self._checked or same
+            leaked = self._leaked
+            kind: CheckKind | None = "full" if leaked else self._checks.due(key, rows)
+            if kind is None:
+                return parts
+            spot = self._checks.pick(len(batch)) if kind == "spot" else None
+        feeds = [r.feed for r in requests]  # type: ignore[union-attr]
+        if not leaked and all(same_feed(feeds[0], f) for f in feeds[1:]):
+            with self.cond:
+                self._checks.skipped(key, rows)  # proves nothing: the next batch gets it
+            return parts
+        checked = list(range(len(batch))) if spot is None else [spot]
+        start = time.perf_counter()
+        outcomes = {i: self._solo(sess, batch[i]) for i in checked}
+        same = all(
+            not isinstance(solo, BaseException) and same_results(parts[i], solo, rtol=self._rtol)
+            for i, solo in outcomes.items()
+        )
+        if not same:  # every caller of this batch gets its solo outcome
+            for i, t in enumerate(batch):
+                if i not in outcomes:
+                    outcomes[i] = self._solo(sess, t)
+        elapsed = time.perf_counter() - start
+        telling = same and not leaked and tells(feeds, checked)
+        with self.cond:
+            counters = self.counters
+            counters.batch_checks += 1
+            counters.check_runs += len(outcomes)
+            counters.check_seconds += elapsed
             if not same:
-                self.counters.batch_mismatches += 1
+                counters.batch_mismatches += 1
+                self._leaked = True
+            elif not leaked:
+                self._checks.passed(key, rows, telling=telling)
         if same:
             return parts
-        for t, solo in zip(batch, outcomes, strict=True):
+        for i, t in enumerate(batch):
+            solo = outcomes[i]
             if isinstance(solo, BaseException):
                 t.error = solo
             else:
@@ -724,6 +752,13 @@ class Scheduler:
             "outputs depend on other callers' rows)"
         )
         return None
+
+    def _solo(self, sess: Any, ticket: Ticket) -> Any:
+        """``ticket``'s request run alone on ``sess``: its outputs, or the error it raised."""
+        try:
+            return self._source.run(sess, ticket.request, None)  # type: ignore[arg-type]
+        except Exception as exc:
+            return run_error(exc)
 
     def _split_failed(self) -> None:
         with self.cond:
