@@ -748,6 +748,51 @@ def test_run_async_requests_queue_without_threads_and_merge(
         np.testing.assert_allclose(out[0], solo(feed(1, seed)), rtol=1e-5, atol=1e-6)
 
 
+def test_cancelled_run_async_callers_leave_their_batch_and_never_run(
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+) -> None:
+    feeds = [feed(1, s) for s in range(6)]
+    gone = {0, 3}
+
+    async def poll(predicate: Callable[[], bool], what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + DEADLINE_S
+        while not predicate():
+            assert asyncio.get_running_loop().time() < deadline, f"timed out: {what}"
+            await asyncio.sleep(0.001)
+
+    async def main(pool: sharedml.SessionPool) -> list[Any]:
+        barrier = asyncio.Barrier(len(feeds))
+
+        async def call(f: dict[str, np.ndarray]) -> Any:
+            await barrier.wait()
+            return await pool.run_async(None, f)
+
+        with pool.session():
+            tasks = [asyncio.ensure_future(call(f)) for f in feeds]
+            await poll(lambda: pool.stats().waiting == 6, "every caller to queue")
+            for i in gone:
+                tasks[i].cancel()
+            await poll(lambda: pool.stats().waiting == 4, "the cancelled to leave the queue")
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), DEADLINE_S)
+
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        outs = asyncio.run(main(pool))
+        wait_until(lambda: pool.stats().busy == 0, what="the session to come back")
+        stats = pool.stats()
+        assert (stats.batches, stats.batched_rows, stats.cancelled) == (1, 4, 2)  # 4 rows ran
+        assert (stats.waiting, stats.busy, stats.failed_runs) == (0, 0, 0)
+        later = queue_behind_a_checkout(
+            pool, [lambda s=s: pool.run(None, feed(1, s)) for s in (7, 8)]
+        )
+        assert pool.stats().batches == 2  # a later batch still forms
+    for i, (f, out) in enumerate(zip(feeds, outs, strict=True)):
+        if i in gone:
+            assert isinstance(out, asyncio.CancelledError)
+        else:
+            np.testing.assert_allclose(out[0], solo(f), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(later[1][0], solo(feed(1, 8)), rtol=1e-5, atol=1e-6)
+
+
 def test_close_fails_queued_requests_and_finishes_the_batch_in_flight(model: Path) -> None:
     with (
         sharedml.SessionPool(model, sessions=1, batching=True) as pool,

@@ -8,9 +8,11 @@ callers queue (polling ``waiting``), as tests/pool/test_batching.py does with a 
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -31,7 +33,9 @@ class FakeSessions:
     """A session source whose sessions compute ``2 * x + 1`` (no ORT).
 
     ``leak_above``: a run whose feed holds a value above it adds the feed's column sums to
-    every row (a batch statistic): a model that mixes rows only for some inputs.
+    every row (a batch statistic): a model that mixes rows only for some inputs. ``gate``:
+    merged runs wait for it (``merged_started`` is set once one does). ``seen`` holds the rows
+    of every run: what ran, and what never did.
     """
 
     def __init__(
@@ -40,10 +44,13 @@ class FakeSessions:
         fail_merged: bool = False,
         interrupt_merged: bool = False,
         leak_above: float | None = None,
+        gate: threading.Event | None = None,
     ) -> None:
         self.fail_merged = fail_merged
         self.interrupt_merged = interrupt_merged
         self.leak_above = leak_above
+        self.gate = gate  # merged runs wait for it to be set
+        self.merged_started = threading.Event()
         self.lock = threading.Lock()
         self.feeds: list[tuple[int, bool]] = []  # (rows, merged) of every run
         self.seen: list[np.ndarray] = []  # the rows of every run
@@ -64,6 +71,9 @@ class FakeSessions:
             self.feeds.append((len(x), feed is not None))
             self.seen.append(x.copy())
         try:
+            if feed is not None and self.gate is not None:
+                self.merged_started.set()
+                assert self.gate.wait(DEADLINE_S)
             if feed is not None and self.interrupt_merged:
                 raise KeyboardInterrupt
             if feed is not None and self.fail_merged:
@@ -111,7 +121,8 @@ def make() -> Iterator[Callable[..., tuple[Scheduler, FakeSessions]]]:
 
     yield factory
     for scheduler in made:
-        scheduler.close(None, deadline=None)
+        # A deadline: a test that failed holding a session fails here too, instead of hanging.
+        scheduler.close(DEADLINE_S, deadline=time.monotonic() + DEADLINE_S)
         scheduler.drain()
 
 
@@ -480,3 +491,176 @@ def test_a_spot_check_reruns_one_request_and_a_failed_one_gives_every_caller_its
     assert (stats.batch_checks, stats.batch_mismatches, stats.check_runs) == (5, 1, 7 + 4)
     assert stats.check_seconds > 0 and scheduler.batching is None
     assert stats.busy == 0 and stats.waiting == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Callers that leave: a cancelled run_async leaves its batch, and never runs unless it started
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    """``wait_until`` for a coroutine: polls without blocking the event loop."""
+    deadline = asyncio.get_running_loop().time() + DEADLINE_S
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {DEADLINE_S} s waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+def callers(scheduler: Scheduler, inputs: list[np.ndarray]) -> list[asyncio.Task[Any]]:
+    """An asyncio task per input that meets the others on a barrier, then runs it."""
+    barrier = asyncio.Barrier(len(inputs))
+
+    async def call(x: np.ndarray) -> Any:
+        await barrier.wait()
+        return await asyncio.wrap_future(scheduler.submit(request(x)))
+
+    return [asyncio.ensure_future(call(x)) for x in inputs]
+
+
+def ran(source: FakeSessions, x: np.ndarray) -> bool:
+    """Whether any run saw a row of ``x``."""
+    return any(np.isin(x[:, 0], seen[:, 0]).any() for seen in source.seen)
+
+
+async def settled_and_free(
+    scheduler: Scheduler, tasks: list[asyncio.Task[Any]], inputs: list[np.ndarray], gone: set[int]
+) -> None:
+    """Every task left in ``tasks`` got its own rows; the gone ones were cancelled; no slot is
+    held, nobody waits; and the scheduler still merges a batch afterwards."""
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), DEADLINE_S)
+    for i, (x, outcome) in enumerate(zip(inputs, outcomes, strict=True)):
+        if i in gone:
+            assert isinstance(outcome, asyncio.CancelledError), (i, outcome)
+        else:
+            assert not isinstance(outcome, BaseException), (i, outcome)
+            np.testing.assert_array_equal(outcome[0], x * 2.0 + 1.0)
+    await until(lambda: scheduler.stats().busy == 0, "the session to come back")
+    stats = scheduler.stats()
+    assert (stats.busy, stats.waiting, stats.failed_runs) == (0, 0, 0)
+    later = [rows(1, 900 + i) for i in range(4)]  # fills a batch: no delay waits for more
+    session = scheduler.checkout(None)
+    futures = [asyncio.wrap_future(scheduler.submit(request(x))) for x in later]
+    await until(lambda: scheduler.stats().waiting == 4, "the later requests to queue")
+    scheduler.checkin(session)
+    batches = scheduler.stats().batches
+    for x, out in zip(later, await asyncio.gather(*futures), strict=True):
+        np.testing.assert_array_equal(out[0], x * 2.0 + 1.0)
+    assert scheduler.stats().batches == batches + 1  # one merged batch
+
+
+def test_callers_cancelled_while_queued_leave_the_queue_and_never_run(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    scheduler, source = make(1, batching=Batching(max_batch_size=8, max_delay_ms=0))
+    inputs = [rows(1, 10 * i) for i in range(6)]
+    gone = {1, 4}
+
+    async def main() -> None:
+        session = scheduler.checkout(None)
+        tasks = callers(scheduler, inputs)
+        await until(lambda: scheduler.stats().waiting == 6, "every caller to queue")
+        for i in gone:
+            tasks[i].cancel()
+        await until(lambda: scheduler.stats().waiting == 4, "the cancelled to leave the queue")
+        scheduler.checkin(session)
+        await settled_and_free(scheduler, tasks, inputs, gone)
+
+    asyncio.run(main())
+    assert not any(ran(source, inputs[i]) for i in gone)
+    assert all(ran(source, inputs[i]) for i in range(6) if i not in gone)
+    assert scheduler.stats().cancelled == 2
+
+
+@pytest.mark.parametrize("who", ["leader", "follower"])
+def test_a_caller_cancelled_while_its_batch_forms_leaves_it_and_never_runs(
+    make: Callable[..., tuple[Scheduler, FakeSessions]], who: str
+) -> None:
+    # The leader waits (a long delay) for 4 rows; it took the second caller's already. One of
+    # the two is cancelled; then two more arrive, the batch starts, and runs without it.
+    batching = Batching(max_batch_size=4, max_delay_ms=DEADLINE_S * 1000)
+    scheduler, source = make(1, batching=batching)
+    inputs = [rows(1, 10 * i) for i in range(4)]
+    gone = {0 if who == "leader" else 1}
+
+    async def main() -> None:
+        session = scheduler.checkout(None)
+        tasks = callers(scheduler, inputs[:2])
+        await until(lambda: scheduler.stats().waiting == 2, "two callers to queue")
+        scheduler.checkin(session)
+        await until(
+            lambda: (scheduler.stats().waiting, scheduler.stats().busy) == (0, 1),
+            "the leader to take the second caller into its batch",
+        )
+        for i in gone:
+            tasks[i].cancel()
+        await until(lambda: all(tasks[i].done() for i in gone), "the cancel to land")
+        tasks += callers(scheduler, inputs[2:])
+        await settled_and_free(scheduler, tasks, inputs, gone)
+
+    asyncio.run(main())
+    assert not any(ran(source, inputs[i]) for i in gone)
+    assert source.feeds[0] == (3, True)  # the batch ran the three callers left
+    assert scheduler.stats().cancelled == 1
+
+
+def test_a_caller_cancelled_while_its_batch_runs_leaves_the_others_their_results(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    gate = threading.Event()
+    scheduler, source = make(1, batching=Batching(max_batch_size=8, max_delay_ms=0), gate=gate)
+    inputs = [rows(1, 10 * i) for i in range(4)]
+    gone = {0, 2}  # the leader and a follower
+
+    async def main() -> None:
+        session = scheduler.checkout(None)
+        tasks = callers(scheduler, inputs)
+        await until(lambda: scheduler.stats().waiting == 4, "every caller to queue")
+        scheduler.checkin(session)
+        await until(source.merged_started.is_set, "the merged run to start")
+        for i in gone:
+            tasks[i].cancel()
+        await until(lambda: all(tasks[i].done() for i in gone), "the cancel to land")
+        gate.set()
+        await settled_and_free(scheduler, tasks, inputs, gone)
+
+    asyncio.run(main())
+    assert source.feeds[0] == (4, True)  # it had started: it ran, the results were dropped
+    assert scheduler.stats().cancelled == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
+def test_a_caller_interrupted_while_a_forming_batch_holds_its_request_leaves_it(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+    sigint_raises: None,
+) -> None:
+    # An async leader waits (a long delay) for 3 rows and takes the main thread's request;
+    # Ctrl-C reaches the main thread while it waits: its request must not run. The next
+    # request fills the batch (3 rows counted), which runs the two requests left.
+    batching = Batching(max_batch_size=3, max_delay_ms=DEADLINE_S * 1000)
+    scheduler, source = make(1, batching=batching)
+    mine, others = rows(1, 5), [rows(1, 10), rows(1, 20)]
+    session = scheduler.checkout(None)
+    first = scheduler.submit(request(others[0]))
+    scheduler.checkin(session)
+    wait_until(lambda: scheduler.stats().busy == 1, what="the async leader to fill")
+
+    def interrupt_when_taken() -> None:
+        wait_until(
+            lambda: (scheduler.stats().waits, scheduler.stats().waiting) == (2, 0),
+            what="the leader to take the main thread's request",
+        )
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+
+    interrupter = threading.Thread(target=interrupt_when_taken)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        scheduler.run(request(mine))
+    interrupter.join(DEADLINE_S)
+    rest = [scheduler.submit(request(x)) for x in others[1:]]
+    for x, future in zip(others, [first, *rest], strict=True):
+        np.testing.assert_array_equal(future.result(DEADLINE_S)[0], x * 2.0 + 1.0)
+    assert not ran(source, mine)
+    assert source.feeds == [(2, True), (1, False), (1, False)]  # without it; checked in full
+    wait_until(lambda: scheduler.stats().busy == 0, what="the session to come back")
+    stats = scheduler.stats()
+    assert (stats.cancelled, stats.waiting, stats.failed_runs) == (1, 0, 0)

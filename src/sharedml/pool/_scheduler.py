@@ -31,7 +31,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from sharedml._errors import (
@@ -153,6 +153,7 @@ class Ticket:
         "event",
         "future",
         "granted",
+        "left",
         "queued_at",
         "request",
         "result",
@@ -171,6 +172,35 @@ class Ticket:
         self.to_copy = False  # result is views of a batch's outputs, to copy: see owned_result
         self.error: BaseException | None = None
         self.queued_at = 0.0
+        self.left = False  # its caller is gone (cancelled, interrupted) before it ran
+
+    def gone(self) -> bool:
+        """Whether the caller left before its request started (it must not run)."""
+        return self.left or (self.future is not None and self.future.cancelled())
+
+    def start(self) -> bool:
+        """Mark the request as running, unless its caller left: then False (it must not run).
+
+        An async caller's future is set running here, so that a cancel from now on (the
+        caller gone while its batch runs) leaves the result to be dropped instead.
+        """
+        if self.left:
+            return False
+        return self.future is None or self.future.set_running_or_notify_cancel()
+
+    def settle(self) -> None:
+        """Hand an async caller its result or error; nothing where it was cancelled."""
+        future = self.future
+        assert future is not None
+        if future.cancelled():
+            return  # nobody waits for it: no copy, no error
+        try:
+            if self.error is not None:
+                future.set_exception(self.error)
+            else:
+                future.set_result(self.owned_result())
+        except InvalidStateError:
+            pass  # cancelled meanwhile
 
     def owned_result(self) -> Any:
         """The result, copied out of the batch's outputs first where it is views of them to copy.
@@ -292,6 +322,8 @@ class Scheduler:
         """Report a background failure to the caller that waits for capacity, or keep it."""
         with self.cond:
             self.counters.creation_failures += 1
+            while self._queue and self._queue[0].gone():
+                self._left(self._queue.popleft())
             if self._queue and not self._idle:
                 # The caller at the head of the queue would have had this session.
                 self._finish(self._queue.popleft(), error=error)
@@ -321,6 +353,9 @@ class Scheduler:
         """
         while self._open and self._queue and (self._idle or self._count < self._max):
             ticket = self._queue.popleft()
+            if ticket.gone():
+                self._left(ticket)
+                continue
             if self._idle:
                 ticket.session = self._idle.pop()
             else:
@@ -395,6 +430,8 @@ class Scheduler:
                     elif ticket in self._queue:
                         self._queue.remove(ticket)
                         self.counters.wait_seconds += time.monotonic() - ticket.queued_at
+                    elif not ticket.done:
+                        ticket.left = True  # a leader took it: it must not run now
                 raise
 
     def _give_back(self, sess: Any) -> None:
@@ -483,7 +520,26 @@ class Scheduler:
         with self.cond:
             if self._take(ticket):
                 self._lead_async(ticket)
+        future.add_done_callback(lambda f: self._cancelled(ticket) if f.cancelled() else None)
         return future
+
+    def _cancelled(self, ticket: Ticket) -> None:
+        """An async caller cancelled (or disconnected): a queued request leaves the queue.
+
+        One that a leader took into a batch still forming is dropped when the batch starts;
+        one already running finishes, and its result is dropped.
+        """
+        with self.cond:
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+                self.counters.wait_seconds += time.monotonic() - ticket.queued_at
+                self._left(ticket)
+
+    def _left(self, ticket: Ticket) -> None:
+        """Count a request whose caller left before it ran (``self.cond`` held), once."""
+        if not ticket.done:
+            ticket.done = True
+            self.counters.cancelled += 1
 
     def _lead_async(self, ticket: Ticket) -> None:
         """Run a granted async ticket on the executor. Called with ``self.cond`` held."""
@@ -494,32 +550,38 @@ class Scheduler:
         self._executor.submit(self._lead_and_settle, ticket)
 
     def _lead_and_settle(self, ticket: Ticket) -> None:
-        future = ticket.future
-        assert future is not None
         try:
             if ticket.session is None:
                 self._create_for(ticket)
             self._lead(ticket.session, ticket)
         except BaseException as exc:
             ticket.error = exc
-        if ticket.error is not None:
-            future.set_exception(ticket.error)
-        else:
-            future.set_result(ticket.owned_result())
+        ticket.settle()
 
     def _lead(self, sess: Any, ticket: Ticket) -> None:
         """Run ``ticket``'s request (and, batching, compatible queued ones) on ``sess``."""
         batch = [ticket]
+        taken: list[Ticket] = []
         held: int | None = None
         broken = False
         run_s = 0.0
         try:
             if self.batching is not None and ticket.request is not None:
                 followers, held = self._followers(ticket)
+                taken = followers
                 batch += followers
-            start = time.perf_counter()
-            broken = self._run_batch(sess, batch)
-            run_s = time.perf_counter() - start
+            with self.cond:
+                # Callers that left (a cancelled run_async) before the run starts: their
+                # requests do not run; the rest of the batch does.
+                running = [t for t in batch if t.start()]
+                for t in batch:
+                    if t not in running:
+                        self._left(t)
+            batch = running
+            if batch:
+                start = time.perf_counter()
+                broken = self._run_batch(sess, batch)
+                run_s = time.perf_counter() - start
         except BaseException as exc:  # KeyboardInterrupt in the leader: nobody is left hanging
             for t in batch:
                 if t.result is None and t.error is None:
@@ -530,8 +592,9 @@ class Scheduler:
             self._release(
                 sess, requests=len(batch), failed=failed, broken=broken, held=held, run_s=run_s
             )
-            for follower in batch[1:]:
-                self._finish(follower)
+            for follower in taken:
+                if follower in batch:
+                    self._finish(follower)
 
     def _followers(self, leader: Ticket) -> tuple[list[Ticket], int | None]:
         """Take the queued requests that merge with ``leader``'s, oldest first.
@@ -575,6 +638,10 @@ class Scheduler:
                     full = False
                     for other in list(self._queue):
                         request = other.request
+                        if other.gone():
+                            self._queue.remove(other)
+                            self._left(other)
+                            continue
                         if request is None or request.key != key:
                             continue
                         if rows + request.rows > cap:
@@ -788,10 +855,7 @@ class Scheduler:
             ticket.error = error
         ticket.done = True
         if ticket.future is not None:
-            if ticket.error is not None:
-                ticket.future.set_exception(ticket.error)
-            else:
-                ticket.future.set_result(ticket.owned_result())
+            ticket.settle()
         else:
             ticket.event.set()
 

@@ -36,6 +36,7 @@ class Counters:
     batch_mismatches: int = 0
     check_runs: int = 0
     check_seconds: float = 0.0
+    cancelled: int = 0
     split_failures: int = 0
 
     def published(self) -> dict[str, Any]:
@@ -86,6 +87,8 @@ class PoolStats:
             check; every request of a batch that failed its check).
         check_seconds: Total time sessions spent in those runs (part of ``run_seconds``): what
             the checks cost.
+        cancelled: Requests whose callers left before they ran (a cancelled ``run_async``, a
+            caller interrupted while its request waited in a batch): they never ran.
         arena_shrinks: Runs that gave a CPU session's arena memory back after a peak of rows
             had passed (see :mod:`sharedml.pool._arena`).
         calibration: For ``SessionPool(sessions="auto")``, how the pool split the cores into
@@ -118,6 +121,7 @@ class PoolStats:
     arena_shrinks: int = 0
     check_runs: int = 0
     check_seconds: float = 0.0
+    cancelled: int = 0
 
     @property
     def idle(self) -> int:
