@@ -1024,6 +1024,106 @@ def test_a_model_fixed_at_one_row_is_served_batched_and_merged_rows_equal_solo_r
     assert _sha256(path) == before  # the model as given is never written
 
 
+def _zipmap_classifier(path: Path, features: int = 16, classes: int = 3) -> Path:
+    """A scikit-learn-style classifier: LinearClassifier (softmax) + ZipMap, as skl2onnx writes.
+
+    Outputs: ``label`` [N] and ``probabilities``, a sequence of one {class: probability} map
+    per row (ONNX-ML ``seq(map(int64, float))``).
+    """
+    coefficients = np.random.default_rng(0).standard_normal((classes, features))
+    labels = list(range(classes))
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "LinearClassifier",
+                ["x"],
+                ["label", "scores"],
+                domain="ai.onnx.ml",
+                classlabels_ints=labels,
+                coefficients=coefficients.astype(np.float32).ravel().tolist(),
+                intercepts=[0.1 * c for c in labels],
+                post_transform="SOFTMAX",
+                multi_class=1,
+            ),
+            helper.make_node(
+                "ZipMap",
+                ["scores"],
+                ["probabilities"],
+                domain="ai.onnx.ml",
+                classlabels_int64s=labels,
+            ),
+        ],
+        "classifier",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", features])],
+        [
+            helper.make_tensor_value_info("label", TensorProto.INT64, ["n"]),
+            helper.make_value_info(
+                "probabilities",
+                helper.make_sequence_type_proto(
+                    helper.make_map_type_proto(
+                        TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, [])
+                    )
+                ),
+            ),
+        ],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("ai.onnx.ml", 3)],
+    )
+    model.ir_version = 8
+    return save_model(model, path)
+
+
+def test_a_zipmap_classifier_stays_batched_and_its_maps_match_solo_runs(tmp_path: Path) -> None:
+    # Merged runs compute the probabilities with other kernel blockings (they differ from solo
+    # runs by ~1e-7): the check compares maps' values as floats, their keys exactly.
+    path = _zipmap_classifier(tmp_path / "classifier.onnx")
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    batching = sharedml.Batching(check_within=1)  # every merged batch checked
+    with sharedml.SessionPool(path, sessions=1, batching=batching) as pool:
+        assert pool.batching is not None, pool.batching_reason
+        for _ in range(3):
+            feeds = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(16)]
+            outs = queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, f) for f in feeds])
+            for f, out in zip(feeds, outs, strict=True):
+                label, maps = plain.run(None, f)
+                np.testing.assert_array_equal(out[0], label)
+                assert [sorted(m) for m in out[1]] == [sorted(m) for m in maps]
+                for got, want in zip(out[1], maps, strict=True):
+                    np.testing.assert_allclose(
+                        [got[k] for k in want], list(want.values()), rtol=0, atol=1e-6
+                    )
+        stats = pool.stats()
+    assert pool.batching is not None and stats.batching
+    assert (stats.batches, stats.batch_checks, stats.batch_mismatches) == (3, 3, 0)
+
+
+def test_maps_and_sequences_compare_within_tolerance_and_keys_exactly() -> None:
+    from sharedml.pool._batching import same_results
+
+    solo = [np.array([1, 0]), [{0: 0.25, 1: 0.75}, {0: 0.5, 1: 0.5}]]
+    close = [np.array([1, 0]), [{0: 0.25 + 2e-8, 1: 0.75 - 2e-8}, {0: 0.5, 1: 0.5}]]
+    assert same_results(close, solo, rtol=1e-3)
+    for other in (
+        [{0: 0.3, 1: 0.75}, {0: 0.5, 1: 0.5}],  # another caller's value
+        [{0: 0.25, 2: 0.75}, {0: 0.5, 1: 0.5}],  # another key
+        [{0: 0.25, 1: 0.75}],  # a row missing
+        [{"0": 0.25, "1": 0.75}, {0: 0.5, 1: 0.5}],  # keys of another type
+    ):
+        assert not same_results([solo[0], other], solo, rtol=1e-3), other
+    # The tolerance is relative to the output's largest magnitude, as for tensors.
+    assert same_results([[{"a": 1000.0}, {"a": 0.5}]], [[{"a": 1000.0}, {"a": 0.9}]], rtol=1e-3)
+    assert not same_results([[{"a": 1.0}, {"a": 0.5}]], [[{"a": 1.0}, {"a": 0.9}]], rtol=1e-3)
+    seq = [[np.array([1.0, 2.0]), np.array([3.0])]]  # a sequence of tensors
+    assert same_results([[np.array([1.0, 2.0 + 1e-7]), np.array([3.0])]], seq, rtol=1e-3)
+    assert not same_results([[np.array([1.0, 2.0]), np.array([3.5])]], seq, rtol=1e-3)
+    assert not same_results([[np.array([1.0, 2.0])]], seq, rtol=1e-3)
+    assert same_results([["a", "b"]], [["a", "b"]], rtol=1e-3)
+    assert not same_results([["a", "c"]], [["a", "b"]], rtol=1e-3)
+
+
 def _pinned_model(path: Path) -> Path:
     """x: [1, 4] -> Reshape to [1, -1] (named 'to_one_row') -> y: [1, 4]."""
     graph = helper.make_graph(

@@ -584,32 +584,76 @@ def same_results(merged: Sequence[Any], solo: Sequence[Any], *, rtol: float) -> 
     A merged run may pick other kernel blockings than a solo one, so floats may differ in their
     last bits; a row that took another caller's values differs by far more. Floats compare
     within ``rtol`` of the output's largest finite magnitude (NaN and inf where the solo run
-    has them); everything else exactly.
+    has them), in tensors and in sequence and map outputs alike (a scikit-learn classifier's
+    ZipMap gives a list of {label: probability} dicts); everything else (shapes, dtypes,
+    lengths, keys, integers, strings) exactly.
     """
     if len(merged) != len(solo):
         return False
     for m, s in zip(merged, solo, strict=True):
-        if not isinstance(m, np.ndarray) or not isinstance(s, np.ndarray):
-            if m != s:
+        if isinstance(m, np.ndarray) and isinstance(s, np.ndarray):
+            if not _same_array(m, s, rtol=rtol):
                 return False
             continue
-        if m.shape != s.shape or m.dtype != s.dtype:
+        floats: list[tuple[float, float]] = []
+        if not _same_structure(m, s, floats):
             return False
-        if m.dtype.kind not in "fc":
-            if not np.array_equal(m, s):
-                return False
-            continue
-        finite = np.isfinite(s)
-        if not np.array_equal(finite, np.isfinite(m)) or not np.array_equal(
-            m[~finite], s[~finite], equal_nan=True
-        ):
-            return False
-        if finite.any():
-            scale = float(np.max(np.abs(s[finite])))
-            diff = float(np.max(np.abs(m[finite].astype(np.float64) - s[finite])))
-            if diff > rtol * max(scale, np.finfo(s.dtype).tiny):
+        if floats:
+            got, want = np.array(floats).T  # float64 (complex128 for complex tensors)
+            if not _same_array(got, want, rtol=rtol):
                 return False
     return True
+
+
+def _same_array(m: np.ndarray, s: np.ndarray, *, rtol: float) -> bool:
+    if m.shape != s.shape or m.dtype != s.dtype:
+        return False
+    if m.dtype.kind not in "fc":
+        return bool(np.array_equal(m, s))
+    finite = np.isfinite(s)
+    if not np.array_equal(finite, np.isfinite(m)) or not np.array_equal(
+        m[~finite], s[~finite], equal_nan=True
+    ):
+        return False
+    if finite.any():
+        scale = float(np.max(np.abs(s[finite])))
+        diff = float(np.max(np.abs(m[finite].astype(np.float64) - s[finite])))
+        if diff > rtol * max(scale, np.finfo(s.dtype).tiny):
+            return False
+    return True
+
+
+def _same_structure(m: Any, s: Any, floats: list[tuple[float, float]]) -> bool:
+    """Whether ``m`` and ``s`` (a sequence or map output) match but for their floats.
+
+    Lists, tuples and dicts must match in type, length and keys; tensors inside compare as
+    :func:`_same_array` does on their own; floats are collected into ``floats`` as
+    (merged, solo) pairs, so that the caller compares them against the whole output's scale.
+    """
+    if isinstance(s, (float, np.floating)):
+        if not isinstance(m, (float, np.floating)):
+            return False
+        floats.append((float(m), float(s)))
+        return True
+    if isinstance(s, np.ndarray):
+        if not isinstance(m, np.ndarray) or m.shape != s.shape or m.dtype != s.dtype:
+            return False
+        if m.dtype.kind not in "fc":
+            return bool(np.array_equal(m, s))
+        floats.extend(zip(m.ravel().tolist(), s.ravel().tolist(), strict=True))
+        return True
+    if isinstance(m, np.ndarray):
+        return False
+    if isinstance(s, dict):
+        if not isinstance(m, dict) or m.keys() != s.keys():
+            return False
+        key_types = {k: type(k) for k in m}  # keys equal as values (1 == 1.0): types too
+        return all(key_types[k] is type(k) and _same_structure(m[k], s[k], floats) for k in s)
+    if isinstance(s, (list, tuple)):
+        if type(m) is not type(s) or len(m) != len(s):
+            return False
+        return all(_same_structure(a, b, floats) for a, b in zip(m, s, strict=True))
+    return type(m) is type(s) and bool(m == s)
 
 
 # A class whose checks all passed without one that could have shown a leak (every other
