@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
+import itertools
+import pickle
 import signal
 import threading
 import warnings
@@ -28,6 +31,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
+from sharedml.pool import _batching
 from sharedml.pool._batching import UNTOLD_GAP
 
 DIM = 32
@@ -98,7 +102,25 @@ def test_requests_that_queue_merge_into_one_run_and_get_their_own_rows(
         np.testing.assert_allclose(y, solo(f), rtol=1e-5, atol=1e-6)
 
 
-def test_copy_outputs_false_hands_each_caller_a_view_of_its_own_rows(
+def _reachable(root: Any) -> list[Any]:
+    """Everything reachable from ``root`` through ``.base`` and Python references (not types).
+
+    numpy arrays do not report their ``.base`` to ``gc``: it is followed by hand.
+    """
+    seen: dict[int, Any] = {}
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, type):
+            continue
+        seen[id(obj)] = obj
+        if isinstance(obj, np.ndarray) and obj.base is not None:
+            todo.append(obj.base)
+        todo.extend(gc.get_referents(obj))
+    return list(seen.values())
+
+
+def test_copy_outputs_false_hands_each_caller_a_view_that_reaches_only_its_rows(
     model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
 ) -> None:
     batching = sharedml.Batching(copy_outputs=False)
@@ -107,12 +129,35 @@ def test_copy_outputs_false_hands_each_caller_a_view_of_its_own_rows(
         outs = queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, f) for f in feeds])
         assert pool.stats().batches == 1
     ys = [out[0] for out in outs]
-    assert all(y.base is not None and y.base.shape[0] == 6 for y in ys)  # rows of one batch
-    assert np.shares_memory(ys[0].base, ys[2])
+    # No copy: the three callers' rows lie one after the other in the batch's output.
+    assert all(not y.flags.owndata for y in ys)
+    for a, b in itertools.pairwise(ys):
+        assert b.ctypes.data == a.ctypes.data + a.nbytes
+    # Nothing a caller's view leads to (its .base chain, what those reference, the buffers
+    # numpy exports) spans more than the caller's own rows.
+    for y in ys:
+        for obj in _reachable(y):
+            if isinstance(obj, np.ndarray):
+                assert obj.nbytes <= y.nbytes, (obj.shape, y.shape)
+            if hasattr(obj, "__array_interface__"):
+                assert np.asarray(obj).nbytes <= y.nbytes
+        assert np.asarray(y.base).ctypes.data == y.ctypes.data
+        assert not np.shares_memory(y, np.concatenate([z for z in ys if z is not y]))
+        assert len(pickle.loads(pickle.dumps(y))) == len(y)
     expected = [solo(f) for f in feeds]
     ys[1][:] = np.nan  # a caller's writes stay in its own rows
     for y, want in zip([ys[0], ys[2]], [expected[0], expected[2]], strict=True):
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    # The batch's output lives as long as any caller's view, and no longer.
+    last = ys.pop()
+    del outs, ys, y, a, b  # every reference to the other views
+    gc.collect()
+    np.testing.assert_allclose(last, expected[2], rtol=1e-5, atol=1e-6)
+    held = _batching._HELD
+    assert held  # the one view left holds the output
+    del last
+    gc.collect()
+    assert not held
     with pytest.raises(ValueError, match="copy_outputs must be True or False"):
         sharedml.Batching(copy_outputs=None)  # type: ignore[arg-type]
 
@@ -953,6 +998,53 @@ def test_warm_up_runs_every_bucket_when_batches_are_padded(tmp_path: Path) -> No
         DETECTOR.reset()
         pool.run(None, {"x": np.ones((3, 4), np.float32)})
         assert DETECTOR.rows == [4]  # what ORT ran: the bucket
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_delay_ms", 1e300),  # accepted once, then every run raised OverflowError
+        ("max_delay_ms", 60_001),
+        ("max_delay_ms", float("inf")),
+        ("max_delay_ms", float("nan")),
+        ("max_delay_ms", -1),
+        ("max_delay_ms", "5"),
+        ("max_delay_ms", True),
+        ("max_batch_size", 0),
+        ("max_batch_size", 2.0),
+        ("max_batch_size", (1 << 20) + 1),
+        ("max_batch_size", True),
+        ("max_batch_size", "8"),
+        ("pad_to_buckets", 1),
+        ("session_per_bucket", "yes"),
+        ("share_rows", 0),
+        ("copy_outputs", None),
+        ("rows_independent", 1),
+        ("check_within", 0),
+        ("check_within", 1.5),
+        ("check_within", False),
+    ],
+)
+def test_every_batching_field_is_checked_when_written(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=rf"^Batching\({field}=.*\): {field} must be"):
+        sharedml.Batching(**{field: value})
+
+
+def test_batching_takes_numpy_numbers_and_the_largest_values_it_allows(model: Path) -> None:
+    batching = sharedml.Batching(
+        max_batch_size=np.int64(4),
+        max_delay_ms=np.float32(60_000),
+        share_rows=np.bool_(False),
+        check_within=np.int32(1 << 20),
+    )
+    assert batching == sharedml.Batching(
+        max_batch_size=4, max_delay_ms=60_000.0, share_rows=False, check_within=1 << 20
+    )
+    assert type(batching.max_batch_size) is int and type(batching.share_rows) is bool
+    with sharedml.SessionPool(model, sessions=1, batching=batching) as pool:
+        # A full batch runs at once, however long the delay.
+        queue_behind_a_checkout(pool, [lambda s=s: pool.run(None, feed(1, s)) for s in range(4)])
+        assert pool.stats().batches == 1
 
 
 def test_each_batching_spelling_has_one_meaning() -> None:

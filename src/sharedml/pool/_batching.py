@@ -30,11 +30,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import itertools
 import math
+import numbers
 import operator
 import random
 import sys
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -49,6 +52,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ADAPTIVE_DELAY_SHARE",
     "CONVOLUTION_OPS",
+    "MAX_COUNT",
+    "MAX_DELAY_MS",
     "Batching",
     "BatchingDefault",
     "BatchingSetting",
@@ -59,6 +64,7 @@ __all__ = [
     "UNTOLD_GAP",
     "blank_feed",
     "bucket_for",
+    "isolated",
     "merge",
     "same_feed",
     "same_results",
@@ -71,6 +77,14 @@ __all__ = [
 # of the latest batch's run time. Waiting costs the rows already there at most this share of a
 # run when the expected rows do not come; when they come, the batch runs them all at once.
 ADAPTIVE_DELAY_SHARE = 0.5
+
+# The longest Batching.max_delay_ms: a batch that waits longer for rows is a mistake (and past
+# threading.TIMEOUT_MAX a lock's wait overflows).
+MAX_DELAY_MS = 60_000.0  # milliseconds: a minute
+
+# The largest Batching.max_batch_size and check_within: far past any batch worth merging, and
+# small enough that buckets and schedules stay small numbers.
+MAX_COUNT = 1 << 20
 
 # Ops whose CUDA kernels keep cuDNN plans for the last input shape only (conv.cc,
 # conv_transpose.cc, contrib FusedConv/NhwcConv): a new batch size rebuilds them.
@@ -120,10 +134,13 @@ class Batching:
             rows measured faster (figures: ``docs/batching.md``, the policy).
         copy_outputs: Give each caller arrays of its own, copied out of the batch's outputs
             (in the caller's thread, after the session went back). False: each caller's
-            outputs are views of the batch's output arrays (its own rows only, so writes
-            never reach another caller), which saves copying every output once; a view
-            keeps the whole batch's output (``max_batch_size`` times a request's bytes at
-            most) alive for as long as the caller holds it. A run that was not merged returns
+            outputs are views of the batch's output arrays, which saves copying every output
+            once. A view covers the caller's rows only, and so does everything it leads to:
+            its ``.base`` is an object whose ``__array_interface__`` spans those rows, with no
+            reference to the batch's array (writes, ``.base``, pickling and buffer exports
+            never reach another caller's rows). The batch's output (``max_batch_size`` times
+            a request's bytes at most) stays alive, held by sharedml, until every caller's
+            views are gone. Outputs of strings are copied. A run that was not merged returns
             ORT's arrays either way.
         rows_independent: Take the caller's word that every output row depends only on its own
             input row, and merge without the row-independence analysis (for a model it cannot
@@ -150,38 +167,43 @@ class Batching:
     check_within: int | None = 64
 
     def __post_init__(self) -> None:
-        try:
-            rows = operator.index(self.max_batch_size)
-        except TypeError:
-            rows = 0
-        if rows < 1 or isinstance(self.max_batch_size, bool):
-            raise ValueError(
-                f"max_batch_size must be an integer >= 1, not {self.max_batch_size!r}."
-            )
+        # Every field is checked here, so that a bad setting fails where it is written, not
+        # at the first run (a delay of 1e300 ms once overflowed the lock's timeout there).
+        object.__setattr__(
+            self, "max_batch_size", _count("max_batch_size", self.max_batch_size, "rows")
+        )
         delay: object = self.max_delay_ms
-        if delay is not None and (
-            not isinstance(delay, (int, float))
-            or isinstance(delay, bool)
-            or not math.isfinite(delay)
-            or delay < 0
-        ):
-            raise ValueError(
-                f"max_delay_ms must be None (adaptive) or a finite number >= 0, not {delay!r}."
-            )
-        for name in ("pad_to_buckets", "session_per_bucket", "share_rows"):
-            if getattr(self, name) not in (None, True, False):
+        if delay is not None:
+            ms = math.nan
+            if isinstance(delay, (bool, np.bool_)):
+                pass  # True is no number of milliseconds
+            elif isinstance(delay, numbers.Real):
+                ms = float(delay)
+            if not (math.isfinite(ms) and 0 <= ms <= MAX_DELAY_MS):
                 raise ValueError(
-                    f"{name} must be True, False or None, not {getattr(self, name)!r}."
+                    f"Batching(max_delay_ms={delay!r}): max_delay_ms must be None (adaptive) or "
+                    f"a number of milliseconds from 0 to {MAX_DELAY_MS:g} (a minute); a batch "
+                    "that waits longer for rows is a mistake."
                 )
+            object.__setattr__(self, "max_delay_ms", ms)
+        for name in ("pad_to_buckets", "session_per_bucket", "share_rows"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (bool, np.bool_)):
+                raise ValueError(
+                    f"Batching({name}={value!r}): {name} must be True, False or None "
+                    "(the provider's default)."
+                )
+            object.__setattr__(self, name, None if value is None else bool(value))
         for name in ("copy_outputs", "rows_independent"):
-            if getattr(self, name) not in (True, False):
-                raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}.")
-        within: object = self.check_within
-        if within is not None and (
-            isinstance(within, bool) or not isinstance(within, int) or within < 1
-        ):
-            raise ValueError(
-                f"check_within must be None or an integer >= 1 (merged batches), not {within!r}."
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"Batching({name}={value!r}): {name} must be True or False.")
+            object.__setattr__(self, name, bool(value))
+        if self.check_within is not None:
+            object.__setattr__(
+                self,
+                "check_within",
+                _count("check_within", self.check_within, "merged batches", none="or None"),
             )
 
     def pads(self, provider: str, *, cuda_graphs: bool = False) -> bool:
@@ -253,6 +275,20 @@ class Batching:
         raise ValueError(
             f"batching must be 'auto', True, False or a sharedml.Batching, not {value!r}."
         )
+
+
+def _count(name: str, value: object, unit: str, *, none: str = "") -> int:
+    """A Batching field that counts something: an integer from 1 to ``MAX_COUNT``."""
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        count = 0
+    if isinstance(value, (bool, np.bool_)) or not 1 <= count <= MAX_COUNT:
+        raise ValueError(
+            f"Batching({name}={value!r}): {name} must be an integer from 1 to {MAX_COUNT:,} "
+            f"({unit}){' ' + none if none else ''}."
+        )
+    return count
 
 
 BatchingSetting = bool | Batching | Literal["auto"]
@@ -817,6 +853,50 @@ def same_feed(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return a.keys() == b.keys() and all(
         np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] is b[k] for k in a
     )
+
+
+class _Rows:
+    """One caller's rows of a batch's output array, as numpy sees them: address and shape only.
+
+    An array made from it (``np.asarray``) has it as its ``.base``: the view of the caller's
+    rows reaches no other caller's through ``.base``, ``__array_interface__`` or any Python
+    reference. The batch's array is kept alive apart, in ``_HELD``, until this object goes.
+    """
+
+    __slots__ = ("__array_interface__", "__weakref__")
+
+    def __init__(self, interface: dict[str, Any]) -> None:
+        self.__array_interface__ = interface
+
+
+# The batch outputs that views handed out with copy_outputs=False still need, by token: held
+# here rather than by the views, so that nothing a caller holds leads to other callers' rows.
+_HELD: dict[int, Any] = {}
+_TOKENS = itertools.count()
+
+
+def isolated(part: Sequence[Any]) -> list[Any]:
+    """A request's outputs from :func:`split` with ``copy=False``, as views of its rows alone.
+
+    A plain slice of a batch's output has the whole output as its ``.base``: a caller who
+    follows it reads every other caller's rows. Here each array is a view of the same memory
+    (no copy) whose ``.base`` is a :class:`_Rows` spanning the caller's rows only; the batch's
+    output stays alive until every caller's views are gone. Arrays of Python objects
+    (strings) are copied instead; sequence outputs (lists) are already the caller's own.
+    """
+    views: list[Any] = []
+    for out in part:
+        if not isinstance(out, np.ndarray):
+            views.append(out)
+        elif out.dtype.hasobject:
+            views.append(out.copy())  # object pointers: numpy's own copy holds their refs
+        else:
+            rows = _Rows(dict(out.__array_interface__))
+            token = next(_TOKENS)
+            _HELD[token] = out
+            weakref.finalize(rows, _HELD.pop, token, None).atexit = False
+            views.append(np.asarray(rows))
+    return views
 
 
 def owned(part: Sequence[Any]) -> list[Any]:

@@ -48,6 +48,7 @@ from sharedml.pool._batching import (
     CheckSchedule,
     Request,
     bucket_for,
+    isolated,
     merge,
     owned,
     same_feed,
@@ -159,6 +160,7 @@ class Ticket:
         "result",
         "session",
         "to_copy",
+        "views",
     )
 
     def __init__(self, request: Request | None = None, future: Future[Any] | None = None) -> None:
@@ -170,6 +172,7 @@ class Ticket:
         self.done = False  # a leader ran this request in its batch
         self.result: Any = None
         self.to_copy = False  # result is views of a batch's outputs, to copy: see owned_result
+        self.views = False  # ... to hand over as views of the caller's rows only
         self.error: BaseException | None = None
         self.queued_at = 0.0
         self.left = False  # its caller is gone (cancelled, interrupted) before it ran
@@ -207,10 +210,12 @@ class Ticket:
 
         Called in the thread that hands the result over (the caller's own for ``run``), after
         the session went back: the copies of a batch's rows are made in parallel and never
-        while the session is held.
+        while the session is held. With ``Batching(copy_outputs=False)`` the views become
+        arrays whose ``.base`` holds the caller's rows only (:func:`isolated`).
         """
         if self.to_copy:
-            self.result, self.to_copy = owned(self.result), False
+            self.result = isolated(self.result) if self.views else owned(self.result)
+            self.to_copy = False
         return self.result
 
 
@@ -728,7 +733,7 @@ class Scheduler:
                     return False  # each request got its solo outcome
             if parts is not None:
                 for t, part in zip(batch, parts, strict=True):
-                    t.result, t.to_copy = part, self._copies
+                    t.result, t.to_copy, t.views = part, True, not self._copies
                 return False
             if outputs is not None:
                 self._split_failed()  # an output's axis 0 did not add up: rerun one by one
