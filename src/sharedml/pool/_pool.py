@@ -825,6 +825,11 @@ class SessionPool:
     ) -> list[Any]:
         """``run`` for asyncio code: the request queues without holding a thread.
 
+        Cancelling the awaiting task (a client that disconnected) takes the request out of
+        the queue, or out of the batch that took it if that batch has not started: it never
+        runs, and the batch runs for the others. A request whose batch already runs finishes;
+        its result is dropped. Either way no session or queue slot stays held.
+
         Raises:
             The same as :meth:`run`.
         """

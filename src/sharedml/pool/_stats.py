@@ -34,6 +34,9 @@ class Counters:
     run_seconds: float = 0.0
     batch_checks: int = 0
     batch_mismatches: int = 0
+    check_runs: int = 0
+    check_seconds: float = 0.0
+    cancelled: int = 0
     split_failures: int = 0
 
     def published(self) -> dict[str, Any]:
@@ -74,10 +77,18 @@ class PoolStats:
             a window, divided by the window and the sessions, it is how busy they were: the
             rest went to waiting for rows, handing results back, and idling.
         batching: Whether the pool merges requests now (see ``SessionPool.batching_reason``).
-        batch_checks: Merged batches checked against solo runs of their requests (the pool
-            checks its first merged batches, until one of requests with different rows passed).
+        batch_checks: Merged batches checked against solo runs of their requests: the first
+            of every class of batches (input signature and row bucket), then batches at random
+            gaps of at most ``Batching.check_within`` (see ``docs/batching.md``, defence in
+            depth).
         batch_mismatches: Checks whose merged rows differed from the solo runs: the pool then
-            gave every caller its solo result and stopped merging.
+            gave every caller of that batch its solo result and stopped merging.
+        check_runs: Solo runs those checks made (every request of a full check, one of a spot
+            check; every request of a batch that failed its check).
+        check_seconds: Total time sessions spent in those runs (part of ``run_seconds``): what
+            the checks cost.
+        cancelled: Requests whose callers left before they ran (a cancelled ``run_async``, a
+            caller interrupted while its request waited in a batch): they never ran.
         arena_shrinks: Runs that gave a CPU session's arena memory back after a peak of rows
             had passed (see :mod:`sharedml.pool._arena`).
         calibration: For ``SessionPool(sessions="auto")``, how the pool split the cores into
@@ -108,6 +119,9 @@ class PoolStats:
     batch_mismatches: int = 0
     calibration: Calibration | None = None
     arena_shrinks: int = 0
+    check_runs: int = 0
+    check_seconds: float = 0.0
+    cancelled: int = 0
 
     @property
     def idle(self) -> int:
