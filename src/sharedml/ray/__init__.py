@@ -19,7 +19,7 @@ Details, figures and the deployment recipes: ``docs/ray.md``.
 
 from __future__ import annotations
 
-from sharedml.ray._http import HttpLimits
+from sharedml.protocol._admission import HttpLimits
 from sharedml.ray._loopback import bind_to_loopback, restrict_replica_grpc
 from sharedml.ray._metrics import PoolMetrics
 from sharedml.ray._node import NodeModel, create_pool, prepare_on_node

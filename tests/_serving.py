@@ -1,0 +1,83 @@
+"""Helpers for the server tests: a pool stand-in, and a real uvicorn server on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+
+class Arg:
+    """What ``pool.get_inputs()`` returns, as far as the servers read it."""
+
+    def __init__(self, name: str, type_: str, shape: Sequence[Any]) -> None:
+        self.name, self.type, self.shape = name, type_, list(shape)
+
+
+class HoldingPool:
+    """A pool stand-in whose runs wait until released: admitted requests stay in flight.
+
+    ``run_async`` echoes its one input as ``y``. ``held`` counts the runs waiting now.
+    """
+
+    def __init__(self, columns: int = 256) -> None:
+        self.columns = columns
+        self.held = 0
+        self.closed = False
+        self._release = threading.Event()
+
+    def get_inputs(self) -> list[Arg]:
+        return [Arg("x", "tensor(float)", ["batch", self.columns])]
+
+    def get_outputs(self) -> list[Arg]:
+        return [Arg("y", "tensor(float)", ["batch", self.columns])]
+
+    def release(self) -> None:
+        self._release.set()
+
+    async def run_async(self, names: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.held += 1
+        try:
+            while not self._release.is_set():
+                await asyncio.sleep(0.005)
+        finally:
+            self.held -= 1
+        return [np.asarray(feed["x"][:1])]
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)  # connections queue until the server accepts them
+    return sock
+
+
+@contextlib.contextmanager
+def uvicorn_thread(app: Any, **config: Any) -> Iterator[int]:
+    """``app`` served by uvicorn in a thread of this process; yields its port."""
+    import uvicorn
+
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, **config)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
