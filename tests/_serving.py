@@ -81,3 +81,74 @@ def uvicorn_thread(app: Any, **config: Any) -> Iterator[int]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def typed_model(path: Any, *, dim: int = 8, seed: int = 0) -> Any:
+    """A model of four inputs and outputs, one per kind of wire data, rows independent.
+
+    ``x: float32[batch, dim]`` -> ``y = Relu(x @ W + b)``; ``ids: int64[batch]`` ->
+    ``twice = 2 * ids``; ``text: string[batch]`` -> ``same = text``; ``mask: bool[batch]`` ->
+    ``flipped = not mask``.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((dim, dim)) / np.sqrt(dim)).astype(np.float32)
+    b = (rng.standard_normal(dim) * 0.1).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["mm"]),
+            helper.make_node("Add", ["mm", "b"], ["add"]),
+            helper.make_node("Relu", ["add"], ["y"]),
+            helper.make_node("Mul", ["ids", "two"], ["twice"]),
+            helper.make_node("Identity", ["text"], ["same"]),
+            helper.make_node("Not", ["mask"], ["flipped"]),
+        ],
+        "typed",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", dim]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"]),
+            helper.make_tensor_value_info("text", TensorProto.STRING, ["batch"]),
+            helper.make_tensor_value_info("mask", TensorProto.BOOL, ["batch"]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", dim]),
+            helper.make_tensor_value_info("twice", TensorProto.INT64, ["batch"]),
+            helper.make_tensor_value_info("same", TensorProto.STRING, ["batch"]),
+            helper.make_tensor_value_info("flipped", TensorProto.BOOL, ["batch"]),
+        ],
+        initializer=[
+            numpy_helper.from_array(w, "w"),
+            numpy_helper.from_array(b, "b"),
+            numpy_helper.from_array(np.array(2, np.int64), "two"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def mixing_model(path: Any, *, dim: int = 8) -> Any:
+    """``y = x - mean(x over rows)``: every output row depends on every input row.
+
+    Merged with another caller's rows, a caller would get a wrong answer: the row analysis
+    must refuse it, and a server must run it unbatched.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceMean", ["x"], ["mean"], axes=[0], keepdims=1),
+            helper.make_node("Sub", ["x", "mean"], ["y"]),
+        ],
+        "mixing",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", dim])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", dim])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
