@@ -35,6 +35,14 @@ class HoldingPool:
     def get_inputs(self) -> list[Arg]:
         return [Arg("x", "tensor(float)", ["batch", self.columns])]
 
+    def stats(self) -> Any:
+        import types
+
+        return types.SimpleNamespace(sessions=1, busy=0, replaced=0)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        self.closed = True
+
     def get_outputs(self) -> list[Arg]:
         return [Arg("y", "tensor(float)", ["batch", self.columns])]
 
@@ -152,3 +160,30 @@ def mixing_model(path: Any, *, dim: int = 8) -> Any:
     model.ir_version = 8
     onnx.save(model, str(path))
     return path
+
+
+@contextlib.contextmanager
+def serving(server: Any) -> Iterator[Any]:
+    """A ``sharedml.serve`` server serving in a thread of this process until the block ends."""
+    errors: list[BaseException] = []
+
+    def main() -> None:
+        try:
+            asyncio.run(server.serve())
+        except BaseException as exc:  # raised in the test's thread below
+            errors.append(exc)
+            server.started.set()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    assert server.started.wait(timeout=60), "the server did not start"
+    if errors:
+        raise errors[0]
+    try:
+        yield server
+    finally:
+        server.stop()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the server did not stop"
+        if errors:
+            raise errors[0]
