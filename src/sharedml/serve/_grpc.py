@@ -65,7 +65,8 @@ class InferenceGrpc:
         version: The server's version (ServerMetadata).
         limits: What requests may hold.
         budget: The byte budget shared with HTTP.
-        observer: Called once per ModelInfer with the model, ``"grpc"``, the status and seconds.
+        observer: Called once per ModelInfer with the model, ``"grpc"``, the status code's name
+            (``"OK"``, ``"INVALID_ARGUMENT"``...) and seconds.
 
     Thread safety: the methods may be awaited concurrently.
     """
@@ -135,21 +136,21 @@ class InferenceGrpc:
     async def ModelInfer(self, request: Any) -> Any:
         """Run a model on a request's inputs."""
         start = time.perf_counter()
-        status = 500
+        code = "INTERNAL"
         name = ""
         try:
             model = self._model(request.model_name, request.model_version)
             name = model.name
             reply = await self._infer(model, request)
-            status = 200
+            code = "OK"
             return reply
         except BaseException as exc:
             known = status_of(exc)
-            status = known[0] if known is not None else 500
+            code = GRPC_CODES.get(known[0], "INTERNAL") if known is not None else "INTERNAL"
             raise
         finally:
             if self.observer is not None and name:
-                self.observer(name, "grpc", str(status), time.perf_counter() - start)
+                self.observer(name, "grpc", code, time.perf_counter() - start)
 
     async def _infer(self, model: ServedModel, request: Any) -> Any:
         size = request.ByteSize()

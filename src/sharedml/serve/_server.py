@@ -152,8 +152,16 @@ class Server:
         self._force = False
         self.models: dict[str, ServedModel] = {}
         self._open(models, dict(pool_options or {}), open_pool)
+        from sharedml.serve._metrics import ServerMetrics
+
+        self.metrics = ServerMetrics(self.models, lambda: self.budget.used_bytes)
         self.http = InferenceHttp(
-            self.models, version=_version(), limits=self.limits, budget=self.budget
+            self.models,
+            version=_version(),
+            limits=self.limits,
+            budget=self.budget,
+            observer=self.metrics.observe,
+            extra_routes={"/metrics": self.metrics.render},
         )
 
     def _open(
@@ -239,6 +247,7 @@ class Server:
                     limits=self.limits,
                     budget=self.budget,
                     version=_version(),
+                    observer=self.metrics.observe,
                 )
             while not http.started:
                 if http_task.done():  # it failed to start: its exception says why
