@@ -55,6 +55,19 @@ def same(got: Any, want: np.ndarray, name: str) -> None:
         np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+class _Headers:
+    """A tritonclient client whose every call sends ``headers`` (None: as it is)."""
+
+    def __init__(self, client: Any, headers: dict[str, str] | None) -> None:
+        self._client, self._headers = client, headers
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if self._headers is None or name == "close":
+            return method
+        return lambda *args, **kwargs: method(*args, headers=self._headers, **kwargs)
+
+
 def triton(protocol: str) -> Any:
     """``tritonclient.http`` or ``tritonclient.grpc``."""
     return importlib.import_module(f"tritonclient.{protocol}")
@@ -69,10 +82,20 @@ def triton_inputs(module: Any, feed: dict[str, np.ndarray], **kw: Any) -> list[A
     return inputs
 
 
-def check_triton_endpoints(protocol: str, url: str, typed_path: Path, model: str = "typed") -> None:
-    """Every endpoint of the protocol through tritonclient, with its defaults."""
+def check_triton_endpoints(
+    protocol: str,
+    url: str,
+    typed_path: Path,
+    model: str = "typed",
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Every endpoint of the protocol through tritonclient, with its defaults.
+
+    ``headers``: sent with every call (Ray Serve's gRPC proxy routes by an ``application``
+    header where it serves several applications).
+    """
     t = triton(protocol)
-    client = t.InferenceServerClient(url)
+    client = _Headers(t.InferenceServerClient(url), headers)
     try:
         assert client.is_server_live() and client.is_server_ready()
         assert client.is_model_ready(model)
@@ -136,8 +159,15 @@ def check_triton_endpoints(protocol: str, url: str, typed_path: Path, model: str
         client.close()
 
 
-def check_kserve_clients(http_url: str, grpc_url: str | None, typed_path: Path) -> None:
-    """KServe's InferenceRESTClient (protocol v2) and InferenceGRPCClient, their defaults."""
+def check_kserve_clients(
+    http_url: str, grpc_url: str | None, typed_path: Path, application: str = ""
+) -> None:
+    """KServe's InferenceRESTClient (protocol v2) and InferenceGRPCClient, their defaults.
+
+    ``http_url`` may hold a path (a Ray Serve route prefix); ``application``, where given, is
+    sent as gRPC metadata (Ray Serve's proxy routes by it).
+    """
+    metadata = (("application", application),) if application else None
     from kserve import (
         InferenceGRPCClient,
         InferenceRESTClient,
@@ -175,9 +205,10 @@ def check_kserve_clients(http_url: str, grpc_url: str | None, typed_path: Path) 
             return
         grpc_client = InferenceGRPCClient(grpc_url)
         try:
-            assert await grpc_client.is_server_live() and await grpc_client.is_server_ready()
-            assert await grpc_client.is_model_ready("typed")
-            result = await grpc_client.infer(request())
+            assert await grpc_client.is_server_live(headers=metadata)
+            assert await grpc_client.is_server_ready(headers=metadata)
+            assert await grpc_client.is_model_ready("typed", headers=metadata)
+            result = await grpc_client.infer(request(), headers=metadata)
             for output in result.outputs:
                 same(output.as_numpy(), expected[output.name], output.name)
         finally:
@@ -186,7 +217,9 @@ def check_kserve_clients(http_url: str, grpc_url: str | None, typed_path: Path) 
     asyncio.run(main())
 
 
-def check_kserve_clients_in_a_child(http_url: str, grpc_url: str | None, typed_path: Path) -> None:
+def check_kserve_clients_in_a_child(
+    http_url: str, grpc_url: str | None, typed_path: Path, application: str = ""
+) -> None:
     """:func:`check_kserve_clients` in a fresh process (skipped where kserve is not installed).
 
     KServe's and tritonclient's generated modules both register ``inference.ServerLiveRequest``
@@ -199,7 +232,8 @@ def check_kserve_clients_in_a_child(http_url: str, grpc_url: str | None, typed_p
         pytest.skip("KServe's client is not installed (pip install kserve)")
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import _clients; "
-        "_clients.check_kserve_clients(sys.argv[2], sys.argv[3] or None, sys.argv[4])"
+        "_clients.check_kserve_clients(sys.argv[2], sys.argv[3] or None, sys.argv[4], "
+        "sys.argv[5])"
     )
     done = subprocess.run(
         [
@@ -210,6 +244,7 @@ def check_kserve_clients_in_a_child(http_url: str, grpc_url: str | None, typed_p
             http_url,
             grpc_url or "",
             str(typed_path),
+            application,
         ],
         capture_output=True,
         text=True,
@@ -226,6 +261,7 @@ def concurrent_callers(
     make_feed: Any,
     callers: int = 16,
     rounds: int = 4,
+    headers: dict[str, str] | None = None,
 ) -> list[str]:
     """``callers`` threads started together, each its own client and rows; the mismatches."""
     t = triton(protocol)
@@ -235,7 +271,7 @@ def concurrent_callers(
 
     def call(index: int) -> None:
         rng = np.random.default_rng(1000 + index)
-        client = t.InferenceServerClient(url)
+        client = _Headers(t.InferenceServerClient(url), headers)
         try:
             start.wait(timeout=60)
             for round_ in range(rounds):

@@ -615,3 +615,12 @@ def test_npz_replies_take_any_output_name_and_strings_without_pickle() -> None:
     one = {"names": outputs["names"]}
     body, _ = encode(one, request, NPY)
     assert np.load(io.BytesIO(body), allow_pickle=False).tolist() == ["a", "bé"]
+
+
+def test_a_request_error_survives_pickling_with_its_status() -> None:
+    """Ray Serve pickles a replica's exception back to its proxy (gRPC answers need it)."""
+    import pickle
+
+    error = RequestError(429, "busy", {"Retry-After": "1"})
+    again = pickle.loads(pickle.dumps(error))
+    assert (again.status, again.message, again.headers) == (429, "busy", {"Retry-After": "1"})

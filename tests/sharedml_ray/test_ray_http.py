@@ -434,3 +434,37 @@ def test_one_node_recipes_fit_a_two_cpu_node(
     per_node = bound._replica_config.max_replicas_per_node or bound.num_replicas
     assert bound.num_replicas * cpus <= 2, (where, bound.num_replicas, cpus)
     assert per_node >= bound.num_replicas, (where, per_node)  # all of them on the one node
+
+
+def test_grpc_methods_answer_and_set_the_status_code_on_serves_context(server: Any) -> None:
+    """What Serve's gRPC proxy calls: the RPC-named methods, failures as gRPC codes."""
+    grpc = pytest.importorskip("grpc", reason="grpcio is not installed")
+    from sharedml.protocol import _grpc
+
+    class Context:  # what Serve passes as grpc_context, as far as the replica uses it
+        code_set: Any = None
+        details_set = ""
+
+        def set_code(self, code: Any) -> None:
+            self.code_set = code
+
+        def set_details(self, details: str) -> None:
+            self.details_set = details
+
+    x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
+    request = _grpc.message("ModelInferRequest")(model_name="tiny", id="g")
+    request.inputs.add(name="input", datatype="FP32", shape=[2, 256])
+    request.raw_input_contents.append(x.tobytes())
+    reply = asyncio.run(server.ModelInfer(request, grpc_context=Context()))
+    got = np.frombuffer(reply.raw_output_contents[0], np.float32).reshape(2, 256)
+    np.testing.assert_allclose(got, reference(Path(server.node.source), x), rtol=1e-4, atol=1e-5)
+    assert reply.id == "g" and reply.outputs[0].name == "output"
+    ready = asyncio.run(server.ModelReady(_grpc.message("ModelReadyRequest")(name="tiny")))
+    assert ready.ready
+    context = Context()
+    request.inputs[0].shape[:] = [2, 128]
+    with pytest.raises(Exception, match="must have 256 on axis 1"):
+        asyncio.run(server.ModelInfer(request, grpc_context=context))
+    assert context.code_set == grpc.StatusCode.INVALID_ARGUMENT
+    assert "must have 256" in context.details_set
+    assert server.inflight.used_bytes == 0

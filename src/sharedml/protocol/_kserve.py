@@ -117,6 +117,8 @@ def _declared(item: Any, inputs: Mapping[str, TensorInfo], limits: HttpLimits) -
     if not isinstance(name, str):
         raise bad('An input has no "name" (a string).')
     what = f"Input '{name[:80]}'"
+    if "data" not in item and "binary_data_size" not in _parameters(item, what):
+        raise bad(f'{what} has no "data" (nor "binary_data_size" in its "parameters").')
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):

@@ -72,6 +72,10 @@ class RequestError(Exception):
         self.message = message
         self.headers = dict(headers or {})
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray Serve pickles a replica's exception back to its proxy: keep every argument.
+        return (type(self), (self.status, self.message, self.headers))
+
 
 def bad(message: str) -> RequestError:
     """A 400: the request is malformed or does not fit the model."""

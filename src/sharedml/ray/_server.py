@@ -46,10 +46,16 @@ from sharedml.protocol._admission import HttpLimits, InflightBytes
 from sharedml.ray._loopback import restrict_replica_grpc
 from sharedml.ray._metrics import PoolMetrics
 from sharedml.ray._node import BatchingSetting, create_pool, mapped_files
+from sharedml.serve._grpc import InferenceGrpc, grpc_failure
 from sharedml.serve._http import InferenceHttp
 from sharedml.serve._models import ServedModel
 
-__all__ = ["ModelServer", "deployment"]
+__all__ = ["GRPC_SERVICER", "ModelServer", "deployment"]
+
+# What Serve's gRPC proxy needs to serve inference.GRPCInferenceService (the Open Inference
+# Protocol over gRPC): serve.start(grpc_options={"port": ..., "grpc_servicer_functions":
+# [GRPC_SERVICER]}); the proxy then routes each RPC to ModelServer's method of the same name.
+GRPC_SERVICER = "sharedml.serve._grpc.add_GRPCInferenceServiceServicer_to_server"
 
 _CLOSE_TIMEOUT_S = 30.0  # seconds a stopping replica waits for its runs in flight
 _log = logging.getLogger("ray.serve")  # a replica's log: Serve keeps and shows it
@@ -144,6 +150,12 @@ class ModelServer:
             limits=self.http_limits,
             budget=self.inflight,
         )
+        self.grpc = InferenceGrpc(
+            {self.model_name: self.served},
+            version=_version(),
+            limits=self.http_limits,
+            budget=self.inflight,
+        )
         self.metrics.record(self.pool.stats())
         _log.info("sharedml: model '%s': %s", self.model_name, self.pool.batching_reason)
 
@@ -215,6 +227,44 @@ class ModelServer:
 
     async def _http(self, request: Any) -> Any:
         return await self.http.handle(request)
+
+    # ----------------------------------------------------------------------------------------
+    # gRPC: inference.GRPCInferenceService through Serve's gRPC proxy (see GRPC_SERVICER)
+
+    async def _grpc(self, method: str, request: Any, context: Any) -> Any:
+        try:
+            return await getattr(self.grpc, method)(request)
+        except Exception as exc:
+            failure = grpc_failure(exc)
+            if failure is not None and context is not None:
+                # Serve answers with the code set on its context when the method raises.
+                context.set_code(failure[0])
+                context.set_details(failure[1])
+            raise
+
+    async def ServerLive(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ServerLive RPC."""
+        return await self._grpc("ServerLive", request, grpc_context)
+
+    async def ServerReady(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ServerReady RPC."""
+        return await self._grpc("ServerReady", request, grpc_context)
+
+    async def ModelReady(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ModelReady RPC."""
+        return await self._grpc("ModelReady", request, grpc_context)
+
+    async def ServerMetadata(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ServerMetadata RPC."""
+        return await self._grpc("ServerMetadata", request, grpc_context)
+
+    async def ModelMetadata(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ModelMetadata RPC."""
+        return await self._grpc("ModelMetadata", request, grpc_context)
+
+    async def ModelInfer(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ModelInfer RPC."""
+        return await self._grpc("ModelInfer", request, grpc_context)
 
 
 def _version() -> str:
