@@ -52,10 +52,16 @@ def test_every_field_is_the_same_as_tritonclients() -> None:
 
 def test_every_field_of_kserves_proto_is_the_same_here() -> None:
     """KServe's own generated module (a child process: it clashes with tritonclient's)."""
-    import importlib.util
+    import os
 
-    if importlib.util.find_spec("kserve") is None:
-        pytest.skip("KServe's client is not installed (pip install kserve)")
+    python = os.environ.get("SHAREDML_KSERVE_PYTHON") or sys.executable  # see tests/_clients.py
+    probe = subprocess.run(
+        [python, "-c", "import importlib.util as u; print(u.find_spec('kserve') is not None)"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.stdout.strip() != "True":
+        pytest.skip(f"KServe's client is not installed for {python} (SHAREDML_KSERVE_PYTHON)")
     code = (
         "import json, sys\n"
         "from typing import Any\n"
@@ -66,7 +72,7 @@ def test_every_field_of_kserves_proto_is_the_same_here() -> None:
         "print(json.dumps(describe(pb2.DESCRIPTOR, names)))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(list(_grpc._MESSAGES))],
+        [python, "-c", code, json.dumps(list(_grpc._MESSAGES))],
         capture_output=True,
         text=True,
         timeout=120,

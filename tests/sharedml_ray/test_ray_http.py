@@ -274,8 +274,23 @@ def test_the_documented_status_table_is_what_the_server_answers(tmp_path: Path) 
     from sharedml.ray import HttpLimits, ModelServer
 
     path = _gather_reshape_model(tmp_path / "gather.onnx")
-    limits = HttpLimits(max_request_bytes=1024, max_inflight_bytes=64 * 1024)
+    limits = HttpLimits(max_request_bytes=1024, max_inflight_bytes=64 * 1024, body_timeout_s=0.2)
     server = ModelServer(path, sessions=1, cache_dir=tmp_path / "cache", http_limits=limits)
+
+    def stalled() -> Any:  # a body that stops arriving
+        from starlette.requests import Request
+
+        scope = starlette_request("POST", "/", content_type=JS, content_length="100").scope
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                await asyncio.Event().wait()
+            sent = True
+            return {"type": "http.request", "body": b"{", "more_body": True}
+
+        return asyncio.run(server(Request(scope, receive)))
 
     def infer(ids: list[int], shape: list[int], **headers: str) -> Any:
         doc = {"inputs": {"ids": ids, "shape": shape}}
@@ -297,6 +312,7 @@ def test_the_documented_status_table_is_what_the_server_answers(tmp_path: Path) 
         (404, lambda: call(server, "GET", "/nowhere"), "unknown path"),
         (405, lambda: call(server, "GET", "/"), "method"),
         (406, lambda: infer([1], [1, 3], accept="text/html"), "Accept"),
+        (408, stalled, "stopped arriving"),
         (413, lambda: infer([0] * 200, [200, 3]), "max_request_bytes"),
         (415, lambda: call(server, "POST", "/", b"x", content_type="text/plain"), "content type"),
         (429, held, "max_inflight_bytes"),
