@@ -28,7 +28,8 @@ STAGES: list[set[str]] = [
     {"route"},
     {"pool"},
     {"inspection", "measure"},
-    {"cli", "ray"},
+    {"protocol"},
+    {"cli", "ray", "serve"},
 ]
 LEVEL = {name: level for level, names in enumerate(STAGES) for name in names}
 
