@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from _waiting import DEADLINE_S, wait_until
 
-from sharedml import Batching, InvalidInputError, PoolClosedError, SessionCreationError
+from sharedml import Batching, InvalidInputError, PoolClosedError, RunError, SessionCreationError
 from sharedml.pool._batching import UNTOLD_GAP, Request
 from sharedml.pool._creation import create_with_retries
 from sharedml.pool._scheduler import Scheduler
@@ -45,8 +45,11 @@ class FakeSessions:
         interrupt_merged: bool = False,
         leak_above: float | None = None,
         gate: threading.Event | None = None,
+        lose_session_on: float | None = None,
     ) -> None:
         self.fail_merged = fail_merged
+        self.lose_session_on = lose_session_on  # a run holding this value loses its session
+        self.discarded: list[Any] = []
         self.interrupt_merged = interrupt_merged
         self.leak_above = leak_above
         self.gate = gate  # merged runs wait for it to be set
@@ -79,7 +82,9 @@ class FakeSessions:
             if feed is not None and self.fail_merged:
                 raise RuntimeError("the merged run failed")
             if (x == POISON).any():
-                raise ValueError("a row holds the poison value")
+                raise InvalidInputError("a row holds the poison value")
+            if self.lose_session_on is not None and (x == self.lose_session_on).any():
+                raise RunError("the device went away", session_lost=True)
             if self.leak_above is not None and (x > self.leak_above).any():
                 return [x * 2.0 + 1.0 + x.sum(axis=0)]
             return [x * 2.0 + 1.0]
@@ -88,7 +93,8 @@ class FakeSessions:
                 self.running.discard(session)
 
     def discard(self, session: Any) -> None:
-        pass
+        with self.lock:
+            self.discarded.append(session)
 
 
 def request(x: np.ndarray) -> Request:
@@ -664,3 +670,13 @@ def test_a_caller_interrupted_while_a_forming_batch_holds_its_request_leaves_it(
     wait_until(lambda: scheduler.stats().busy == 0, what="the session to come back")
     stats = scheduler.stats()
     assert (stats.cancelled, stats.waiting, stats.failed_runs) == (1, 0, 0)
+
+
+def test_a_run_that_loses_its_session_fails_and_the_session_is_replaced(make: Any) -> None:
+    scheduler, source = make(sessions=1, lose_session_on=13.0)
+    with pytest.raises(RunError, match="device went away"):
+        scheduler.run(request(np.full((1, 3), 13.0)))
+    assert source.discarded == [1]  # the source let the session go
+    out = scheduler.run(request(rows(1, 5.0)))  # a new session serves the next caller
+    np.testing.assert_array_equal(out[0], rows(1, 5.0) * 2.0 + 1.0)
+    assert source.created == 2

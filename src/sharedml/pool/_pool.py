@@ -75,9 +75,10 @@ from sharedml.pool._graphs import (
 )
 from sharedml.pool._relax import relax, relaxed_recipe
 from sharedml.pool._runlock import FairLock, SerializedSession, run_lock_for
-from sharedml.pool._scheduler import Scheduler, closed_error, is_session_fatal, run_error
+from sharedml.pool._scheduler import Scheduler, closed_error
 from sharedml.pool._stats import PoolStats
 from sharedml.route._planner import Mechanism, SessionRecipe, plan_route
+from sharedml.runtime._errors import is_session_lost, mapped_run_errors, run_error
 from sharedml.runtime._providers import (
     CPU,
     DML,
@@ -334,7 +335,7 @@ class _Sessions:
         """One ``sess.run``, under the device's run lock where runs are serialized."""
         names = list(request.output_names) if request.output_names is not None else None
         lock = self._run_lock if self._run_lock is not None else contextlib.nullcontext()
-        with lock:
+        with lock, mapped_run_errors():
             if isinstance(sess, GraphSession):
                 if request.run_options is not None:
                     raise InvalidInputError(
@@ -779,7 +780,7 @@ class SessionPool:
         try:
             yield sess if self._run_lock is None else SerializedSession(sess, self._run_lock)
         except BaseException as exc:
-            failed, broken = True, is_session_fatal(exc)
+            failed, broken = True, is_session_lost(exc)
             raise
         finally:
             self._scheduler.checkin(sess, failed=failed, broken=broken)

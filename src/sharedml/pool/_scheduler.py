@@ -35,7 +35,6 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from sharedml._errors import (
-    InvalidInputError,
     PoolClosedError,
     PoolTimeout,
     RunError,
@@ -63,8 +62,6 @@ __all__ = [
     "SessionSource",
     "Ticket",
     "closed_error",
-    "is_session_fatal",
-    "run_error",
 ]
 
 # Merged runs whose outputs did not split back into the requests' rows before the pool stops
@@ -92,22 +89,17 @@ class SessionSource(Protocol):
         """Let a session go that a provider failure broke."""
 
 
-def is_session_fatal(exc: BaseException) -> bool:
-    """Errors after which ORT does not promise a usable session (device and engine faults)."""
-    return type(exc).__name__ in ("EPFail", "EngineError")
-
-
-def run_error(exc: BaseException) -> SharedMLError:
-    """ORT's run failure as a sharedml error that keeps ORT's message and type name."""
+def _failure(exc: BaseException) -> SharedMLError:
+    """What a source's run raised, as the callers get it (the source maps ORT's own errors)."""
     if isinstance(exc, SharedMLError):
-        return exc  # sharedml's own refusal (a graph session's), already clear
-    kind = type(exc).__name__
-    message = " ".join(str(exc).split()) or kind
-    # InvalidArgument: shapes or dtypes; ValueError: ORT's Python layer (missing inputs).
-    cls = InvalidInputError if kind in ("InvalidArgument", "ValueError") else RunError
-    error = cls(f"onnxruntime raised {kind}: {message}", ort_type=kind)
+        return exc
+    error = RunError(f"{type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
+
+
+def _lost(error: SharedMLError) -> bool:
+    return isinstance(error, RunError) and error.session_lost
 
 
 def closed_error() -> PoolClosedError:
@@ -504,7 +496,7 @@ class Scheduler:
 
         Raises:
             PoolClosedError: the scheduler is closing or closed.
-            BaseException: whatever the run raised (see :func:`run_error`).
+            BaseException: whatever the run raised (the source's errors, as it maps them).
         """
         ticket = Ticket(request)
         sess = self._acquire(ticket, None)
@@ -716,9 +708,10 @@ class Scheduler:
                 feed = merge(requests, rows=rows)  # type: ignore[arg-type]
                 outputs = self._source.run(sess, batch[0].request, feed)  # type: ignore[arg-type]
             except Exception as exc:
-                if is_session_fatal(exc):
+                error = _failure(exc)
+                if _lost(error):
                     for t in batch:
-                        t.error = run_error(exc)
+                        t.error = error
                     return True
                 outputs = None  # rerun each member alone: only the culprit fails
             self._count_batch(merged_rows, time.perf_counter() - start, padded=rows - merged_rows)
@@ -742,8 +735,8 @@ class Scheduler:
             try:
                 t.result = self._source.run(sess, t.request, None)  # type: ignore[arg-type]
             except Exception as exc:
-                t.error = run_error(exc)
-                if is_session_fatal(exc):
+                t.error = _failure(exc)
+                if _lost(t.error):
                     for rest in batch:
                         if rest.result is None and rest.error is None:
                             rest.error = t.error
@@ -830,7 +823,7 @@ class Scheduler:
         try:
             return self._source.run(sess, ticket.request, None)  # type: ignore[arg-type]
         except Exception as exc:
-            return run_error(exc)
+            return _failure(exc)
 
     def _split_failed(self) -> None:
         with self.cond:
