@@ -17,6 +17,7 @@ pytest.importorskip("grpc", reason="the serve extra is not installed")
 from _serving import mixing_model, serving
 from prometheus_client.parser import text_string_to_metric_families
 
+from sharedml.pool._stats import COUNTERS
 from sharedml.protocol import _grpc
 from sharedml.serve._server import ModelSpec, Server
 
@@ -86,7 +87,9 @@ def test_metrics_count_requests_errors_and_read_the_pools_counters(tmp_path: Pat
     assert value("sharedml_requests_total", model="m", protocol="grpc", code="OK") == 1
     assert value("sharedml_request_errors_total", model="m", protocol="http", code="400") == 1
     assert value("sharedml_request_seconds_count", model="m", protocol="http") == 4
-    assert value("sharedml_pool_runs_total", model="m") == stats.runs == 4  # the bad one: no run
+    assert value("sharedml_pool_requests_total", model="m") == stats.runs == 4  # the bad: no run
+    for field, (stem, _help) in COUNTERS.items():  # one table: every field exported
+        assert value(f"sharedml_pool_{stem}_total", model="m") == getattr(stats, field), field
     assert value("sharedml_pool_sessions", model="m") == stats.sessions
     assert value("sharedml_pool_batching", model="m") == 0  # its rows mix: never merged
     assert value("sharedml_pool_waiting_requests", model="m") == 0

@@ -7,7 +7,7 @@ from typing import Any
 
 from sharedml.pool._calibrate import Calibration
 
-__all__ = ["Counters", "PoolStats"]
+__all__ = ["COUNTERS", "GAUGES", "Counters", "PoolStats"]
 
 
 @dataclasses.dataclass
@@ -135,3 +135,40 @@ class PoolStats:
 
 
 _PUBLISHED = frozenset(field.name for field in dataclasses.fields(PoolStats))
+
+
+# What servers export of PoolStats (sharedml serve's /metrics, a Ray replica's metrics), in one
+# table so that both say the same: field -> (metric name stem, help). Each server prefixes the
+# stem its own way (``sharedml_pool_`` and ``sharedml_``).
+COUNTERS: dict[str, tuple[str, str]] = {
+    "runs": ("requests", "Requests the pool completed (failed ones included)."),
+    "failed_runs": ("failed_requests", "Requests whose run raised."),
+    "waits": ("queued_requests", "Requests that queued for a session."),
+    "wait_seconds": ("queue_seconds", "Seconds requests spent queued for a session."),
+    "batches": ("batches", "Runs the pool made for requests while batching."),
+    "batched_rows": ("batched_rows", "Rows those runs processed."),
+    "run_seconds": ("run_seconds", "Seconds the pool's sessions spent running requests."),
+    "arena_shrinks": (
+        "arena_shrinks",
+        "Runs that gave a session's CPU arena memory back after a peak of rows.",
+    ),
+    "batch_checks": ("batch_checks", "Merged batches checked against solo runs."),
+    "batch_mismatches": (
+        "batch_mismatches",
+        "Checked batches whose rows differed from solo runs (merging then stops).",
+    ),
+    "check_runs": ("check_runs", "Solo runs the checks of merged batches made."),
+    "check_seconds": ("check_seconds", "Seconds those solo runs took."),
+    "cancelled": ("cancelled_requests", "Requests cancelled before they ran (never run)."),
+    "replaced": ("replaced_sessions", "Sessions replaced after a provider failure."),
+}
+GAUGES: dict[str, tuple[str, str]] = {
+    "sessions": ("sessions", "Sessions in the pool."),
+    "busy": ("busy_sessions", "Sessions running a request now."),
+    "waiting": ("waiting_requests", "Requests queued for a session now."),
+    "max_batch_rows": ("max_batch_rows", "The most rows one batched run has held."),
+    "batching": (
+        "batching",
+        "1 where the pool merges requests, 0 where each runs alone (the server's log says why).",
+    ),
+}

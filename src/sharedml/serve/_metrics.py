@@ -20,30 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from sharedml.pool._stats import COUNTERS, GAUGES
 from sharedml.serve._models import ServedModel
 
 __all__ = ["LATENCY_BUCKETS_S", "ServerMetrics"]
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-# PoolStats field -> (metric name, help): cumulative counts, exported as counters.
-_COUNTERS = {
-    "runs": ("sharedml_pool_runs", "Requests the model's pool completed (failed ones included)."),
-    "failed_runs": ("sharedml_pool_failed_runs", "Requests whose run raised."),
-    "waits": ("sharedml_pool_queued_requests", "Requests that queued for a session."),
-    "wait_seconds": ("sharedml_pool_queue_seconds", "Seconds requests spent queued."),
-    "batches": ("sharedml_pool_batches", "Runs the pool made for requests while batching."),
-    "batched_rows": ("sharedml_pool_batched_rows", "Rows those runs processed."),
-    "run_seconds": ("sharedml_pool_run_seconds", "Seconds the pool's sessions spent running."),
-}
-# PoolStats field -> (metric name, help): the state now.
-_GAUGES = {
-    "sessions": ("sharedml_pool_sessions", "Sessions in the model's pool."),
-    "busy": ("sharedml_pool_busy_sessions", "Sessions running a request now."),
-    "waiting": ("sharedml_pool_waiting_requests", "Requests queued for a session now."),
-    "max_batch_rows": ("sharedml_pool_max_batch_rows", "The most rows one batched run held."),
-    "batching": ("sharedml_pool_batching", "1 where the pool merges requests, else 0."),
-}
+# PoolStats field -> (metric name, help): pool/_stats.py's table, as this server names them.
+_COUNTERS = {field: (f"sharedml_pool_{stem}", text) for field, (stem, text) in COUNTERS.items()}
+_GAUGES = {field: (f"sharedml_pool_{stem}", text) for field, (stem, text) in GAUGES.items()}
 
 
 class _PoolCollector:
