@@ -158,10 +158,18 @@ def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_plot_target(path: Path) -> None:
-    """Fail before measuring (which takes a while) rather than after it."""
+def _check_plot_target(path: Path, inputs: Sequence[str | None] = ()) -> None:
+    """Fail before measuring (which takes a while) rather than after it.
+
+    ``inputs``: the files the command reads (the model, ``--inputs``), which the plot must not
+    replace.
+    """
     if path.suffix.lower() != ".png":
         raise ValueError(f"--plot writes a PNG file; name it *.png, not '{path}'.")
+    from sharedml.prepared._files import check_outputs
+
+    sources = [(Path(p), f"an input of this command, '{p}'") for p in inputs if p]
+    check_outputs([path], sources, writer="--plot", fix="name another file for the plot")
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise FileNotFoundError(f"--plot: folder '{folder}' does not exist.")
@@ -264,7 +272,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     shapes = parse_shapes(args.shape)
     plot = Path(args.plot) if args.plot else None
     if plot is not None:
-        _check_plot_target(plot)
+        _check_plot_target(plot, (args.model, args.inputs))
     try:
         with _progress_display() as progress:
             report = inspect(

@@ -29,7 +29,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sharedml import _host
 from sharedml._errors import (
     FamilyError,
     ModelNotFoundError,
@@ -39,14 +38,21 @@ from sharedml._errors import (
 from sharedml._host import HashingWriter, fsync_dir
 from sharedml.model._graph import (
     ExternalData,
-    external_locations,
     iter_tensors,
     load_graph,
     read_model,
     set_external,
 )
 from sharedml.model._proto import ModelProto, TensorProto
-from sharedml.prepared._files import create_temp, output_error, remove_dead_temps, write_temp
+from sharedml.prepared._files import (
+    SourceFile,
+    check_outputs,
+    create_temp,
+    output_error,
+    remove_dead_temps,
+    source_files,
+    write_temp,
+)
 from sharedml.prepared._format import (
     DEFAULT_ALIGNMENT_BYTES,
     ProgressCallback,
@@ -137,8 +143,11 @@ class _DedupingWriter:
         return offset, True
 
 
-def _check_members(sources: Sequence[Path], out_dir: Path) -> None:
+def _check_members(sources: Sequence[Path], out_dir: Path) -> list[SourceFile]:
     """Refuse clashing names, missing members and members inside the output folder.
+
+    Returns:
+        Every file the members are made of (:func:`~sharedml.prepared._files.source_files`).
 
     Raises:
         FamilyError, ModelNotFoundError, PrepareError: before anything is written.
@@ -165,12 +174,10 @@ def _check_members(sources: Sequence[Path], out_dir: Path) -> None:
             "Nothing was written."
         )
     real_out = os.path.realpath(out_dir)
+    every: list[SourceFile] = []
     for src in sources:
-        model = load_graph(src)
-        inputs = [src] + [
-            src.parent / loc for loc in sorted(external_locations(model.graph)) if "\0" not in loc
-        ]
-        for path in inputs:
+        files = source_files(src, load_graph(src).graph)
+        for path, _ in files:
             real = os.path.realpath(path)
             if os.path.commonpath([real_out, real]) == real_out:
                 what = "is" if path == src else f"has external data '{path}', which is"
@@ -179,6 +186,8 @@ def _check_members(sources: Sequence[Path], out_dir: Path) -> None:
                     "prepare would write over its own source. Write the family to another "
                     "folder. Nothing was written."
                 )
+        every += files
+    return every
 
 
 def _referenced(folder: Path) -> set[str] | None:
@@ -287,17 +296,13 @@ def prepare_family(
     check_settings(size_threshold_bytes, alignment_bytes)
     paths = [Path(s) for s in models]
     folder = Path(out_dir)
-    _check_members(paths, folder)
-    for src in paths:
-        out = folder / src.name
-        with contextlib.suppress(OSError):
-            st = os.lstat(out)
-            if not stat.S_ISREG(st.st_mode):
-                raise PrepareError(
-                    f"prepare would replace '{out}', which is {_host.file_kind(st.st_mode)}; it "
-                    "replaces only regular files. Remove it or choose another folder. Nothing "
-                    "was written."
-                )
+    sources = _check_members(paths, folder)
+    check_outputs(
+        [folder / src.name for src in paths],
+        sources,
+        writer="prepare",
+        fix="write the family to another folder",
+    )
     placeholder = "family.weights"  # the real name is known once the content is
     layout = WeightsManifest(placeholder, 0, "", alignment_bytes, 0)
 

@@ -14,19 +14,29 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from sharedml import _host
 from sharedml._errors import OutputError, PrepareError
 from sharedml.cache._files import temp_is_stale, temp_owner
+from sharedml.model._graph import external_locations
+
+if TYPE_CHECKING:
+    from sharedml.model._proto import GraphProto
 
 __all__ = [
     "COPY_CHUNK_BYTES",
+    "SourceFile",
+    "check_outputs",
     "create_temp",
     "keep_a_link",
     "output_error",
     "remove_dead_temps",
     "replace_file",
     "same_file",
+    "source_files",
     "write_temp",
 ]
 
@@ -160,6 +170,69 @@ def keep_a_link(path: Path) -> Path | None:
         except OSError:
             return None
     return None  # pragma: no cover
+
+
+SourceFile = tuple[Path, str]  # a file a call reads, and what it is (for messages)
+
+
+def source_files(model_path: Path, graph: GraphProto) -> tuple[SourceFile, ...]:
+    """The files a model is made of: the model file and every external data file it names.
+
+    Args:
+        model_path: The model file.
+        graph: Its graph (external data need not be loaded).
+    """
+    files: list[SourceFile] = [(model_path, "the source model")]
+    files += [
+        (model_path.parent / location, f"external data of the source model '{model_path}'")
+        for location in sorted(external_locations(graph))
+        if location and "\0" not in location
+    ]
+    return tuple(files)
+
+
+def check_outputs(
+    outputs: Iterable[Path], sources: Sequence[SourceFile], *, writer: str, fix: str
+) -> None:
+    """Refuse outputs that are not regular files, or that are (or alias) a file a call reads.
+
+    Every sharedml call that writes files a user names runs this before it does any work:
+    prepare, prepare_family, compress, compress_static, and the CLI's outputs. An output that
+    is a source file, or another name for one (a hard link, a symlink to it, the same file
+    through another folder or in another letter case on a case-insensitive filesystem: the
+    same device and inode), would replace the source with the result: ``compress(m, m)``
+    once did. An existing output must be a regular file: ``os.replace`` would replace a
+    symlink itself, and, as root, a device (``-o /dev/null``) or a FIFO.
+
+    Args:
+        outputs: The paths the call will write.
+        sources: The files it reads (:func:`source_files`, plus any other input file).
+        writer: The call, for the message (``"compress"``).
+        fix: What to do instead, for the message (``"write to another path (-o ...)"``).
+
+    Raises:
+        PrepareError: naming the output, what it is, and ``fix``. Nothing was written.
+    """
+    for out in outputs:
+        try:
+            st = os.lstat(out)
+        except OSError:  # absent (or its folder is): nothing to protect, and a clear error later
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise PrepareError(
+                f"{writer} would replace '{out}', which is {_host.file_kind(st.st_mode)}; it "
+                "replaces only regular files. Remove it or choose another output path. Nothing "
+                "was written."
+            )
+        for path, what in sources:
+            if same_file(out, path):
+                alias = "" if os.path.abspath(out) == os.path.abspath(path) else (
+                    f" (the same file under another name: '{path}')"
+                )
+                raise PrepareError(
+                    f"{writer} would overwrite its source: '{out}' is {what}{alias}. Nothing "
+                    f"was written; {fix}."
+                )
 
 
 def same_file(a: Path, b: Path) -> bool:

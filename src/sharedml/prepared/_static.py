@@ -36,7 +36,8 @@ from sharedml._errors import CompressError, missing_package
 from sharedml.model._accuracy import OutputAccuracy, compare_outputs, worst_of
 from sharedml.model._graph import iter_graphs, load_graph, tensor_nbytes
 from sharedml.prepared._compress import root_logging_kept
-from sharedml.prepared._prepare import PrepareResult, prepare
+from sharedml.prepared._files import check_outputs, source_files
+from sharedml.prepared._prepare import PrepareResult, output_paths, prepare
 
 __all__ = ["StaticCompressResult", "compress_static"]
 
@@ -246,7 +247,9 @@ def compress_static(
 
     Args:
         src: Any ONNX model with float weights.
-        dst: The graph file to write; its weights go to ``<dst stem>.weights`` beside it.
+        dst: The graph file to write (an existing folder: ``<dst>/<src stem>.onnx``); its
+            weights go to ``<dst stem>.weights`` beside it. Neither may be, or be another name
+            for, ``src`` or one of its data files.
         calibration: Feeds (input name -> array) of real inputs, one or more.
         check: Feeds to measure the accuracy on (default: ``calibration``; held-out inputs
             say more).
@@ -259,6 +262,8 @@ def compress_static(
         ValueError: an empty ``calibration``, or a feed that is not the model's inputs.
         CompressError: onnxruntime's quantization tools are missing or failed, or they found
             nothing to quantize.
+        PrepareError: ``dst`` or its weights file is (or aliases) a source file, or is not a
+            regular file: refused before any work.
         ModelError, PrepareError: from :func:`sharedml.prepare`.
 
     Thread safety: safe to call concurrently (each call has its own temporary folder).
@@ -267,8 +272,16 @@ def compress_static(
 
     calibrating = _feeds(calibration, "calibration")
     checking = calibrating if check is None else _feeds(check, "check")
+    src_path = Path(src)
+    dst_path, weights_path = output_paths(src_path, dst)
+    # Before any work: the result is prepared at dst last, and would replace the source there.
+    check_outputs(
+        (dst_path, weights_path),
+        source_files(src_path, load_graph(src_path).graph),
+        writer="compress_static",
+        fix="write the int8 model to another path",
+    )
     run_quantizer = _quantize_static()
-    dst_path = Path(dst)
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".sharedml-static-", dir=dst_path.parent) as tmp:
         scratch = Path(tmp)
