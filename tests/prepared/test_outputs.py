@@ -212,3 +212,118 @@ def test_inspect_refuses_a_plot_that_would_replace_its_input(
     err = capsys.readouterr().err
     assert "would overwrite its source" in err and len(err.strip().splitlines()) == 1
     assert tree(tmp_path) == before
+
+
+# --------------------------------------------------------------------------------------------
+# Another user's file at an output, in a sticky folder (/tmp, a shared deploy folder)
+
+
+def _plant(path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+    os.chmod(path, 0o666)  # anyone may read and write it: anyone may hard-link it too
+
+
+def _refused_in_sticky_folder(src: Path, dst: Path, owner: int) -> None:
+    """As the victim: prepare and the CLI refuse, name the owner, and leave nothing behind."""
+    folder = dst.parent
+    before = tree(folder)
+    for attempt in ("library", "cli"):
+        try:
+            if attempt == "library":
+                sharedml.prepare(src, dst)
+            else:
+                cli("prepare", str(src), "-o", str(dst))
+        except sharedml.PrepareError as exc:
+            text = str(exc)
+            assert f"belongs to user id {owner}" in text and "sticky bit" in text, text
+            assert "permissions" not in text, text  # the folder's permissions are not the fault
+        else:
+            raise AssertionError(f"{attempt}: prepare replaced another user's file")
+        # No hard link to the planted file (an '.old' backup) and no temporary file stays.
+        assert tree(folder) == before, attempt
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+@pytest.mark.parametrize("planted", ["graph", "weights", "both"])
+def test_a_prepare_over_another_users_file_in_a_sticky_folder_says_whose_and_leaves_nothing(
+    planted: str,
+    other_user: Callable[[Callable[[], None]], None],
+    second_other_user: Callable[[Callable[[], None]], None],
+) -> None:
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="sharedml-sticky-"))
+    try:
+        os.chmod(base, 0o755)
+        src = mlp(base / "src")
+        for path in (src, src.parent / DATA):
+            os.chmod(path, 0o644)
+        deploy = base / "deploy"
+        deploy.mkdir()
+        os.chmod(deploy, 0o1777)
+        names = {"graph": ["model.onnx"], "weights": ["model.weights"]}
+        names["both"] = names["graph"] + names["weights"]
+        for name in names[planted]:
+            other_user(lambda name=name: _plant(deploy / name, b"planted"))  # type: ignore[misc]
+        second_other_user(
+            lambda: _refused_in_sticky_folder(src, deploy / "model.onnx", other_user.uid)  # type: ignore[attr-defined]
+        )
+        for name in names[planted]:
+            assert (deploy / name).read_bytes() == b"planted"
+    finally:
+        shutil.rmtree(base)
+
+
+def _no_backup_link_and_a_clear_rename_error(planted: Path, owner: int) -> None:
+    from sharedml.prepared import _files
+
+    # A link this user could not remove again (the sticky bit) is never made.
+    assert _files.keep_a_link(planted) is None
+    assert sorted(p.name for p in planted.parent.iterdir()) == [planted.name]
+    # A file planted after check_outputs looked: the rename's error says whose file it is.
+    tmp = _files.write_temp(planted, b"new")
+    try:
+        with pytest.raises(sharedml.PrepareError, match=f"belongs to user id {owner}"):
+            _files.replace_output(tmp, planted)
+    finally:
+        tmp.unlink()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_no_backup_link_is_made_of_a_file_a_sticky_folder_keeps(
+    other_user: Callable[[Callable[[], None]], None],
+    second_other_user: Callable[[Callable[[], None]], None],
+) -> None:
+    import shutil
+    import tempfile
+
+    deploy = Path(tempfile.mkdtemp(prefix="sharedml-sticky-"))
+    try:
+        os.chmod(deploy, 0o1777)
+        planted = deploy / "model.weights"
+        other_user(lambda: _plant(planted, b"planted"))
+        owner = other_user.uid  # type: ignore[attr-defined]
+        second_other_user(lambda: _no_backup_link_and_a_clear_rename_error(planted, owner))
+        assert planted.read_bytes() == b"planted"
+    finally:
+        shutil.rmtree(deploy)
+
+
+def test_an_empty_output_path_is_refused_not_taken_for_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = mlp(tmp_path / "src")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # Path("") is "." : prepare wrote work/model.onnx here
+    for write in (
+        lambda: sharedml.prepare(src, ""),
+        lambda: sharedml.prepare_family([src], ""),
+        lambda: compress(src, "", weights="int4"),
+        lambda: compress_static(src, "", calibration=calibration()),
+        lambda: cli("prepare", str(src), "-o", ""),
+    ):
+        with pytest.raises(sharedml.PrepareError, match="output (path|folder) is empty"):
+            write()
+    assert list(work.iterdir()) == []

@@ -66,7 +66,7 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=4,
         metavar="N",
-        help="sessions (and threads) to measure (default: %(default)s)",
+        help=f"sessions (and threads) to measure, 1 to {MAX_SESSIONS} (default: %(default)s)",
     )
     p.add_argument(
         "--providers",
@@ -117,6 +117,13 @@ def add_parser(sub: Any) -> None:
     )
     add_cache_dir_option(p)  # the demo model and every measured pool use it
     p.set_defaults(func=_cmd_inspect)
+
+
+# Each strategy creates N sessions and runs N threads at once in one fresh process, and the
+# plain strategies hold a copy of the weights per session: 10^8 was accepted and would have
+# spent hours creating sessions until memory ran out. Memory grows linearly in N past a few
+# sessions, so the report's projection answers larger counts without creating them.
+MAX_SESSIONS = 1024
 
 
 def parse_dims(items: Sequence[str]) -> dict[str, int]:
@@ -261,8 +268,13 @@ def _cmd_inspect_family(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from sharedml.inspection._inspect import inspect
 
-    if args.sessions < 1:
-        raise ValueError(f"--sessions must be at least 1, not {args.sessions}.")
+    if not 1 <= args.sessions <= MAX_SESSIONS:
+        raise ValueError(
+            f"--sessions must be between 1 and {MAX_SESSIONS}, not {args.sessions}: each "
+            "strategy creates that many sessions (plain ones with a copy of the weights each) "
+            "and threads in one process. Measure a few and read larger counts from the "
+            "report's memory projection."
+        )
     if len(args.model) > 1:
         if args.compress:
             raise ValueError("--compress inspects one model; give one model file.")

@@ -50,6 +50,7 @@ from sharedml.prepared._files import (
     create_temp,
     output_error,
     remove_dead_temps,
+    replace_output,
     source_files,
     write_temp,
 )
@@ -235,30 +236,6 @@ def _only_ours(path: Path) -> bool:
     )
 
 
-def _replace_weights(tmp: Path, path: Path) -> None:
-    """Rename ``tmp`` over ``path``; where the folder forbids it, say whose file is in the way.
-
-    Raises:
-        PrepareError: a sticky folder (``/tmp``, a shared deploy folder) keeps another user's
-            file at ``path``, which this user may not replace.
-    """
-    try:
-        os.replace(tmp, path)
-    except PermissionError as exc:
-        try:
-            owner = os.lstat(path).st_uid
-        except OSError:
-            raise exc from None
-        if os.name != "posix" or owner == os.geteuid():
-            raise
-        raise PrepareError(
-            f"'{path}' belongs to user id {owner}, and this folder does not let you replace "
-            "another user's file (sticky bit). It is not used: that user could change a running "
-            "pool's weights through it. Remove it (as its owner) or prepare into a folder of "
-            "your own. Nothing was written."
-        ) from exc
-
-
 def prepare_family(
     models: Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
@@ -295,6 +272,11 @@ def prepare_family(
     """
     check_settings(size_threshold_bytes, alignment_bytes)
     paths = [Path(s) for s in models]
+    if not os.fspath(out_dir):  # Path("") is ".": the working directory, which nobody named
+        raise PrepareError(
+            "The output folder is empty: name the folder to write the family into (e.g. -o "
+            "prepared/), or '.' for the current folder. Nothing was written."
+        )
     folder = Path(out_dir)
     sources = _check_members(paths, folder)
     check_outputs(
@@ -356,7 +338,7 @@ def prepare_family(
         ):
             tmp_weights.unlink()
         else:
-            _replace_weights(tmp_weights, weights_path)
+            replace_output(tmp_weights, weights_path)
         tmp_weights = None
         # Weights first: until a graph lands, it refers to the weights file it referred to.
         for src, tmp in zip(paths, tmp_graphs, strict=True):

@@ -35,6 +35,7 @@ __all__ = [
     "output_error",
     "remove_dead_temps",
     "replace_file",
+    "replace_output",
     "same_file",
     "source_files",
     "write_temp",
@@ -160,6 +161,10 @@ def keep_a_link(path: Path) -> Path | None:
     """
     if not path.is_file() or path.is_symlink():
         return None
+    if _kept_by_sticky_folder(path) is not None:
+        # Another user's file in a sticky folder: this user could not remove a link to it
+        # either, so a failure would leave the link behind (and the file cannot be replaced).
+        return None
     for _ in range(100):
         link = path.with_name(f".{path.name[:200]}.{secrets.token_hex(6)}.old")
         try:
@@ -224,6 +229,9 @@ def check_outputs(
                 "replaces only regular files. Remove it or choose another output path. Nothing "
                 "was written."
             )
+        owner = _kept_by_sticky_folder(out)
+        if owner is not None:
+            raise _sticky_error(out, owner)
         for path, what in sources:
             if same_file(out, path):
                 alias = "" if os.path.abspath(out) == os.path.abspath(path) else (
@@ -233,6 +241,53 @@ def check_outputs(
                     f"{writer} would overwrite its source: '{out}' is {what}{alias}. Nothing "
                     f"was written; {fix}."
                 )
+
+
+def _kept_by_sticky_folder(path: Path) -> int | None:
+    """The owner of ``path`` where a sticky folder keeps this user from replacing it, else None.
+
+    In a sticky folder (``/tmp``, a shared deploy folder: mode 1777) only a file's owner, the
+    folder's owner and root may rename over it or remove it.
+    """
+    if os.name != "posix":
+        return None
+    try:
+        st = os.lstat(path)
+        folder = os.stat(path.parent)
+    except OSError:
+        return None
+    me = os.geteuid()
+    if me == 0 or me in (st.st_uid, folder.st_uid) or not folder.st_mode & stat.S_ISVTX:
+        return None
+    return st.st_uid
+
+
+def _sticky_error(path: Path, owner: int) -> PrepareError:
+    return PrepareError(
+        f"'{path}' belongs to user id {owner}, and this folder does not let you replace "
+        "another user's file (sticky bit). It is not used: that user could change a running "
+        "pool's weights through it. Remove it (as its owner) or write into a folder of your "
+        "own. Nothing was written."
+    )
+
+
+def replace_output(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` over ``path``; where a sticky folder forbids it, say whose file is in the way.
+
+    :func:`check_outputs` refuses such an output before any work; this covers a file planted
+    in between.
+
+    Raises:
+        PrepareError: a sticky folder keeps another user's file at ``path``.
+        OSError: the rename failed otherwise (the caller turns it into an ``OutputError``).
+    """
+    try:
+        os.replace(tmp, path)
+    except PermissionError as exc:
+        owner = _kept_by_sticky_folder(path)
+        if owner is None:
+            raise
+        raise _sticky_error(path, owner) from exc
 
 
 def same_file(a: Path, b: Path) -> bool:

@@ -46,6 +46,7 @@ from sharedml.prepared._files import (
     keep_a_link,
     output_error,
     remove_dead_temps,
+    replace_output,
     source_files,
     write_temp,
 )
@@ -170,8 +171,13 @@ def output_paths(src_path: Path, dst: str | os.PathLike[str]) -> tuple[Path, Pat
     go to ``<graph stem>.weights`` beside the graph.
 
     Raises:
-        PrepareError: the graph file would also be the weights file's name.
+        PrepareError: ``dst`` is empty, or the graph file would also be the weights file's name.
     """
+    if not os.fspath(dst):  # Path("") is ".": the working directory, which nobody named
+        raise PrepareError(
+            "The output path is empty: name the graph file to write (e.g. -o "
+            "prepared/model.onnx), or '.' for the current folder. Nothing was written."
+        )
     dst_path = Path(dst)
     if dst_path.is_dir() and not dst_path.is_symlink():
         dst_path = dst_path / f"{src_path.stem}.onnx"
@@ -311,11 +317,11 @@ def prepare(
         backup = keep_a_link(weights_path)
         try:
             writing = weights_path
-            os.replace(tmp_weights, weights_path)
+            replace_output(tmp_weights, weights_path)
             tmp_weights = None
             try:
                 writing = dst_path
-                os.replace(tmp_model, dst_path)
+                replace_output(tmp_model, dst_path)
             except BaseException:
                 if backup is not None:
                     os.replace(backup, weights_path)
