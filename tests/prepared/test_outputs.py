@@ -54,9 +54,7 @@ def mlp(folder: Path, *, name: str = "model.onnx", data: str = DATA) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
-    onnx.save_model(
-        model, str(path), save_as_external_data=True, location=data, size_threshold=0
-    )
+    onnx.save_model(model, str(path), save_as_external_data=True, location=data, size_threshold=0)
     return path
 
 
@@ -171,7 +169,7 @@ def test_no_writer_replaces_its_source_or_anything_aliasing_it(
         pytest.skip("links need POSIX")
     expected = run(src)
     before = tree(tmp_path)
-    with pytest.raises(sharedml.PrepareError, match="overwrite its source|only regular files"):
+    with pytest.raises(sharedml.PrepareError, match=r"overwrite its source|only regular files"):
         WRITERS[writer](src, dst)
     assert tree(tmp_path) == before  # nothing written, nothing destroyed, no temporary left
     np.testing.assert_array_equal(run(src), expected)
@@ -324,6 +322,6 @@ def test_an_empty_output_path_is_refused_not_taken_for_the_working_directory(
         lambda: compress_static(src, "", calibration=calibration()),
         lambda: cli("prepare", str(src), "-o", ""),
     ):
-        with pytest.raises(sharedml.PrepareError, match="output (path|folder) is empty"):
+        with pytest.raises(sharedml.PrepareError, match=r"output (path|folder) is empty"):
             write()
     assert list(work.iterdir()) == []

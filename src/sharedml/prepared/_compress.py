@@ -42,7 +42,6 @@ import hashlib
 import inspect
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ from sharedml.cache._entries import Built, ensure_entry, open_entry
 from sharedml.cache._locks import lend_hold
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import iter_graphs, load_graph
-from sharedml.prepared._files import check_outputs, source_files
+from sharedml.prepared._files import check_outputs, scratch_folder, source_files
 from sharedml.prepared._plan import DEFAULT_SIZE_THRESHOLD_BYTES, check_threshold
 from sharedml.prepared._prepare import PrepareResult, output_paths, prepare, prepared_model_for
 
@@ -758,8 +757,7 @@ def compress(
         fix="write the compressed model to another path",
     )
     dst_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".sharedml-compress-", dir=dst_path.parent) as tmp:
-        scratch = Path(tmp)
+    with scratch_folder(dst_path.parent, "compress") as scratch:
         float_path = prepare(src, scratch / "float.onnx").model_path
         _refuse_if_nothing(float_path, src)
         return _write(float_path, dst_path, fmt, scratch)

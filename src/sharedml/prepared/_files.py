@@ -14,13 +14,14 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Sequence
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sharedml import _host
 from sharedml._errors import OutputError, PrepareError
-from sharedml.cache._files import temp_is_stale, temp_owner
+from sharedml.cache._files import remove_tree, temp_is_stale, temp_owner
 from sharedml.model._graph import external_locations
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "replace_file",
     "replace_output",
     "same_file",
+    "scratch_folder",
     "source_files",
     "write_temp",
 ]
@@ -47,6 +49,11 @@ _NAME_MAX_BYTES = 255  # bytes in one file name (NAME_MAX on Linux, macOS and NT
 # sharedml.cache._files.temp_owner; older ones have none).
 _TEMP_NAME = re.compile(
     r"\.(?P<name>.+)\.(?:(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)-)?[0-9a-f]{12}\.tmp"
+)
+# Scratch folders of compress and compress_static: ``.sharedml-<label>-<owner>-<random>``
+# (tempfile's random part; older ones have no owner).
+_SCRATCH_NAME = re.compile(
+    r"\.sharedml-(?:static|compress)-(?:(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)-)?[a-z0-9_]+"
 )
 _EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)
 _WINDOWS_IN_USE = (5, 32)  # ERROR_ACCESS_DENIED, ERROR_SHARING_VIOLATION
@@ -119,16 +126,19 @@ def replace_file(path: Path, data: bytes) -> None:
 
 
 def remove_dead_temps(folder: Path) -> tuple[Path, ...]:
-    """Remove the temporary outputs that killed prepares left in ``folder``.
+    """Remove the temporary outputs and scratch folders that killed writers left in ``folder``.
 
     A ``kill -9`` while prepare writes leaves its hidden temporary files (a weights file's
-    worth each), which nothing else ever removes. Only files named as :func:`create_temp`
-    names them, owned by this user, and stale (their process is gone from this host, or they
-    are a day old: see :func:`sharedml.cache._files.temp_is_stale`) are removed: never a live
-    prepare's, in this process or another.
+    worth each), and one during compress or compress_static its scratch folder (the prepared
+    float model, the quantizer's output: tens of MB), which nothing else would ever remove.
+    Only files named as :func:`create_temp` names them and folders named as
+    :func:`scratch_folder` names them, owned by this user, and stale (their process is gone
+    from this host, or they are a day old: :func:`sharedml.cache._files.temp_is_stale`, the
+    cache's own rule) are removed: never a live writer's, in this process or another, and
+    never another user's.
 
     Returns:
-        The files removed.
+        What was removed.
     """
     removed = []
     try:
@@ -137,20 +147,42 @@ def remove_dead_temps(folder: Path) -> tuple[Path, ...]:
         return ()
     for child in children:
         match = _TEMP_NAME.fullmatch(child.name)
-        if match is None:
+        scratch = _SCRATCH_NAME.fullmatch(child.name) if match is None else None
+        if match is None and scratch is None:
             continue
         try:
             st = child.stat(follow_symlinks=False)
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode) or (os.name == "posix" and st.st_uid != os.geteuid()):
+        is_kind = stat.S_ISREG(st.st_mode) if scratch is None else stat.S_ISDIR(st.st_mode)
+        if not is_kind or (os.name == "posix" and st.st_uid != os.geteuid()):
             continue
-        owner = (match["host"], int(match["pid"])) if match["host"] else None
+        found = match if match is not None else scratch
+        assert found is not None
+        owner = (found["host"], int(found["pid"])) if found["host"] else None
         if temp_is_stale(Path(child.path), owner):
             with contextlib.suppress(OSError):
-                os.unlink(child.path)
+                if scratch is None:
+                    os.unlink(child.path)
+                else:
+                    remove_tree(Path(child.path))
                 removed.append(Path(child.path))
     return tuple(removed)
+
+
+@contextlib.contextmanager
+def scratch_folder(folder: Path, label: str) -> Iterator[Path]:
+    """A private scratch folder in ``folder`` for one call, removed when it ends.
+
+    Named ``.sharedml-<label>-<owner>-<random>`` (the owner: this host and process, as the
+    cache names its temporaries), so that the next writer into ``folder`` removes it if a
+    ``kill -9`` left it (:func:`remove_dead_temps`, run here first). Made on the
+    destination's filesystem: the result is prepared from it at the destination.
+    """
+    remove_dead_temps(folder)
+    prefix = f".sharedml-{label}-{temp_owner()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=folder) as tmp:
+        yield Path(tmp)
 
 
 def keep_a_link(path: Path) -> Path | None:
@@ -234,8 +266,10 @@ def check_outputs(
             raise _sticky_error(out, owner)
         for path, what in sources:
             if same_file(out, path):
-                alias = "" if os.path.abspath(out) == os.path.abspath(path) else (
-                    f" (the same file under another name: '{path}')"
+                alias = (
+                    ""
+                    if os.path.abspath(out) == os.path.abspath(path)
+                    else (f" (the same file under another name: '{path}')")
                 )
                 raise PrepareError(
                     f"{writer} would overwrite its source: '{out}' is {what}{alias}. Nothing "
