@@ -262,10 +262,10 @@ def _held_back(
     split = _rows_apart(feeds[0], inputs)
     if split is None:
         return None
-    calibrate, check = split
-    rows = next(iter(check.values())).shape[0]
+    first, last = split
+    rows = next(iter(last.values())).shape[0]
     total = next(iter(feeds[0].values())).shape[0]
-    return [calibrate], [check], f"the last {rows} of the {total} rows of the calibration feed"
+    return [first], [last], f"the last {rows} of the {total} rows of the calibration feed"
 
 
 def _quantize_static() -> Any:
