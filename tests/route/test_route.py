@@ -166,7 +166,7 @@ def test_a_model_whose_packed_weights_are_all_small_packs_them_in_each_session(
     assert recipe.mechanism is best_raw() and recipe.prepacked is None
     assert recipe.prepacking is Prepacking.PER_SESSION
     assert re.match(r"ORT packs \d+ weight\(s\) of this model \(", recipe.reason)
-    assert "each session packs its own copy of those, as plain ORT does" in recipe.reason
+    assert "each session packs its own copy, as plain ORT does" in recipe.reason
     assert disable_prepacking(recipe) == "0"
 
 

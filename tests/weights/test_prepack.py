@@ -272,21 +272,35 @@ def test_no_saved_pack_of_block_quantized_weights_is_not_taken_for_no_packing() 
 
 
 @pytest.mark.parametrize(
-    ("inline", "says"),
+    ("inline", "cost", "packs", "says"),
     [
-        (3, "ORT packs 3 weight(s) of this model (2.0 KiB packed), each too small"),
-        (None, "could not be told"),
+        (3, 2**19, True, "ORT packs 3 weight(s) of this model (2.0 KiB packed), each too small"),
+        (None, 2**19, True, "could not be told"),
+        (3, 2**23, False, "cost each session 8.0 MiB"),
+        (3, None, False, "could not be measured"),
     ],
 )
-def test_packs_of_inline_weights_or_not_knowing_keep_each_sessions_packs(
-    inline: int | None, says: str
+def test_sessions_pack_what_no_saved_model_shares_where_that_costs_them_little(
+    inline: int | None, cost: int | None, packs: bool, says: str
 ) -> None:
     stats = _prepack.PrepackStats(
-        4, 2**20, 0, 0, 0, 0, 4, inline_packed_blobs=inline, inline_packed_bytes=2048
+        4,
+        2**20,
+        0,
+        0,
+        0,
+        0,
+        4,
+        inline_packed_blobs=inline,
+        inline_packed_bytes=2048,
+        session_pack_bytes=cost,
     )
     decision = _prepack.choose_cpu_route(stats, sessions=2)
-    assert decision.route is _prepack.CpuRoute.SHARED_RAW and decision.packs_per_session
+    assert decision.route is _prepack.CpuRoute.SHARED_RAW
+    assert decision.packs_per_session is packs
     assert says in decision.reason and "neither prepacks" not in decision.reason
+    if not packs:  # prepacking off: the reason says what that means for the outputs
+        assert "outputs may differ from plain ORT's" in decision.reason
 
 
 def picky_model(path: Path, width: int = 512) -> Path:

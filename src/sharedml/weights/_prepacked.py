@@ -87,6 +87,13 @@ _PAGE_BYTES = mmap.PAGESIZE  # bytes; a blob at a page-aligned offset is mapped 
 # tensor costs each session a private copy of a few KiB, where an external one costs a map.
 _DEFAULT_MIN_EXTERNAL_BYTES = 64 * 1024  # bytes
 
+# Where ORT packs weights that no saved model shares, each session packs its own (plain ORT's
+# numerics) if that costs a session at most this (plus twice the packs counted), else prepacking
+# stays off: the packs counted are small by definition, but kernels that save no packed form
+# (int8 QLinearConv in NHWC) pack too, and a static int8 CNN's pool of 4 then held 28.5 MiB
+# instead of 12.8 (plain int8 sessions: 22.6). Bytes.
+SESSION_PACK_LIMIT_BYTES = 2**20
+
 
 class CpuRoute(enum.Enum):
     """How a pool gives its CPU sessions their weights."""
@@ -122,6 +129,10 @@ class PrepackStats:
             initializer external. None where not counted (the saved model has blobs) or where
             it could not be told.
         inline_packed_bytes: Their packed bytes (None as above).
+        session_pack_bytes: What one session over the raw weights costs more with prepacking
+            on than off (anonymous memory, measured at the build where ORT packs weights no
+            saved model shares, or may): the inline packs, and the packs of kernels that save
+            no packed form at all (int8 ``QLinearConv`` in NHWC). None where not measured.
     """
 
     external_initializers: int
@@ -133,6 +144,7 @@ class PrepackStats:
     maps_per_session: int
     inline_packed_blobs: int | None = None
     inline_packed_bytes: int | None = None
+    session_pack_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,6 +378,23 @@ def build_prepacked_model(
                 )
             return so
 
+        def plain_options(prepack: bool) -> ort.SessionOptions:
+            """Options of a session over the prepared model as a raw-weights pool makes it."""
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel(level)
+            so.log_severity_level = 3
+            for k, v in carried.items():
+                so.add_session_config_entry(k, v)
+            so.add_session_config_entry("session.disable_prepacking", "0" if prepack else "1")
+            if weights_maps:
+                so.add_external_initializers_from_files_in_memory(
+                    sorted(files), weights_maps, [m.nbytes for m in weights_maps]
+                )
+                so.add_session_config_entry(
+                    "session.use_external_initializer_file_buffers_directly", "1"
+                )
+            return so
+
         so = saving_options(tmp, min_external_bytes)
         try:
             saving = ort.InferenceSession(
@@ -388,10 +417,15 @@ def build_prepacked_model(
                 blobs, packed = _inline_packs(
                     prepared_model, lambda folder: saving_options(folder, 0), tmp
                 )
+                cost = None
+                if blobs != 0:  # packs each session would make: what do they cost it?
+                    cost = _packing_cost(prepared_model, plain_options)
                 stats = dataclasses.replace(
-                    stats, inline_packed_blobs=blobs, inline_packed_bytes=packed
+                    stats,
+                    inline_packed_blobs=blobs,
+                    inline_packed_bytes=packed,
+                    session_pack_bytes=cost,
                 )
-
             own_index = _blob_index(tmp / _MODEL_NAME)
             unshared = (tmp / _MODEL_NAME).read_bytes()
             sharing = _share_identical(tmp, own_index, key_material, cache) if share else None
@@ -750,6 +784,39 @@ def _inline_packs(
     return found.prepacked_blobs, found.prepacked_bytes
 
 
+def _packing_cost(prepared_model: Path, options: Callable[[bool], Any]) -> int | None:
+    """Bytes one session holds more with prepacking on than off (``options(prepack)``).
+
+    Each measured twice, as the anonymous memory (``rss - shared``: not the mapped weights)
+    a session adds once the freed heap is trimmed; the smaller of each pair is taken. None
+    where it cannot be measured.
+    """
+    import onnxruntime as ort
+    import psutil
+
+    me = psutil.Process()
+
+    def anonymous() -> int:
+        _host.release_freed_heap()
+        info = me.memory_info()
+        return int(info.rss - getattr(info, "shared", 0))
+
+    grown: dict[bool, list[int]] = {True: [], False: []}
+    try:
+        for prepack in (True, False, True, False):
+            before = anonymous()
+            session = ort.InferenceSession(
+                str(prepared_model), options(prepack), providers=["CPUExecutionProvider"]
+            )
+            grown[prepack].append(anonymous() - before)
+            del session
+    except Exception:  # ORT's errors have no common base: not measured
+        return None
+    finally:
+        _host.release_freed_heap()
+    return max(0, min(grown[True]) - min(grown[False]))
+
+
 def inspect_prepacked_model(
     model_path: str | os.PathLike[str], *, source_model: ModelProto | None = None
 ) -> PrepackStats:
@@ -836,24 +903,36 @@ def choose_cpu_route(
             "double the disk use.",
         )
     inline = stats.inline_packed_blobs
-    if stats.prepacked_bytes == 0 and stats.derived_bytes == 0 and inline is None:
-        return CpuRouteDecision(
-            CpuRoute.SHARED_RAW,
-            "ORT saved no packed form of any weight of this model, and whether it packs the "
-            "weights its saved model keeps inline could not be told: each session packs what "
-            "ORT packs, as plain ORT does (the same kernels, the same values), over the shared "
-            "raw weights.",
-            packs_per_session=True,
+    if stats.prepacked_bytes == 0 and stats.derived_bytes == 0 and inline != 0:
+        what = (
+            "whether ORT packs weights of this model that its saved model keeps inline could "
+            "not be told (it saved no packed form of any)"
+            if inline is None
+            else f"ORT packs {inline} weight(s) of this model "
+            f"({(stats.inline_packed_bytes or 0) / 2**10:.1f} KiB packed), each too small for "
+            "the saved model's data file, where alone a packed form is shared, and derives none"
         )
-    if stats.prepacked_bytes == 0 and stats.derived_bytes == 0 and inline:
-        packed = (stats.inline_packed_bytes or 0) / 2**10
+        cost = stats.session_pack_bytes
+        limit = SESSION_PACK_LIMIT_BYTES + 2 * (stats.inline_packed_bytes or 0)
+        if cost is not None and cost <= limit:
+            return CpuRouteDecision(
+                CpuRoute.SHARED_RAW,
+                f"{what[:1].upper()}{what[1:]}: each session packs its own copy, as plain ORT "
+                f"does (the same kernels, the same values; {cost / 2**20:.1f} MiB a session), "
+                "over the shared raw weights.",
+                packs_per_session=True,
+            )
+        costs = (
+            "could not be measured"
+            if cost is None
+            else f"cost each session {cost / 2**20:.1f} MiB (kernels that save no packed form "
+            "pack too)"
+        )
         return CpuRouteDecision(
             CpuRoute.SHARED_RAW,
-            f"ORT packs {inline} weight(s) of this model ({packed:.1f} KiB packed), each too "
-            "small for the saved model's data file, where alone a packed form is shared, and "
-            "derives none: each session packs its own copy of those, as plain ORT does (the "
-            "same kernels, the same values), over the shared raw weights.",
-            packs_per_session=True,
+            f"{what[:1].upper()}{what[1:]}; packing in every session {costs}, so prepacking is "
+            "off: those kernels run unpacked, and outputs may differ from plain ORT's by "
+            "rounding (prepacking='per-session' gives plain ORT's values at that cost).",
         )
     if stats.prepacked_bytes == 0 and stats.derived_bytes == 0:
         return CpuRouteDecision(
