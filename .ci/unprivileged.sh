@@ -23,6 +23,7 @@ TESTS=(
     tests/prepared/test_families.py
     tests/prepared/test_dedupe.py
     tests/prepared/test_static.py
+    tests/prepared/test_outputs.py
     tests/test_security.py
     tests/pool/test_pool.py
 )

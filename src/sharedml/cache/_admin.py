@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import stat
@@ -603,8 +604,13 @@ def prune_cache(
     """
     if older_than_s is None and max_bytes is None:
         raise ValueError("Give --older-than DAYS, --max-size SIZE or both.")
-    if (older_than_s is not None and older_than_s < 0) or (max_bytes is not None and max_bytes < 0):
-        raise ValueError("--older-than and --max-size must not be negative.")
+    if older_than_s is not None and not 0 <= older_than_s < math.inf:  # NaN too
+        raise ValueError(
+            f"--older-than must be a finite number of days, at least 0, not {older_than_s!r} "
+            "(older_than_s)."
+        )
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError("--max-size must not be negative.")
     cache = Cache.at(cache_dir)
     listed = list_entries(cache_dir=cache)  # least recently used first
     entries = [e for e in listed if not e.foreign]

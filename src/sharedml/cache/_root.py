@@ -21,6 +21,7 @@ from pathlib import Path
 
 import platformdirs
 
+from sharedml import _host
 from sharedml._errors import CacheError
 from sharedml.cache._files import PRIVATE_DIR_MODE, TMP_SUFFIX, temp_owner, temp_owner_of
 
@@ -342,14 +343,25 @@ class Cache:
         """The cache folder, checked to be sharedml's if it exists (nothing is created).
 
         Raises:
-            CacheError: it exists and holds what sharedml did not create.
+            CacheError: it exists and holds what sharedml did not create, or it is not a
+                folder (``--cache-dir /dev/null``: read as "no entries", a typo would pass
+                unnoticed).
         """
         try:
             st = self.root.stat()
+        except NotADirectoryError:  # a path through a file: /dev/null/cache
+            raise CacheError(
+                f"The sharedml cache folder '{self.root}' cannot exist: a part of its path is a "
+                "file, not a folder. Point --cache-dir or SHAREDML_CACHE_DIR at a folder."
+            ) from None
         except OSError:
             return self.root
-        if stat.S_ISDIR(st.st_mode):
-            _adopt(self.root, st, mark=False)
+        if not stat.S_ISDIR(st.st_mode):
+            raise CacheError(
+                f"The sharedml cache folder '{self.root}' is {_host.file_kind(st.st_mode)}, not a "
+                "folder. Point --cache-dir or SHAREDML_CACHE_DIR at a folder."
+            )
+        _adopt(self.root, st, mark=False)
         return self.root
 
 

@@ -66,7 +66,7 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=4,
         metavar="N",
-        help="sessions (and threads) to measure (default: %(default)s)",
+        help=f"sessions (and threads) to measure, 1 to {MAX_SESSIONS} (default: %(default)s)",
     )
     p.add_argument(
         "--providers",
@@ -119,6 +119,13 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_cmd_inspect)
 
 
+# Each strategy creates N sessions and runs N threads at once in one fresh process, and the
+# plain strategies hold a copy of the weights per session: 10^8 was accepted and would have
+# spent hours creating sessions until memory ran out. Memory grows linearly in N past a few
+# sessions, so the report's projection answers larger counts without creating them.
+MAX_SESSIONS = 1024
+
+
 def parse_dims(items: Sequence[str]) -> dict[str, int]:
     """``["batch=8", "seq=128"]`` -> ``{"batch": 8, "seq": 128}``.
 
@@ -158,10 +165,18 @@ def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_plot_target(path: Path) -> None:
-    """Fail before measuring (which takes a while) rather than after it."""
+def _check_plot_target(path: Path, inputs: Sequence[str | None] = ()) -> None:
+    """Fail before measuring (which takes a while) rather than after it.
+
+    ``inputs``: the files the command reads (the model, ``--inputs``), which the plot must not
+    replace.
+    """
     if path.suffix.lower() != ".png":
         raise ValueError(f"--plot writes a PNG file; name it *.png, not '{path}'.")
+    from sharedml.prepared._files import check_outputs
+
+    sources = [(Path(p), f"an input of this command, '{p}'") for p in inputs if p]
+    check_outputs([path], sources, writer="--plot", fix="name another file for the plot")
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise FileNotFoundError(f"--plot: folder '{folder}' does not exist.")
@@ -253,8 +268,13 @@ def _cmd_inspect_family(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from sharedml.inspection._inspect import inspect
 
-    if args.sessions < 1:
-        raise ValueError(f"--sessions must be at least 1, not {args.sessions}.")
+    if not 1 <= args.sessions <= MAX_SESSIONS:
+        raise ValueError(
+            f"--sessions must be between 1 and {MAX_SESSIONS}, not {args.sessions}: each "
+            "strategy creates that many sessions (plain ones with a copy of the weights each) "
+            "and threads in one process. Measure a few and read larger counts from the "
+            "report's memory projection."
+        )
     if len(args.model) > 1:
         if args.compress:
             raise ValueError("--compress inspects one model; give one model file.")
@@ -264,7 +284,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     shapes = parse_shapes(args.shape)
     plot = Path(args.plot) if args.plot else None
     if plot is not None:
-        _check_plot_target(plot)
+        _check_plot_target(plot, (args.model, args.inputs))
     try:
         with _progress_display() as progress:
             report = inspect(

@@ -379,10 +379,11 @@ class SessionPool:
             the weights on the device (asking for more warns, unless ``per_session_state``).
             ``"auto"``: on the CPU with batching on, split the usable cores into sessions x
             intra-op threads by measuring a few probe sessions before the pool's own are
-            created (at most about a second of timed runs; ``docs/batching.md``, choosing the
-            split). Elsewhere, or where the model cannot be measured, a stated default
-            applies. An ``intra_op_num_threads`` set by ``sess_options`` or ``configure``
-            fixes the threads, and the sessions are then ``cores // threads``.
+            created (within a time budget of 10 s and a memory budget for the probes'
+            batches; ``docs/batching.md``, choosing the split). Elsewhere, or where the model
+            cannot be measured, a stated default applies. An ``intra_op_num_threads`` set by
+            ``sess_options`` or ``configure`` fixes the threads, and the sessions are then
+            ``cores // threads``.
             ``pool.stats().calibration`` says what was measured and chosen, and why.
         min_sessions: Create only this many and grow on demand up to ``max_sessions``. Not
             with ``sessions="auto"`` (``ValueError``), which chooses the count itself.
@@ -605,7 +606,7 @@ class SessionPool:
                     chosen, max_batch_size=self._calibration.max_batch_size
                 )
                 reason = reason.rstrip(".") + (
-                    f". sessions='auto' measured merged batches not worth their memory: at most "
+                    f". sessions='auto' found merged batches not worth their memory: at most "
                     f"{chosen.max_batch_size} row(s) per Run (stats().calibration says why)."
                 )
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)

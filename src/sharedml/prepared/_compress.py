@@ -42,7 +42,6 @@ import hashlib
 import inspect
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,8 +54,9 @@ from sharedml.cache._entries import Built, ensure_entry, open_entry
 from sharedml.cache._locks import lend_hold
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import iter_graphs, load_graph
+from sharedml.prepared._files import check_outputs, scratch_folder, source_files
 from sharedml.prepared._plan import DEFAULT_SIZE_THRESHOLD_BYTES, check_threshold
-from sharedml.prepared._prepare import PrepareResult, prepare, prepared_model_for
+from sharedml.prepared._prepare import PrepareResult, output_paths, prepare, prepared_model_for
 
 __all__ = [
     "CompressResult",
@@ -725,7 +725,9 @@ def compress(
 
     Args:
         src: Any ONNX model.
-        dst: The graph file to write; its weights go to ``<dst stem>.weights`` beside it.
+        dst: The graph file to write (an existing folder: ``<dst>/<src stem>.onnx``); its
+            weights go to ``<dst stem>.weights`` beside it. Neither may be, or be another name
+            for, ``src`` or one of its data files.
         weights: ``"int8"`` or ``"int4"`` (see :class:`WeightsFormat`).
 
     Returns:
@@ -735,6 +737,8 @@ def compress(
         ValueError: an unknown ``weights``, or ``"float"`` (nothing to compress to).
         CompressError: the model has no MatMul/Gemm weight to compress, or the installed
             onnxruntime cannot write or run the format.
+        PrepareError: ``dst`` or its weights file is (or aliases) a source file, or is not a
+            regular file: refused before any work.
         ModelError, PrepareError: from :func:`sharedml.prepare`.
 
     Thread safety: safe to call concurrently (each call has its own temporary folder).
@@ -742,10 +746,18 @@ def compress(
     fmt = WeightsFormat.parse(weights)
     if fmt is WeightsFormat.FLOAT:
         raise ValueError("compress() needs weights='int8' or 'int4'; for float use prepare().")
-    dst_path = Path(dst)
+    src_path = Path(src)
+    dst_path, weights_path = output_paths(src_path, dst)
+    # Before any work: the last step prepares the quantized scratch copy at dst, and would
+    # replace the source there (compress(m, m)) without this.
+    check_outputs(
+        (dst_path, weights_path),
+        source_files(src_path, load_graph(src_path).graph),
+        writer="compress",
+        fix="write the compressed model to another path",
+    )
     dst_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".sharedml-compress-", dir=dst_path.parent) as tmp:
-        scratch = Path(tmp)
+    with scratch_folder(dst_path.parent, "compress") as scratch:
         float_path = prepare(src, scratch / "float.onnx").model_path
         _refuse_if_nothing(float_path, src)
         return _write(float_path, dst_path, fmt, scratch)

@@ -441,7 +441,7 @@ def _plan(
         block_packs = packing is Prepacking.AUTO and (
             compressed is not WeightsFormat.FLOAT or _block_quantized(model_path)
         )
-        prepacked, reason = _prepacked_weights(
+        prepacked, reason, packs = _prepacked_weights(
             weights,
             sess_options,
             cache,
@@ -469,7 +469,10 @@ def _plan(
                 runtime_stats=prepacked.stats,
                 **common,
             )
-        if block_packs:
+        if block_packs or packs:
+            # ORT packs weights that no saved model shares here (too small to be saved apart,
+            # or MatMulNBits before 1.28): unpacked, those kernels compute other values than
+            # plain ORT (a 1-D U-Net: 5.7e-6 away), so each session packs its own, as ORT does.
             # MatMulNBits unpacked ran 0.55x (int8) and 0.66x (int4) of its packed speed here
             # (onnxruntime 1.32; 1.30's int8 reload computed NaN, and unpacked ran 0.09x): the
             # compressed weights are a quarter or an eighth of the floats, so each session's
@@ -631,10 +634,12 @@ def _prepacked_weights(
     source: Path,
     instead: str = "the pool shares raw weights with prepacking off instead",
     block_quantized: bool = False,
-) -> tuple[Any, str]:
-    """The prepacked model where it pays (or is forced), else (None, why not).
+) -> tuple[Any, str, bool]:
+    """The prepacked model where it pays (or is forced), else (None, why not, packs).
 
-    ``instead`` says what the pool does where building it failed.
+    ``instead`` says what the pool does where building it failed; ``packs``: ORT packs
+    weights that no saved model shares, so raw-weight sessions should pack their own
+    (:attr:`~sharedml.weights._prepacked.CpuRouteDecision.packs_per_session`).
     """
     from sharedml.weights import _prepacked as _prepack
 
@@ -646,7 +651,7 @@ def _prepacked_weights(
                 f"prepacking='shared' needs ORT's saved prepacked model, but {saves.reason}. "
                 "Use prepacking='auto' (raw weights shared) or a newer onnxruntime."
             )
-        return None, f"The saved prepacked model is not used: {saves.reason}."
+        return None, f"The saved prepacked model is not used: {saves.reason}.", False
     try:
         prepacked = _optimized_model(weights, sess_options, cache, verify=verify)
     except CacheError:
@@ -659,10 +664,10 @@ def _prepacked_weights(
             RuntimeWarning,
             stacklevel=4,
         )
-        return None, f"The prepacked model could not be built ({exc})."
+        return None, f"The prepacked model could not be built ({exc}).", False
     decision = _prepack.choose_cpu_route(
         prepacked.stats, sessions=sessions, block_quantized=block_quantized
     )
     if forced or decision.route is _prepack.CpuRoute.PREPACKED_FILE:
-        return prepacked, decision.reason
-    return None, decision.reason
+        return prepacked, decision.reason, False
+    return None, decision.reason, decision.packs_per_session

@@ -39,7 +39,8 @@ import hashlib
 import json
 import mmap
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,12 +80,19 @@ __all__ = [
 _KIND = "prepacked"  # the cache's entry kind
 _MODEL_NAME = "model.onnx"
 _DATA_NAME = "model.data"
-_FORMAT = 2  # bump when an entry's layout, or what goes into its key, changes
+_FORMAT = 3  # bump when an entry's layout, or what goes into its key, changes
 _PAGE_BYTES = mmap.PAGESIZE  # bytes; a blob at a page-aligned offset is mapped without slack
 
 # Initializers below this size stay inside the saved .onnx instead of its data file: a small
 # tensor costs each session a private copy of a few KiB, where an external one costs a map.
 _DEFAULT_MIN_EXTERNAL_BYTES = 64 * 1024  # bytes
+
+# Where ORT packs weights that no saved model shares, each session packs its own (plain ORT's
+# numerics) if that costs a session at most this (plus twice the packs counted), else prepacking
+# stays off: the packs counted are small by definition, but kernels that save no packed form
+# (int8 QLinearConv in NHWC) pack too, and a static int8 CNN's pool of 4 then held 28.5 MiB
+# instead of 12.8 (plain int8 sessions: 22.6). Bytes.
+SESSION_PACK_LIMIT_BYTES = 2**20
 
 
 class CpuRoute(enum.Enum):
@@ -115,6 +123,16 @@ class PrepackStats:
         unaligned_blobs: blobs whose file offset is not page-aligned (mapped with some slack).
         maps_per_session: memory maps one session makes of the data file: one per blob, plus
             one per external initializer without a blob.
+        inline_packed_blobs: Weights ORT packs that the saved model keeps inline (under
+            ``min_external_bytes``, where ORT saves no packed form: each session packs its own
+            copy, as plain ORT does), counted by saving the model once more with every
+            initializer external. None where not counted (the saved model has blobs) or where
+            it could not be told.
+        inline_packed_bytes: Their packed bytes (None as above).
+        session_pack_bytes: What one session over the raw weights costs more with prepacking
+            on than off (anonymous memory, measured at the build where ORT packs weights no
+            saved model shares, or may): the inline packs, and the packs of kernels that save
+            no packed form at all (int8 ``QLinearConv`` in NHWC). None where not measured.
     """
 
     external_initializers: int
@@ -124,14 +142,27 @@ class PrepackStats:
     derived_bytes: int
     unaligned_blobs: int
     maps_per_session: int
+    inline_packed_blobs: int | None = None
+    inline_packed_bytes: int | None = None
+    session_pack_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class CpuRouteDecision:
-    """The route :func:`choose_cpu_route` picked, and why (one sentence, for logs and reports)."""
+    """The route :func:`choose_cpu_route` picked, and why (one sentence, for logs and reports).
+
+    Attributes:
+        route: The route.
+        reason: Why, in a sentence.
+        packs_per_session: On ``SHARED_RAW``: ORT packs weights of this model (or may: it
+            could not be told) that no saved model shares, so each session should pack its
+            own copy (``prepacking="per-session"``): with prepacking off those kernels would
+            run unpacked, and compute other values than plain ORT.
+    """
 
     route: CpuRoute
     reason: str
+    packs_per_session: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,36 +341,61 @@ def build_prepacked_model(
     key = hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()[:32]
 
     def build(tmp: Path) -> dict[str, Any]:
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel(level)
-        # At ORT_ENABLE_ALL, ORT warns that the saved model is hardware-specific: expected here
-        # (the key names the CPU), so only errors are logged.
-        so.log_severity_level = 3
-        for k, v in carried.items():
-            so.add_session_config_entry(k, v)
-        so.optimized_model_filepath = str(tmp / _MODEL_NAME)
-        so.add_session_config_entry(
-            "session.optimized_model_external_initializers_file_name", _DATA_NAME
-        )
-        so.add_session_config_entry(
-            "session.optimized_model_external_initializers_min_size_in_bytes",
-            str(min_external_bytes),
-        )
-        so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
         weights_maps: list[Any] = []
         if files and capability("files-in-memory").available:
             import numpy as np
 
             names = sorted(files)
             weights_maps = [np.memmap(files[n], dtype=np.uint8, mode="r") for n in names]
-            so.add_external_initializers_from_files_in_memory(
-                names, weights_maps, [m.nbytes for m in weights_maps]
-            )
-            so.add_session_config_entry(
-                "session.use_external_initializer_file_buffers_directly", "1"
-            )
         elif files:
             _check_read_by_path(prepared_model, files)  # ORT reads the weights file itself
+
+        def saving_options(folder: Path, min_bytes: int) -> ort.SessionOptions:
+            """Options of a session that saves the optimized, prepacked model into ``folder``."""
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel(level)
+            # At ORT_ENABLE_ALL, ORT warns that the saved model is hardware-specific: expected
+            # here (the key names the CPU), so only errors are logged.
+            so.log_severity_level = 3
+            for k, v in carried.items():
+                so.add_session_config_entry(k, v)
+            so.optimized_model_filepath = str(folder / _MODEL_NAME)
+            so.add_session_config_entry(
+                "session.optimized_model_external_initializers_file_name", _DATA_NAME
+            )
+            so.add_session_config_entry(
+                "session.optimized_model_external_initializers_min_size_in_bytes", str(min_bytes)
+            )
+            so.add_session_config_entry(
+                "session.save_external_prepacked_constant_initializers", "1"
+            )
+            if weights_maps:
+                so.add_external_initializers_from_files_in_memory(
+                    sorted(files), weights_maps, [m.nbytes for m in weights_maps]
+                )
+                so.add_session_config_entry(
+                    "session.use_external_initializer_file_buffers_directly", "1"
+                )
+            return so
+
+        def plain_options(prepack: bool) -> ort.SessionOptions:
+            """Options of a session over the prepared model as a raw-weights pool makes it."""
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel(level)
+            so.log_severity_level = 3
+            for k, v in carried.items():
+                so.add_session_config_entry(k, v)
+            so.add_session_config_entry("session.disable_prepacking", "0" if prepack else "1")
+            if weights_maps:
+                so.add_external_initializers_from_files_in_memory(
+                    sorted(files), weights_maps, [m.nbytes for m in weights_maps]
+                )
+                so.add_session_config_entry(
+                    "session.use_external_initializer_file_buffers_directly", "1"
+                )
+            return so
+
+        so = saving_options(tmp, min_external_bytes)
         try:
             saving = ort.InferenceSession(
                 str(prepared_model), so, providers=["CPUExecutionProvider"]
@@ -353,6 +409,23 @@ def build_prepacked_model(
             _read_only_own_data(tmp, files)
             _drop_sharedml_metadata(tmp / _MODEL_NAME, key)
             stats = inspect_prepacked_model(tmp / _MODEL_NAME, source_model=source)
+            if stats.prepacked_blobs == 0:
+                # No blob: ORT may still pack weights that the saved model keeps inline (under
+                # min_external_bytes, where ORT saves no packed form): a 1-D U-Net's small
+                # ConvTranspose filters. Saved once more with every initializer external,
+                # ORT shows each packed one by its blob.
+                blobs, packed = _inline_packs(
+                    prepared_model, lambda folder: saving_options(folder, 0), tmp
+                )
+                cost = None
+                if blobs != 0:  # packs each session would make: what do they cost it?
+                    cost = _packing_cost(prepared_model, plain_options)
+                stats = dataclasses.replace(
+                    stats,
+                    inline_packed_blobs=blobs,
+                    inline_packed_bytes=packed,
+                    session_pack_bytes=cost,
+                )
             own_index = _blob_index(tmp / _MODEL_NAME)
             unshared = (tmp / _MODEL_NAME).read_bytes()
             sharing = _share_identical(tmp, own_index, key_material, cache) if share else None
@@ -391,7 +464,7 @@ def build_prepacked_model(
                 f"{exc}. Use the shared-raw route for this model."
             ) from exc
         finally:
-            del weights_maps
+            weights_maps.clear()  # the maps of the weights: unmapped once unreferenced
             _host.release_freed_heap()  # the two sessions freed about twice the weights
         return {
             "source": str(prepared_model),
@@ -685,6 +758,65 @@ def _key_material(
     }
 
 
+def _inline_packs(
+    prepared_model: Path, options_for: Callable[[Path], Any], tmp: Path
+) -> tuple[int | None, int | None]:
+    """How many weights ORT packs that a saved model keeps inline, and their packed bytes.
+
+    A session given ``options_for(folder)`` (every initializer external) saves the optimized
+    model into a scratch folder inside ``tmp``, which is removed; each weight ORT packed has a
+    blob there. Where anything fails, both are None: not known.
+    """
+    import onnxruntime as ort
+
+    try:
+        with tempfile.TemporaryDirectory(dir=tmp) as scratch:
+            folder = Path(scratch)
+            saving = ort.InferenceSession(
+                str(prepared_model), options_for(folder), providers=["CPUExecutionProvider"]
+            )
+            del saving
+            found = inspect_prepacked_model(folder / _MODEL_NAME)
+    except Exception:  # ORT's errors have no common base; the route then says it cannot tell
+        return None, None
+    finally:
+        _host.release_freed_heap()
+    return found.prepacked_blobs, found.prepacked_bytes
+
+
+def _packing_cost(prepared_model: Path, options: Callable[[bool], Any]) -> int | None:
+    """Bytes one session holds more with prepacking on than off (``options(prepack)``).
+
+    Each measured twice, as the anonymous memory (``rss - shared``: not the mapped weights)
+    a session adds once the freed heap is trimmed; the smaller of each pair is taken. None
+    where it cannot be measured.
+    """
+    import onnxruntime as ort
+    import psutil
+
+    me = psutil.Process()
+
+    def anonymous() -> int:
+        _host.release_freed_heap()
+        info = me.memory_info()
+        return int(info.rss - getattr(info, "shared", 0))
+
+    grown: dict[bool, list[int]] = {True: [], False: []}
+    try:
+        for prepack in (True, False, True, False):
+            before = anonymous()
+            session = ort.InferenceSession(
+                str(prepared_model), options(prepack), providers=["CPUExecutionProvider"]
+            )
+            grown[prepack].append(anonymous() - before)
+            del session
+    except Exception:  # ORT's errors have no common base: not measured
+        return None
+    finally:
+        _host.release_freed_heap()
+    return max(0, min(grown[True]) - min(grown[False]))
+
+
 def inspect_prepacked_model(
     model_path: str | os.PathLike[str], *, source_model: ModelProto | None = None
 ) -> PrepackStats:
@@ -754,6 +886,12 @@ def choose_cpu_route(
             weights, but before onnxruntime 1.28 it saves no packed form of them (measured:
             1.24-1.27 saved none, 1.28 and later do), so no saved blob does not mean no pack.
 
+    Where ORT saved no blob, ``stats.inline_packed_blobs`` tells whether it packs weights the
+    saved model keeps inline: then (or where that could not be told) ``SHARED_RAW`` with
+    ``packs_per_session``, so that those kernels run packed as in plain ORT. With prepacking
+    off they ran unpacked: a 1-D U-Net's ConvTranspose at a bottleneck of length 1 gave
+    outputs 5.7e-6 away from plain ORT's, bitwise equal with each session packing.
+
     Returns:
         The route and a one-sentence reason.
     """
@@ -764,11 +902,44 @@ def choose_cpu_route(
             "1.28 packs them in each session and saves nothing), so the saved copy would only "
             "double the disk use.",
         )
+    inline = stats.inline_packed_blobs
+    if stats.prepacked_bytes == 0 and stats.derived_bytes == 0 and inline != 0:
+        what = (
+            "whether ORT packs weights of this model that its saved model keeps inline could "
+            "not be told (it saved no packed form of any)"
+            if inline is None
+            else f"ORT packs {inline} weight(s) of this model "
+            f"({(stats.inline_packed_bytes or 0) / 2**10:.1f} KiB packed), each too small for "
+            "the saved model's data file, where alone a packed form is shared, and derives none"
+        )
+        cost = stats.session_pack_bytes
+        limit = SESSION_PACK_LIMIT_BYTES + 2 * (stats.inline_packed_bytes or 0)
+        if cost is not None and cost <= limit:
+            return CpuRouteDecision(
+                CpuRoute.SHARED_RAW,
+                f"{what[:1].upper()}{what[1:]}: each session packs its own copy, as plain ORT "
+                f"does (the same kernels, the same values; {cost / 2**20:.1f} MiB a session), "
+                "over the shared raw weights.",
+                packs_per_session=True,
+            )
+        costs = (
+            "could not be measured"
+            if cost is None
+            else f"cost each session {cost / 2**20:.1f} MiB (kernels that save no packed form "
+            "pack too)"
+        )
+        return CpuRouteDecision(
+            CpuRoute.SHARED_RAW,
+            f"{what[:1].upper()}{what[1:]}; packing in every session {costs}, so prepacking is "
+            "off: those kernels run unpacked, and outputs may differ from plain ORT's by "
+            "rounding (prepacking='per-session' gives plain ORT's values at that cost).",
+        )
     if stats.prepacked_bytes == 0 and stats.derived_bytes == 0:
         return CpuRouteDecision(
             CpuRoute.SHARED_RAW,
-            "ORT neither prepacks nor derives any weight of this model on this CPU, so the saved "
-            "copy would only double the disk use and slow session creation.",
+            "ORT saves no packed form of any weight of this model on this CPU, at any size, "
+            "and derives none, so the saved copy would only double the disk use and slow "
+            "session creation.",
         )
     limit = max_map_count if max_map_count is not None else _host.max_map_count()
     maps = stats.maps_per_session * sessions
@@ -783,10 +954,16 @@ def choose_cpu_route(
         "folded or dequantized)"
     )
     if stats.prepacked_blobs == 0:
+        packs = (
+            f"ORT packs {inline} small weight(s) of this model in each session, as plain ORT "
+            "does, and saves no packed form of any; "
+            if inline
+            else "ORT packs no weight of this model on this CPU, but "
+        )
         return CpuRouteDecision(
             CpuRoute.PREPACKED_FILE,
-            f"ORT packs no weight of this model on this CPU, but its saved optimized model "
-            f"carries {derived}: mapped once for every session (mechanism 'optimized-file').",
+            f"{packs}its saved optimized model carries {derived}: mapped once for every "
+            "session (mechanism 'optimized-file').",
         )
     what = f"{stats.prepacked_blobs} prepacked blobs ({stats.prepacked_bytes / 2**20:.1f} MiB)"
     if stats.derived_bytes:
