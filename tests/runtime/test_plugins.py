@@ -505,3 +505,13 @@ def test_webgpu_without_any_adapter_says_which_driver_is_missing(tmp_path: Path)
     (message,) = _webgpu_messages(tmp_path, "plan", switch=True)
     assert f"even with {SOFTWARE_ADAPTER_ENV}=1" in message
     assert "mesa-vulkan-drivers" in message and "vulkaninfo" in message
+
+
+def test_a_plugin_the_caller_registered_stays_a_plugin_when_ort_lists_it_as_available(
+    fake_ort: FakeOrt, name: str, tmp_path: Path
+) -> None:
+    # onnxruntime 1.32 lists a registered plugin EP in get_available_providers() too.
+    path = fake_ort.library(tmp_path, name, hardware(GPU, "AMD", 0x1002, 0x744C))
+    ort.register_execution_provider_library(name, path)
+    plan = plan_providers([name], available=[CPU, name])
+    assert plan.plugin is not None and plan.to_spec()["ep_libraries"] == {name: path}

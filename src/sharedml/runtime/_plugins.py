@@ -45,6 +45,7 @@ __all__ = [
     "KnownPlugin",
     "PluginDevice",
     "ep_devices",
+    "is_plugin",
     "plugin_api_missing",
     "register_library",
     "registered_libraries",
@@ -270,6 +271,20 @@ def ep_devices(ep_name: str) -> list[Any]:
 
     with _LOCK:
         return [d for d in ort.get_ep_devices() if d.ep_name == ep_name]
+
+
+def is_plugin(ep_name: str) -> bool:
+    """Whether ``ep_name`` runs from a plugin library registered in this process.
+
+    From onnxruntime 1.32 a registered plugin EP is listed by ``get_available_providers()`` too,
+    so that list cannot tell a plugin from a built-in provider; the devices can: a plugin's carry
+    its library's path (``ep_metadata["library_path"]``).
+    """
+    if ep_name in _REGISTERED:
+        return True
+    if plugin_api_missing():
+        return False
+    return any("library_path" in dict(d.ep_metadata) for d in ep_devices(ep_name))
 
 
 def registered_libraries() -> dict[str, str | None]:

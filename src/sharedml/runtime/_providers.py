@@ -47,7 +47,13 @@ from typing import Any
 from sharedml._errors import ProviderError
 from sharedml._host import check_one_onnxruntime
 from sharedml.runtime._capabilities import capability
-from sharedml.runtime._plugins import WEBGPU, DeviceSelector, PluginDevice, resolve_plugin
+from sharedml.runtime._plugins import (
+    WEBGPU,
+    DeviceSelector,
+    PluginDevice,
+    is_plugin,
+    resolve_plugin,
+)
 
 __all__ = [
     "GRAPH_DEVICES",
@@ -509,6 +515,7 @@ def plan_providers(
         if name in libraries
         or name in choices
         or (name not in available and name not in (CUDA, DML))
+        or (name not in (CPU, CUDA, DML) and is_plugin(name))
     ]
     missing = [name for name in names if name not in available and name not in plugins]
     if missing:
