@@ -120,3 +120,16 @@ def test_weights_loaded_by_ort_from_the_file_cost_least(
     print({k: f"{v / MiB:.0f} MiB" for k, v in added.items()})
     # The in-memory file stays resident beside the device copy: about one more copy.
     assert added["pool:in-memory-file"] - added["pool"] >= 0.75 * weights, added
+
+
+def test_inspect_measures_webgpu_one_session_at_a_time_and_names_the_device(mlp: str) -> None:
+    result = run_scenario("inspect_cli", model=mlp, sessions=2).ok()
+    assert result["returncode"] == 0, result["stderr"]
+    report = result["report"]
+    assert report["providers"][0] == WEBGPU and report["device"].startswith(WEBGPU)
+    assert report["trial"]["error"] is None
+    for name, strategy in report["strategies"].items():
+        # Every measuring child registered the plugin and ran its sessions one at a time.
+        assert not strategy["concurrent_runs"], name
+        assert strategy["outputs_agree"], name
+    assert report["sharedml_fixed"]["error"] is None

@@ -299,7 +299,7 @@ def test_no_fitting_device_lists_what_the_provider_offers(
     with pytest.raises(sharedml.ProviderError) as info:
         plan_providers([name], ep_devices={name: DeviceSelector(type="gpu", index=2)})
     assert "fits type=gpu,index=2" in str(info.value)
-    assert "NPU Intel" in str(info.value) and "GPU NVIDIA" in str(info.value)
+    assert "NPU device of Intel" in str(info.value) and "GPU device of NVIDIA" in str(info.value)
 
 
 def test_ep_device_objects_choose_as_windows_ml_hands_them_out(

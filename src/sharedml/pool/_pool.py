@@ -227,9 +227,9 @@ def _decide_batching(
     reason = "batching was not asked for (batching=False)"
     if by_default and not serialized:
         reason = (
-            "batching is on by default only where the provider's pool holds one session by "
-            "default (its runs are serialized, or each session holds its own copy of the "
-            "weights); pass batching=True to merge requests"
+            "batching is on by default only where the provider runs one Run at a time, or "
+            "each of its sessions holds its own copy of the weights (the provider table); "
+            "pass batching=True to merge requests"
         )
     if wanted is None and not auto:
         return None, None, reason, None

@@ -197,7 +197,7 @@ def _hex(value: Any) -> str:
 def _describe_device(device: Any) -> str:
     hw = device.device
     return (
-        f"{_type_name(hw).upper()} {hw.vendor or 'unknown vendor'} "
+        f"the {_type_name(hw).upper()} device of {hw.vendor or 'an unknown vendor'} "
         f"(vendor_id {_hex(hw.vendor_id)}, device_id {_hex(hw.device_id)})"
     )
 
