@@ -11,10 +11,11 @@ The rules, in order:
    (:func:`sharedml.prepared_model_for`, :class:`sharedml.WeightStore`).
 2. On CUDA weights go to the device once and every session borrows the device buffers
    (:class:`~sharedml.Mechanism` ``DEVICE``), if a route probed in a child process works with
-   the installed ORT; otherwise sessions use host weights, with a warning. On DirectML no
-   device route can work: every session uploads its own device copy, and ORT loads the
+   the installed ORT; otherwise sessions use host weights, with a warning. Where the provider
+   table says no device route can work (DirectML, WebGPU, other plugin EPs: their weights
+   route is ``ort-mmap``), every session uploads its own device copy, and ORT loads the
    weights from the file (``ORT_MMAP``), which holds no host copy after the upload; the
-   reason says so, without a warning (a pool of one session is DirectML's default anyway).
+   reason says so, without a warning (a pool of one session is their default anyway).
 3. On the CPU, with ``prepacking`` ``auto`` or ``shared``, sessions load ORT's saved
    optimized form of the model where ORT packs or derives any weight: ``PREPACKED_FILE`` where
    it holds prepacked blobs (one copy of the packed weights too), ``OPTIMIZED_FILE`` where ORT
