@@ -260,8 +260,7 @@ def facts_for(provider: str, *, plugin: bool = False) -> ProviderFacts:
         default_sessions=1,
         rule=(
             f"{provider} is not in sharedml's provider table: one Run at a time per device, "
-            "process-wide, until you say its runs may overlap (SessionPool(serialize_runs=False), "
-            "sharedml inspect --overlap-runs)"
+            "process-wide, until you say its runs may overlap (SessionPool(serialize_runs=False))"
         ),
         verified="not run by sharedml",
         no_device_route=_PLUGIN_NO_DEVICE_ROUTE.format(provider=provider) if plugin else "",
