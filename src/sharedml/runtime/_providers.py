@@ -156,8 +156,8 @@ _WEBGPU_NO_DEVICE_ROUTE = (
     "WebGPU session, so ORT uploads a device copy of the weights per session"
 )
 _PLUGIN_NO_DEVICE_ROUTE = (
-    "{provider} sessions cannot share device weights: no Python API lends a device buffer to a "
-    "plugin execution provider's session, so each session holds its own copy"
+    "{provider} sessions cannot share device weights: sharedml has no route that lends a device "
+    "buffer to a plugin execution provider's session, so each session holds its own copy"
 )
 
 PROVIDER_FACTS: Mapping[str, ProviderFacts] = {
