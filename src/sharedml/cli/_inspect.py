@@ -76,6 +76,23 @@ def add_parser(sub: Any) -> None:
         help="execution providers in priority order, e.g. CUDAExecutionProvider (default: CPU)",
     )
     p.add_argument(
+        "--ep-library",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="the library of a plugin execution provider that sharedml does not find itself "
+        "(it finds onnxruntime-ep-webgpu's, -openvino's, -nv-tensorrt-rtx's); repeatable",
+    )
+    p.add_argument(
+        "--ep-device",
+        action="append",
+        default=[],
+        metavar="NAME=SELECTOR",
+        help="a plugin execution provider's device: a type (gpu, npu, cpu) or key=value pairs of "
+        "type, vendor, vendor_id, device_id, index, e.g. OpenVINOExecutionProvider=type=npu "
+        "(default: the first device it lists); repeatable",
+    )
+    p.add_argument(
         "--dim",
         action="append",
         default=[],
@@ -144,6 +161,27 @@ def parse_dims(items: Sequence[str]) -> dict[str, int]:
             )
         dims[name] = int(value)
     return dims
+
+
+def parse_ep_items(flag: str, items: Sequence[str]) -> dict[str, str]:
+    """``["NAME=VALUE", ...]`` of ``--ep-library`` / ``--ep-device`` -> ``{NAME: VALUE}``.
+
+    Raises:
+        ValueError: an item that is not ``NAME=VALUE``, or a name given twice.
+    """
+    found: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value:
+            raise ValueError(
+                f"{flag} {item!r}: expected NAME=VALUE, e.g. {flag} "
+                "WebGpuExecutionProvider=" + ("/path/to/library.so" if "library" in flag else "gpu")
+            )
+        if name in found:
+            raise ValueError(f"{flag} names {name} twice; give it once.")
+        found[name] = value
+    return found
 
 
 def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -280,6 +318,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             raise ValueError("--compress inspects one model; give one model file.")
         return _cmd_inspect_family(args)
     args.model = args.model[0] if args.model else None
+    libraries = parse_ep_items("--ep-library", args.ep_library)
+    devices = parse_ep_items("--ep-device", args.ep_device)
+    if (libraries or devices) and not args.providers:
+        raise ValueError(
+            "--ep-library and --ep-device name a plugin execution provider: ask for it with "
+            "--providers NAME too."
+        )
     dims = parse_dims(args.dim)
     shapes = parse_shapes(args.shape)
     plot = Path(args.plot) if args.plot else None
@@ -291,6 +336,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 args.model,
                 sessions=args.sessions,
                 providers=args.providers,
+                ep_libraries=libraries,
+                ep_devices=devices,
                 dims=dims,
                 shapes=shapes,
                 feeds=args.inputs,
@@ -473,8 +520,9 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         heading("sharedml inspect", f": {report.model_path.name}")
     para(str(report.model_path))
     para(
-        f"onnxruntime {report.onnxruntime_version}, {', '.join(report.providers)}; inputs: "
-        f"{', '.join(i.describe() for i in report.inputs) or 'none'}"
+        f"onnxruntime {report.onnxruntime_version}, {', '.join(report.providers)}"
+        f"{f' (device: {report.device})' if report.device and report.device != 'CPU' else ''}"
+        f"; inputs: {', '.join(i.describe() for i in report.inputs) or 'none'}"
     )
     out.print()
 

@@ -56,6 +56,7 @@ from sharedml._host import available_bytes, heap_trim_available, release_freed_h
 from sharedml.inspection._memory import FALLBACK_NOTES, metric_of, read_memory
 from sharedml.inspection._strategies import Runner, StrategyContext
 from sharedml.model._inputs import generate
+from sharedml.runtime._providers import plan_from_spec, runs_rule
 
 __all__ = ["PROGRESS_PREFIX", "SPEC_VERSION", "measuring_child", "warmup_model_bytes"]
 
@@ -307,11 +308,10 @@ def _child_trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     import onnxruntime as ort
 
     feeds = _feeds(spec)
-    sess = ort.InferenceSession(
-        spec["model"],
-        providers=list(spec["providers"]),
-        provider_options=[dict(o) for o in spec["provider_options"]],
-    )
+    plan = plan_from_spec(spec)
+    so = ort.SessionOptions()
+    sess = ort.InferenceSession(spec["model"], so, **plan.session_kwargs(so))
+    plan.check_session(sess, f"The trial session of '{spec['model']}'")
     start = time.perf_counter()
     outputs = sess.run(None, feeds)
     seconds = time.perf_counter() - start
@@ -326,7 +326,12 @@ def _child_trial(spec: Mapping[str, Any]) -> dict[str, Any]:
         else:
             described.append({"name": name, "dtype": type(out).__name__, "shape": None})
     np.savez(spec["reference_file"], **_comparable(outputs))
-    return {"outputs": described, "run_seconds": seconds, "onnxruntime": ort.__version__}
+    return {
+        "outputs": described,
+        "run_seconds": seconds,
+        "onnxruntime": ort.__version__,
+        "device": plan.device,
+    }
 
 
 def _growth(now: Mapping[str, Any], base: Mapping[str, Any], key: str) -> int | None:
@@ -536,19 +541,21 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"spec version {spec.get('version')} is not {SPEC_VERSION}")
     module_name, _, func_name = spec["factory"].partition(":")
     factory = getattr(importlib.import_module(module_name), func_name)
-    providers = tuple(spec["providers"])
-    provider_options = tuple(dict(o) for o in spec["provider_options"])
+    plan = plan_from_spec(spec)  # a plugin EP's library registered here, its device chosen
+    providers = plan.providers
     ctx = StrategyContext(
         model_path=Path(spec["model"]),
         sessions=int(spec["sessions"]),
         providers=providers,
-        provider_options=provider_options,
+        provider_options=plan.provider_options,
+        plan=plan,
     )
     feeds = _feeds(spec)
     plain = _load_reference(spec["reference_file"]) if spec.get("reference_file") else None
     reserve = int(spec["memory_reserve_bytes"])
-    # DirectML can run neither one session from two threads nor several sessions at once.
-    concurrent = providers[0] != "DmlExecutionProvider"
+    # Where the provider table says runs must not overlap (DirectML, WebGPU, a provider it does
+    # not know), the child runs its sessions one at a time: together they would crash.
+    concurrent = not runs_rule(plan).serialized
     device = _DeviceMemory(providers)
 
     # sharedml's own modules (and onnx, which they import) load on first use: load them all
@@ -560,9 +567,7 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         getattr(sharedml, name)
     # One-time costs of any process that uses these providers: their libraries, ORT's
     # environment and thread pools. Paid (and released) here, so that they are not counted.
-    warmup = ort.InferenceSession(
-        warmup_model_bytes(), providers=list(providers), provider_options=list(provider_options)
-    )
+    warmup = ctx.plain_session(warmup_model_bytes())
     warmup.run(None, {"a": generate({"shape": [1], "dtype": "float32"})})
     del warmup
     gc.collect()
@@ -661,6 +666,7 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         "trimmed": trimmed,
         "setup_seconds": setup_seconds,
         "concurrent": concurrent,
+        "device": plan.device,
         "points": points,
         "device_metric": device.metric,
         "device_note": device.note,

@@ -94,6 +94,11 @@ class PoolStats:
         calibration: For ``SessionPool(sessions="auto")``, how the pool split the cores into
             sessions and threads: what it measured, what it chose, and why
             (:class:`~sharedml.pool.Calibration`); None for a pool given a number.
+        serialized_runs: Each ``Run`` takes the device's process-wide run lock (one at a time
+            across every pool on the device).
+        runs_rule: Why runs are or are not serialized: the caller's ``serialize_runs``, or the
+            provider table's rule for the provider (or for a provider the table lacks).
+        device: The device the sessions run on, in words (a plugin EP's hardware).
     """
 
     sessions: int
@@ -122,6 +127,9 @@ class PoolStats:
     check_runs: int = 0
     check_seconds: float = 0.0
     cancelled: int = 0
+    serialized_runs: bool = False
+    runs_rule: str = ""
+    device: str = ""
 
     @property
     def idle(self) -> int:
