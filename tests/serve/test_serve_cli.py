@@ -109,6 +109,8 @@ def test_serve_help_shows_examples() -> None:
         (["a=x.onnx", "a=y.onnx"], "Two models are named 'a'"),
         (["bad/name=x.onnx"], "must be letters, digits"),
         (["x.onnx", "y.onnx", "--name", "z"], "--name names one model"),
+        (["x.onnx", "--ep-library", "WebGpuExecutionProvider=/x.so"], "--providers NAME too"),
+        (["x.onnx", "--providers", "P", "--ep-device", "P"], "expected NAME=VALUE"),
     ],
 )
 def test_serve_errors_are_one_line_and_a_non_zero_exit(
@@ -119,6 +121,33 @@ def test_serve_errors_are_one_line_and_a_non_zero_exit(
     assert status == 1, err
     error_lines = [line for line in err.splitlines() if line.startswith("sharedml: error:")]
     assert len(error_lines) == 1 and words in error_lines[0], err
+    assert "Traceback" not in err
+
+
+def test_a_plugin_library_that_cannot_load_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = mixing_model(tmp_path / "m.onnx")
+    missing = tmp_path / "libmissing_ep.so"
+    status = main(
+        [
+            "serve",
+            str(model),
+            "--providers",
+            "WebGpuExecutionProvider",
+            "--ep-library",
+            f"WebGpuExecutionProvider={missing}",
+            "--http-port",
+            "0",
+            "--no-grpc",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert status == 1, err
+    error_lines = [line for line in err.splitlines() if line.startswith("sharedml: error:")]
+    assert len(error_lines) == 1 and "libmissing_ep.so" in error_lines[0], err
     assert "Traceback" not in err
 
 

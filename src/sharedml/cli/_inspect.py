@@ -21,6 +21,7 @@ from typing import Any
 from sharedml._errors import MeasurementError, missing_package
 from sharedml._units import human_bytes, human_seconds
 from sharedml.cli._cache import add_cache_dir_option
+from sharedml.cli._providers import add_provider_arguments, provider_options
 
 __all__ = [
     "add_parser",
@@ -68,29 +69,10 @@ def add_parser(sub: Any) -> None:
         metavar="N",
         help=f"sessions (and threads) to measure, 1 to {MAX_SESSIONS} (default: %(default)s)",
     )
-    p.add_argument(
-        "--providers",
-        nargs="+",
-        default=None,
-        metavar="P",
-        help="execution providers in priority order, e.g. CUDAExecutionProvider (default: CPU)",
-    )
-    p.add_argument(
-        "--ep-library",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="the library of a plugin execution provider that sharedml does not find itself "
-        "(it finds onnxruntime-ep-webgpu's, -openvino's, -nv-tensorrt-rtx's); repeatable",
-    )
-    p.add_argument(
-        "--ep-device",
-        action="append",
-        default=[],
-        metavar="NAME=SELECTOR",
-        help="a plugin execution provider's device: a type (gpu, npu, cpu) or key=value pairs of "
-        "type, vendor, vendor_id, device_id, index, e.g. OpenVINOExecutionProvider=type=npu "
-        "(default: the first device it lists); repeatable",
+    add_provider_arguments(
+        p,
+        providers_help="execution providers in priority order, e.g. CUDAExecutionProvider "
+        "(default: CPU)",
     )
     p.add_argument(
         "--dim",
@@ -161,27 +143,6 @@ def parse_dims(items: Sequence[str]) -> dict[str, int]:
             )
         dims[name] = int(value)
     return dims
-
-
-def parse_ep_items(flag: str, items: Sequence[str]) -> dict[str, str]:
-    """``["NAME=VALUE", ...]`` of ``--ep-library`` / ``--ep-device`` -> ``{NAME: VALUE}``.
-
-    Raises:
-        ValueError: an item that is not ``NAME=VALUE``, or a name given twice.
-    """
-    found: dict[str, str] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        name, value = name.strip(), value.strip()
-        if not sep or not name or not value:
-            raise ValueError(
-                f"{flag} {item!r}: expected NAME=VALUE, e.g. {flag} "
-                "WebGpuExecutionProvider=" + ("/path/to/library.so" if "library" in flag else "gpu")
-            )
-        if name in found:
-            raise ValueError(f"{flag} names {name} twice; give it once.")
-        found[name] = value
-    return found
 
 
 def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -318,13 +279,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             raise ValueError("--compress inspects one model; give one model file.")
         return _cmd_inspect_family(args)
     args.model = args.model[0] if args.model else None
-    libraries = parse_ep_items("--ep-library", args.ep_library)
-    devices = parse_ep_items("--ep-device", args.ep_device)
-    if (libraries or devices) and not args.providers:
-        raise ValueError(
-            "--ep-library and --ep-device name a plugin execution provider: ask for it with "
-            "--providers NAME too."
-        )
+    chosen = provider_options(args)
     dims = parse_dims(args.dim)
     shapes = parse_shapes(args.shape)
     plot = Path(args.plot) if args.plot else None
@@ -336,8 +291,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 args.model,
                 sessions=args.sessions,
                 providers=args.providers,
-                ep_libraries=libraries,
-                ep_devices=devices,
+                ep_libraries=chosen.get("ep_libraries"),
+                ep_devices=chosen.get("ep_devices"),
                 dims=dims,
                 shapes=shapes,
                 feeds=args.inputs,

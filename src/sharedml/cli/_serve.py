@@ -8,6 +8,7 @@ import textwrap
 from typing import Any
 
 from sharedml._units import parse_bytes
+from sharedml.cli._providers import add_provider_arguments, provider_options
 
 __all__ = ["add_parser"]
 
@@ -18,6 +19,7 @@ examples:
   sharedml serve bert=models/bert.onnx resnet=models/resnet50.onnx --sessions 8
   sharedml serve model.onnx --name embedder --host 0.0.0.0 --http-port 9000 --no-grpc
   sharedml serve model.onnx --providers CUDAExecutionProvider CPUExecutionProvider
+  sharedml serve model.onnx --providers WebGpuExecutionProvider   # a plugin EP, by name
   sharedml serve model.onnx --batching off --max-request-bytes 64M
 
 a client (pip install 'tritonclient[http]'):
@@ -115,13 +117,11 @@ def add_parser(sub: Any) -> None:
         help="merge requests into batches: auto (default) where the row analysis proves it "
         "safe, on (fail for a model it cannot prove), off",
     )
-    p.add_argument(
-        "--providers",
-        nargs="+",
-        default=None,
-        metavar="P",
-        help="execution providers in priority order, as SessionPool(providers=) takes them, "
-        "e.g. CUDAExecutionProvider CPUExecutionProvider (default: the pool's)",
+    add_provider_arguments(
+        p,
+        providers_help="execution providers in priority order, as SessionPool(providers=) "
+        "takes them, e.g. CUDAExecutionProvider CPUExecutionProvider or WebGpuExecutionProvider "
+        "(default: the pool's)",
     )
     limits = p.add_argument_group("limits (per server process; see docs/serve.md)")
     limits.add_argument(
@@ -183,8 +183,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     pool_options: dict[str, Any] = {"batching": batching}
     if args.sessions is not None:
         pool_options["sessions"] = args.sessions
-    if args.providers is not None:
-        pool_options["providers"] = args.providers
+    pool_options.update(provider_options(args))
     if args.cache_dir is not None:
         pool_options["cache_dir"] = args.cache_dir
     server = Server(
