@@ -20,7 +20,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from _lying import CALLERS, HONEST, LYING, SHAPE_INITS, F, c, mk, vi
-from onnx import ModelProto, helper
+from onnx import ModelProto, helper, numpy_helper
 
 import sharedml
 from sharedml.pool._batching import signature_of
@@ -130,25 +130,45 @@ def test_the_graph_ort_runs_declares_no_shape_the_analysis_did_not_prove(case: s
     m = LYING.get(case, HONEST.get(case))[0]()  # type: ignore[index]
     analysis = proof(m)
     served = relax(m, analysis).graph
+    top = analysis.top_facts
+    names: dict[str, int] = {}  # how often the main graph's declarations use each dim name
+    for value in (*served.graph.input, *served.graph.output, *served.graph.value_info):
+        for d in value.type.tensor_type.shape.dim:
+            names[d.dim_param] = names.get(d.dim_param, 0) + bool(d.dim_param)
+    batch = {v.type.tensor_type.shape.dim[0].dim_param for v in served.graph.input}
     for name, depth, type_proto in declarations(served):
-        assert depth > 0, f"value_info '{name}' is still declared"
-        tensor = type_proto.tensor_type
-        # a Loop body's iteration number and condition only: scalars by the operator
-        assert not tensor.HasField("shape") or len(tensor.shape.dim) == 0, name
-    facts = dict(analysis.outputs())
-    batch = analysis.batch_params
-    for value in served.graph.output:
-        fact = facts[value.name]
-        dims = value.type.tensor_type.shape.dim
-        assert fact.shape is not None and len(dims) in (0, len(fact.shape))
-        for axis, (dim, proven) in enumerate(zip(dims, fact.shape, strict=False)):
-            if axis == fact.axis:
-                assert not dim.HasField("dim_value"), value.name
-                assert dim.dim_param in (*batch, ROWS_DIM, ""), value.name
-            elif dim.HasField("dim_value"):
-                assert proven == Dim.of(dim.dim_value), value.name
-            elif dim.dim_param:
-                assert proven == Dim.of(f"dim:{dim.dim_param}"), value.name
+        if depth:  # a Loop body's iteration number and condition only: scalars, by the op
+            tensor = type_proto.tensor_type
+            assert not tensor.HasField("shape") or len(tensor.shape.dim) == 0, name
+    for value in (*served.graph.value_info, *served.graph.output):
+        name, tensor = value.name, value.type.tensor_type
+        if not tensor.HasField("shape"):
+            continue
+        fact = top[name]  # the main graph's own value of that name
+        dims = tensor.shape.dim
+        assert fact.shape is not None and len(dims) == len(fact.shape), name
+        for axis, (dim, proven) in enumerate(zip(dims, fact.shape, strict=True)):
+            if dim.HasField("dim_value"):
+                assert not (fact.rows and axis == fact.axis), f"{name}: a size for the rows"
+                assert proven == Dim.of(dim.dim_value), name
+            elif names.get(dim.dim_param, 0) > 1:  # a name ORT may equate with another dim
+                if fact.rows and axis == fact.axis:
+                    assert dim.dim_param in (*batch, ROWS_DIM) and fact.fold == 1, name
+                else:
+                    assert proven == Dim.of(f"dim:{dim.dim_param}"), name
+
+
+def test_a_model_whose_declarations_hold_is_loaded_as_it_is() -> None:
+    """No copy where nothing needs dropping: value_info and outputs the analysis proves."""
+    m = mk(
+        [helper.make_node("Add", ["x", "one"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        [vi("x", F, ["N", 4])],
+        [vi("y", F, ["N", 4])],
+        [c("one", 1.0, np.float32)],
+        [vi("h", F, ["N", 4]), vi("unnamed", F, ["dim_used_once"])],
+    )
+    relaxed = relax(m, proof(m))
+    assert relaxed.graph is m and relaxed.changed == () and relaxed.reason == ""
 
 
 def ort_optimized(m: ModelProto, tmp: Path) -> ModelProto:
@@ -221,3 +241,41 @@ def test_an_unused_mixing_node_is_found_though_another_branch_reuses_its_name() 
     )
     with pytest.raises(sharedml.NotBatchableError, match="ReduceSum"):
         signature_of(m, name="m", relax=True)
+
+
+def _weights_of(model_path: Path) -> list[Path]:
+    graph = onnx.load(model_path, load_external_data=False).graph
+    found = {
+        e.value for t in graph.initializer for e in t.external_data if e.key == "location"
+    }
+    return [model_path.parent / name for name in sorted(found)]
+
+
+def test_a_prepared_model_of_the_callers_is_copied_into_the_cache_never_linked(
+    tmp_path: Path,
+) -> None:
+    """A second link would change the caller's file: onnx.load refuses such external data."""
+    m = LYING["value_info declares a rows tensor [1, 4]"][0]()
+    big = numpy_helper.from_array(np.ones((64, 4), np.float32), "w")  # a tensor prepare moves
+    m.graph.initializer.append(big)
+    m.graph.node.append(helper.make_node("MatMul", ["y", "w_t"], ["unused"]))
+    m.graph.initializer.append(numpy_helper.from_array(np.ones((4, 64), np.float32), "w_t"))
+    onnx.save(m, tmp_path / "source.onnx")
+    mine = tmp_path / "mine" / "model.onnx"
+    sharedml.prepare(tmp_path / "source.onnx", mine)
+    (weights,) = _weights_of(mine)
+    with sharedml.SessionPool(
+        mine, sessions=1, batching=True, cache_dir=tmp_path / "cache"
+    ) as pool:
+        served = pool.recipe.model_path
+        assert served != mine  # the relaxed graph, an entry of the cache
+        (copy,) = _weights_of(served)
+        assert copy.stat().st_ino != weights.stat().st_ino
+    assert weights.stat().st_nlink == 1
+    onnx.load(mine)  # the caller's model loads with its weights, as before
+
+    with sharedml.SessionPool(
+        tmp_path / "source.onnx", sessions=1, batching=True, cache_dir=tmp_path / "cache2"
+    ) as pool:  # prepared by the pool: the cache's own files are linked, the same inode
+        (linked,) = _weights_of(pool.recipe.model_path)
+        assert linked.stat().st_nlink == 2

@@ -69,6 +69,7 @@ class RowAnalysis:
         self.refused: list[Refusal] = []
         self._batch_params: set[str] = set()
         self._outputs: list[tuple[str, Fact]] | None = None
+        self._top: dict[str, Fact] = {}
 
     def opset(self, domain: str) -> int:
         """The opset version the model imports for ``domain`` (the default domain for '')."""
@@ -246,6 +247,15 @@ class RowAnalysis:
         """The symbolic dims the graph's inputs name their axis 0 with (after :meth:`outputs`)."""
         return frozenset(self._batch_params)
 
+    @property
+    def top_facts(self) -> dict[str, Fact]:
+        """The facts of the main graph's own values, by name (after :meth:`outputs`).
+
+        Unlike :attr:`facts`, no subgraph's value of the same name stands in for one of them.
+        """
+        self.outputs()
+        return self._top
+
     def outputs(self) -> list[tuple[str, Fact]]:
         """Each graph output's name and fact (the analysis runs once; later calls reuse it)."""
         if self._outputs is None:
@@ -253,6 +263,7 @@ class RowAnalysis:
             facts = self.input_facts()
             scope: MutableMapping[str, Fact] = ChainMap(facts)
             self._run_nodes(graph, scope, "")
+            self._top = dict(scope)
             self._outputs = [
                 (o.name, scope.get(o.name) or self._unknown(o.name, "")) for o in graph.output
             ]
