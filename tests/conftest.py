@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import importlib.abc
 import io
 import os
 import secrets
@@ -93,9 +94,17 @@ def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def fast_switching() -> Iterator[None]:
     """Interleave threads as often as possible while a concurrency test runs."""
     old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
+    sys.setswitchinterval(1e-6)  # seconds: the interpreter asks for the GIL back at once
     yield
     sys.setswitchinterval(old)
+
+
+@pytest.fixture
+def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files the test itself just wrote get stamps too (production waits 3 s after a write)."""
+    from sharedml.cache import _stamps
+
+    monkeypatch.setattr(_stamps, "RACY_WINDOW_NS", 0)
 
 
 @pytest.fixture
@@ -156,6 +165,7 @@ def _local_user() -> Iterator[Callable[[Callable[[], None]], None]]:
     user = pwd.getpwnam(name)
 
     def run(fn: Callable[[], None]) -> None:
+        _import_what_a_child_may_need()
         read_end, write_end = os.pipe()
         with warnings.catch_warnings():  # fork of a threaded process: the child only does I/O
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -164,6 +174,7 @@ def _local_user() -> Iterator[Callable[[Callable[[], None]], None]]:
             os.close(read_end)
             status = 1
             try:
+                sys.meta_path.insert(0, _NothingNewFromSharedml())
                 os.setgroups([])
                 os.setgid(user.pw_gid)
                 os.setuid(user.pw_uid)
@@ -214,8 +225,10 @@ class Unprivileged:
 
 
 def _import_what_a_child_may_need() -> None:
-    """Import sharedml's modules here: a child dropped to another user may not read root's
-    Python install (pyenv under /root), so it can use only what its parent imported."""
+    """Import every module of sharedml here: a child dropped to another user may not read
+    root's Python install (pyenv under /root) or checkout, so it can use only what its parent
+    imported. The packages' faces import their modules lazily, on first use: each module is
+    imported by name. (sharedml.ray's modules too: they import Ray only when used.)"""
     import importlib
     import pkgutil
 
@@ -223,9 +236,25 @@ def _import_what_a_child_may_need() -> None:
 
     for name in ("fcntl", "mmap", "onnx.numpy_helper", "onnxruntime"):
         importlib.import_module(name)
-    for info in pkgutil.iter_modules(sharedml.__path__):
-        if info.name not in ("ray", "__main__"):
-            importlib.import_module(f"sharedml.{info.name}")
+    for info in pkgutil.walk_packages(sharedml.__path__, "sharedml."):
+        if not info.name.endswith(".__main__"):  # would run the CLI
+            importlib.import_module(info.name)
+
+
+class _NothingNewFromSharedml(importlib.abc.MetaPathFinder):
+    """In a child dropped to another user: a sharedml module the parent did not import fails.
+
+    Where the user can read the checkout, such an import would work here and fail only where
+    it cannot (a CI checkout under /root): this makes it fail everywhere, naming the module.
+    """
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname == "sharedml" or fullname.startswith("sharedml."):
+            raise ImportError(
+                f"{fullname} was not imported before the fork, and a child dropped to another"
+                " user may not be able to read it: import it in conftest's"
+                " _import_what_a_child_may_need"
+            )
 
 
 @pytest.fixture
@@ -239,7 +268,6 @@ def unprivileged(request: pytest.FixtureRequest) -> Iterator[Unprivileged]:
     folder = Path(tempfile.mkdtemp(prefix="sharedml-unprivileged-"))
     try:
         if os.name == "posix" and os.geteuid() == 0:
-            _import_what_a_child_may_need()
             user = request.getfixturevalue("other_user")
             os.chown(folder, user.uid, user.gid)
             yield Unprivileged(user, folder, user.uid)

@@ -29,19 +29,15 @@ from _models import build_model, feeds, save_model
 
 import sharedml
 import sharedml.cache
-from sharedml.cache import Cache, _entries, _locks, _root, _stamps
+from sharedml.cache import Cache, _entries, _locks, _root
 from sharedml.inspection._demo import demo_model_path
 
 POSIX = os.name == "posix"
 KINDS = ("models", "prepacked", "demo", "stamps")
 # The prepacked kind is made only where ORT saves prepacked weights.
 PREPACKED = pytest.param("prepacked", marks=pytest.mark.capability("prepacked-save"))
-
-
-@pytest.fixture(autouse=True)
-def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Files this test just wrote get stamps too, so that the stamps folder is used."""
-    monkeypatch.setattr(_stamps, "RACY_WINDOW_NS", 0)
+# Files these tests just wrote get stamps too, so that the stamps folder is used.
+pytestmark = pytest.mark.usefixtures("no_racy_window")
 
 
 def mode(path: Path) -> int:

@@ -50,11 +50,6 @@ def children_before() -> set[int]:
     return children()
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
-
-
 def embedding_model(vocab: int = 64, width: int = 256) -> onnx.ModelProto:
     """ids: int64[batch, seq] -> Gather from a [vocab, width] table, masked by a bool input."""
     table = np.random.default_rng(0).standard_normal((vocab, width)).astype(np.float32)
