@@ -84,10 +84,51 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+_TEST_FOLDERS = pytest.StashKey[set[Path]]()
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     """Every test prepares into its own cache, never the user's."""
+    request.config.stash.setdefault(_TEST_FOLDERS, set()).add(tmp_path)
     monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_folders_removed(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[None]:
+    """What a module made with ``tmp_path_factory`` is removed when the module ends.
+
+    pytest removes a passed test's ``tmp_path`` as soon as the test ends
+    (``tmp_path_retention_policy`` in pyproject.toml), but keeps what ``tmp_path_factory``
+    made (the models of module-scoped fixtures, hundreds of MB in some modules) until the
+    whole run ends: the peak would be their sum. Kept where a test of the module failed, as
+    the failed tests' folders are. A session-scoped fixture must not use ``tmp_path_factory``
+    (its folder would go with the first module that used it).
+    """
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        tests = request.config.stash.get(_TEST_FOLDERS, set())
+        for path in sorted(set(base.iterdir()) - before - tests):
+            if path.is_dir() and not path.is_symlink():  # not pytest's "...current" links
+                _remove_tree(path)
+
+
+def _remove_tree(folder: Path) -> None:
+    """Remove ``folder``, folders its owner made read-only included (root needs no help)."""
+    if os.name == "posix" and os.geteuid() != 0:
+        for parent, dirs, _ in os.walk(folder):
+            for name in dirs:
+                path = os.path.join(parent, name)
+                if not os.path.islink(path) and os.stat(path).st_uid == os.geteuid():
+                    os.chmod(path, 0o700)
+    shutil.rmtree(folder)
 
 
 @pytest.fixture
@@ -262,8 +303,10 @@ def unprivileged(request: pytest.FixtureRequest) -> Iterator[Unprivileged]:
     """Run part of a test as an ordinary user, with a folder of its own.
 
     Root bypasses file modes, so a permission bug never shows in a suite run as root. Run as
-    an ordinary user, the test calls ``fn`` in this process; run as root, it creates a second
-    user (``other_user``) and calls ``fn`` in a child that dropped to it.
+    an ordinary user, the test calls ``fn`` in this process, and puts back the environment
+    variables ``fn`` changed (a ``HOME`` pointing into the folder would outlive it); run as
+    root, it creates a second user (``other_user``) and calls ``fn`` in a child that dropped
+    to it. The folder is removed when the test ends.
     """
     folder = Path(tempfile.mkdtemp(prefix="sharedml-unprivileged-"))
     try:
@@ -272,9 +315,18 @@ def unprivileged(request: pytest.FixtureRequest) -> Iterator[Unprivileged]:
             os.chown(folder, user.uid, user.gid)
             yield Unprivileged(user, folder, user.uid)
         else:
-            yield Unprivileged(lambda fn: fn(), folder, os.geteuid() if os.name == "posix" else 0)
+            yield Unprivileged(_in_this_process, folder, os.geteuid() if os.name == "posix" else 0)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove_tree(folder)
+
+
+def _in_this_process(fn: Callable[[], None]) -> None:
+    saved = dict(os.environ)
+    try:
+        fn()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import sharedml
+
+if TYPE_CHECKING:
+    from tests.conftest import Unprivileged
 
 TESTS = Path(__file__).resolve().parent
 SRC = Path(sharedml.__file__).parent
@@ -47,3 +52,18 @@ def test_every_test_prepares_into_a_cache_of_its_own(tmp_path: Path) -> None:
     from sharedml.cache import cache_dir
 
     assert cache_dir().resolve().is_relative_to(tmp_path.resolve()), "the user's cache"
+
+
+def test_unprivileged_puts_back_the_environment_its_function_changed(
+    unprivileged: Unprivileged,
+) -> None:
+    # Run as an ordinary user, fn runs in this process: a HOME left pointing into the folder
+    # would send later tests' caches there, after the folder was removed.
+    before = dict(os.environ)
+
+    def move_home() -> None:
+        os.environ["HOME"] = str(unprivileged.folder / "home")
+        os.environ.pop("SHAREDML_CACHE_DIR", None)
+
+    unprivileged.run(move_home)
+    assert dict(os.environ) == before
