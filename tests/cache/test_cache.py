@@ -606,6 +606,31 @@ def test_a_folder_of_other_data_is_never_adopted_as_the_cache(
     assert tree(data) == before
 
 
+def test_a_data_folder_given_the_inode_of_a_removed_cache_is_not_taken_for_it(
+    tmp_path: Path,
+) -> None:
+    # A process remembers the cache folders it checked. Keyed by (device, inode) alone, a data
+    # folder made after a cache was removed, with the inode that cache had, was adopted.
+    source = save_model(build_model(["initializer"]), tmp_path / "m.onnx")
+    cache = tmp_path / "cache"
+    with sharedml.SessionPool(source, sessions=1, cache_dir=cache):  # closed: nothing held open
+        pass
+    inode = cache.stat().st_ino
+    shutil.rmtree(cache)
+    for i in range(1000):
+        data = tmp_path / f"data{i}"
+        data.mkdir()
+        if data.stat().st_ino == inode:
+            break
+    else:
+        pytest.skip("this file system gave no folder the removed cache's inode in 1000 tries")
+    data_folder(data)
+    before = tree(data)
+    with pytest.raises(sharedml.CacheError, match="sharedml did not create"):
+        sharedml.SessionPool(source, sessions=1, cache_dir=data)
+    assert tree(data) == before
+
+
 def test_an_empty_folder_or_a_cache_without_its_marker_is_adopted(
     mlp_model: Path, tmp_path: Path
 ) -> None:
