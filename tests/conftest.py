@@ -135,7 +135,7 @@ def _remove_tree(folder: Path) -> None:
 def fast_switching() -> Iterator[None]:
     """Interleave threads as often as possible while a concurrency test runs."""
     old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # seconds: the interpreter asks for the GIL back at once
+    sys.setswitchinterval(1e-5)  # seconds (the default is 5e-3)
     yield
     sys.setswitchinterval(old)
 
