@@ -121,13 +121,16 @@ def _module_folders_removed(
 
 
 def _remove_tree(folder: Path) -> None:
-    """Remove ``folder``, folders its owner made read-only included (root needs no help)."""
-    if os.name == "posix" and os.geteuid() != 0:
-        for parent, dirs, _ in os.walk(folder):
-            for name in dirs:
+    """Remove ``folder``, with what its owner made read-only in it (root needs no help)."""
+    if os.name != "posix" or os.geteuid() != 0:
+        for parent, dirs, files in os.walk(folder):  # a folder is made writable before entered
+            for name in (*dirs, *files):
                 path = os.path.join(parent, name)
-                if not os.path.islink(path) and os.stat(path).st_uid == os.geteuid():
-                    os.chmod(path, 0o700)
+                if os.path.islink(path):
+                    continue
+                if os.name == "posix" and os.lstat(path).st_uid != os.geteuid():
+                    continue
+                os.chmod(path, 0o700 if name in dirs else 0o600)  # Windows: not read-only
     shutil.rmtree(folder)
 
 

@@ -606,6 +606,9 @@ def test_a_folder_of_other_data_is_never_adopted_as_the_cache(
     assert tree(data) == before
 
 
+# Windows: entries are read-only files that rmtree cannot remove, and NTFS file ids are not
+# handed out again soon.
+@pytest.mark.skipif(not POSIX, reason="inode numbers as POSIX file systems reuse them")
 def test_a_data_folder_given_the_inode_of_a_removed_cache_is_not_taken_for_it(
     tmp_path: Path,
 ) -> None:
