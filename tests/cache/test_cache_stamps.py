@@ -29,12 +29,6 @@ needs_stamps = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let files written by the test itself get stamps (production waits 3 s after a write)."""
-    monkeypatch.setattr(_stamps, "RACY_WINDOW_NS", 0)
-
-
 def rewrite_in_place(path: Path, data: bytes) -> None:
     """Replace ``path``'s bytes without changing its inode, size or mtime (only ctime moves)."""
     before = os.stat(path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -159,14 +158,6 @@ def queue_behind_a_checkout(scheduler: Scheduler, calls: list[Callable[[], Any]]
     scheduler.checkin(session)
     wait_until(lambda: len(outcomes) == len(calls), what="every call to finish")
     return outcomes
-
-
-@pytest.fixture
-def fast_switching() -> Iterator[None]:
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads interleave as often as they can
-    yield
-    sys.setswitchinterval(interval)
 
 
 def test_every_caller_gets_exactly_its_own_rows_and_no_batch_exceeds_the_limit(

@@ -36,8 +36,7 @@ RAW_REASONS = {
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
+def _no_route_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(WITHOUT_ENV, raising=False)
 
 

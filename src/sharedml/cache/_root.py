@@ -151,7 +151,10 @@ def _foreign_item(root: Path) -> str | None:
     return None
 
 
-_ADOPTED: set[tuple[int, int]] = set()  # (device, inode) of cache folders checked in this process
+# Cache folders checked in this process: (path, device, inode). The path too: a folder removed
+# frees its inode, which the file system soon gives to another (someone's data folder) that a
+# (device, inode) key alone would take for the cache it already checked.
+_ADOPTED: set[tuple[str, int, int]] = set()
 
 
 def _adopt(root: Path, st: os.stat_result, *, mark: bool) -> None:
@@ -166,7 +169,8 @@ def _adopt(root: Path, st: os.stat_result, *, mark: bool) -> None:
     Raises:
         CacheError: it holds something sharedml did not create; nothing was changed.
     """
-    if (st.st_dev, st.st_ino) in _ADOPTED:
+    key = (str(root), st.st_dev, st.st_ino)
+    if key in _ADOPTED:
         return
     marker = root / MARKER_FILE
     if not _is_own_marker(marker):
@@ -190,7 +194,7 @@ def _adopt(root: Path, st: os.stat_result, *, mark: bool) -> None:
             finally:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
-    _ADOPTED.add((st.st_dev, st.st_ino))
+    _ADOPTED.add(key)
 
 
 def _check_root(root: Path) -> None:

@@ -79,7 +79,11 @@ def add_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="size of a symbolic input dimension (default 1); repeatable",
+        # The sizes of sharedml.model._inputs (PLAUSIBLE_*), not imported here: --help stays
+        # fast. tests/inspection/test_measure.py checks that they agree.
+        help="size of a symbolic input dimension; repeatable (default: chosen from the model: "
+        "a batch of 1, an image's height and width at least 224 or its metadata's imgsz, "
+        "other lengths 128, smaller where a plain session refuses those)",
     )
     p.add_argument(
         "--shape",
