@@ -8,6 +8,8 @@ The line before a block may say how to run it::
     <!-- snippet: skip (why it cannot run here: a GPU, a Ray cluster, the reader's data) -->
     <!-- snippet: needs MODULE ... -->   (skipped, saying so, where a module is not installed)
     <!-- snippet: args A B ... -->       (run alone, in its own process, with these arguments)
+    <!-- snippet: serve -->              (run alone, with ``sharedml serve model.onnx`` listening
+                                          on its documented ports, 8000 and 8001, meanwhile)
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _BLOCK = re.compile(
     r"^(?:<!-- snippet: (?P<directive>[^\n]*) -->\n)?```python\n(?P<code>.*?)^```$", re.M | re.S
 )
 _DIRECTIVE = re.compile(
-    r"skip \((?P<why>.*\S.*)\)|needs(?P<needs>( [\w.]+)+)|args(?P<args>( \S+)+)"
+    r"skip \((?P<why>.*\S.*)\)|needs(?P<needs>( [\w.]+)+)|args(?P<args>( \S+)+)|(?P<serve>serve)"
 )
 _TIMEOUT_S = 600  # every block at once, on a busy 2-core machine
 
@@ -72,6 +74,12 @@ class Block:
     def args(self) -> list[str] | None:
         how = self.how()
         return None if how is None or not how["args"] else how["args"].split()
+
+    @property
+    def served(self) -> bool:
+        """Whether it is a client of ``sharedml serve model.onnx``."""
+        how = self.how()
+        return how is not None and bool(how["serve"])
 
 
 def _blocks(doc: str) -> list[Block]:
@@ -131,7 +139,7 @@ def failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
     run = [b for b in BLOCKS if (b.directive is None or b.how()) and not b.skipped_because()]
     for block in run:
         (folder / block.script).write_text(block.code, encoding="utf-8")
-    together = [b for b in run if b.args() is None]
+    together = [b for b in run if b.args() is None and not b.served]
     out: dict[str, str | None] = {}
     done = subprocess.run(
         [sys.executable, "-c", _RUNNER, "results.json", *(b.script for b in together)],
@@ -155,7 +163,43 @@ def failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
                 timeout=_TIMEOUT_S,
             )
             out[block.where] = None if alone.returncode == 0 else alone.stderr[-3000:]
+    for block in run:
+        if block.served:
+            out[block.where] = _run_served(block, folder, env)
     return out
+
+
+def _run_served(block: Block, folder: Path, env: dict[str, str]) -> str | None:
+    """Run ``block`` while ``sharedml serve model.onnx`` listens on its default ports."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sharedml", "serve", "model.onnx"],
+        cwd=folder,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stderr is not None
+        lines: list[str] = []
+        while not lines or "HTTP on" not in lines[-1]:
+            line = server.stderr.readline()
+            if not line:
+                return "sharedml serve model.onnx did not start:\n" + "\n".join(lines)
+            lines.append(line.rstrip())
+        client = subprocess.run(
+            [sys.executable, block.script],
+            cwd=folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+        )
+        return None if client.returncode == 0 else client.stderr[-3000:]
+    finally:
+        server.terminate()
+        server.wait(60)
+        if server.stderr is not None:
+            server.stderr.close()
 
 
 def test_every_block_that_does_not_simply_run_says_how_or_why() -> None:
