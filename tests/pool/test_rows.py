@@ -22,6 +22,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 import sharedml
 from sharedml.pool._batching import signature_of
+from sharedml.pool._relax import ROWS_DIM, relax, relaxed_graph
 from sharedml.rows import BATCH, ONE, Dim, Kind, RowAnalysis, rules_table
 
 F = TensorProto.FLOAT
@@ -957,11 +958,14 @@ class Chain:
             rows end whole on axis 0 of y: the analysis has no reason to refuse it. False says
             nothing either way (a step mixed the rows, folded them, or the generator lost track).
         nodes: The graph's nodes as text, for the report of a failing example.
+        lies: Its ``value_info`` declares intermediate values as an export traced at one row
+            writes them (1 where the rows are), which ORT takes as facts.
     """
 
     model: ModelProto
     independent: bool
     nodes: tuple[str, ...]
+    lies: bool = False
 
 
 def _rows_kept(
@@ -994,8 +998,12 @@ def _reshaped(shape: list[int], target: Sequence[int]) -> list[int]:
 
 
 @st.composite
-def random_graphs(draw: st.DrawFn, traced: bool = False) -> Chain:
+def random_graphs(draw: st.DrawFn, traced: bool = False, lies: bool = False) -> Chain:
     """A chain of 1-4 random ops over x: float[N, 3, 4], some of them mixing rows.
+
+    ``lies``: steps may reshape by ``Shape`` of the value before them (``[Shape(t)[0], -1]``,
+    N rows for ORT unless a declaration says otherwise), and every intermediate value is
+    declared as a one-row trace writes it (1 where the rows are): ORT would fold those shapes.
 
     ``traced``: x is declared [1, 3, 4], as an export traced at one row writes it, and steps
     may use constants traced there (a 1 where the rows are, in a Reshape's shape or an
@@ -1011,12 +1019,17 @@ def random_graphs(draw: st.DrawFn, traced: bool = False) -> Chain:
     nodes: list[Any] = []
     inits: list[TensorProto] = []
     cur = "x"
+    declared: list[Any] = []  # with lies: value_info as a one-row trace writes it
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     for step in range(draw(st.integers(1, 4))):
         rank = len(shape)
         if rank == 0:
             break
-        kind = draw(st.sampled_from(_STEPS + (_FIXED_STEPS if traced else ())))
+        kind = draw(
+            st.sampled_from(
+                _STEPS + (_FIXED_STEPS if traced else ()) + (_LYING_STEPS if lies else ())
+            )
+        )
         out = f"t{step}"
         c = f"c{step}"
         axis = draw(st.integers(0, rank - 1))
@@ -1161,6 +1174,20 @@ def random_graphs(draw: st.DrawFn, traced: bool = False) -> Chain:
             nodes.append(helper.make_node("Unsqueeze", [cur, c], [out]))
             shape = [*shape[:axis], 1, *shape[axis:]]
             rows = None if rows is None else rows + (axis <= rows)
+        elif kind == "by_shape":
+            # Reshape(t, [Shape(t)[0], -1]): N rows of the rest, unless ORT takes a declared
+            # 1 for Shape(t)[0] and joins every row into one
+            if rows != 0 or rank < 2:
+                continue
+            inits += [ints(f"{c}z", [0]), ints(f"{c}o", [1]), ints(f"{c}m", [-1])]
+            nodes += [
+                helper.make_node("Shape", [cur], [f"{c}s"]),
+                helper.make_node("Slice", [f"{c}s", f"{c}z", f"{c}o"], [f"{c}n"]),
+                helper.make_node("Concat", [f"{c}n", f"{c}m"], [f"{c}t"], axis=0),
+                helper.make_node("Reshape", [cur, f"{c}t"], [out]),
+            ]
+            rest = [d for d in shape[1:] if isinstance(d, int)]
+            shape = ["N", int(np.prod(rest))] if len(rest) == rank - 1 else ["N", "?"]
         elif kind == "positional":
             # x + table[:N] (a table row per batch position)
             if shape[0] != "N" or rank < 2:
@@ -1178,15 +1205,22 @@ def random_graphs(draw: st.DrawFn, traced: bool = False) -> Chain:
             ]
             rows = None
         cur = out
+        if lies and rows is not None and all(isinstance(d, int) or d == "N" for d in shape):
+            traced_at_one = [1 if d == "N" else d for d in shape]
+            declared.append(helper.make_tensor_value_info(out, F, traced_at_one))
     nodes.append(helper.make_node("Identity", [cur], ["y"]))
+    m = model(nodes, [("x", F, [1 if traced else "N", 3, 4])], Y, inits)
+    m.graph.value_info.extend(declared)
     return Chain(
-        model(nodes, [("x", F, [1 if traced else "N", 3, 4])], Y, inits),
+        m,
         independent=rows == 0,
         nodes=tuple(helper.printable_node(n) for n in nodes),
+        lies=bool(declared),
     )
 
 
 _FIXED_STEPS = ("joined", "reshape", "reshape")
+_LYING_STEPS = ("by_shape", "by_shape", "by_shape")
 
 # Fewer accepted (or independent) examples than this means the generator or the analysis
 # changed so much that the property no longer checks what it claims to: a few hundred examples
@@ -1235,6 +1269,45 @@ def test_any_graph_the_analysis_accepts_gives_every_caller_its_solo_outputs() ->
     assert seen["independent by construction"] >= _ENOUGH, seen
 
 
+@_PROPERTY
+@given(random_graphs(lies=True), st.integers(0, 2**16))
+def _lying_graphs_give_solo_outputs(seen: Counter[str], chain: Chain, seed: int) -> None:
+    m = chain.model
+    analysis = RowAnalysis(m, max_rows=sharedml.Batching().max_batch_size)
+    why = analysis.refusal()
+    assert why is None or not chain.independent, f"row-independent by construction: {why}"
+    if why is not None:
+        event("refused")
+        return
+    served = relax(m, analysis).graph  # what a batching pool's sessions load
+    rng = np.random.default_rng(seed)
+    # One row per caller: there the declarations hold, so the file run alone is the reference.
+    feeds = [
+        {"x": (rng.standard_normal((1, 3, 4)) * (k + 1) + k).astype(np.float32)}
+        for k in range(3)
+    ]
+    try:
+        solo = [run(m, f) for f in feeds]
+    except ORT_ERRORS:
+        assume(False)  # the generator built a graph ORT refuses for these sizes
+    event("accepted" + (", lying" if chain.lies else ""))
+    seen["accepted"] += 1
+    seen["lying"] += chain.lies
+    seen["lying, and ORT folds them into a join"] += chain.lies and mixes(m, feeds)
+    merged = run(served, {"x": np.concatenate([f["x"] for f in feeds])})
+    for k, outs in enumerate(solo):
+        for a, b in zip(outs, merged, strict=True):
+            np.testing.assert_allclose(b[k : k + 1], a, rtol=1e-4, atol=1e-5)
+
+
+def test_any_accepted_graph_whose_declarations_lie_gives_every_caller_its_solo_outputs() -> None:
+    seen: Counter[str] = Counter()
+    _lying_graphs_give_solo_outputs(seen)
+    assert seen["accepted"] >= _ENOUGH, seen
+    # The lies must matter: ORT, run on the file as declared, joins rows in some of them.
+    assert seen["lying, and ORT folds them into a join"] >= 5, seen
+
+
 def test_the_docs_hold_the_rule_table_as_the_code_has_it() -> None:
     import sys
     from pathlib import Path
@@ -1252,7 +1325,6 @@ def test_the_docs_hold_the_rule_table_as_the_code_has_it() -> None:
 # ----------------------------------------------------------------------------------------------
 # Models exported with axis 0 fixed at 1: relaxed where no constant ties the rows to one
 
-from sharedml.pool._relax import ROWS_DIM, relaxed_graph  # noqa: E402
 
 
 def fixed_at_one(m: ModelProto) -> ModelProto:
