@@ -19,6 +19,7 @@ from _models import PLACEMENTS, build_model, feeds, save_model
 
 import sharedml
 from sharedml import _host
+from sharedml.route import _cpu
 from sharedml.weights import _prepacked as _prepack
 
 
@@ -263,11 +264,11 @@ def test_block_quantized_weights_never_run_unpacked(
 
 def test_no_saved_pack_of_block_quantized_weights_is_not_taken_for_no_packing() -> None:
     nothing_saved = _prepack.PrepackStats(4, 2**20, 0, 0, 0, 0, 4, inline_packed_blobs=0)
-    plain_decision = _prepack.choose_cpu_route(nothing_saved, sessions=2)
+    plain_decision = _cpu.choose_cpu_route(nothing_saved, sessions=2)
     assert "saves no packed form of any weight" in plain_decision.reason
     assert not plain_decision.packs_per_session
-    decision = _prepack.choose_cpu_route(nothing_saved, sessions=2, block_quantized=True)
-    assert decision.route is _prepack.CpuRoute.SHARED_RAW
+    decision = _cpu.choose_cpu_route(nothing_saved, sessions=2, block_quantized=True)
+    assert decision.route is _cpu.CpuRoute.SHARED_RAW
     assert "MatMulNBits" in decision.reason and "saves no packed form" not in decision.reason
 
 
@@ -295,8 +296,8 @@ def test_sessions_pack_what_no_saved_model_shares_where_that_costs_them_little(
         inline_packed_bytes=2048,
         session_pack_bytes=cost,
     )
-    decision = _prepack.choose_cpu_route(stats, sessions=2)
-    assert decision.route is _prepack.CpuRoute.SHARED_RAW
+    decision = _cpu.choose_cpu_route(stats, sessions=2)
+    assert decision.route is _cpu.CpuRoute.SHARED_RAW
     assert decision.packs_per_session is packs
     assert says in decision.reason and "neither prepacks" not in decision.reason
     if not packs:  # prepacking off: the reason says what that means for the outputs
