@@ -18,7 +18,7 @@ import pytest
 from _models import PLACEMENTS, build_model, feeds, save_model
 
 import sharedml
-from sharedml import _host
+from sharedml._host import _platform
 from sharedml.route import _cpu
 from sharedml.weights import _prepacked as _prepack
 
@@ -389,7 +389,7 @@ def test_cache_key_changes_with_the_ort_version(
 
 HEAP_SCRIPT = r"""
 import ctypes, json, psutil
-from sharedml import _host
+from sharedml._host import _platform
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -405,13 +405,13 @@ pin = libc.malloc(64 * 1024)  # from the top of the heap: nothing freed yet fits
 for b in blocks:
     libc.free(b)
 kept = proc.memory_info().rss - before
-released = _host.release_freed_heap()
+released = _platform.release_freed_heap()
 after = proc.memory_info().rss - before
 print(json.dumps({"kept": kept, "released": released, "after": after}))
 """
 
 
-@pytest.mark.skipif(not _host.heap_trim_available(), reason="malloc_trim is glibc's")
+@pytest.mark.skipif(not _platform.heap_trim_available(), reason="malloc_trim is glibc's")
 def test_release_freed_heap_gives_freed_heap_back_to_the_os() -> None:
     out = subprocess.run(
         [sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True, timeout=120

@@ -45,8 +45,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sharedml import _host
 from sharedml._errors import CacheError, CompressError
+from sharedml._host import _hashing, _platform
 from sharedml.cache._entries import Built, ensure_entry, open_entry
 from sharedml.cache._locks import lend_hold
 from sharedml.cache._root import Cache, CacheDir
@@ -338,7 +338,7 @@ def _write(float_path: Path, dst: Path, fmt: WeightsFormat, scratch: Path) -> Co
             with contextlib.suppress(OSError):
                 leftover.unlink()
         # The float model was read and parsed whole: glibc keeps those pages unless trimmed.
-        _host.release_freed_heap()
+        _platform.release_freed_heap()
     return CompressResult(
         model_path=prepared.model_path,
         weights_path=prepared.weights_path,
@@ -410,7 +410,7 @@ def _entry_key(float_path: Path, fmt: WeightsFormat) -> str:
     The prepared graph records its weights file's SHA-256 and size, so a hash of the graph
     covers every byte of the model; the prefix keeps these keys apart from prepare's own.
     """
-    digest = _host.sha256_file(float_path)
+    digest = _hashing.sha256_file(float_path)
     settings = f"{fmt.value}:{fmt.block_size}:{fmt.accuracy_level}"
     text = f"sharedml-compressed:{_KEY_VERSION}:{settings}:{digest}"
     return hashlib.sha256(text.encode()).hexdigest()

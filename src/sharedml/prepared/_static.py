@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from sharedml import _host
 from sharedml._errors import CompressError, missing_package
+from sharedml._host import _platform
 from sharedml.model._accuracy import OutputAccuracy, compare_outputs, worst_of
 from sharedml.model._graph import iter_graphs, load_graph, tensor_nbytes
 from sharedml.model._proto import np_dtype
@@ -506,7 +506,7 @@ def compress_static(
             ) from exc
         _refuse_non_finite(src, reference, got)
         prepared = prepare(quantized_path, dst_path)
-        _host.release_freed_heap()
+        _platform.release_freed_heap()
     for caveat in caveats:
         warnings.warn(f"compress_static('{src}'): {caveat}", RuntimeWarning, stacklevel=2)
     float_bytes = sum(

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
-from sharedml import _host
+from sharedml._host import _platform
 
 if TYPE_CHECKING:
     from sharedml.weights._prepacked import PrepackStats
@@ -139,7 +139,7 @@ def choose_cpu_route(
             "and derives none, so the saved copy would only double the disk use and slow "
             "session creation.",
         )
-    limit = max_map_count if max_map_count is not None else _host.max_map_count()
+    limit = max_map_count if max_map_count is not None else _platform.max_map_count()
     maps = stats.maps_per_session * sessions
     if maps > limit // 2:  # leave half the limit to the rest of the process
         return CpuRouteDecision(

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
-from sharedml._host import release_freed_heap, usable_cores, warn_deprecated
+from sharedml._host._deprecation import warn_deprecated
+from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import iter_graphs, load_graph
 from sharedml.prepared._compress import WeightsFormat, compressed_model_for

@@ -17,7 +17,7 @@ Decisions, each measured (figures and commands: ``docs/cpu-prepacking.md``):
 * Sessions load the saved model by path, never through the in-memory-file route: with it ORT
   ignores the blobs and every session packs again.
 * ORT still packs every weight at load to validate the mapped blob, then frees that work; the
-  pool trims the heap after each creation (:func:`sharedml._host.release_freed_heap`), or
+  pool trims the heap after each creation (:func:`sharedml._host._platform.release_freed_heap`), or
   glibc keeps the freed pages.
 * Small initializers stay inline in the saved model: ORT maps each external initializer per
   session, and Linux caps maps per process (``vm.max_map_count``).
@@ -45,13 +45,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sharedml import _host
 from sharedml._errors import (
     CacheError,
     ExternalDataError,
     ModelNotFoundError,
     SessionCreationError,
 )
+from sharedml._host import _hashing, _platform
 from sharedml.cache._entries import CacheEntry, ensure_entry, iter_entries
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import (
@@ -313,7 +313,7 @@ class _BuildPlan:
             ) from exc
         finally:
             options.release()  # the maps of the weights: unmapped once unreferenced
-            _host.release_freed_heap()  # the two sessions freed about twice the weights
+            _platform.release_freed_heap()  # the two sessions freed about twice the weights
         return {
             "source": str(self.model),
             "key_material": self.key_material,
@@ -363,7 +363,7 @@ def _plan_build(
             ) from None
     if files and weights_digest is None:
         weights_digest = "sha256:" + ",".join(
-            _host.sha256_file(files[name]) for name in sorted(files)
+            _hashing.sha256_file(files[name]) for name in sorted(files)
         )
     key_material = _key_material(
         model_bytes, weights_digest, weights_size, sess_options, min_external_bytes
@@ -840,7 +840,7 @@ def _key_material(
         "format": _FORMAT,
         "ort_version": ort.__version__,
         "ort_build": _ort_build_info(),
-        "cpu": _host.cpu_fingerprint(),
+        "cpu": _platform.cpu_fingerprint(),
         "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
         "weights_digest": weights_digest,
         "weights_size": weights_size,
@@ -872,7 +872,7 @@ def _inline_packs(
     except Exception:  # ORT's errors have no common base; the route then says it cannot tell
         return None, None
     finally:
-        _host.release_freed_heap()
+        _platform.release_freed_heap()
     return found.prepacked_blobs, found.prepacked_bytes
 
 
@@ -889,7 +889,7 @@ def _packing_cost(prepared_model: Path, options: Callable[[bool], Any]) -> int |
     me = psutil.Process()
 
     def anonymous() -> int:
-        _host.release_freed_heap()
+        _platform.release_freed_heap()
         info = me.memory_info()
         return int(info.rss - getattr(info, "shared", 0))
 
@@ -905,7 +905,7 @@ def _packing_cost(prepared_model: Path, options: Callable[[bool], Any]) -> int |
     except Exception:  # ORT's errors have no common base: not measured
         return None
     finally:
-        _host.release_freed_heap()
+        _platform.release_freed_heap()
     return max(0, min(grown[True]) - min(grown[False]))
 
 
@@ -1065,7 +1065,7 @@ def _copy_range(source: Path, offset: int, length: int, out: Any) -> None:
         fh.seek(offset)
         left = length
         while left:
-            chunk = fh.read(min(left, _host.HASH_CHUNK_BYTES))
+            chunk = fh.read(min(left, _hashing.HASH_CHUNK_BYTES))
             if not chunk:
                 raise ExternalDataError(
                     f"Weights file '{source}' ends before byte {offset + length} that its "
