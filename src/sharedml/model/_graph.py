@@ -26,13 +26,13 @@ from sharedml._errors import (
     UnsafePathError,
 )
 from sharedml._host import _files
+from sharedml.model._dtypes import np_dtype
 from sharedml.model._proto import (
     AttributeProto,
     GraphProto,
     ModelProto,
     NodeProto,
     TensorProto,
-    np_dtype,
     parse_model,
 )
 

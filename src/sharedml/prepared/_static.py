@@ -34,8 +34,8 @@ import numpy as np
 from sharedml._errors import CompressError, missing_package
 from sharedml._host import _platform
 from sharedml.model._accuracy import OutputAccuracy, compare_outputs, worst_of
+from sharedml.model._dtypes import np_dtype
 from sharedml.model._graph import iter_graphs, load_graph, tensor_nbytes
-from sharedml.model._proto import np_dtype
 from sharedml.prepared._files import check_outputs, scratch_folder, source_files
 from sharedml.prepared._prepare import PrepareResult, output_paths, prepare
 from sharedml.runtime._quantization import root_logging_kept
