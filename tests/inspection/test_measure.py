@@ -510,7 +510,7 @@ def activation_heavy_model() -> onnx.ModelProto:
 AFTER_TRAFFIC = r"""
 import gc, json, sys
 import numpy as np, onnxruntime as ort
-from sharedml._host import release_freed_heap
+from sharedml._host._platform import release_freed_heap
 from sharedml.inspection._child import warmup_model_bytes
 from sharedml.inspection._memory import read_memory
 def pss():

@@ -26,7 +26,7 @@ from _waiting import DEADLINE_S
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
-from sharedml._host import usable_cores
+from sharedml._host._platform import usable_cores
 from sharedml.pool import Calibration, CalibrationCandidate, _calibrate
 from sharedml.route import SessionRecipe
 from sharedml.runtime._providers import plan_providers

@@ -17,7 +17,7 @@ import pytest
 from _models import PLACEMENTS, batchable_model, build_model, save_model
 
 from sharedml._errors import ProviderError, SessionCreationError
-from sharedml._host import usable_cores
+from sharedml._host._platform import usable_cores
 from sharedml.route._planner import Mechanism, Prepacking, SessionRecipe, plan_route
 from sharedml.runtime._capabilities import WITHOUT_ENV
 from sharedml.runtime._options import config_entry

@@ -18,7 +18,8 @@ import pytest
 from _models import PLACEMENTS, build_model, feeds, save_model
 
 import sharedml
-from sharedml import _host
+from sharedml._host import _platform
+from sharedml.route import _cpu
 from sharedml.weights import _prepacked as _prepack
 
 
@@ -263,11 +264,11 @@ def test_block_quantized_weights_never_run_unpacked(
 
 def test_no_saved_pack_of_block_quantized_weights_is_not_taken_for_no_packing() -> None:
     nothing_saved = _prepack.PrepackStats(4, 2**20, 0, 0, 0, 0, 4, inline_packed_blobs=0)
-    plain_decision = _prepack.choose_cpu_route(nothing_saved, sessions=2)
+    plain_decision = _cpu.choose_cpu_route(nothing_saved, sessions=2)
     assert "saves no packed form of any weight" in plain_decision.reason
     assert not plain_decision.packs_per_session
-    decision = _prepack.choose_cpu_route(nothing_saved, sessions=2, block_quantized=True)
-    assert decision.route is _prepack.CpuRoute.SHARED_RAW
+    decision = _cpu.choose_cpu_route(nothing_saved, sessions=2, block_quantized=True)
+    assert decision.route is _cpu.CpuRoute.SHARED_RAW
     assert "MatMulNBits" in decision.reason and "saves no packed form" not in decision.reason
 
 
@@ -295,8 +296,8 @@ def test_sessions_pack_what_no_saved_model_shares_where_that_costs_them_little(
         inline_packed_bytes=2048,
         session_pack_bytes=cost,
     )
-    decision = _prepack.choose_cpu_route(stats, sessions=2)
-    assert decision.route is _prepack.CpuRoute.SHARED_RAW
+    decision = _cpu.choose_cpu_route(stats, sessions=2)
+    assert decision.route is _cpu.CpuRoute.SHARED_RAW
     assert decision.packs_per_session is packs
     assert says in decision.reason and "neither prepacks" not in decision.reason
     if not packs:  # prepacking off: the reason says what that means for the outputs
@@ -388,7 +389,7 @@ def test_cache_key_changes_with_the_ort_version(
 
 HEAP_SCRIPT = r"""
 import ctypes, json, psutil
-from sharedml import _host
+from sharedml._host import _platform
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -404,13 +405,13 @@ pin = libc.malloc(64 * 1024)  # from the top of the heap: nothing freed yet fits
 for b in blocks:
     libc.free(b)
 kept = proc.memory_info().rss - before
-released = _host.release_freed_heap()
+released = _platform.release_freed_heap()
 after = proc.memory_info().rss - before
 print(json.dumps({"kept": kept, "released": released, "after": after}))
 """
 
 
-@pytest.mark.skipif(not _host.heap_trim_available(), reason="malloc_trim is glibc's")
+@pytest.mark.skipif(not _platform.heap_trim_available(), reason="malloc_trim is glibc's")
 def test_release_freed_heap_gives_freed_heap_back_to_the_os() -> None:
     out = subprocess.run(
         [sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True, timeout=120

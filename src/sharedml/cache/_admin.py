@@ -21,8 +21,8 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from sharedml import _host
 from sharedml._errors import CacheError
+from sharedml._host import _hashing
 from sharedml.cache._entries import clear_stale, damaged, read_entry
 from sharedml.cache._files import TMP_SUFFIX, remove_tree, temp_owner, unlink_file
 from sharedml.cache._locks import LOCK_NAME, LOCKING, end_expired_loans, is_busy, lock_entry
@@ -448,7 +448,7 @@ def check_entries(entries: Iterable[EntryStatus]) -> list[EntryStatus]:
         if status.problem is None:
             entry = read_entry(status.kind, status.key, status.path)
             for name, (_size, digest) in sorted(entry.files.items()):
-                if _host.sha256_file(status.path / name) != digest:
+                if _hashing.sha256_file(status.path / name) != digest:
                     status = dataclasses.replace(
                         status,
                         problem=str(

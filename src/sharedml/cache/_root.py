@@ -21,8 +21,8 @@ from pathlib import Path
 
 import platformdirs
 
-from sharedml import _host
 from sharedml._errors import CacheError
+from sharedml._host import _files
 from sharedml.cache._files import PRIVATE_DIR_MODE, TMP_SUFFIX, temp_owner, temp_owner_of
 
 __all__ = [
@@ -362,7 +362,7 @@ class Cache:
             return self.root
         if not stat.S_ISDIR(st.st_mode):
             raise CacheError(
-                f"The sharedml cache folder '{self.root}' is {_host.file_kind(st.st_mode)}, not a "
+                f"The sharedml cache folder '{self.root}' is {_files.file_kind(st.st_mode)}, not a "
                 "folder. Point --cache-dir or SHAREDML_CACHE_DIR at a folder."
             )
         _adopt(self.root, st, mark=False)

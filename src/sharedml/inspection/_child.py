@@ -52,7 +52,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sharedml._host import available_bytes, heap_trim_available, release_freed_heap
+from sharedml._host._platform import available_bytes, heap_trim_available, release_freed_heap
 from sharedml.inspection._memory import FALLBACK_NOTES, metric_of, read_memory
 from sharedml.inspection._strategies import Runner, StrategyContext
 from sharedml.model._inputs import generate

@@ -33,6 +33,7 @@ from sharedml.inspection._strategies import (
     get_strategy,
     registered_strategies,
 )
+from sharedml.model._dtypes import onnx_name
 from sharedml.model._graph import (
     ExternalData,
     Placement,
@@ -178,10 +179,8 @@ class WeightsSummary:
 
 
 def _dtype_name(data_type: int) -> str:
-    import onnx
-
     try:
-        return str(onnx.TensorProto.DataType.Name(data_type)).lower()
+        return onnx_name(data_type)
     except ValueError:
         return f"type{data_type}"
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from sharedml._errors import InvalidInputError, NotBatchableError
-from sharedml.model import _proto
+from sharedml.model import _dtypes
 
 if TYPE_CHECKING:
     from sharedml.rows import RowAnalysis
@@ -432,10 +432,10 @@ def _value_info(value: Any) -> tuple[str, Any, tuple[int | None, ...] | None]:
     if tensor is None:
         return value.type.WhichOneof("value") or "unknown", None, None
     try:
-        dtype: Any = _proto.np_dtype(tensor.elem_type).type
+        dtype: Any = _dtypes.np_dtype(tensor.elem_type).type
     except Exception:
         dtype = None
-    type_text = f"tensor({_proto.pb2().TensorProto.DataType.Name(tensor.elem_type).lower()})"
+    type_text = _dtypes.ort_type(tensor.elem_type)
     if dtype is not None and np.dtype(dtype).kind in "OSU":
         dtype = np.object_
     if not tensor.HasField("shape"):

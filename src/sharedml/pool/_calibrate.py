@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sharedml._errors import SharedMLError
-from sharedml._host import release_freed_heap, usable_cores
+from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.model._graph import load_graph
 from sharedml.model._inputs import UNNAMED_DIM, generate, input_specs
 from sharedml.model._proto import ModelProto
@@ -259,7 +259,7 @@ def calibrate(
         serialized: The provider runs one ``Run`` at a time.
         default_sessions: The pool's default session count (where nothing is measured).
         creation_lock: Held while a probe session is created (the pool's creation lock).
-        cores: The usable cores (default: :func:`sharedml._host.usable_cores`).
+        cores: The usable cores (default: :func:`sharedml._host._platform.usable_cores`).
         time_budget_s: Calibration's time budget (default: :data:`HARD_LIMIT_S`).
 
     Returns:

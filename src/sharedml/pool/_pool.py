@@ -47,7 +47,7 @@ from sharedml._errors import (
     PoolTimeout,
     SharedMLError,
 )
-from sharedml._host import usable_cores
+from sharedml._host._platform import usable_cores
 from sharedml.cache._root import CacheDir
 from sharedml.model._graph import load_graph
 from sharedml.model._proto import ModelProto

@@ -35,7 +35,8 @@ from sharedml._errors import (
     PrepareError,
     SharedMLError,
 )
-from sharedml._host import HashingWriter, fsync_dir
+from sharedml._host._files import fsync_dir
+from sharedml._host._hashing import HashingWriter
 from sharedml.model._graph import (
     ExternalData,
     iter_tensors,

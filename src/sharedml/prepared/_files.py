@@ -19,8 +19,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sharedml import _host
 from sharedml._errors import OutputError, PrepareError
+from sharedml._host import _files
 from sharedml.cache._files import remove_tree, temp_is_stale, temp_owner
 from sharedml.model._graph import external_locations
 
@@ -257,7 +257,7 @@ def check_outputs(
             continue
         if not stat.S_ISREG(st.st_mode):
             raise PrepareError(
-                f"{writer} would replace '{out}', which is {_host.file_kind(st.st_mode)}; it "
+                f"{writer} would replace '{out}', which is {_files.file_kind(st.st_mode)}; it "
                 "replaces only regular files. Remove it or choose another output path. Nothing "
                 "was written."
             )

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, overload
 
-from sharedml import _host
 from sharedml._errors import (
     CacheError,
     ExternalDataError,
@@ -31,7 +30,8 @@ from sharedml._errors import (
     PrepareError,
     SharedMLError,
 )
-from sharedml._host import fsync_dir
+from sharedml._host import _platform
+from sharedml._host._files import fsync_dir
 from sharedml.cache._entries import Built, ensure_entry
 from sharedml.cache._locks import lend_hold
 from sharedml.cache._root import Cache, CacheDir
@@ -488,7 +488,7 @@ def prepared_model_for(
     del model, model_bytes  # the graph can be large; prepare loads its own copy
     # A source with inline weights was read and parsed whole (twice its size): glibc keeps
     # those pages in the heap unless trimmed, and every pool's process would carry them.
-    _host.release_freed_heap()
+    _platform.release_freed_heap()
     prepared = entry_for(key)
     # Recorded only if no file changed since `before`: else the build may hold other bytes.
     record_stamp("prepared", before, key, params, cache=cache)

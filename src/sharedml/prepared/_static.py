@@ -31,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from sharedml import _host
 from sharedml._errors import CompressError, missing_package
+from sharedml._host import _platform
 from sharedml.model._accuracy import OutputAccuracy, compare_outputs, worst_of
+from sharedml.model._dtypes import np_dtype
 from sharedml.model._graph import iter_graphs, load_graph, tensor_nbytes
-from sharedml.model._proto import np_dtype
-from sharedml.prepared._compress import root_logging_kept
 from sharedml.prepared._files import check_outputs, scratch_folder, source_files
 from sharedml.prepared._prepare import PrepareResult, output_paths, prepare
+from sharedml.runtime._quantization import root_logging_kept
 
 __all__ = ["StaticCompressResult", "compress_static"]
 
@@ -506,7 +506,7 @@ def compress_static(
             ) from exc
         _refuse_non_finite(src, reference, got)
         prepared = prepare(quantized_path, dst_path)
-        _host.release_freed_heap()
+        _platform.release_freed_heap()
     for caveat in caveats:
         warnings.warn(f"compress_static('{src}'): {caveat}", RuntimeWarning, stacklevel=2)
     float_bytes = sum(

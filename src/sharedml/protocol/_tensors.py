@@ -1,4 +1,4 @@
-"""Tensors as the wire formats describe them: one dtype table, the model's tensors, the checks.
+"""Tensors as the wire formats describe them: their dtypes, the model's tensors, the checks.
 
 Every codec (:mod:`._kserve`, :mod:`._numpy`, :mod:`._plain`, :mod:`._grpc`) judges an input
 from what a request *declares* (its name, datatype and shape) with the functions here before a
@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from sharedml.model._dtypes import ELEMENT_TYPES
 
 __all__ = [
     "DATATYPES",
@@ -34,21 +36,12 @@ __all__ = [
 
 MIB = 2**20
 
-# ONNX tensor element types as ORT names them -> (numpy dtype, Open Inference Protocol datatype)
+# ONNX tensor element types as ORT names them -> (numpy dtype, Open Inference Protocol datatype),
+# for the types the wire formats carry: read from the one table, in its order.
 TYPES: dict[str, tuple[Any, str]] = {
-    "tensor(float)": (np.float32, "FP32"),
-    "tensor(double)": (np.float64, "FP64"),
-    "tensor(float16)": (np.float16, "FP16"),
-    "tensor(int8)": (np.int8, "INT8"),
-    "tensor(int16)": (np.int16, "INT16"),
-    "tensor(int32)": (np.int32, "INT32"),
-    "tensor(int64)": (np.int64, "INT64"),
-    "tensor(uint8)": (np.uint8, "UINT8"),
-    "tensor(uint16)": (np.uint16, "UINT16"),
-    "tensor(uint32)": (np.uint32, "UINT32"),
-    "tensor(uint64)": (np.uint64, "UINT64"),
-    "tensor(bool)": (np.bool_, "BOOL"),
-    "tensor(string)": (np.object_, "BYTES"),
+    t.ort_type: (np.dtype(t.numpy).type, t.datatype)
+    for t in ELEMENT_TYPES
+    if t.datatype is not None and t.numpy is not None
 }
 # Open Inference Protocol datatype -> numpy dtype
 DATATYPES: dict[str, Any] = {datatype: dtype for dtype, datatype in TYPES.values()}

@@ -44,11 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
-from sharedml._host import release_freed_heap, usable_cores, warn_deprecated
+from sharedml._host._deprecation import warn_deprecated
+from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import iter_graphs, load_graph
 from sharedml.prepared._compress import WeightsFormat, compressed_model_for
 from sharedml.prepared._prepare import prepared_model_for, prepared_model_from_bytes
+from sharedml.route._cpu import CpuRoute, choose_cpu_route
 from sharedml.runtime._capabilities import capability
 from sharedml.runtime._options import clone_session_options, config_entry
 from sharedml.runtime._providers import (
@@ -662,10 +664,8 @@ def _prepacked_weights(
 
     ``instead`` says what the pool does where building it failed; ``packs``: ORT packs
     weights that no saved model shares, so raw-weight sessions should pack their own
-    (:attr:`~sharedml.weights._prepacked.CpuRouteDecision.packs_per_session`).
+    (:attr:`~sharedml.route._cpu.CpuRouteDecision.packs_per_session`).
     """
-    from sharedml.weights import _prepacked as _prepack
-
     saves = capability("prepacked-save")
     if not saves.available:
         # Not a failure: this onnxruntime has no such route, and the raw one is correct.
@@ -688,9 +688,7 @@ def _prepacked_weights(
             stacklevel=4,
         )
         return None, f"The prepacked model could not be built ({exc}).", False
-    decision = _prepack.choose_cpu_route(
-        prepacked.stats, sessions=sessions, block_quantized=block_quantized
-    )
-    if forced or decision.route is _prepack.CpuRoute.PREPACKED_FILE:
+    decision = choose_cpu_route(prepacked.stats, sessions=sessions, block_quantized=block_quantized)
+    if forced or decision.route is CpuRoute.PREPACKED_FILE:
         return prepacked, decision.reason, False
     return None, decision.reason, decision.packs_per_session

@@ -134,7 +134,7 @@ def tensor_values(t: TensorProto) -> list[Value] | None:
         return None
     import numpy as np
 
-    from sharedml.model._proto import np_dtype
+    from sharedml.model._dtypes import np_dtype
 
     try:
         dtype = np_dtype(t.data_type)

@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sharedml._errors import ProviderError
-from sharedml._host import check_one_onnxruntime
+from sharedml._host._onnxruntime import check_one_onnxruntime
 from sharedml.runtime._capabilities import capability
 from sharedml.runtime._plugins import (
     WEBGPU,
