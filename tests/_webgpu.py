@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sharedml._host import child_env, crash_name
+from sharedml._host._children import child_env, crash_name
 
 MARKER = "SHAREDML-WEBGPU-RESULT:"
 TESTS = Path(__file__).resolve().parent
