@@ -31,6 +31,12 @@ as soon as the last one returned):
 ``...:fp32``           CUDA with TF32 off (``use_tf32=0``), compared with solo runs without TF32.
 ``...:switchX``        the worker process runs with ``sys.setswitchinterval(X / 1000)`` (X ms;
                        CPython's default is 5 ms): how much of a configuration is GIL hand-off.
+``...:nocheck``        batching that checks each class of merged batches against solo runs
+                       only until one check could have shown a leak
+                       (``Batching(check_within=None)``), against the default's checks at
+                       random gaps of at most 64 batches: what the checks cost
+                       (``window_check_share``: the sessions' time in check runs).
+``...:checkN``         checks within N merged batches (``Batching(check_within=N)``).
 
 Every configuration runs in a fresh process: the server is created (timed), a pool warmed up
 (``pool.warm_up``, timed: graphs captured, buckets run once), every caller runs once (outputs
@@ -260,6 +266,11 @@ def _max_rows(flag: str) -> int | None:
     return int(flag[3:]) if flag.startswith("max") and flag[3:].isdigit() else None
 
 
+def _check_within(flag: str) -> int | None:
+    """``checkN`` -> N merged batches (``Batching.check_within``); None for other flags."""
+    return int(flag[5:]) if flag.startswith("check") and flag[5:].isdigit() else None
+
+
 def _parse_config(name: str) -> dict[str, Any]:
     parts = name.split(":")
     kind = parts[0]
@@ -279,11 +290,15 @@ def _parse_config(name: str) -> dict[str, Any]:
         "int8",
         "int4",
         "static",
+        "nocheck",
     }
     unknown = {
         f
         for f in flags - known
-        if _delay_ms(f) is None and _switch_ms(f) is None and _max_rows(f) is None
+        if _delay_ms(f) is None
+        and _switch_ms(f) is None
+        and _max_rows(f) is None
+        and _check_within(f) is None
     }
     if kind not in ("plain", "pool", "single") or unknown:
         raise SystemExit(f"unknown configuration {name!r}")
@@ -334,6 +349,11 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             max_delay_ms=next((d for f in flags if (d := _delay_ms(f)) is not None), None),
             max_batch_size=next((m for f in flags if (m := _max_rows(f)) is not None), 32),
             copy_outputs="views" not in flags,
+            check_within=(
+                None
+                if "nocheck" in flags
+                else next((c for f in flags if (c := _check_within(f)) is not None), 64)
+            ),
         )
         pool = sharedml.SessionPool(
             _static_model(spec) if "static" in flags else spec["model"],
@@ -486,6 +506,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "window_run_s": run_s,
             "window_fill_wait_s": after.fill_wait_seconds - before.fill_wait_seconds,
             "busy_share": run_s / (after.sessions * elapsed),
+            "window_batches": after.batches - before.batches,
+            "window_batch_checks": after.batch_checks - before.batch_checks,
+            "window_check_runs": after.check_runs - before.check_runs,
+            # The share of the sessions' time in Run that went to checks' solo runs.
+            "window_check_share": (after.check_seconds - before.check_seconds) / run_s
+            if run_s
+            else 0.0,
         }
     server.close()
     return {
@@ -915,6 +942,11 @@ def _line(model: str, r: dict[str, Any]) -> str:
     batch = f", {r['mean_batch_rows']:.1f} rows/batch" if r.get("batches") else ""
     if r.get("busy_share") is not None:
         batch += f", sessions {100 * r['busy_share']:.0f}% in Run"
+    if r.get("window_batch_checks"):
+        batch += (
+            f", {r['window_batch_checks']} checks of {r['window_batches']} batches "
+            f"({100 * r['window_check_share']:.1f}% of Run)"
+        )
     device = f", device {r['device_bytes'] / MIB:.0f} MiB" if r.get("device_bytes") else ""
     return (
         f"{model} {r['name']:<24} x{r['callers']:<3} {r['requests_per_s']:8.1f} req/s  "

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sharedml._host import crash_name
+from sharedml._host._children import crash_name
 
 DML = "DmlExecutionProvider"
 MARKER = "SHAREDML-DML-RESULT:"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import importlib.abc
 import io
 import os
 import secrets
@@ -83,19 +84,71 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+_TEST_FOLDERS = pytest.StashKey[set[Path]]()
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     """Every test prepares into its own cache, never the user's."""
+    request.config.stash.setdefault(_TEST_FOLDERS, set()).add(tmp_path)
     monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_folders_removed(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[None]:
+    """What a module made with ``tmp_path_factory`` is removed when the module ends.
+
+    pytest removes a passed test's ``tmp_path`` as soon as the test ends
+    (``tmp_path_retention_policy`` in pyproject.toml), but keeps what ``tmp_path_factory``
+    made (the models of module-scoped fixtures, hundreds of MB in some modules) until the
+    whole run ends: the peak would be their sum. Kept where a test of the module failed, as
+    the failed tests' folders are. A session-scoped fixture must not use ``tmp_path_factory``
+    (its folder would go with the first module that used it).
+    """
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        tests = request.config.stash.get(_TEST_FOLDERS, set())
+        for path in sorted(set(base.iterdir()) - before - tests):
+            if path.is_dir() and not path.is_symlink():  # not pytest's "...current" links
+                _remove_tree(path)
+
+
+def _remove_tree(folder: Path) -> None:
+    """Remove ``folder``, with what its owner made read-only in it (root needs no help)."""
+    if os.name != "posix" or os.geteuid() != 0:
+        for parent, dirs, files in os.walk(folder):  # a folder is made writable before entered
+            for name in (*dirs, *files):
+                path = os.path.join(parent, name)
+                if os.path.islink(path):
+                    continue
+                if os.name == "posix" and os.lstat(path).st_uid != os.geteuid():
+                    continue
+                os.chmod(path, 0o700 if name in dirs else 0o600)  # Windows: not read-only
+    shutil.rmtree(folder)
 
 
 @pytest.fixture
 def fast_switching() -> Iterator[None]:
     """Interleave threads as often as possible while a concurrency test runs."""
     old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
+    sys.setswitchinterval(1e-5)  # seconds (the default is 5e-3)
     yield
     sys.setswitchinterval(old)
+
+
+@pytest.fixture
+def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files the test itself just wrote get stamps too (production waits 3 s after a write)."""
+    from sharedml.cache import _stamps
+
+    monkeypatch.setattr(_stamps, "RACY_WINDOW_NS", 0)
 
 
 @pytest.fixture
@@ -156,6 +209,7 @@ def _local_user() -> Iterator[Callable[[Callable[[], None]], None]]:
     user = pwd.getpwnam(name)
 
     def run(fn: Callable[[], None]) -> None:
+        _import_what_a_child_may_need()
         read_end, write_end = os.pipe()
         with warnings.catch_warnings():  # fork of a threaded process: the child only does I/O
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -164,6 +218,7 @@ def _local_user() -> Iterator[Callable[[Callable[[], None]], None]]:
             os.close(read_end)
             status = 1
             try:
+                sys.meta_path.insert(0, _NothingNewFromSharedml())
                 os.setgroups([])
                 os.setgid(user.pw_gid)
                 os.setuid(user.pw_uid)
@@ -214,8 +269,10 @@ class Unprivileged:
 
 
 def _import_what_a_child_may_need() -> None:
-    """Import sharedml's modules here: a child dropped to another user may not read root's
-    Python install (pyenv under /root), so it can use only what its parent imported."""
+    """Import every module of sharedml here: a child dropped to another user may not read
+    root's Python install (pyenv under /root) or checkout, so it can use only what its parent
+    imported. The packages' faces import their modules lazily, on first use: each module is
+    imported by name. (sharedml.ray's modules too: they import Ray only when used.)"""
     import importlib
     import pkgutil
 
@@ -223,9 +280,25 @@ def _import_what_a_child_may_need() -> None:
 
     for name in ("fcntl", "mmap", "onnx.numpy_helper", "onnxruntime"):
         importlib.import_module(name)
-    for info in pkgutil.iter_modules(sharedml.__path__):
-        if info.name not in ("ray", "__main__"):
-            importlib.import_module(f"sharedml.{info.name}")
+    for info in pkgutil.walk_packages(sharedml.__path__, "sharedml."):
+        if not info.name.endswith(".__main__"):  # would run the CLI
+            importlib.import_module(info.name)
+
+
+class _NothingNewFromSharedml(importlib.abc.MetaPathFinder):
+    """In a child dropped to another user: a sharedml module the parent did not import fails.
+
+    Where the user can read the checkout, such an import would work here and fail only where
+    it cannot (a CI checkout under /root): this makes it fail everywhere, naming the module.
+    """
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname == "sharedml" or fullname.startswith("sharedml."):
+            raise ImportError(
+                f"{fullname} was not imported before the fork, and a child dropped to another"
+                " user may not be able to read it: import it in conftest's"
+                " _import_what_a_child_may_need"
+            )
 
 
 @pytest.fixture
@@ -233,20 +306,30 @@ def unprivileged(request: pytest.FixtureRequest) -> Iterator[Unprivileged]:
     """Run part of a test as an ordinary user, with a folder of its own.
 
     Root bypasses file modes, so a permission bug never shows in a suite run as root. Run as
-    an ordinary user, the test calls ``fn`` in this process; run as root, it creates a second
-    user (``other_user``) and calls ``fn`` in a child that dropped to it.
+    an ordinary user, the test calls ``fn`` in this process, and puts back the environment
+    variables ``fn`` changed (a ``HOME`` pointing into the folder would outlive it); run as
+    root, it creates a second user (``other_user``) and calls ``fn`` in a child that dropped
+    to it. The folder is removed when the test ends.
     """
     folder = Path(tempfile.mkdtemp(prefix="sharedml-unprivileged-"))
     try:
         if os.name == "posix" and os.geteuid() == 0:
-            _import_what_a_child_may_need()
             user = request.getfixturevalue("other_user")
             os.chown(folder, user.uid, user.gid)
             yield Unprivileged(user, folder, user.uid)
         else:
-            yield Unprivileged(lambda fn: fn(), folder, os.geteuid() if os.name == "posix" else 0)
+            yield Unprivileged(_in_this_process, folder, os.geteuid() if os.name == "posix" else 0)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove_tree(folder)
+
+
+def _in_this_process(fn: Callable[[], None]) -> None:
+    saved = dict(os.environ)
+    try:
+        fn()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture

@@ -344,7 +344,13 @@ def test_serving_configurations_name_sessions_weights_and_auto() -> None:
     assert serving._parse_config("pool:2:batch")["sessions"] == 2
     assert serving._parse_config("pool:2:batch:static")["flags"] == {"batch", "static"}
     assert serving._parse_config("single")["sessions"] == 1
-    for bad in ("plain:auto", "pool:2:int3", "pool:Auto:batch"):
+    assert serving._parse_config("pool:1:batch:nocheck:check8")["flags"] == {
+        "batch",
+        "nocheck",
+        "check8",
+    }
+    assert serving._check_within("check8") == 8 and serving._check_within("nocheck") is None
+    for bad in ("plain:auto", "pool:2:int3", "pool:Auto:batch", "pool:1:batch:checkx"):
         with pytest.raises(SystemExit, match="unknown configuration"):
             serving._parse_config(bad)
 

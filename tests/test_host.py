@@ -1,4 +1,4 @@
-"""_host.open_below: open a file below a folder without following a symlink, on every route."""
+"""_files.open_below: open a file below a folder without following a symlink, on every route."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sharedml import _host
+from sharedml._host import _files
 
 POSIX = os.name == "posix"
 ROUTES = ["no-follow", "descriptor-path", "stat"]  # openat + O_NOFOLLOW; the two fallbacks
@@ -16,9 +16,9 @@ ROUTES = ["no-follow", "descriptor-path", "stat"]  # openat + O_NOFOLLOW; the tw
 @pytest.fixture(params=ROUTES)
 def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param != "no-follow":  # what Windows takes, run here
-        monkeypatch.setattr(_host, "_O_NOFOLLOW", 0)
+        monkeypatch.setattr(_files, "_O_NOFOLLOW", 0)
     if request.param == "stat":  # a platform that cannot name a descriptor's file
-        monkeypatch.setattr(_host, "_descriptor_path", lambda fd: None)
+        monkeypatch.setattr(_files, "_descriptor_path", lambda fd: None)
     return str(request.param)
 
 
@@ -37,7 +37,7 @@ def read(fd: int) -> bytes:
 
 
 def test_a_file_below_the_folder_is_opened(folder: Path, route: str) -> None:
-    assert read(_host.open_below(folder, folder / "sub" / "w.bin")) == b"inside"
+    assert read(_files.open_below(folder, folder / "sub" / "w.bin")) == b"inside"
 
 
 @pytest.mark.skipif(not POSIX, reason="symlinks")
@@ -54,21 +54,21 @@ def test_a_symlink_where_the_check_saw_none_is_refused(
         (folder / "sub" / "w.bin").unlink()
         (folder / "sub").rmdir()
         (folder / "sub").symlink_to(outside)
-    with pytest.raises(_host.LinkSwappedError):
-        read(_host.open_below(folder, folder / "sub" / "w.bin"))
+    with pytest.raises(_files.LinkSwappedError):
+        read(_files.open_below(folder, folder / "sub" / "w.bin"))
 
 
 def test_the_folder_itself_is_not_a_file(folder: Path) -> None:
     with pytest.raises(IsADirectoryError):
-        _host.open_below(folder, folder)
+        _files.open_below(folder, folder)
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
 def test_a_fifo_is_opened_without_waiting_for_a_writer(folder: Path, route: str) -> None:
     # Callers fstat the descriptor and refuse it; the open itself must not block.
     os.mkfifo(folder / "pipe")
-    fd = _host.open_below(folder, folder / "pipe")
+    fd = _files.open_below(folder, folder / "pipe")
     try:
-        assert _host.file_kind(os.fstat(fd).st_mode) == "a FIFO (named pipe)"
+        assert _files.file_kind(os.fstat(fd).st_mode) == "a FIFO (named pipe)"
     finally:
         os.close(fd)

@@ -15,7 +15,7 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-from sharedml import _host
+from sharedml._host import _onnxruntime
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -38,7 +38,7 @@ def wanted(requirements: list[str], sys_platform: str) -> list[Requirement]:
 
 
 def ort_names(requirements: list[Requirement]) -> list[str]:
-    return [r.name for r in requirements if r.name in _host.ORT_DISTRIBUTIONS]
+    return [r.name for r in requirements if r.name in _onnxruntime.ORT_DISTRIBUTIONS]
 
 
 @pytest.mark.parametrize("sys_platform", sorted(PLATFORMS))
@@ -58,7 +58,9 @@ def test_the_cuda_recipe_is_the_dependencies_with_onnxruntime_gpu_instead() -> N
     assert ort_names(cuda) == ["onnxruntime-gpu"]
     base = project()["dependencies"]
     assert isinstance(base, list)
-    others = sorted(str(r) for r in wanted(base, "linux") if r.name not in _host.ORT_DISTRIBUTIONS)
+    others = sorted(
+        str(r) for r in wanted(base, "linux") if r.name not in _onnxruntime.ORT_DISTRIBUTIONS
+    )
     assert sorted(str(r) for r in cuda if r.name != "onnxruntime-gpu") == others
     readme = (ROOT / "README.md").read_text()
     assert "pip install -r requirements/cuda.txt && pip install --no-deps ." in readme
@@ -137,9 +139,9 @@ def test_an_onnxruntime_installed_in_a_folder_of_its_own_is_not_mixed(tmp_path: 
 
 
 def test_one_onnxruntime_distribution_says_nothing() -> None:
-    assert len(_host.onnxruntime_distributions()) == 1
-    _host.check_one_onnxruntime.cache_clear()
-    assert _host.check_one_onnxruntime() is None
+    assert len(_onnxruntime.onnxruntime_distributions()) == 1
+    _onnxruntime.check_one_onnxruntime.cache_clear()
+    assert _onnxruntime.check_one_onnxruntime() is None
 
 
 def test_an_install_hint_works_without_a_package_index() -> None:

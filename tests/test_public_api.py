@@ -30,7 +30,10 @@ MODULES = {
         "BatchingDefault", "BatchingSetting", "DEFAULT_SESSIONS",
     },
     "sharedml.route": {"SessionRecipe", "Mechanism", "Prepacking"},
-    "sharedml.runtime": {"ProviderPlan", "ProviderSpec"},
+    "sharedml.runtime": {
+        "ProviderPlan", "ProviderSpec", "ProviderFacts", "PROVIDER_FACTS", "DeviceSelector",
+        "PluginDevice", "RunsRule", "WeightsRoute",
+    },
     "sharedml.prepared": {
         "prepare", "prepare_family", "PrepareResult", "FamilyResult", "TensorDigest",
         "WeightsManifest",

@@ -25,6 +25,7 @@ from _models import build_model, feeds, save_model
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
+import sharedml._host._files
 from sharedml.cache import Cache
 from sharedml.cache._entries import clear_stale
 
@@ -302,7 +303,7 @@ def test_a_symlink_swapped_in_while_prepare_reads_never_leaks_an_outside_file(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if how == "compare":  # the fallback where there is no O_NOFOLLOW (Windows), run here
-        monkeypatch.setattr(sharedml._host, "_O_NOFOLLOW", 0)
+        monkeypatch.setattr(sharedml._host._files, "_O_NOFOLLOW", 0)
     folder, secret_folder = tmp_path / "model", tmp_path / "secret"
     good = data_file(folder / "good.bin", N)  # 1 KiB of 0, 1, 2, ...
     data_file(folder / location, N)

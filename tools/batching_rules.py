@@ -9,10 +9,9 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 from pathlib import Path
 
-from sharedml.pool._rows import rules_table
+from sharedml.rows import rule_entries
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "batching.md"
 BEGIN = "<!-- rule table: tools/batching_rules.py --write -->"
@@ -20,15 +19,19 @@ END = "<!-- end of rule table -->"
 
 
 def table() -> str:
-    lines = ["| domain | operators | rule |", "| --- | --- | --- |"]
-    groups = []
-    by_rule = sorted(rules_table(), key=lambda r: (r[0], r[2], r[1]))
-    for (domain, summary), group in itertools.groupby(by_rule, key=lambda r: (r[0], r[2])):
-        groups.append((domain, sorted(op for _, op, _ in group), summary))
-    groups.sort(key=lambda g: (g[0] != "ai.onnx", g[0], g[1][0]))
-    for domain, ops, summary in groups:
-        names = ", ".join(f"`{op}`" for op in ops)
-        lines.append(f"| {domain} | {names} | {summary} |")
+    """The rule table: a row per rule and first opset, a rule's rows together, oldest first."""
+    lines = ["| domain | operators | opsets | rule |", "| --- | --- | --- | --- |"]
+    entries = rule_entries()
+    first_op: dict[tuple[str, str], str] = {}
+    for e in entries:  # sorted by operator: a rule's rows sort by its first operator
+        first_op.setdefault((e.domain, e.summary), e.op_type)
+    rows: dict[tuple[str, str, int], list[str]] = {}
+    for e in entries:
+        rows.setdefault((e.domain, e.summary, e.since), []).append(f"`{e.op_type}`")
+    order = sorted(rows, key=lambda k: (k[0] != "ai.onnx", k[0], first_op[k[0], k[1]], k[2]))
+    for domain, summary, since in order:
+        names = ", ".join(rows[domain, summary, since])
+        lines.append(f"| {domain} | {names} | opset >= {since} | {summary} |")
     return "\n".join(lines) + "\n"
 
 

@@ -127,11 +127,14 @@ class RunError(SharedMLError, RuntimeError):
 
     The message is ORT's, after the name of ORT's exception type; the original exception is the
     ``__cause__``, and its type name is :attr:`ort_type` (``"InvalidArgument"``, ``"Fail"``...).
+    :attr:`session_lost`: ORT no longer promises a usable session (a device or engine fault);
+    a pool replaces it.
     """
 
-    def __init__(self, message: str, *, ort_type: str = "") -> None:
+    def __init__(self, message: str, *, ort_type: str = "", session_lost: bool = False) -> None:
         super().__init__(message)
         self.ort_type = ort_type
+        self.session_lost = session_lost
 
 
 class InvalidInputError(RunError, ValueError):

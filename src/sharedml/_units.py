@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["human_bytes", "human_seconds", "parse_bytes"]
 
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
@@ -36,12 +38,12 @@ def parse_bytes(text: str) -> int:
     unit = value[-1:] if value[-1:] in _UNITS else ""
     number = value[: len(value) - len(unit)].strip()
     try:
-        size = float(number)
+        size = float(number) * _UNITS[unit]
     except ValueError:
         size = -1.0
-    if not number or size < 0 or size != size:  # NaN too
+    if not number or not 0 <= size < math.inf:  # NaN and infinity too ("1e400" is infinity)
         raise ValueError(
             f"{text!r} is not a size: give bytes or a number with K, M, G or T (binary units), "
             "e.g. 500M or 1.5G."
         )
-    return int(size * _UNITS[unit])
+    return int(size)

@@ -182,3 +182,48 @@ def test_the_cache_dir_of_one_command_does_not_outlive_it(
     given, _default = two_caches
     assert main(["cache", "list", "--json", "--cache-dir", str(given)]) == 0
     assert "SHAREDML_CACHE_DIR" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("prune", "--max-size", "1e400"), "'1e400' is not a size"),  # was an OverflowError
+        (("prune", "--max-size", "1e300T"), "'1e300T' is not a size"),
+        (("prune", "--max-size=-1G"), "'-1G' is not a size"),
+        (("prune", "--older-than", "nan"), "--older-than 'nan' is not a number of days"),
+        (("prune", "--older-than", "inf"), "--older-than 'inf' is not a number of days"),
+        (("prune", "--older-than=-1"), "--older-than '-1' is not a number of days"),
+    ],
+)
+def test_prune_refuses_limits_that_are_not_finite_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: tuple[str, ...], fragment: str
+) -> None:
+    from sharedml.cli import main
+
+    kept = entry(tmp_path / "cache", "k" * 64)
+    assert main(["cache", *args, "--cache-dir", str(tmp_path / "cache")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+    assert kept.exists()
+
+
+def test_prune_refuses_a_nan_age_from_python_too(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="finite number of days"):
+        sharedml.cache.prune_cache(older_than_s=float("nan"), cache_dir=tmp_path)
+
+
+@pytest.mark.skipif(not POSIX, reason="/dev/null")
+@pytest.mark.parametrize("action", ["info", "list", "verify", "prune", "clear"])
+@pytest.mark.parametrize("where", ["/dev/null", "/dev/null/cache", "a file"])
+def test_a_cache_dir_that_is_not_a_folder_is_an_error_not_an_empty_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str, where: str
+) -> None:
+    from sharedml.cli import main
+
+    if where == "a file":
+        where = str(tmp_path / "cache")
+        Path(where).write_bytes(b"not a folder")
+    extra = ["--older-than", "0"] if action == "prune" else []
+    assert main(["cache", action, *extra, "--cache-dir", where]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a folder" in err[0] and where in err[0], err

@@ -17,7 +17,7 @@ import pytest
 from _models import build_model, feeds, run_ort, save_model
 
 import sharedml
-import sharedml._host
+import sharedml._host._hashing
 from sharedml.cache import Cache, _stamps
 from sharedml.cache._stamps import recall_stamp, record_stamp, snapshot
 
@@ -27,12 +27,6 @@ POSIX = os.name == "posix"
 needs_stamps = pytest.mark.skipif(
     os.name == "nt", reason="no stamps on Windows (st_ctime is the creation time)"
 )
-
-
-@pytest.fixture
-def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let files written by the test itself get stamps (production waits 3 s after a write)."""
-    monkeypatch.setattr(_stamps, "RACY_WINDOW_NS", 0)
 
 
 def rewrite_in_place(path: Path, data: bytes) -> None:
@@ -185,13 +179,13 @@ def test_verified_weights_are_not_hashed_again_until_they_change(
     sharedml.weights._store._MappedFile._registry.clear()
 
     hashed: list[Path] = []
-    real = sharedml._host.sha256_file
+    real = sharedml._host._hashing.sha256_file
 
     def counting(path: Path, sha: object = None) -> str:
         hashed.append(Path(path))
         return real(path, sha)
 
-    monkeypatch.setattr(sharedml._host, "sha256_file", counting)
+    monkeypatch.setattr(sharedml._host._hashing, "sha256_file", counting)
     assert sharedml.weights.WeightStore.open(prepared).verified
     assert hashed == []
     sharedml.weights.WeightStore._registry.clear()
@@ -274,8 +268,8 @@ def test_one_model_file_under_two_names_gets_each_folders_data(
 def test_a_write_during_the_hash_is_not_stamped_as_good(
     source: Path, no_racy_window: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    good = sharedml._host.sha256_file(source)
-    real = sharedml._host.sha256_file
+    good = sharedml._host._hashing.sha256_file(source)
+    real = sharedml._host._hashing.sha256_file
 
     def hash_then_write(path: Path, sha: object = None) -> str:
         digest = real(path, sha)  # the bytes read were good...
@@ -283,9 +277,9 @@ def test_a_write_during_the_hash_is_not_stamped_as_good(
             fh.write(b"tampered")
         return digest
 
-    monkeypatch.setattr(sharedml._host, "sha256_file", hash_then_write)
+    monkeypatch.setattr(sharedml._host._hashing, "sha256_file", hash_then_write)
     assert _stamps.verified_sha256(source, good, cache=Cache.at(None))
-    monkeypatch.setattr(sharedml._host, "sha256_file", real)
+    monkeypatch.setattr(sharedml._host._hashing, "sha256_file", real)
     _stamps._DIGESTS.clear()  # as in a new process
     assert not _stamps.verified_sha256(source, good, cache=Cache.at(None))  # hashed again: changed
 

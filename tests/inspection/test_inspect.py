@@ -567,7 +567,8 @@ def assert_one_line_error(code: int, out: str, err: str, *fragments: str) -> Non
         (["--inputs", "missing.npz"], ["'missing.npz' does not exist"]),
         (["--dim", "tokens=3"], ["no symbolic dimension 'tokens'", "batch"]),
         (["--providers", "NoSuchExecutionProvider"], ["NoSuchExecutionProvider", "not available"]),
-        (["--sessions", "0"], ["--sessions must be at least 1"]),
+        (["--sessions", "0"], ["--sessions must be between 1 and 1024, not 0"]),
+        (["--sessions", "100000000"], ["between 1 and 1024, not 100000000", "projection"]),
         (
             ["--plot", "no/such/folder/p.png"],
             [f"folder '{Path('no/such/folder')}' does not exist"],  # as the OS writes paths

@@ -50,11 +50,6 @@ def children_before() -> set[int]:
     return children()
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
-
-
 def embedding_model(vocab: int = 64, width: int = 256) -> onnx.ModelProto:
     """ids: int64[batch, seq] -> Gather from a [vocab, width] table, masked by a bool input."""
     table = np.random.default_rng(0).standard_normal((vocab, width)).astype(np.float32)
@@ -111,6 +106,20 @@ def test_symbolic_dims_get_a_batch_of_one_and_a_plausible_length_and_can_be_over
     specs = input_specs(embedding_model(), {"batch": 3, "seq": 7})
     assert specs[0].shape == (3, 7)
     assert specs[0].describe() == "ids int64[batch=3, seq=7]"
+
+
+def test_inspect_help_gives_the_sizes_that_unset_dims_get(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from sharedml.cli import main
+    from sharedml.model._inputs import PLAUSIBLE_IMAGE_SIZE, PLAUSIBLE_LENGTH
+
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    dim = text[text.rindex("--dim NAME=VALUE") : text.rindex("--shape INPUT")]  # not the usage
+    assert "a batch of 1" in dim
+    assert f"at least {PLAUSIBLE_IMAGE_SIZE}" in dim and f"other lengths {PLAUSIBLE_LENGTH}" in dim
 
 
 def test_paddle_dims_minus_one_and_question_mark_are_unnamed_dynamic_axes() -> None:
@@ -501,7 +510,7 @@ def activation_heavy_model() -> onnx.ModelProto:
 AFTER_TRAFFIC = r"""
 import gc, json, sys
 import numpy as np, onnxruntime as ort
-from sharedml._host import release_freed_heap
+from sharedml._host._platform import release_freed_heap
 from sharedml.inspection._child import warmup_model_bytes
 from sharedml.inspection._memory import read_memory
 def pss():

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from sharedml.model import _proto
+from sharedml.model import _dtypes, _proto
 from tests._models import batchable_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,8 +123,8 @@ def test_np_dtype_agrees_with_onnx_helper_for_every_type() -> None:
             expected = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type))
         except Exception:
             with pytest.raises((KeyError, ValueError, TypeError)):
-                _proto.np_dtype(data_type)
+                _dtypes.np_dtype(data_type)
             continue
-        assert _proto.np_dtype(data_type) == expected, name
+        assert _dtypes.np_dtype(data_type) == expected, name
         checked += 1
     assert checked >= 14

@@ -10,8 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
+import itertools
+import pickle
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -22,11 +26,13 @@ import onnxruntime as ort
 import pytest
 from _models import OPSET, batchable_model, fixed_at_one, save_model
 from _waiting import DEADLINE_S, wait_until
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings, target
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
+from sharedml.pool import _batching
+from sharedml.pool._batching import UNTOLD_GAP
 
 DIM = 32
 
@@ -96,7 +102,25 @@ def test_requests_that_queue_merge_into_one_run_and_get_their_own_rows(
         np.testing.assert_allclose(y, solo(f), rtol=1e-5, atol=1e-6)
 
 
-def test_copy_outputs_false_hands_each_caller_a_view_of_its_own_rows(
+def _reachable(root: Any) -> list[Any]:
+    """Everything reachable from ``root`` through ``.base`` and Python references (not types).
+
+    numpy arrays do not report their ``.base`` to ``gc``: it is followed by hand.
+    """
+    seen: dict[int, Any] = {}
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, type):
+            continue
+        seen[id(obj)] = obj
+        if isinstance(obj, np.ndarray) and obj.base is not None:
+            todo.append(obj.base)
+        todo.extend(gc.get_referents(obj))
+    return list(seen.values())
+
+
+def test_copy_outputs_false_hands_each_caller_a_view_that_reaches_only_its_rows(
     model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
 ) -> None:
     batching = sharedml.Batching(copy_outputs=False)
@@ -105,12 +129,35 @@ def test_copy_outputs_false_hands_each_caller_a_view_of_its_own_rows(
         outs = queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, f) for f in feeds])
         assert pool.stats().batches == 1
     ys = [out[0] for out in outs]
-    assert all(y.base is not None and y.base.shape[0] == 6 for y in ys)  # rows of one batch
-    assert np.shares_memory(ys[0].base, ys[2])
+    # No copy: the three callers' rows lie one after the other in the batch's output.
+    assert all(not y.flags.owndata for y in ys)
+    for a, b in itertools.pairwise(ys):
+        assert b.ctypes.data == a.ctypes.data + a.nbytes
+    # Nothing a caller's view leads to (its .base chain, what those reference, the buffers
+    # numpy exports) spans more than the caller's own rows.
+    for y in ys:
+        for obj in _reachable(y):
+            if isinstance(obj, np.ndarray):
+                assert obj.nbytes <= y.nbytes, (obj.shape, y.shape)
+            if hasattr(obj, "__array_interface__"):
+                assert np.asarray(obj).nbytes <= y.nbytes
+        assert np.asarray(y.base).ctypes.data == y.ctypes.data
+        assert not np.shares_memory(y, np.concatenate([z for z in ys if z is not y]))
+        assert len(pickle.loads(pickle.dumps(y))) == len(y)
     expected = [solo(f) for f in feeds]
     ys[1][:] = np.nan  # a caller's writes stay in its own rows
     for y, want in zip([ys[0], ys[2]], [expected[0], expected[2]], strict=True):
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    # The batch's output lives as long as any caller's view, and no longer.
+    last = ys.pop()
+    del outs, ys, y, a, b  # every reference to the other views
+    gc.collect()
+    np.testing.assert_allclose(last, expected[2], rtol=1e-5, atol=1e-6)
+    held = _batching._HELD
+    assert held  # the one view left holds the output
+    del last
+    gc.collect()
+    assert not held
     with pytest.raises(ValueError, match="copy_outputs must be True or False"):
         sharedml.Batching(copy_outputs=None)  # type: ignore[arg-type]
 
@@ -398,18 +445,100 @@ def test_a_model_that_mixes_rows_despite_the_callers_word_is_caught_by_the_first
         assert pool.stats().batches == stats.batches
 
 
-def test_the_first_merge_of_different_rows_is_checked_once_against_solo_runs(model: Path) -> None:
-    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
-        assert "analysis proved" in pool.batching_reason
+def test_merged_batches_are_checked_first_and_then_within_check_within(model: Path) -> None:
+    def three_batches(pool: sharedml.SessionPool) -> sharedml.PoolStats:
         for seed in range(3):
             outs = queue_behind_a_checkout(
                 pool,
                 [lambda s=s: pool.run(None, feed(2, s)) for s in range(10 * seed, 10 * seed + 3)],
             )
             assert all(not isinstance(o, BaseException) for o in outs)
-        stats = pool.stats()
-        assert stats.batch_checks == 1 and stats.batch_mismatches == 0
+        return pool.stats()
+
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        assert "analysis proved" in pool.batching_reason
+        stats = three_batches(pool)
+        assert 1 <= stats.batch_checks <= 3 and stats.batch_mismatches == 0
         assert stats.batches == 3 and pool.batching is not None
+    # check_within=1: every merged batch (a spot check after the first, full one); None: the
+    # first only, once it could have shown a leak.
+    with sharedml.SessionPool(
+        model, sessions=1, batching=sharedml.Batching(check_within=1)
+    ) as pool:
+        stats = three_batches(pool)
+        assert (stats.batch_checks, stats.check_runs) == (3, 3 + 1 + 1)
+    with sharedml.SessionPool(
+        model, sessions=1, batching=sharedml.Batching(check_within=None)
+    ) as pool:
+        stats = three_batches(pool)
+        assert (stats.batch_checks, stats.check_runs) == (1, 3)
+        assert 0 < stats.check_seconds < stats.run_seconds
+
+
+def _leaks_above(path: Path, threshold: float) -> Path:
+    """y = x + the batch's column sums of relu(x - threshold): rows mix only above it."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Sub", ["x", "t"], ["shifted"]),
+            helper.make_node("Relu", ["shifted"], ["over"]),
+            helper.make_node("ReduceSum", ["over", "axes"], ["total"], keepdims=1),
+            helper.make_node("Add", ["x", "total"], ["y"]),
+        ],
+        "leaks_above",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+        initializer=[
+            numpy_helper.from_array(np.array(threshold, np.float32), "t"),
+            numpy_helper.from_array(np.array([0], np.int64), "axes"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    return save_model(model, path)
+
+
+@pytest.mark.parametrize("priming", ["settled", "zeros", "zero-sum"])
+def test_a_leak_is_caught_within_check_within_batches_whatever_came_first(
+    tmp_path: Path, priming: str
+) -> None:
+    # A model that mixes rows only for values above 10 (taken on the caller's word): batches
+    # below it settle the class (or, zeros and zero-sum rows, prove nothing), then every batch
+    # leaks. A check must come within check_within of them (UNTOLD_GAP after harmless rows),
+    # give that batch's callers their solo results, and stop merging.
+    path = _leaks_above(tmp_path / "leaks.onnx", 10.0)
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    batching = sharedml.Batching(max_delay_ms=0, rows_independent=True, check_within=16)
+    within = 16 if priming == "settled" else UNTOLD_GAP
+
+    def prime(b: int) -> list[np.ndarray]:
+        if priming == "zeros":
+            return [np.zeros((1, 4), np.float32), np.full((1, 4), 1e-7 * (b + 1), np.float32)]
+        if priming == "zero-sum":
+            row = rng.uniform(1, 5, (1, 4)).astype(np.float32)
+            return [np.concatenate([row, -row]), np.array([[1, -1, 2, -2]] * 2, np.float32)]
+        return [rng.uniform(0, 5, (1, 4)).astype(np.float32) for _ in range(2)]
+
+    with sharedml.SessionPool(path, sessions=1, batching=batching) as pool:
+        for b in range(24):
+            queue_behind_a_checkout(pool, [lambda x=x: pool.run(None, {"x": x}) for x in prime(b)])
+        assert pool.stats().batch_mismatches == 0 and pool.batching is not None
+        shapes = [x.shape for x in prime(0)]
+        for _ in range(within):
+            inputs = [rng.uniform(20, 30, shape).astype(np.float32) for shape in shapes]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                outs = queue_behind_a_checkout(
+                    pool, [lambda x=x: pool.run(None, {"x": x}) for x in inputs]
+                )
+            if pool.stats().batch_mismatches:
+                break
+        else:
+            pytest.fail(f"{within} leaking batches in a row went unchecked")
+        assert any("other values than running its request alone" in str(w.message) for w in caught)
+        assert pool.batching is None and not pool.stats().batching
+    for x, out in zip(inputs, outs, strict=True):
+        np.testing.assert_array_equal(out[0], plain.run(None, {"x": x})[0])
 
 
 def test_a_request_of_zero_rows_runs_alone_and_never_stops_merging(model: Path) -> None:
@@ -664,6 +793,51 @@ def test_run_async_requests_queue_without_threads_and_merge(
         np.testing.assert_allclose(out[0], solo(feed(1, seed)), rtol=1e-5, atol=1e-6)
 
 
+def test_cancelled_run_async_callers_leave_their_batch_and_never_run(
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+) -> None:
+    feeds = [feed(1, s) for s in range(6)]
+    gone = {0, 3}
+
+    async def poll(predicate: Callable[[], bool], what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + DEADLINE_S
+        while not predicate():
+            assert asyncio.get_running_loop().time() < deadline, f"timed out: {what}"
+            await asyncio.sleep(0.001)
+
+    async def main(pool: sharedml.SessionPool) -> list[Any]:
+        barrier = asyncio.Barrier(len(feeds))
+
+        async def call(f: dict[str, np.ndarray]) -> Any:
+            await barrier.wait()
+            return await pool.run_async(None, f)
+
+        with pool.session():
+            tasks = [asyncio.ensure_future(call(f)) for f in feeds]
+            await poll(lambda: pool.stats().waiting == 6, "every caller to queue")
+            for i in gone:
+                tasks[i].cancel()
+            await poll(lambda: pool.stats().waiting == 4, "the cancelled to leave the queue")
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), DEADLINE_S)
+
+    with sharedml.SessionPool(model, sessions=1, batching=True) as pool:
+        outs = asyncio.run(main(pool))
+        wait_until(lambda: pool.stats().busy == 0, what="the session to come back")
+        stats = pool.stats()
+        assert (stats.batches, stats.batched_rows, stats.cancelled) == (1, 4, 2)  # 4 rows ran
+        assert (stats.waiting, stats.busy, stats.failed_runs) == (0, 0, 0)
+        later = queue_behind_a_checkout(
+            pool, [lambda s=s: pool.run(None, feed(1, s)) for s in (7, 8)]
+        )
+        assert pool.stats().batches == 2  # a later batch still forms
+    for i, (f, out) in enumerate(zip(feeds, outs, strict=True)):
+        if i in gone:
+            assert isinstance(out, asyncio.CancelledError)
+        else:
+            np.testing.assert_allclose(out[0], solo(f), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(later[1][0], solo(feed(1, 8)), rtol=1e-5, atol=1e-6)
+
+
 def test_close_fails_queued_requests_and_finishes_the_batch_in_flight(model: Path) -> None:
     with (
         sharedml.SessionPool(model, sessions=1, batching=True) as pool,
@@ -725,11 +899,10 @@ def _request(kind: str, rows: int, seed: int) -> dict[str, np.ndarray]:
     return f
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=50, deadline=None)
 @given(pattern=arrivals(), max_rows=st.integers(1, 8), queued=st.integers(0, 10))
-def test_any_arrival_pattern_gives_every_caller_its_own_rows(
+def _every_caller_gets_its_own_rows(
+    merged: list[bool],
     model: Path,
     solo: Callable[[dict[str, np.ndarray]], np.ndarray],
     pattern: list[tuple[str, int, int]],
@@ -758,13 +931,30 @@ def test_any_arrival_pattern_gives_every_caller_its_own_rows(
         for t in threads:
             t.join(DEADLINE_S)
             assert not t.is_alive()
-        assert pool.stats().busy == 0 and pool.stats().waiting == 0
+        stats = pool.stats()
+    assert stats.busy == 0 and stats.waiting == 0
+    # A mismatch would have been hidden: the pool hands out solo results once it sees one.
+    assert stats.batch_mismatches == 0
     for (kind, rows, seed), out in zip(pattern, results, strict=True):
         if kind == "good":
             assert isinstance(out, list), out
             np.testing.assert_allclose(out[0], solo(feed(rows, seed)), rtol=1e-5, atol=1e-6)
         else:
             assert isinstance(out, sharedml.InvalidInputError), (kind, out)
+    good = sum(kind == "good" for kind, _, _ in pattern)
+    # Fewer runs than good requests: some run held several. Most patterns never merge (rows
+    # that do not fit together, callers that never queue): steer the search towards those that do.
+    merged.append(stats.batches < good)
+    target(float(good - stats.batches), label="requests that shared a run")
+
+
+def test_any_arrival_pattern_gives_every_caller_its_own_rows(
+    model: Path, solo: Callable[[dict[str, np.ndarray]], np.ndarray]
+) -> None:
+    merged: list[bool] = []
+    _every_caller_gets_its_own_rows(merged, model, solo)
+    # Patterns that never merged would pass with batching broken or off: enough must merge.
+    assert sum(merged) >= 10, f"{sum(merged)} of {len(merged)} patterns merged requests"
 
 
 def test_padded_batches_run_at_a_bucket_and_give_each_caller_its_rows(
@@ -824,6 +1014,53 @@ def test_warm_up_runs_every_bucket_when_batches_are_padded(tmp_path: Path) -> No
         DETECTOR.reset()
         pool.run(None, {"x": np.ones((3, 4), np.float32)})
         assert DETECTOR.rows == [4]  # what ORT ran: the bucket
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_delay_ms", 1e300),  # accepted once, then every run raised OverflowError
+        ("max_delay_ms", 60_001),
+        ("max_delay_ms", float("inf")),
+        ("max_delay_ms", float("nan")),
+        ("max_delay_ms", -1),
+        ("max_delay_ms", "5"),
+        ("max_delay_ms", True),
+        ("max_batch_size", 0),
+        ("max_batch_size", 2.0),
+        ("max_batch_size", (1 << 20) + 1),
+        ("max_batch_size", True),
+        ("max_batch_size", "8"),
+        ("pad_to_buckets", 1),
+        ("session_per_bucket", "yes"),
+        ("share_rows", 0),
+        ("copy_outputs", None),
+        ("rows_independent", 1),
+        ("check_within", 0),
+        ("check_within", 1.5),
+        ("check_within", False),
+    ],
+)
+def test_every_batching_field_is_checked_when_written(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=rf"^Batching\({field}=.*\): {field} must be"):
+        sharedml.Batching(**{field: value})
+
+
+def test_batching_takes_numpy_numbers_and_the_largest_values_it_allows(model: Path) -> None:
+    batching = sharedml.Batching(
+        max_batch_size=np.int64(4),
+        max_delay_ms=np.float32(60_000),
+        share_rows=np.bool_(False),
+        check_within=np.int32(1 << 20),
+    )
+    assert batching == sharedml.Batching(
+        max_batch_size=4, max_delay_ms=60_000.0, share_rows=False, check_within=1 << 20
+    )
+    assert type(batching.max_batch_size) is int and type(batching.share_rows) is bool
+    with sharedml.SessionPool(model, sessions=1, batching=batching) as pool:
+        # A full batch runs at once, however long the delay.
+        queue_behind_a_checkout(pool, [lambda s=s: pool.run(None, feed(1, s)) for s in range(4)])
+        assert pool.stats().batches == 1
 
 
 def test_each_batching_spelling_has_one_meaning() -> None:
@@ -893,6 +1130,106 @@ def test_a_model_fixed_at_one_row_is_served_batched_and_merged_rows_equal_solo_r
     for f, out in zip(feeds, outs, strict=True):
         np.testing.assert_allclose(out[0], plain.run(None, f)[0], rtol=1e-5, atol=1e-6)
     assert _sha256(path) == before  # the model as given is never written
+
+
+def _zipmap_classifier(path: Path, features: int = 16, classes: int = 3) -> Path:
+    """A scikit-learn-style classifier: LinearClassifier (softmax) + ZipMap, as skl2onnx writes.
+
+    Outputs: ``label`` [N] and ``probabilities``, a sequence of one {class: probability} map
+    per row (ONNX-ML ``seq(map(int64, float))``).
+    """
+    coefficients = np.random.default_rng(0).standard_normal((classes, features))
+    labels = list(range(classes))
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "LinearClassifier",
+                ["x"],
+                ["label", "scores"],
+                domain="ai.onnx.ml",
+                classlabels_ints=labels,
+                coefficients=coefficients.astype(np.float32).ravel().tolist(),
+                intercepts=[0.1 * c for c in labels],
+                post_transform="SOFTMAX",
+                multi_class=1,
+            ),
+            helper.make_node(
+                "ZipMap",
+                ["scores"],
+                ["probabilities"],
+                domain="ai.onnx.ml",
+                classlabels_int64s=labels,
+            ),
+        ],
+        "classifier",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", features])],
+        [
+            helper.make_tensor_value_info("label", TensorProto.INT64, ["n"]),
+            helper.make_value_info(
+                "probabilities",
+                helper.make_sequence_type_proto(
+                    helper.make_map_type_proto(
+                        TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, [])
+                    )
+                ),
+            ),
+        ],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("ai.onnx.ml", 3)],
+    )
+    model.ir_version = 8
+    return save_model(model, path)
+
+
+def test_a_zipmap_classifier_stays_batched_and_its_maps_match_solo_runs(tmp_path: Path) -> None:
+    # Merged runs compute the probabilities with other kernel blockings (they differ from solo
+    # runs by ~1e-7): the check compares maps' values as floats, their keys exactly.
+    path = _zipmap_classifier(tmp_path / "classifier.onnx")
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    batching = sharedml.Batching(check_within=1)  # every merged batch checked
+    with sharedml.SessionPool(path, sessions=1, batching=batching) as pool:
+        assert pool.batching is not None, pool.batching_reason
+        for _ in range(3):
+            feeds = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(16)]
+            outs = queue_behind_a_checkout(pool, [lambda f=f: pool.run(None, f) for f in feeds])
+            for f, out in zip(feeds, outs, strict=True):
+                label, maps = plain.run(None, f)
+                np.testing.assert_array_equal(out[0], label)
+                assert [sorted(m) for m in out[1]] == [sorted(m) for m in maps]
+                for got, want in zip(out[1], maps, strict=True):
+                    np.testing.assert_allclose(
+                        [got[k] for k in want], list(want.values()), rtol=0, atol=1e-6
+                    )
+        stats = pool.stats()
+    assert pool.batching is not None and stats.batching
+    assert (stats.batches, stats.batch_checks, stats.batch_mismatches) == (3, 3, 0)
+
+
+def test_maps_and_sequences_compare_within_tolerance_and_keys_exactly() -> None:
+    from sharedml.pool._batching import same_results
+
+    solo = [np.array([1, 0]), [{0: 0.25, 1: 0.75}, {0: 0.5, 1: 0.5}]]
+    close = [np.array([1, 0]), [{0: 0.25 + 2e-8, 1: 0.75 - 2e-8}, {0: 0.5, 1: 0.5}]]
+    assert same_results(close, solo, rtol=1e-3)
+    for other in (
+        [{0: 0.3, 1: 0.75}, {0: 0.5, 1: 0.5}],  # another caller's value
+        [{0: 0.25, 2: 0.75}, {0: 0.5, 1: 0.5}],  # another key
+        [{0: 0.25, 1: 0.75}],  # a row missing
+        [{"0": 0.25, "1": 0.75}, {0: 0.5, 1: 0.5}],  # keys of another type
+    ):
+        assert not same_results([solo[0], other], solo, rtol=1e-3), other
+    # The tolerance is relative to the output's largest magnitude, as for tensors.
+    assert same_results([[{"a": 1000.0}, {"a": 0.5}]], [[{"a": 1000.0}, {"a": 0.9}]], rtol=1e-3)
+    assert not same_results([[{"a": 1.0}, {"a": 0.5}]], [[{"a": 1.0}, {"a": 0.9}]], rtol=1e-3)
+    seq = [[np.array([1.0, 2.0]), np.array([3.0])]]  # a sequence of tensors
+    assert same_results([[np.array([1.0, 2.0 + 1e-7]), np.array([3.0])]], seq, rtol=1e-3)
+    assert not same_results([[np.array([1.0, 2.0]), np.array([3.5])]], seq, rtol=1e-3)
+    assert not same_results([[np.array([1.0, 2.0])]], seq, rtol=1e-3)
+    assert same_results([["a", "b"]], [["a", "b"]], rtol=1e-3)
+    assert not same_results([["a", "c"]], [["a", "b"]], rtol=1e-3)
 
 
 def _pinned_model(path: Path) -> Path:

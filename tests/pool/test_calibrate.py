@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import subprocess
+import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -22,7 +26,7 @@ from _waiting import DEADLINE_S
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
-from sharedml._host import usable_cores
+from sharedml._host._platform import usable_cores
 from sharedml.pool import Calibration, CalibrationCandidate, _calibrate
 from sharedml.route import SessionRecipe
 from sharedml.runtime._providers import plan_providers
@@ -285,11 +289,24 @@ def test_calibration_stops_probing_at_its_bound_and_says_so(
     with sharedml.SessionPool(model, sessions="auto", batching=True) as pool:
         calibration = pool.stats().calibration
         assert calibration is not None and calibration.decided
+        assert calibration.time_budget_s == 0.0
         fewest = _calibrate.candidate_splits(usable_cores())[0]
-        assert [(c.sessions, c.threads) for c in calibration.candidates] == [fewest, fewest]
+        # Calibration's first Run, which nothing predicts, and nothing after it.
+        assert [(c.sessions, c.threads, c.rows) for c in calibration.candidates] == [(*fewest, 1)]
         assert (calibration.sessions, calibration.threads) == fewest
         skipped = len(_calibrate.candidate_splits(usable_cores())) - 1
-        assert f"{skipped} split(s) with more sessions were not measured" in calibration.reason
+        assert calibration.skipped == (
+            f"batches of {_calibrate.CALIBRATION_ROWS} rows on {fewest[1]} thread(s): a Run "
+            f"predicted at "
+            f"{calibration.candidates[0].seconds_per_batch * _calibrate.CALIBRATION_ROWS:.2g} s "
+            "would have ended past the 0 s budget",
+            f"{skipped} split(s) with more sessions: their probes would have ended past the 0 s "
+            "budget",
+        )
+        assert "Not measured, to keep calibration's budgets: " in calibration.reason
+        assert calibration.max_batch_size is None  # time, not memory: the setting stands
+        assert pool.batching is not None
+        assert pool.batching.max_batch_size == sharedml.Batching().max_batch_size
         assert pool.run(None, {"x": np.ones((1, DIM), np.float32)})[0].shape == (1, DIM)
 
 
@@ -327,6 +344,9 @@ def test_a_pool_runs_single_rows_only_where_a_costly_batch_measured_no_faster(
         pytest.skip("one core: nothing is measured")
     path = _image_model(tmp_path / "conv.onnx", symbolic_size=sizes == "symbolic")
     monkeypatch.setattr(_calibrate, "ROWS_MARGIN", rows_margin)
+    # What this checks is the speed rule; the memory budget (its own tests) stays out of the way
+    # (the batch's 8 rows of 2-3 MiB measured over 64 MiB once on a busy machine).
+    monkeypatch.setattr(_calibrate, "PROBE_MEMORY_FLOOR", 2**30)
     with sharedml.SessionPool(
         path, sessions="auto", batching=True, create_in_background=False
     ) as pool:
@@ -528,3 +548,181 @@ def test_bad_core_counts_are_refused_before_anything_is_prepared(
 ) -> None:
     with pytest.raises(error, match="cores must be an integer"):
         sharedml.SessionPool(tmp_path / "missing.onnx", cores=cores)
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets: a slow model and an activation-heavy one
+
+
+def _slow_model(path: Path, *, trips: int = 20000, dim: int = 256) -> Path:
+    """y = Loop(trips) { h = tanh(h @ W) }: long Runs (each row ``trips`` MatMuls) over 256 KiB."""
+    w = (np.random.default_rng(0).standard_normal((dim, dim)) / np.sqrt(dim)).astype(np.float32)
+    body = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["h_in", "w"], ["m"]),
+            helper.make_node("Tanh", ["m"], ["h_out"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("h_in", TensorProto.FLOAT, ["batch", dim]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("h_out", TensorProto.FLOAT, ["batch", dim]),
+        ],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "", "x"], ["y"], body=body)],
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", dim])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", dim])],
+        [
+            numpy_helper.from_array(np.array(trips, np.int64), "trips"),
+            numpy_helper.from_array(w, "w"),
+        ],
+    )
+    return _graph_model(path, graph)
+
+
+def test_a_slow_model_is_calibrated_within_the_time_budget_and_says_what_it_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A model whose one-row Run took 4.9 s made its pool ready after 48.5 s: the first probe
+    # ran every warm-up and timed Run whatever they cost.
+    if usable_cores() == 1:
+        pytest.skip("one core: nothing is measured")
+    path = _slow_model(tmp_path / "slow.onnx")
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = np.ones((1, 256), np.float32)
+    one_row = []
+    for _ in range(3):
+        began = time.perf_counter()
+        plain.run(None, {"x": x})
+        one_row.append(time.perf_counter() - began)
+    del plain
+    # A budget of three single-row Runs (the fastest seen here): single rows fit, a batch of
+    # 8 rows (predicted at 8 single rows, an upper bound) cannot, whatever this machine's speed.
+    budget = 3 * min(one_row)
+    monkeypatch.setattr(_calibrate, "HARD_LIMIT_S", budget)
+    with sharedml.SessionPool(
+        path, sessions="auto", batching=True, create_in_background=False
+    ) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and calibration.decided
+        assert calibration.time_budget_s == budget
+        rows = _calibrate.CALIBRATION_ROWS
+        assert all(c.rows == 1 for c in calibration.candidates)  # no batch Run was started
+        fewest = _calibrate.candidate_splits(usable_cores())[0]
+        assert calibration.skipped[0].startswith(
+            f"batches of {rows} rows on {fewest[1]} thread(s): a Run predicted at "
+        )
+        assert calibration.skipped[0].endswith(f"would have ended past the {budget:g} s budget")
+        assert "Not measured, to keep calibration's budgets" in calibration.reason
+        # Time is no reason to cap the batch: the pool's setting stands, and it batches.
+        assert calibration.max_batch_size is None and pool.batching is not None
+        out = pool.run(None, {"x": x})[0]
+    np.testing.assert_allclose(
+        out, ort.InferenceSession(str(path)).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6
+    )
+
+
+def _activation_heavy_model(path: Path, *, width: int = 1024, fan: int = 12800) -> Path:
+    """x[N, 1024] -> an outer product with a [1, 12800] row -> Relu -> sum: [N, 1024].
+
+    About 50 MiB of activations a row (``width * fan`` floats, twice) over 50 KiB of weights.
+    """
+    w = np.random.default_rng(0).standard_normal((1, fan)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Unsqueeze", ["x", "axis2"], ["col"]),
+            helper.make_node("MatMul", ["col", "w"], ["outer"]),
+            helper.make_node("Relu", ["outer"], ["r"]),
+            helper.make_node("ReduceSum", ["r", "axis2"], ["y"], keepdims=0),
+        ],
+        "heavy",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+        [
+            numpy_helper.from_array(w, "w"),
+            numpy_helper.from_array(np.array([2], np.int64), "axis2"),
+        ],
+    )
+    return _graph_model(path, graph)
+
+
+def test_an_activation_heavy_model_probes_no_batch_past_the_memory_budget(
+    tmp_path: Path,
+) -> None:
+    # ~100 MiB of activations a row once took calibration to 1.13 GiB for an 8-row batch,
+    # against 306 MiB for sessions=2, and it then picked single rows anyway.
+    if usable_cores() == 1:
+        pytest.skip("one core: nothing is measured")
+    path = _activation_heavy_model(tmp_path / "heavy.onnx")
+    with sharedml.SessionPool(
+        path, sessions="auto", batching=True, create_in_background=False
+    ) as pool:
+        calibration = pool.stats().calibration
+        assert calibration is not None and calibration.decided
+        assert calibration.memory_budget_bytes is not None
+        rows = _calibrate.CALIBRATION_ROWS
+        probed = max(c.rows for c in calibration.candidates)
+        assert probed < rows
+        (memory,) = [s for s in calibration.skipped if "a probe's batch may add" in s]
+        assert memory.startswith(f"batches of {rows} rows: one row's activations took ")
+        # What the budget allowed is what the pool may merge: no Run holds more rows.
+        assert calibration.max_batch_size is not None and calibration.max_batch_size <= probed
+        assert pool.batching is not None
+        assert pool.batching.max_batch_size == calibration.max_batch_size
+        assert f"at most {calibration.max_batch_size} row(s) per Run" in pool.batching_reason
+
+
+_PEAK = """
+import json, resource, sys
+import numpy as np, psutil
+import sharedml
+sharedml.SessionPool  # the modules load lazily: before the baseline
+model, sessions = sys.argv[1], sys.argv[2]
+x = np.ones((1, 1024), np.float32)
+base = psutil.Process().memory_info().rss
+with sharedml.SessionPool(
+    model, sessions="auto" if sessions == "auto" else int(sessions), batching=True
+) as pool:
+    pool.wait_ready()
+    for _ in range(3):  # steady state: ORT allocates a shape's planned memory on its 2nd Run
+        pool.run(None, {"x": x})
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+print(json.dumps({"grown": peak - base}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB: Linux")
+def test_an_auto_pool_of_an_activation_heavy_model_peaks_about_as_a_fixed_one(
+    tmp_path: Path,
+) -> None:
+    """Fresh processes: the peak of building an auto pool and serving single rows, against a
+    pool of 2 sessions doing the same."""
+    if usable_cores() == 1:
+        pytest.skip("one core: nothing is measured")
+    path = _activation_heavy_model(tmp_path / "heavy.onnx")
+    with sharedml.SessionPool(path, sessions=1, batching=True) as warm:  # cache entries, built
+        warm.run(None, {"x": np.ones((1, 1024), np.float32)})
+
+    def peak(sessions: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _PEAK, str(path), sessions],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(json.loads(out.stdout.strip().splitlines()[-1])["grown"])
+
+    fixed, auto = peak("2"), peak("auto")
+    print(f"peak growth: sessions=2 {fixed / 2**20:.0f} MiB, auto {auto / 2**20:.0f} MiB")
+    # Before the budget: an 8-row probe batch of ~100 MiB a row, several times the fixed
+    # pool's peak (131 MiB for both here since).
+    assert auto < 1.5 * fixed

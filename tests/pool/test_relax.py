@@ -19,212 +19,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import ModelProto, TensorProto, helper, numpy_helper
+from _lying import CALLERS, HONEST, LYING, SHAPE_INITS, F, c, mk, vi
+from onnx import ModelProto, helper, numpy_helper
 
 import sharedml
 from sharedml.pool._batching import signature_of
-from sharedml.pool._dims import Dim
 from sharedml.pool._relax import ROWS_DIM, relax
-from sharedml.pool._rows import RowAnalysis
-
-F = TensorProto.FLOAT
-I32 = TensorProto.INT32
-I64 = TensorProto.INT64
-B = TensorProto.BOOL
-MS = "com.microsoft"
-CALLERS = 16
-
-
-def c(name: str, value: Any, dtype: Any = np.int64) -> TensorProto:
-    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
-
-
-def vi(name: str, elem: int, shape: Sequence[Any] | None) -> Any:
-    return helper.make_tensor_value_info(name, elem, shape)
-
-
-def mk(
-    nodes: Sequence[Any],
-    inputs: Sequence[Any],
-    outputs: Sequence[Any],
-    inits: Sequence[TensorProto] = (),
-    value_info: Sequence[Any] = (),
-    *,
-    ms: bool = False,
-) -> ModelProto:
-    graph = helper.make_graph(
-        list(nodes), "g", list(inputs), list(outputs), list(inits), value_info=list(value_info)
-    )
-    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid(MS, 1)] if ms else [])
-    m = helper.make_model(graph, opset_imports=opsets)
-    m.ir_version = 8
-    return m
-
-
-def joined_by_shape_of(t: str, out: str = "y") -> list[Any]:
-    """``out = x + rowsum(Reshape(x, [Shape(t)[0], -1]))``: per row where ``t`` has N rows."""
-    return [
-        helper.make_node("Shape", [t], ["s"]),
-        helper.make_node("Gather", ["s", "zero"], ["s0"], axis=0),
-        helper.make_node("Unsqueeze", ["s0", "ax0"], ["s0u"]),
-        helper.make_node("Concat", ["s0u", "minus1"], ["target"], axis=0),
-        helper.make_node("Reshape", ["x", "target"], ["r"]),
-        helper.make_node("ReduceSum", ["r", "ax1"], ["rs"], keepdims=1),
-        helper.make_node("Add", ["x", "rs"], [out]),
-    ]
-
-
-SHAPE_INITS = [c("zero", 0), c("ax0", [0]), c("minus1", [-1]), c("ax1", [1])]
-
-
-def _value_info_lie() -> ModelProto:
-    """A rows tensor declared [1, 4] in value_info."""
-    return mk(
-        [helper.make_node("Add", ["x", "one"], ["t"]), *joined_by_shape_of("t")],
-        [vi("x", F, ["N", 4])],
-        [vi("y", F, ["N", 4])],
-        [c("one", 1.0, np.float32), *SHAPE_INITS],
-        [vi("t", F, [1, 4])],
-    )
-
-
-def _output_lie() -> ModelProto:
-    """A second output left out of dynamic_axes by a batch-1 export: declared [1, 4]."""
-    return mk(
-        [helper.make_node("Add", ["x", "one"], ["t"]), *joined_by_shape_of("t")],
-        [vi("x", F, ["N", 4])],
-        [vi("y", F, ["N", 4]), vi("t", F, [1, 4])],
-        [c("one", 1.0, np.float32), *SHAPE_INITS],
-    )
-
-
-def _if_output_lie() -> ModelProto:
-    """An If branch whose output is declared [1, 4]."""
-    then = helper.make_graph(
-        [helper.make_node("Add", ["x", "one"], ["a"])], "then", [], [vi("a", F, [1, 4])]
-    )
-    other = helper.make_graph(
-        [helper.make_node("Sub", ["x", "one"], ["b"])], "else", [], [vi("b", F, [1, 4])]
-    )
-    return mk(
-        [
-            helper.make_node("If", ["cond"], ["t"], then_branch=then, else_branch=other),
-            *joined_by_shape_of("t"),
-        ],
-        [vi("x", F, ["N", 4])],
-        [vi("y", F, ["N", 4])],
-        [c("one", 1.0, np.float32), c("cond", True, np.bool_), *SHAPE_INITS],
-    )
-
-
-def _loop_carried_lie() -> ModelProto:
-    """A Loop body whose carried value is declared [1, 4]; the body reshapes by its Shape."""
-    body = helper.make_graph(
-        [helper.make_node("Identity", ["c_in"], ["c_out"]), *joined_by_shape_of("v", "v_out")],
-        "body",
-        [vi("i", I64, []), vi("c_in", B, []), vi("v", F, [1, 4])],
-        [vi("c_out", B, []), vi("v_out", F, [1, 4])],
-        [*SHAPE_INITS],
-    )
-    # The body's Reshape is of x (the outer value), so each round adds x's row sums again.
-    return mk(
-        [helper.make_node("Loop", ["trip", "cond", "x"], ["y"], body=body)],
-        [vi("x", F, ["N", 4])],
-        [vi("y", F, ["N", 4])],
-        [c("trip", 2), c("cond", True, np.bool_)],
-    )
-
-
-def _branch_name_lie_fixed_at_one() -> ModelProto:
-    """Fixed at 1; two branches define 't', rows in one and static in the other; one declares it."""
-    then = helper.make_graph(
-        [helper.make_node("Add", ["x", "one"], ["t"]), *joined_by_shape_of("t", "o1")],
-        "then",
-        [],
-        [vi("o1", F, [1, 4])],
-        value_info=[vi("t", F, [1, 4])],
-    )
-    other = helper.make_graph(
-        [
-            helper.make_node("Constant", [], ["t"], value=c("k", np.ones((1, 4)), np.float32)),
-            helper.make_node("Add", ["x", "t"], ["o2"]),
-        ],
-        "else",
-        [],
-        [vi("o2", F, [1, 4])],
-    )
-    return mk(
-        [helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)],
-        [vi("x", F, [1, 4])],
-        [vi("y", F, [1, 4])],
-        [c("one", 1.0, np.float32), c("cond", True, np.bool_), *SHAPE_INITS],
-    )
-
-
-def _pad_to_a_multiple() -> ModelProto:
-    """Pads the sequence axis to a multiple of 8, by pads computed from its length (Mod)."""
-    return mk(
-        [
-            helper.make_node("Shape", ["x"], ["s"]),
-            helper.make_node("Gather", ["s", "one"], ["S"], axis=0),
-            helper.make_node("Mod", ["S", "eight"], ["r"]),
-            helper.make_node("Sub", ["eight", "r"], ["p0"]),
-            helper.make_node("Mod", ["p0", "eight"], ["p"]),
-            helper.make_node("Unsqueeze", ["p", "ax0"], ["pu"]),
-            helper.make_node("Concat", ["zeros4", "pu", "zero1"], ["pads"], axis=0),
-            helper.make_node("Pad", ["x", "pads"], ["padded"], mode="reflect"),
-            helper.make_node("ReduceSum", ["padded", "ax1"], ["y"], keepdims=0),
-        ],
-        [vi("x", F, ["N", "S", 4])],
-        [vi("y", F, ["N", 4])],
-        [c("one", 1), c("eight", 8), c("ax0", [0]), c("ax1", [1]), c("zeros4", [0] * 4),
-         c("zero1", [0])],
-    )
-
-
-def _torch_f_pad() -> ModelProto:
-    """PyTorch's export of ``F.pad(x, (1, 2))``: the pads table reshaped, reversed, transposed."""
-    return mk(
-        [
-            helper.make_node("ConstantOfShape", ["two"], ["zeros"], value=c("v", [0])),
-            helper.make_node("Concat", ["lr", "zeros"], ["flat"], axis=0),
-            helper.make_node("Reshape", ["flat", "pairs"], ["table"]),
-            helper.make_node("Slice", ["table", "m1", "big", "ax0", "m1"], ["rev"]),
-            helper.make_node("Transpose", ["rev"], ["tr"], perm=[1, 0]),
-            helper.make_node("Reshape", ["tr", "m1"], ["pads"]),
-            helper.make_node("Pad", ["x", "pads"], ["y"]),
-        ],
-        [vi("x", F, ["N", 5])],
-        [vi("y", F, ["N", 8])],
-        [c("two", [2]), c("lr", [1, 2]), c("pairs", [-1, 2]), c("m1", [-1]),
-         c("big", [-(2**63) + 1]), c("ax0", [0])],
-    )
-
-
-def row_feeds(shape: Sequence[int], *, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [
-        {"x": (rng.standard_normal((1, *shape)) + 4 * k).astype(np.float32)}
-        for k in range(CALLERS)
-    ]
-
-
-# name -> (model, one-row feeds of distinct callers)
-LYING: dict[str, tuple[Callable[[], ModelProto], list[dict[str, np.ndarray]]]] = {
-    "value_info declares a rows tensor [1, 4]": (_value_info_lie, row_feeds([4])),
-    "a second output declared [1, 4]": (_output_lie, row_feeds([4])),
-    "an If branch's output declared [1, 4]": (_if_output_lie, row_feeds([4])),
-    "a Loop body's carried value declared [1, 4]": (_loop_carried_lie, row_feeds([4])),
-    "fixed at 1: branches share a name, one declares it": (
-        _branch_name_lie_fixed_at_one,
-        row_feeds([4]),
-    ),
-}
-# Accepted models whose declarations are true, for the invariant.
-HONEST = {
-    "pads computed to a multiple of 8": (_pad_to_a_multiple, row_feeds([5, 4])),
-    "PyTorch's F.pad export": (_torch_f_pad, row_feeds([5])),
-}
+from sharedml.rows import Dim, RowAnalysis
 
 
 def plain(m: ModelProto, **options: Any) -> ort.InferenceSession:
@@ -329,25 +130,45 @@ def test_the_graph_ort_runs_declares_no_shape_the_analysis_did_not_prove(case: s
     m = LYING.get(case, HONEST.get(case))[0]()  # type: ignore[index]
     analysis = proof(m)
     served = relax(m, analysis).graph
+    top = analysis.top_facts
+    names: dict[str, int] = {}  # how often the main graph's declarations use each dim name
+    for value in (*served.graph.input, *served.graph.output, *served.graph.value_info):
+        for d in value.type.tensor_type.shape.dim:
+            names[d.dim_param] = names.get(d.dim_param, 0) + bool(d.dim_param)
+    batch = {v.type.tensor_type.shape.dim[0].dim_param for v in served.graph.input}
     for name, depth, type_proto in declarations(served):
-        assert depth > 0, f"value_info '{name}' is still declared"
-        tensor = type_proto.tensor_type
-        # a Loop body's iteration number and condition only: scalars by the operator
-        assert not tensor.HasField("shape") or len(tensor.shape.dim) == 0, name
-    facts = dict(analysis.outputs())
-    batch = analysis.batch_params
-    for value in served.graph.output:
-        fact = facts[value.name]
-        dims = value.type.tensor_type.shape.dim
-        assert fact.shape is not None and len(dims) in (0, len(fact.shape))
-        for axis, (dim, proven) in enumerate(zip(dims, fact.shape, strict=False)):
-            if axis == fact.axis:
-                assert not dim.HasField("dim_value"), value.name
-                assert dim.dim_param in (*batch, ROWS_DIM, ""), value.name
-            elif dim.HasField("dim_value"):
-                assert proven == Dim.of(dim.dim_value), value.name
-            elif dim.dim_param:
-                assert proven == Dim.of(f"dim:{dim.dim_param}"), value.name
+        if depth:  # a Loop body's iteration number and condition only: scalars, by the op
+            tensor = type_proto.tensor_type
+            assert not tensor.HasField("shape") or len(tensor.shape.dim) == 0, name
+    for value in (*served.graph.value_info, *served.graph.output):
+        name, tensor = value.name, value.type.tensor_type
+        if not tensor.HasField("shape"):
+            continue
+        fact = top[name]  # the main graph's own value of that name
+        dims = tensor.shape.dim
+        assert fact.shape is not None and len(dims) == len(fact.shape), name
+        for axis, (dim, proven) in enumerate(zip(dims, fact.shape, strict=True)):
+            if dim.HasField("dim_value"):
+                assert not (fact.rows and axis == fact.axis), f"{name}: a size for the rows"
+                assert proven == Dim.of(dim.dim_value), name
+            elif names.get(dim.dim_param, 0) > 1:  # a name ORT may equate with another dim
+                if fact.rows and axis == fact.axis:
+                    assert dim.dim_param in (*batch, ROWS_DIM) and fact.fold == 1, name
+                else:
+                    assert proven == Dim.of(f"dim:{dim.dim_param}"), name
+
+
+def test_a_model_whose_declarations_hold_is_loaded_as_it_is() -> None:
+    """No copy where nothing needs dropping: value_info and outputs the analysis proves."""
+    m = mk(
+        [helper.make_node("Add", ["x", "one"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        [vi("x", F, ["N", 4])],
+        [vi("y", F, ["N", 4])],
+        [c("one", 1.0, np.float32)],
+        [vi("h", F, ["N", 4]), vi("unnamed", F, ["dim_used_once"])],
+    )
+    relaxed = relax(m, proof(m))
+    assert relaxed.graph is m and relaxed.changed == () and relaxed.reason == ""
 
 
 def ort_optimized(m: ModelProto, tmp: Path) -> ModelProto:
@@ -420,3 +241,41 @@ def test_an_unused_mixing_node_is_found_though_another_branch_reuses_its_name() 
     )
     with pytest.raises(sharedml.NotBatchableError, match="ReduceSum"):
         signature_of(m, name="m", relax=True)
+
+
+def _weights_of(model_path: Path) -> list[Path]:
+    graph = onnx.load(model_path, load_external_data=False).graph
+    found = {
+        e.value for t in graph.initializer for e in t.external_data if e.key == "location"
+    }
+    return [model_path.parent / name for name in sorted(found)]
+
+
+def test_a_prepared_model_of_the_callers_is_copied_into_the_cache_never_linked(
+    tmp_path: Path,
+) -> None:
+    """A second link would change the caller's file: onnx.load refuses such external data."""
+    m = LYING["value_info declares a rows tensor [1, 4]"][0]()
+    big = numpy_helper.from_array(np.ones((64, 4), np.float32), "w")  # a tensor prepare moves
+    m.graph.initializer.append(big)
+    m.graph.node.append(helper.make_node("MatMul", ["y", "w_t"], ["unused"]))
+    m.graph.initializer.append(numpy_helper.from_array(np.ones((4, 64), np.float32), "w_t"))
+    onnx.save(m, tmp_path / "source.onnx")
+    mine = tmp_path / "mine" / "model.onnx"
+    sharedml.prepare(tmp_path / "source.onnx", mine)
+    (weights,) = _weights_of(mine)
+    with sharedml.SessionPool(
+        mine, sessions=1, batching=True, cache_dir=tmp_path / "cache"
+    ) as pool:
+        served = pool.recipe.model_path
+        assert served != mine  # the relaxed graph, an entry of the cache
+        (copy,) = _weights_of(served)
+        assert copy.stat().st_ino != weights.stat().st_ino
+    assert weights.stat().st_nlink == 1
+    onnx.load(mine)  # the caller's model loads with its weights, as before
+
+    with sharedml.SessionPool(
+        tmp_path / "source.onnx", sessions=1, batching=True, cache_dir=tmp_path / "cache2"
+    ) as pool:  # prepared by the pool: the cache's own files are linked, the same inode
+        (linked,) = _weights_of(pool.recipe.model_path)
+        assert linked.stat().st_nlink == 2

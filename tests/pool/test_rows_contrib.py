@@ -20,7 +20,7 @@ import pytest
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 
-from sharedml.pool._rows import RowAnalysis
+from sharedml.rows import RowAnalysis
 
 F = TensorProto.FLOAT
 I32 = TensorProto.INT32
@@ -172,6 +172,14 @@ ACCEPTED: dict[str, tuple[Callable[[], ModelProto], list[dict[str, np.ndarray]]]
         x_feeds(),
     ),
     "MultiHeadAttention, self-attention": (lambda: mk(mha(), [X], []), x_feeds()),
+    "SimplifiedLayerNormalization in the ONNX domain (ORT's RMS norm)": (
+        lambda: mk(
+            helper.make_node("SimplifiedLayerNormalization", ["x", "scale"], ["y"], axis=-1),
+            [X],
+            [w("scale", H)],
+        ),
+        x_feeds(),
+    ),
     "RotaryEmbedding, one static position offset ([1])": (
         lambda: rotary(c("pos", [1], np.int64)),
         x_feeds(),

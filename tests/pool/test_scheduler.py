@@ -8,9 +8,11 @@ callers queue (polling ``waiting``), as tests/pool/test_batching.py does with a 
 
 from __future__ import annotations
 
+import asyncio
 import signal
-import sys
 import threading
+import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -18,8 +20,8 @@ import numpy as np
 import pytest
 from _waiting import DEADLINE_S, wait_until
 
-from sharedml import Batching, InvalidInputError, PoolClosedError, SessionCreationError
-from sharedml.pool._batching import Request
+from sharedml import Batching, InvalidInputError, PoolClosedError, RunError, SessionCreationError
+from sharedml.pool._batching import UNTOLD_GAP, Request
 from sharedml.pool._creation import create_with_retries
 from sharedml.pool._scheduler import Scheduler
 
@@ -27,13 +29,33 @@ POISON = -1.0  # a row holding this fails any run it is in, as a bad input would
 
 
 class FakeSessions:
-    """A session source whose sessions compute ``2 * x + 1`` (no ORT)."""
+    """A session source whose sessions compute ``2 * x + 1`` (no ORT).
 
-    def __init__(self, *, fail_merged: bool = False, interrupt_merged: bool = False) -> None:
+    ``leak_above``: a run whose feed holds a value above it adds the feed's column sums to
+    every row (a batch statistic): a model that mixes rows only for some inputs. ``gate``:
+    merged runs wait for it (``merged_started`` is set once one does). ``seen`` holds the rows
+    of every run: what ran, and what never did.
+    """
+
+    def __init__(
+        self,
+        *,
+        fail_merged: bool = False,
+        interrupt_merged: bool = False,
+        leak_above: float | None = None,
+        gate: threading.Event | None = None,
+        lose_session_on: float | None = None,
+    ) -> None:
         self.fail_merged = fail_merged
+        self.lose_session_on = lose_session_on  # a run holding this value loses its session
+        self.discarded: list[Any] = []
         self.interrupt_merged = interrupt_merged
+        self.leak_above = leak_above
+        self.gate = gate  # merged runs wait for it to be set
+        self.merged_started = threading.Event()
         self.lock = threading.Lock()
         self.feeds: list[tuple[int, bool]] = []  # (rows, merged) of every run
+        self.seen: list[np.ndarray] = []  # the rows of every run
         self.created = 0
         self.running: set[int] = set()
         self.overlapped = False  # two runs on one session at once
@@ -49,20 +71,29 @@ class FakeSessions:
             self.overlapped |= session in self.running
             self.running.add(session)
             self.feeds.append((len(x), feed is not None))
+            self.seen.append(x.copy())
         try:
+            if feed is not None and self.gate is not None:
+                self.merged_started.set()
+                assert self.gate.wait(DEADLINE_S)
             if feed is not None and self.interrupt_merged:
                 raise KeyboardInterrupt
             if feed is not None and self.fail_merged:
                 raise RuntimeError("the merged run failed")
             if (x == POISON).any():
-                raise ValueError("a row holds the poison value")
+                raise InvalidInputError("a row holds the poison value")
+            if self.lose_session_on is not None and (x == self.lose_session_on).any():
+                raise RunError("the device went away", session_lost=True)
+            if self.leak_above is not None and (x > self.leak_above).any():
+                return [x * 2.0 + 1.0 + x.sum(axis=0)]
             return [x * 2.0 + 1.0]
         finally:
             with self.lock:
                 self.running.discard(session)
 
     def discard(self, session: Any) -> None:
-        pass
+        with self.lock:
+            self.discarded.append(session)
 
 
 def request(x: np.ndarray) -> Request:
@@ -79,17 +110,24 @@ def make() -> Iterator[Callable[..., tuple[Scheduler, FakeSessions]]]:
     made: list[Scheduler] = []
 
     def factory(
-        sessions: int = 1, *, batching: Batching | None = None, **fake: bool
+        sessions: int = 1,
+        *,
+        batching: Batching | None = None,
+        check_seed: int | None = None,
+        **fake: Any,
     ) -> tuple[Scheduler, FakeSessions]:
         source = FakeSessions(**fake)
-        scheduler = Scheduler(source, max_sessions=sessions, batching=batching)
+        scheduler = Scheduler(
+            source, max_sessions=sessions, batching=batching, check_seed=check_seed
+        )
         scheduler.add_sessions([source.create() for _ in range(sessions)])
         made.append(scheduler)
         return scheduler, source
 
     yield factory
     for scheduler in made:
-        scheduler.close(None, deadline=None)
+        # A deadline: a test that failed holding a session fails here too, instead of hanging.
+        scheduler.close(DEADLINE_S, deadline=time.monotonic() + DEADLINE_S)
         scheduler.drain()
 
 
@@ -120,14 +158,6 @@ def queue_behind_a_checkout(scheduler: Scheduler, calls: list[Callable[[], Any]]
     scheduler.checkin(session)
     wait_until(lambda: len(outcomes) == len(calls), what="every call to finish")
     return outcomes
-
-
-@pytest.fixture
-def fast_switching() -> Iterator[None]:
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads interleave as often as they can
-    yield
-    sys.setswitchinterval(interval)
 
 
 def test_every_caller_gets_exactly_its_own_rows_and_no_batch_exceeds_the_limit(
@@ -310,3 +340,334 @@ def test_background_creation_retries_and_tells_the_waiting_caller_of_a_failure()
     assert (stats.creation_failures, stats.created, stats.sessions) == (2, 1, 1)
     scheduler.checkin(scheduler.checkout(timeout_s=DEADLINE_S))  # the retry's session serves
     scheduler.close(None, deadline=None)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks of merged batches against solo runs: found within a bound, whatever came first
+
+LEAK = 100.0  # FakeSessions(leak_above=LEAK): rows above it mix with the batch's other rows
+
+
+def merged_batch(scheduler: Scheduler, inputs: list[np.ndarray]) -> list[Any]:
+    """Run ``inputs`` as one merged batch (queued behind a checkout, no threads); results."""
+    session = scheduler.checkout(None)
+    futures = [scheduler.submit(request(x)) for x in inputs]
+    scheduler.checkin(session)
+    return [f.result(DEADLINE_S) for f in futures]
+
+
+def distinct(batch: int, members: int = 2) -> list[np.ndarray]:
+    """``members`` requests of one row each, unlike any other batch's and not blank."""
+    return [rows(1, 1 + batch + i / 10) for i in range(members)]
+
+
+# Requests (POISON-free) whose rows add nothing to a batch sum: a leak cannot show through them.
+HARMLESS: list[Callable[[int], list[np.ndarray]]] = [
+    lambda b: [np.zeros((1, 3)), np.zeros((1, 3)) + 1e-9 * (b + 1)],  # zeros, near-zeros
+    lambda b: [np.full((1, 3), b + 1.0), np.full((1, 3), b + 2.0)],  # one value throughout
+    lambda b: [np.array([[b + 2.0, -(b + 2.0), 0]]), np.array([[1.0, 2.0, -3.0]])],  # zero sums
+    lambda b: [
+        np.array([[1.0, 2, 5], [-1, -2, -5]]) * (2 + b / 8),
+        np.array([[3.0, 2, 4], [-3, -2, -4]]),
+    ],
+    lambda b: [  # every position of the sequence the same vector
+        np.tile([[[1.0, 2, 3 + b]]], (1, 4, 1)),
+        np.tile([[[5.0, b, 6]]], (1, 4, 1)),
+    ],
+]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_leak_after_settled_traffic_is_found_within_check_within_batches(
+    make: Callable[..., tuple[Scheduler, FakeSessions]], seed: int
+) -> None:
+    # 40 batches that cannot leak settle the class (checks spread out to gaps of up to 8);
+    # then every batch leaks, and a check must come within 8 of them.
+    batching = Batching(max_batch_size=2, max_delay_ms=0, check_within=8)
+    scheduler, _ = make(1, batching=batching, check_seed=seed, leak_above=LEAK)
+    for b in range(40):
+        merged_batch(scheduler, distinct(b))
+    settled = scheduler.stats()
+    assert settled.batch_mismatches == 0 and 5 <= settled.batch_checks < 40  # sampled
+    for n in range(1, 9):
+        inputs = distinct(LEAK + 10 * n)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = merged_batch(scheduler, inputs)
+        if scheduler.stats().batch_mismatches:
+            break
+    else:
+        pytest.fail("8 leaking batches in a row went unchecked")
+    assert any("stops merging" in str(w.message) for w in caught)
+    for x, out in zip(inputs, outs, strict=True):  # the batch caught: each caller's solo result
+        np.testing.assert_array_equal(out[0], x * 2.0 + 1.0 + x.sum(axis=0))
+    assert scheduler.batching is None and not scheduler.stats().batching
+
+
+@pytest.mark.parametrize("harmless", range(len(HARMLESS)))
+@pytest.mark.parametrize("seed", range(6))
+def test_priming_with_harmless_rows_buys_no_gaps_between_checks(
+    make: Callable[..., tuple[Scheduler, FakeSessions]], harmless: int, seed: int
+) -> None:
+    # Batches whose rows could not show a leak (zeros, one value, zero sums, one vector at every
+    # position) are checked but prove nothing: however many passed, the class is checked at
+    # least every UNTOLD_GAP batches, so the leak that follows is found within that many.
+    shapes = [x.shape for x in HARMLESS[harmless](0)]
+    batching = Batching(max_batch_size=2 * shapes[0][0], max_delay_ms=0)  # check_within: 64
+    scheduler, _ = make(1, batching=batching, check_seed=seed, leak_above=LEAK)
+    for b in range(30):
+        merged_batch(scheduler, HARMLESS[harmless](b))
+    assert scheduler.stats().batch_checks >= 30 // UNTOLD_GAP
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the leaders' threads warn: recorded, not raised
+        for n in range(1, UNTOLD_GAP + 1):
+            leaking = [  # the same class: the same shapes
+                np.arange(np.prod(shape)).reshape(shape) / 10 + (LEAK if i == 0 else 7) + n
+                for i, shape in enumerate(shapes)
+            ]
+            merged_batch(scheduler, leaking)
+            if scheduler.stats().batch_mismatches:
+                break
+        else:
+            pytest.fail(f"{UNTOLD_GAP} leaking batches after harmless ones went unchecked")
+    assert any("stops merging" in str(w.message) for w in caught)
+
+
+def test_the_first_batch_of_every_class_is_checked_in_full(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    batching = Batching(max_batch_size=8, max_delay_ms=0, check_within=None)
+    scheduler, source = make(1, batching=batching, check_seed=0)
+    merged_batch(scheduler, distinct(0))
+    for b in range(1, 10):  # settled: check_within=None checks no more
+        merged_batch(scheduler, distinct(b))
+    assert (scheduler.stats().batch_checks, scheduler.stats().check_runs) == (1, 2)
+    # A new row bucket (4 rows), a new non-batch shape, new output names: each checked at once.
+    merged_batch(scheduler, distinct(20, members=4))
+    merged_batch(scheduler, [rows(1, 30)[:, :2], rows(1, 31)[:, :2]])
+    session = scheduler.checkout(None)
+    futures = [
+        scheduler.submit(Request(("y",), {"x": x}, None, 1, key=(("x", (3,)), ("y",))))
+        for x in distinct(40)
+    ]
+    scheduler.checkin(session)
+    [f.result(DEADLINE_S) for f in futures]
+    stats = scheduler.stats()
+    assert (stats.batch_checks, stats.check_runs) == (4, 2 + 4 + 2 + 2)  # full: every request
+    assert stats.batch_mismatches == 0 and len(source.feeds) == 13 + stats.check_runs
+
+
+def test_equal_requests_are_not_checked_and_the_next_different_batch_is(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    scheduler, _ = make(1, batching=Batching(max_batch_size=2, max_delay_ms=0), check_seed=0)
+    x = rows(1, 5)
+    for _ in range(5):
+        merged_batch(scheduler, [x, x.copy()])
+    assert scheduler.stats().batch_checks == 0
+    merged_batch(scheduler, distinct(1))
+    assert scheduler.stats().batch_checks == 1
+
+
+def test_a_spot_check_reruns_one_request_and_a_failed_one_gives_every_caller_its_solo_result(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    batching = Batching(max_batch_size=4, max_delay_ms=0, check_within=1)  # every batch
+    scheduler, _ = make(1, batching=batching, check_seed=3, leak_above=LEAK)
+    for b in range(4):
+        merged_batch(scheduler, distinct(b, members=4))
+    stats = scheduler.stats()
+    assert (stats.batch_checks, stats.check_runs) == (4, 4 + 3)  # one full, then spot checks
+    inputs = [rows(1, 1), rows(1, LEAK + 1), rows(1, 2), rows(1, 3)]
+    with pytest.warns(RuntimeWarning, match="other values than running its request alone"):
+        outs = merged_batch(scheduler, inputs)
+    for x, out in zip(inputs, outs, strict=True):
+        solo = x * 2.0 + 1.0 + (x.sum(axis=0) if (x > LEAK).any() else 0)
+        np.testing.assert_array_equal(out[0], solo)
+    stats = scheduler.stats()
+    assert (stats.batch_checks, stats.batch_mismatches, stats.check_runs) == (5, 1, 7 + 4)
+    assert stats.check_seconds > 0 and scheduler.batching is None
+    assert stats.busy == 0 and stats.waiting == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Callers that leave: a cancelled run_async leaves its batch, and never runs unless it started
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    """``wait_until`` for a coroutine: polls without blocking the event loop."""
+    deadline = asyncio.get_running_loop().time() + DEADLINE_S
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {DEADLINE_S} s waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+def callers(scheduler: Scheduler, inputs: list[np.ndarray]) -> list[asyncio.Task[Any]]:
+    """An asyncio task per input that meets the others on a barrier, then runs it."""
+    barrier = asyncio.Barrier(len(inputs))
+
+    async def call(x: np.ndarray) -> Any:
+        await barrier.wait()
+        return await asyncio.wrap_future(scheduler.submit(request(x)))
+
+    return [asyncio.ensure_future(call(x)) for x in inputs]
+
+
+def ran(source: FakeSessions, x: np.ndarray) -> bool:
+    """Whether any run saw a row of ``x``."""
+    return any(np.isin(x[:, 0], seen[:, 0]).any() for seen in source.seen)
+
+
+async def settled_and_free(
+    scheduler: Scheduler, tasks: list[asyncio.Task[Any]], inputs: list[np.ndarray], gone: set[int]
+) -> None:
+    """Every task left in ``tasks`` got its own rows; the gone ones were cancelled; no slot is
+    held, nobody waits; and the scheduler still merges a batch afterwards."""
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), DEADLINE_S)
+    for i, (x, outcome) in enumerate(zip(inputs, outcomes, strict=True)):
+        if i in gone:
+            assert isinstance(outcome, asyncio.CancelledError), (i, outcome)
+        else:
+            assert not isinstance(outcome, BaseException), (i, outcome)
+            np.testing.assert_array_equal(outcome[0], x * 2.0 + 1.0)
+    await until(lambda: scheduler.stats().busy == 0, "the session to come back")
+    stats = scheduler.stats()
+    assert (stats.busy, stats.waiting, stats.failed_runs) == (0, 0, 0)
+    later = [rows(1, 900 + i) for i in range(4)]  # fills a batch: no delay waits for more
+    session = scheduler.checkout(None)
+    futures = [asyncio.wrap_future(scheduler.submit(request(x))) for x in later]
+    await until(lambda: scheduler.stats().waiting == 4, "the later requests to queue")
+    scheduler.checkin(session)
+    batches = scheduler.stats().batches
+    for x, out in zip(later, await asyncio.gather(*futures), strict=True):
+        np.testing.assert_array_equal(out[0], x * 2.0 + 1.0)
+    assert scheduler.stats().batches == batches + 1  # one merged batch
+
+
+def test_callers_cancelled_while_queued_leave_the_queue_and_never_run(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    scheduler, source = make(1, batching=Batching(max_batch_size=8, max_delay_ms=0))
+    inputs = [rows(1, 10 * i) for i in range(6)]
+    gone = {1, 4}
+
+    async def main() -> None:
+        session = scheduler.checkout(None)
+        tasks = callers(scheduler, inputs)
+        await until(lambda: scheduler.stats().waiting == 6, "every caller to queue")
+        for i in gone:
+            tasks[i].cancel()
+        await until(lambda: scheduler.stats().waiting == 4, "the cancelled to leave the queue")
+        scheduler.checkin(session)
+        await settled_and_free(scheduler, tasks, inputs, gone)
+
+    asyncio.run(main())
+    assert not any(ran(source, inputs[i]) for i in gone)
+    assert all(ran(source, inputs[i]) for i in range(6) if i not in gone)
+    assert scheduler.stats().cancelled == 2
+
+
+@pytest.mark.parametrize("who", ["leader", "follower"])
+def test_a_caller_cancelled_while_its_batch_forms_leaves_it_and_never_runs(
+    make: Callable[..., tuple[Scheduler, FakeSessions]], who: str
+) -> None:
+    # The leader waits (a long delay) for 4 rows; it took the second caller's already. One of
+    # the two is cancelled; then two more arrive, the batch starts, and runs without it.
+    batching = Batching(max_batch_size=4, max_delay_ms=DEADLINE_S * 1000)
+    scheduler, source = make(1, batching=batching)
+    inputs = [rows(1, 10 * i) for i in range(4)]
+    gone = {0 if who == "leader" else 1}
+
+    async def main() -> None:
+        session = scheduler.checkout(None)
+        tasks = callers(scheduler, inputs[:2])
+        await until(lambda: scheduler.stats().waiting == 2, "two callers to queue")
+        scheduler.checkin(session)
+        await until(
+            lambda: (scheduler.stats().waiting, scheduler.stats().busy) == (0, 1),
+            "the leader to take the second caller into its batch",
+        )
+        for i in gone:
+            tasks[i].cancel()
+        await until(lambda: all(tasks[i].done() for i in gone), "the cancel to land")
+        tasks += callers(scheduler, inputs[2:])
+        await settled_and_free(scheduler, tasks, inputs, gone)
+
+    asyncio.run(main())
+    assert not any(ran(source, inputs[i]) for i in gone)
+    assert source.feeds[0] == (3, True)  # the batch ran the three callers left
+    assert scheduler.stats().cancelled == 1
+
+
+def test_a_caller_cancelled_while_its_batch_runs_leaves_the_others_their_results(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    gate = threading.Event()
+    scheduler, source = make(1, batching=Batching(max_batch_size=8, max_delay_ms=0), gate=gate)
+    inputs = [rows(1, 10 * i) for i in range(4)]
+    gone = {0, 2}  # the leader and a follower
+
+    async def main() -> None:
+        session = scheduler.checkout(None)
+        tasks = callers(scheduler, inputs)
+        await until(lambda: scheduler.stats().waiting == 4, "every caller to queue")
+        scheduler.checkin(session)
+        await until(source.merged_started.is_set, "the merged run to start")
+        for i in gone:
+            tasks[i].cancel()
+        await until(lambda: all(tasks[i].done() for i in gone), "the cancel to land")
+        gate.set()
+        await settled_and_free(scheduler, tasks, inputs, gone)
+
+    asyncio.run(main())
+    assert source.feeds[0] == (4, True)  # it had started: it ran, the results were dropped
+    assert scheduler.stats().cancelled == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
+def test_a_caller_interrupted_while_a_forming_batch_holds_its_request_leaves_it(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+    sigint_raises: None,
+) -> None:
+    # An async leader waits (a long delay) for 3 rows and takes the main thread's request;
+    # Ctrl-C reaches the main thread while it waits: its request must not run. The next
+    # request fills the batch (3 rows counted), which runs the two requests left.
+    batching = Batching(max_batch_size=3, max_delay_ms=DEADLINE_S * 1000)
+    scheduler, source = make(1, batching=batching)
+    mine, others = rows(1, 5), [rows(1, 10), rows(1, 20)]
+    session = scheduler.checkout(None)
+    first = scheduler.submit(request(others[0]))
+    scheduler.checkin(session)
+    wait_until(lambda: scheduler.stats().busy == 1, what="the async leader to fill")
+
+    def interrupt_when_taken() -> None:
+        wait_until(
+            lambda: (scheduler.stats().waits, scheduler.stats().waiting) == (2, 0),
+            what="the leader to take the main thread's request",
+        )
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+
+    interrupter = threading.Thread(target=interrupt_when_taken)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        scheduler.run(request(mine))
+    interrupter.join(DEADLINE_S)
+    rest = [scheduler.submit(request(x)) for x in others[1:]]
+    for x, future in zip(others, [first, *rest], strict=True):
+        np.testing.assert_array_equal(future.result(DEADLINE_S)[0], x * 2.0 + 1.0)
+    assert not ran(source, mine)
+    assert source.feeds == [(2, True), (1, False), (1, False)]  # without it; checked in full
+    wait_until(lambda: scheduler.stats().busy == 0, what="the session to come back")
+    stats = scheduler.stats()
+    assert (stats.cancelled, stats.waiting, stats.failed_runs) == (1, 0, 0)
+
+
+def test_a_run_that_loses_its_session_fails_and_the_session_is_replaced(make: Any) -> None:
+    scheduler, source = make(sessions=1, lose_session_on=13.0)
+    with pytest.raises(RunError, match="device went away"):
+        scheduler.run(request(np.full((1, 3), 13.0)))
+    assert source.discarded == [1]  # the source let the session go
+    out = scheduler.run(request(rows(1, 5.0)))  # a new session serves the next caller
+    np.testing.assert_array_equal(out[0], rows(1, 5.0) * 2.0 + 1.0)
+    assert source.created == 2

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from _waiting import wait_until
 from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
 from sharedml._errors import CompressError
+from sharedml.cache._files import temp_owner
 from sharedml.prepared import compress_static
 
 CHANNELS, SIZE, CLASSES = 16, 12, 10
@@ -189,7 +195,7 @@ def test_a_model_with_nothing_to_quantize_is_refused(tmp_path: Path) -> None:
     onnx.save(
         helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), src
     )
-    calibration = [{"x": np.ones((1, 4), np.float32)}]
+    calibration = [{"x": np.random.default_rng(0).standard_normal((1, 4)).astype(np.float32)}]
     with pytest.raises(CompressError, match="no weight"):
         compress_static(src, tmp_path / "q" / "relu.onnx", calibration=calibration)
 
@@ -223,3 +229,200 @@ def test_a_static_int8_pool_maps_its_int8_weights_once_for_every_session(
 def plain(path: Path, x: np.ndarray) -> np.ndarray:
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x})[0]  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration data is validated; the accuracy is checked on inputs the scales were not fit to
+
+
+def _nothing_left(folder: Path) -> None:
+    """No output and no scratch folder in ``folder`` (or it does not exist)."""
+    assert not folder.exists() or list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ("inf", r"calibration\[2\]\['x'\] holds 1 NaN or infinite value"),
+        ("nan", r"calibration\[2\]\['x'\] holds 1 NaN or infinite value"),
+        ("no rows", r"calibration\[2\]\['x'\] holds no values \(shape \(0, 3, 12, 12\)\)"),
+        ("float64", r"calibration\[2\]\['x'\] is float64, but the model's input 'x' is float32"),
+        ("rank", r"calibration\[2\]\['x'\] has shape \(3, 12, 12\).*rank 4"),
+        ("size", r"calibration\[2\]\['x'\] has shape \(1, 3, 12, 11\).*axis 3 must be 12"),
+    ],
+)
+def test_calibration_that_would_write_a_broken_model_is_refused_before_any_work(
+    cnn: Path, tmp_path: Path, bad: str, match: str
+) -> None:
+    # +inf once gave an activation an infinite range: the written model output NaN for every
+    # input, silently; zero rows wrote garbage with an empty accuracy report.
+    calibration = feeds(4, 0)
+    x = calibration[2]["x"]
+    calibration[2]["x"] = {
+        "inf": np.where(np.arange(x.size).reshape(x.shape) == 5, np.inf, x).astype(np.float32),
+        "nan": np.where(np.arange(x.size).reshape(x.shape) == 5, np.nan, x).astype(np.float32),
+        "no rows": x[:0],
+        "float64": x.astype(np.float64),
+        "rank": x[0],
+        "size": x[..., :11],
+    }[bad]
+    with pytest.raises(ValueError, match=match):
+        compress_static(cnn, tmp_path / "q" / "cnn.onnx", calibration=calibration)
+    _nothing_left(tmp_path / "q")
+    with pytest.raises(ValueError, match=match.replace("calibration", "check")):
+        compress_static(
+            cnn, tmp_path / "q" / "cnn.onnx", calibration=feeds(4, 0), check=calibration
+        )
+    _nothing_left(tmp_path / "q")
+
+
+def test_a_calibration_of_one_value_is_refused(cnn: Path, tmp_path: Path) -> None:
+    # All zeros once reported perfect accuracy: the check defaulted to the same zeros.
+    zeros = [{"x": np.zeros((2, 3, SIZE, SIZE), np.float32)} for _ in range(4)]
+    with pytest.raises(ValueError, match=r"one value in every feed \(\{'x': 0.0\}\)"):
+        compress_static(cnn, tmp_path / "q" / "cnn.onnx", calibration=zeros)
+    _nothing_left(tmp_path / "q")
+
+
+def test_without_check_feeds_the_accuracy_is_measured_on_held_back_calibration_feeds(
+    cnn: Path, tmp_path: Path
+) -> None:
+    calibration = feeds(8, 0, rows=2)
+    result = compress_static(cnn, tmp_path / "q" / "cnn.onnx", calibration=calibration)
+    assert result.checked_on == "held back" and result.caveats == ()
+    assert (result.calibration_feeds, result.checked_feeds) == (6, 2)
+    # One feed in four, spread over the list: the 4th and the 8th were held back, and the
+    # reported accuracy is what the written model computes on exactly those.
+    held = [calibration[3], calibration[7]]
+    diff = max(
+        float(np.abs(plain(result.model_path, f["x"]) - plain(cnn, f["x"])).max()) for f in held
+    )
+    assert result.accuracy[0].max_abs_diff == pytest.approx(diff, rel=1e-6)
+
+
+def test_one_calibration_feed_of_many_rows_holds_back_its_last_rows(
+    cnn: Path, tmp_path: Path
+) -> None:
+    (feed,) = feeds(1, 0, rows=8)
+    result = compress_static(cnn, tmp_path / "q" / "cnn.onnx", calibration=[feed])
+    assert result.checked_on == "held back" and result.caveats == ()
+    (logits,) = result.accuracy
+    assert logits.top1_rows == 2  # a quarter of the 8 rows, checked apart from the other 6
+    want, got = plain(cnn, feed["x"][6:]), plain(result.model_path, feed["x"][6:])
+    assert logits.max_abs_diff == pytest.approx(float(np.abs(got - want).max()), rel=1e-6)
+
+
+def test_where_nothing_can_be_held_back_the_report_and_a_warning_say_so(
+    cnn: Path, tmp_path: Path
+) -> None:
+    with pytest.warns(RuntimeWarning, match="measured on the calibration inputs themselves"):
+        result = compress_static(cnn, tmp_path / "q" / "cnn.onnx", calibration=feeds(1, 0))
+    assert result.checked_on == "calibration"
+    assert len(result.caveats) == 1 and "nothing could be held back" in result.caveats[0]
+
+
+def test_a_check_of_constant_inputs_is_reported_as_saying_nothing(
+    cnn: Path, tmp_path: Path
+) -> None:
+    constant = [{"x": np.full((2, 3, SIZE, SIZE), 0.5, np.float32)}]
+    with pytest.warns(
+        RuntimeWarning, match=r"Every checked input holds one value \(\{'x': 0.5\}\)"
+    ):
+        result = compress_static(
+            cnn, tmp_path / "q" / "cnn.onnx", calibration=feeds(4, 0), check=constant
+        )
+    assert result.checked_on == "check" and "says nothing" in result.caveats[0]
+
+
+def test_an_int8_model_that_computes_nan_where_float_does_not_is_refused() -> None:
+    from sharedml.prepared import _static
+
+    good = [{"y": np.array([1.0, 2.0], np.float32)}]
+    with pytest.raises(CompressError, match=r"NaN or infinity in 1 value\(s\) of output 'y'"):
+        _static._refuse_non_finite("m.onnx", good, [{"y": np.array([1.0, np.nan], np.float32)}])
+    # Where the float model itself is not finite there, the int8 model is not blamed.
+    odd = [{"y": np.array([1.0, np.inf], np.float32)}]
+    _static._refuse_non_finite("m.onnx", odd, [{"y": np.array([1.0, np.nan], np.float32)}])
+
+
+# --------------------------------------------------------------------------------------------
+# A killed build's scratch folder is removed by the next writer into the folder
+
+_CHILD = """
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from sharedml.prepared import compress_static
+
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+rng = np.random.default_rng(0)
+# Many feeds: the quantizer's calibration runs long enough to be killed in the middle.
+calibration = [{"x": rng.standard_normal((8, 3, 12, 12)).astype(np.float32)} for _ in range(400)]
+compress_static(src, dst, calibration=calibration)
+"""
+
+
+def _scratch(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.name.startswith(".sharedml-static-"))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGKILL")
+def test_the_scratch_folder_of_a_killed_build_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    src = small_cnn(tmp_path / "cnn.onnx", width=32, depth=2)
+    out = tmp_path / "q"
+    out.mkdir()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(src), str(out / "cnn.onnx")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        # Killed once the quantizer has begun: the prepared float model is in its scratch.
+        wait_until(
+            lambda: (
+                any((s / "float.onnx").exists() for s in _scratch(out)) or child.poll() is not None
+            ),
+            timeout_s=120,
+            what="the child's scratch folder",
+        )
+        child.kill()
+    finally:
+        _, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, err.decode(errors="replace")
+    (left,) = _scratch(out)  # what nothing used to remove, tens of MB for a real model
+    # A live build's folder, named as this process's, and a folder of the same name pattern
+    # that is not a folder: both are left alone.
+    live = out / f".sharedml-static-{temp_owner()}-abcd1234"
+    live.mkdir()
+    decoy = out / f".sharedml-static-{temp_owner().split('.')[0]}.{child.pid}-abcd1234"
+    decoy.write_bytes(b"a user's file, not a folder sharedml made")
+    result = compress_static(src, out / "cnn.onnx", calibration=feeds(8, 0))
+    assert not left.exists()
+    assert live.is_dir() and decoy.is_file()
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [live.name, decoy.name, result.model_path.name, result.weights_path.name]
+    )
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_another_users_scratch_folder_is_left_alone(
+    cnn: Path, tmp_path: Path, other_user: Callable[[Callable[[], None]], None]
+) -> None:
+    out = tmp_path / "q"
+    out.mkdir()
+    os.chmod(out, 0o1777)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    host = temp_owner().split(".")[0]
+    # Named as a process of this host that is gone: stale, if it were this user's.
+    theirs = out / f".sharedml-static-{host}.{int(dead.stdout)}-abcd1234"
+    theirs.mkdir()
+    os.chown(theirs, other_user.uid, other_user.gid)  # type: ignore[attr-defined]
+    compress_static(cnn, out / "cnn.onnx", calibration=feeds(8, 0))
+    assert theirs.is_dir()

@@ -8,6 +8,7 @@ made with ``plan_providers(..., available=...)``, so their routes are planned on
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from _models import PLACEMENTS, batchable_model, build_model, save_model
 
 from sharedml._errors import ProviderError, SessionCreationError
-from sharedml._host import usable_cores
+from sharedml._host._platform import usable_cores
 from sharedml.route._planner import Mechanism, Prepacking, SessionRecipe, plan_route
 from sharedml.runtime._capabilities import WITHOUT_ENV
 from sharedml.runtime._options import config_entry
@@ -35,8 +36,7 @@ RAW_REASONS = {
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHAREDML_CACHE_DIR", str(tmp_path / "cache"))
+def _no_route_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(WITHOUT_ENV, raising=False)
 
 
@@ -48,8 +48,25 @@ def packed(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def small(tmp_path: Path) -> Path:
-    """32x32 weights, under ORT's packing sizes: ORT neither packs nor derives anything."""
+    """32x32 weights: ORT packs them, but each is too small for the saved model's data file."""
     return save_model(build_model(list(PLACEMENTS), dim=32), tmp_path / "small.onnx")
+
+
+@pytest.fixture
+def unpacked(tmp_path: Path) -> Path:
+    """x * a + b with 16 KiB vectors: no kernel packs or derives anything."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "a"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
+        "elementwise",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4096])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4096])],
+        [numpy_helper.from_array(rng.random(4096, np.float32), n) for n in ("a", "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return save_model(model, tmp_path / "elementwise.onnx")
 
 
 @pytest.fixture
@@ -121,16 +138,35 @@ def test_a_model_ort_only_derives_weights_of_gets_the_optimized_file(conv_bn: Pa
 
 
 @pytest.mark.capability("prepacked-save")
-def test_a_model_ort_neither_packs_nor_derives_shares_raw_weights_unpacked(small: Path) -> None:
-    recipe = route(small)
+def test_a_model_ort_neither_packs_nor_derives_shares_raw_weights_unpacked(
+    unpacked: Path,
+) -> None:
+    recipe = route(unpacked)
     assert recipe.mechanism is best_raw() and recipe.prepacked is None
     assert recipe.load_path == recipe.model_path
-    assert recipe.reason.startswith("ORT neither prepacks nor derives any weight")
+    assert recipe.reason.startswith(
+        "ORT saves no packed form of any weight of this model on this CPU, at any size, and "
+        "derives none"
+    )
     assert recipe.reason.endswith(
         f"Raw weights shared: {RAW_REASONS[best_raw()]}; prepacking is off, so kernels run on "
         "unpacked weights."
     )
     assert disable_prepacking(recipe) == "1"
+
+
+@pytest.mark.capability("prepacked-save")
+def test_a_model_whose_packed_weights_are_all_small_packs_them_in_each_session(
+    small: Path,
+) -> None:
+    # No blob in the saved model (each weight under its 64 KiB threshold stays inline), yet
+    # ORT packs them: with prepacking off those MatMuls ran unpacked, other values than plain.
+    recipe = route(small)
+    assert recipe.mechanism is best_raw() and recipe.prepacked is None
+    assert recipe.prepacking is Prepacking.PER_SESSION
+    assert re.match(r"ORT packs \d+ weight\(s\) of this model \(", recipe.reason)
+    assert "each session packs its own copy, as plain ORT does" in recipe.reason
+    assert disable_prepacking(recipe) == "0"
 
 
 @pytest.mark.capability("prepacked-save")

@@ -22,6 +22,11 @@ from sharedml.runtime import _capabilities
 from sharedml.runtime._capabilities import WITHOUT_ENV, capabilities, capability, run_in_child
 from sharedml.weights import _probe as _device_probe
 
+# The first onnxruntime that has each capability (sharedml.runtime._capabilities says why;
+# IOBinding as graph sessions use it runs on the floor, 1.20). From there on a missing one is a
+# broken probe, which would skip every test marked with it.
+SINCE = {"prepacked-save": "1.21", "files-in-memory": "1.24", "dlpack": "1.21", "iobinding": "1.20"}
+
 CPU = "CPUExecutionProvider"
 DIM = 256  # MatMul weights of 256 KiB: large enough for ORT to pack and to go external
 
@@ -49,6 +54,20 @@ def test_each_capability_is_decided_once_and_says_why_where_missing() -> None:
         if not found.available:
             assert ort.__version__ in found.reason
         assert capability(name) is found  # kept for the process, not tried again
+
+
+def test_the_installed_onnxruntime_has_exactly_the_capabilities_of_its_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from packaging.version import Version
+
+    monkeypatch.delenv(WITHOUT_ENV, raising=False)
+    assert set(SINCE) == set(_capabilities.CAPABILITIES)
+    installed = Version(ort.__version__)
+    due = {name for name, since in SINCE.items() if installed >= Version(since)}
+    decided = capabilities()
+    found = {name for name, c in decided.items() if c.available}
+    assert found == due, {name: decided[name].reason for name in due - found}
 
 
 def test_a_capability_declared_missing_is_missing_with_that_reason(

@@ -32,7 +32,7 @@ from _models import build_model, save_model
 import sharedml
 import sharedml.cache
 import sharedml.ray
-from sharedml import _host
+from sharedml._host import _filesystems
 from sharedml.cache import Cache, _entries, _locks
 from sharedml.pool._calibrate import candidate_splits
 from sharedml.ray import NodeModel, create_pool, prepare_on_node
@@ -225,17 +225,17 @@ MOUNTINFO = textwrap.dedent(
 )
 @pytest.mark.skipif(sys.platform != "linux", reason="mountinfo and its paths are Linux's")
 def test_filesystem_type_from_mountinfo(path: str, fstype: str, remote: bool) -> None:
-    assert _host.filesystem_type(path, mountinfo=MOUNTINFO) == fstype
-    assert _host.is_remote_filesystem(fstype) is remote
+    assert _filesystems.filesystem_type(path, mountinfo=MOUNTINFO) == fstype
+    assert _filesystems.is_remote_filesystem(fstype) is remote
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="mountinfo is Linux's")
 def test_filesystem_type_of_this_machine() -> None:
     if not Path("/proc/self/mountinfo").exists():
-        assert _host.filesystem_type(ROOT) is None
+        assert _filesystems.filesystem_type(ROOT) is None
     else:
-        assert _host.filesystem_type("/proc/self") == "proc"
-    assert not _host.is_remote_filesystem(None)
+        assert _filesystems.filesystem_type("/proc/self") == "proc"
+    assert not _filesystems.is_remote_filesystem(None)
 
 
 @pytest.fixture

@@ -77,6 +77,7 @@ class LocalCluster:
     port: int
     caches: dict[str, Path]  # node name -> its cache folder
     node_ids: dict[str, str]  # Ray node id -> node name
+    grpc_port: int = 0  # Serve's gRPC proxy
 
     def processes(self) -> list[psutil.Process]:
         """Every process the cluster's nodes started (raylets, GCS, agents, workers...)."""
@@ -153,9 +154,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             for n in ray.nodes()
             if n["Alive"]
         }
-        port = free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        holder.append(LocalCluster(head, port, caches, ids))
+        port, grpc_port = free_port(), free_port()
+        serve.start(
+            proxy_location="HeadOnly",
+            http_options={"host": "127.0.0.1", "port": port},
+            # The Open Inference Protocol over gRPC, through Serve's gRPC proxy.
+            grpc_options={
+                "port": grpc_port,
+                "grpc_servicer_functions": [sharedml.ray.GRPC_SERVICER],
+            },
+        )
+        holder.append(LocalCluster(head, port, caches, ids, grpc_port))
         yield holder[0]
     finally:
         try:
@@ -706,4 +715,48 @@ def test_every_listener_stays_on_loopback(app: Any, cluster: LocalCluster) -> No
         if c.status == psutil.CONN_LISTEN and c.pid in pids
     ]
     assert listening  # the check saw the cluster's sockets at all
-    assert [s for s in listening if s[0] not in loopback] == []
+    # Serve's gRPC proxy (Ray 2.60) binds [::]:<port> with no host option
+    # (serve/_private/grpc_util.py, start_grpc_server): the one listener beyond loopback, and
+    # only because this cluster enables it (docs/ray.md, "What listens where", says so).
+    wide = [s for s in listening if s[0] not in loopback]
+    assert [(ip, port) for ip, port, _ in wide] in ([], [("::", cluster.grpc_port)]), wide
+
+
+def test_real_clients_reach_the_deployment_over_http_and_grpc(
+    cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """tritonclient (HTTP, gRPC) and KServe's clients, unchanged, against sharedml.ray.
+
+    The same checks as against ``sharedml serve`` (``tests/serve/test_clients.py``): every
+    endpoint, outputs equal to plain ONNX Runtime, 16 concurrent callers per protocol each
+    getting their own rows. Serve's gRPC proxy serves several applications here, so gRPC
+    calls name theirs in the ``application`` header (Serve's routing; HTTP uses the route
+    prefix).
+    """
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed")
+    pytest.importorskip("tritonclient.http", reason="tritonclient is not installed")
+    import _clients
+    from _serving import typed_model
+
+    path = typed_model(tmp_path_factory.mktemp("typed") / "typed.onnx")
+    serve.run(
+        sharedml.ray.deployment(
+            path, sessions=2, num_replicas=1, ray_actor_options={"num_cpus": 0.5}
+        ),
+        name="typed",
+        route_prefix="/typed",
+    )
+    try:
+        http = f"127.0.0.1:{cluster.port}/typed"
+        grpc = f"127.0.0.1:{cluster.grpc_port}"
+        route = {"application": "typed"}
+        _clients.check_triton_endpoints("http", http, path)
+        _clients.check_triton_endpoints("grpc", grpc, path, headers=route)
+        _clients.check_kserve_clients_in_a_child(http, grpc, path, application="typed")
+        for protocol, url, headers in (("http", http, None), ("grpc", grpc, route)):
+            wrong = _clients.concurrent_callers(
+                protocol, url, "typed", path, _clients.typed_feed, headers=headers
+            )
+            assert wrong == [], (protocol, wrong[:3])
+    finally:
+        serve.delete("typed")

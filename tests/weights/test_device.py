@@ -22,7 +22,7 @@ from _models import build_model, feeds, save_model
 from onnx import TensorProto
 
 import sharedml
-from sharedml._host import crash_name
+from sharedml._host._children import crash_name
 from sharedml.route._planner import plan_route
 from sharedml.runtime._providers import DML_NO_DEVICE_ROUTE, plan_providers
 from sharedml.weights import _device

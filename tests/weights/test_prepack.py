@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -17,7 +18,8 @@ import pytest
 from _models import PLACEMENTS, build_model, feeds, save_model
 
 import sharedml
-from sharedml import _host
+from sharedml._host import _platform
+from sharedml.route import _cpu
 from sharedml.weights import _prepacked as _prepack
 
 
@@ -47,11 +49,16 @@ def test_auto_shares_prepacked_weights_where_ort_packs_them(mlp_model: Path) -> 
 
 @pytest.mark.capability("prepacked-save")
 def test_auto_keeps_raw_sharing_where_nothing_is_packed(tmp_path: Path) -> None:
-    # 32x32 weights stay under ORT's packing sizes: nothing to gain from a saved copy.
+    # 32x32 weights: ORT packs each, but all stay inline in the saved model (under 64 KiB):
+    # nothing to gain from a saved copy; each session packs them, as plain ORT does.
     src = save_model(build_model(list(PLACEMENTS), dim=32), tmp_path / "m.onnx")
     with sharedml.SessionPool(src, sessions=2) as pool:
         assert pool.mechanism in sharedml.weights.zero_copy_mechanisms()
-        assert "neither prepacks nor derives" in pool.mechanism_reason
+        assert "each too small for the saved model's data file" in pool.mechanism_reason
+        assert _prepacking_setting(pool) == "0"
+        for flag in (True, False):
+            feed = feeds(32, flag=flag)
+            np.testing.assert_array_equal(pool.run(None, feed)[0], plain(src, feed))
 
 
 @pytest.mark.capability("prepacked-save")
@@ -256,12 +263,45 @@ def test_block_quantized_weights_never_run_unpacked(
 
 
 def test_no_saved_pack_of_block_quantized_weights_is_not_taken_for_no_packing() -> None:
-    nothing_saved = _prepack.PrepackStats(4, 2**20, 0, 0, 0, 0, 4)
-    plain_decision = _prepack.choose_cpu_route(nothing_saved, sessions=2)
-    assert "neither prepacks" in plain_decision.reason
-    decision = _prepack.choose_cpu_route(nothing_saved, sessions=2, block_quantized=True)
-    assert decision.route is _prepack.CpuRoute.SHARED_RAW
-    assert "MatMulNBits" in decision.reason and "neither prepacks" not in decision.reason
+    nothing_saved = _prepack.PrepackStats(4, 2**20, 0, 0, 0, 0, 4, inline_packed_blobs=0)
+    plain_decision = _cpu.choose_cpu_route(nothing_saved, sessions=2)
+    assert "saves no packed form of any weight" in plain_decision.reason
+    assert not plain_decision.packs_per_session
+    decision = _cpu.choose_cpu_route(nothing_saved, sessions=2, block_quantized=True)
+    assert decision.route is _cpu.CpuRoute.SHARED_RAW
+    assert "MatMulNBits" in decision.reason and "saves no packed form" not in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("inline", "cost", "packs", "says"),
+    [
+        (3, 2**19, True, "ORT packs 3 weight(s) of this model (2.0 KiB packed), each too small"),
+        (None, 2**19, True, "could not be told"),
+        (3, 2**23, False, "cost each session 8.0 MiB"),
+        (3, None, False, "could not be measured"),
+    ],
+)
+def test_sessions_pack_what_no_saved_model_shares_where_that_costs_them_little(
+    inline: int | None, cost: int | None, packs: bool, says: str
+) -> None:
+    stats = _prepack.PrepackStats(
+        4,
+        2**20,
+        0,
+        0,
+        0,
+        0,
+        4,
+        inline_packed_blobs=inline,
+        inline_packed_bytes=2048,
+        session_pack_bytes=cost,
+    )
+    decision = _cpu.choose_cpu_route(stats, sessions=2)
+    assert decision.route is _cpu.CpuRoute.SHARED_RAW
+    assert decision.packs_per_session is packs
+    assert says in decision.reason and "neither prepacks" not in decision.reason
+    if not packs:  # prepacking off: the reason says what that means for the outputs
+        assert "outputs may differ from plain ORT's" in decision.reason
 
 
 def picky_model(path: Path, width: int = 512) -> Path:
@@ -349,7 +389,7 @@ def test_cache_key_changes_with_the_ort_version(
 
 HEAP_SCRIPT = r"""
 import ctypes, json, psutil
-from sharedml import _host
+from sharedml._host import _platform
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -365,13 +405,13 @@ pin = libc.malloc(64 * 1024)  # from the top of the heap: nothing freed yet fits
 for b in blocks:
     libc.free(b)
 kept = proc.memory_info().rss - before
-released = _host.release_freed_heap()
+released = _platform.release_freed_heap()
 after = proc.memory_info().rss - before
 print(json.dumps({"kept": kept, "released": released, "after": after}))
 """
 
 
-@pytest.mark.skipif(not _host.heap_trim_available(), reason="malloc_trim is glibc's")
+@pytest.mark.skipif(not _platform.heap_trim_available(), reason="malloc_trim is glibc's")
 def test_release_freed_heap_gives_freed_heap_back_to_the_os() -> None:
     out = subprocess.run(
         [sys.executable, "-c", HEAP_SCRIPT], capture_output=True, text=True, timeout=120
@@ -497,3 +537,86 @@ def test_with_prepacking_off_each_session_keeps_its_own_derived_weights(tmp_path
     assert got["shared-raw"] > 0.7 * derived  # each 'off' session: its own fused weights
     assert got["shared-raw"] > 0.6 * got["naive"]  # about what a plain session holds
     assert got["shared"] < 0.2 * got["naive"]  # the default maps them once
+
+
+def unet_1d(path: Path, channels: int) -> Path:
+    """A 1-D U-Net: two inputs [N, 1, T] concatenated, Conv1d down twice (stride 2),
+    ConvTranspose1d up twice, each joined to its skip connection by Concat, then a 1x1 Conv."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    inits: list[Any] = []
+    nodes: list[Any] = []
+
+    def weight(name: str, *shape: int) -> str:
+        fan_in = int(np.prod(shape[1:]))
+        array = (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+        inits.append(numpy_helper.from_array(array, name))
+        return name
+
+    def conv(x: str, cin: int, cout: int, name: str, *, k: int = 3, stride: int = 1) -> str:
+        w, b = weight(f"{name}_w", cout, cin, k), weight(f"{name}_b", cout)
+        nodes.append(
+            helper.make_node("Conv", [x, w, b], [name], pads=[k // 2] * 2, strides=[stride])
+        )
+        nodes.append(helper.make_node("Relu", [name], [f"{name}_r"]))
+        return f"{name}_r"
+
+    def up(x: str, cin: int, cout: int, name: str) -> str:
+        w, b = weight(f"{name}_w", cin, cout, 2), weight(f"{name}_b", cout)
+        nodes.append(helper.make_node("ConvTranspose", [x, w, b], [name], strides=[2]))
+        return name
+
+    c = channels
+    nodes.append(helper.make_node("Concat", ["audio", "cond"], ["x0"], axis=1))
+    e1 = conv("x0", 2, c, "e1", k=5)
+    e2 = conv(e1, c, 2 * c, "e2", k=5, stride=2)
+    e3 = conv(e2, 2 * c, 4 * c, "e3", k=5, stride=2)
+    nodes.append(helper.make_node("Concat", [up(e3, 4 * c, 2 * c, "u2"), e2], ["s2"], axis=1))
+    d2 = conv("s2", 4 * c, 2 * c, "d2")
+    nodes.append(helper.make_node("Concat", [up(d2, 2 * c, c, "u1"), e1], ["s1"], axis=1))
+    d1 = conv("s1", 2 * c, c, "d1")
+    nodes.append(
+        helper.make_node("Conv", [d1, weight("out_w", 1, c, 1), weight("out_b", 1)], ["y"])
+    )
+    signal = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", 1, "t"])
+        for n in ("audio", "cond")
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "unet1d",
+        signal,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1, "t"])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return save_model(model, path)
+
+
+@pytest.mark.capability("prepacked-save")
+@pytest.mark.parametrize("channels", [8, 64])  # every ConvTranspose filter inline / one saved
+def test_a_1d_unet_pools_with_plain_orts_numerics_and_a_true_reason(
+    tmp_path: Path, channels: int
+) -> None:
+    # A real 1-D U-Net got prepacking off because its saved model held no blob, while plain ORT
+    # packs its ConvTranspose filters: 5.7e-6 away from plain ORT, and the reason said ORT
+    # "neither prepacks nor derives any weight".
+    src = unet_1d(tmp_path / "unet.onnx", channels)
+    rng = np.random.default_rng(0)
+    with sharedml.SessionPool(src, sessions=2) as pool:
+        reason = pool.mechanism_reason
+        assert "neither prepacks" not in reason
+        if pool.mechanism in sharedml.weights.zero_copy_mechanisms():
+            assert re.match(r"ORT packs 2 weight\(s\) of this model", reason), reason
+            assert _prepacking_setting(pool) == "0"  # each session packs, as plain ORT
+        else:  # the larger filter's blob is mapped; the smaller is packed per session
+            assert pool.mechanism == "prepacked-file" and "prepacked blobs" in reason
+        # Length 4 leaves 1 step at the bottleneck, where packed and unpacked ConvTranspose
+        # kernels round differently; the same kernels run here as in plain ORT: bitwise.
+        for t in (4, 8, 64):
+            feed = {
+                name: rng.standard_normal((2, 1, t)).astype(np.float32)
+                for name in ("audio", "cond")
+            }
+            np.testing.assert_array_equal(pool.run(None, feed)[0], plain(src, feed))

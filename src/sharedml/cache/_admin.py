@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import stat
@@ -20,8 +21,8 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from sharedml import _host
 from sharedml._errors import CacheError
+from sharedml._host import _hashing
 from sharedml.cache._entries import clear_stale, damaged, read_entry
 from sharedml.cache._files import TMP_SUFFIX, remove_tree, temp_owner, unlink_file
 from sharedml.cache._locks import LOCK_NAME, LOCKING, end_expired_loans, is_busy, lock_entry
@@ -447,7 +448,7 @@ def check_entries(entries: Iterable[EntryStatus]) -> list[EntryStatus]:
         if status.problem is None:
             entry = read_entry(status.kind, status.key, status.path)
             for name, (_size, digest) in sorted(entry.files.items()):
-                if _host.sha256_file(status.path / name) != digest:
+                if _hashing.sha256_file(status.path / name) != digest:
                     status = dataclasses.replace(
                         status,
                         problem=str(
@@ -603,8 +604,13 @@ def prune_cache(
     """
     if older_than_s is None and max_bytes is None:
         raise ValueError("Give --older-than DAYS, --max-size SIZE or both.")
-    if (older_than_s is not None and older_than_s < 0) or (max_bytes is not None and max_bytes < 0):
-        raise ValueError("--older-than and --max-size must not be negative.")
+    if older_than_s is not None and not 0 <= older_than_s < math.inf:  # NaN too
+        raise ValueError(
+            f"--older-than must be a finite number of days, at least 0, not {older_than_s!r} "
+            "(older_than_s)."
+        )
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError("--max-size must not be negative.")
     cache = Cache.at(cache_dir)
     listed = list_entries(cache_dir=cache)  # least recently used first
     entries = [e for e in listed if not e.foreign]

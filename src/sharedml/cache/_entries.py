@@ -29,9 +29,9 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from sharedml import _host
 from sharedml._errors import CacheError, SharedMLError
-from sharedml._host import fsync_dir
+from sharedml._host import _hashing
+from sharedml._host._files import fsync_dir
 from sharedml.cache._files import (
     READ_ONLY_FILE_MODE,
     STALE_TMP_SECONDS,
@@ -251,7 +251,7 @@ def publish(
         for produced in sorted(tmp.iterdir()):
             if not produced.is_file() or produced.is_symlink():
                 raise CacheError(f"The cache builder left '{produced}', which is not a file.")
-            digest = built.sha256.get(produced.name) or _host.sha256_file(produced)
+            digest = built.sha256.get(produced.name) or _hashing.sha256_file(produced)
             files[produced.name] = {"bytes": produced.stat().st_size, "sha256": digest}
             os.chmod(produced, READ_ONLY_FILE_MODE)
         record = {

@@ -22,6 +22,7 @@ from pathlib import Path
 import platformdirs
 
 from sharedml._errors import CacheError
+from sharedml._host import _files
 from sharedml.cache._files import PRIVATE_DIR_MODE, TMP_SUFFIX, temp_owner, temp_owner_of
 
 __all__ = [
@@ -150,7 +151,10 @@ def _foreign_item(root: Path) -> str | None:
     return None
 
 
-_ADOPTED: set[tuple[int, int]] = set()  # (device, inode) of cache folders checked in this process
+# Cache folders checked in this process: (path, device, inode). The path too: a folder removed
+# frees its inode, which the file system soon gives to another (someone's data folder) that a
+# (device, inode) key alone would take for the cache it already checked.
+_ADOPTED: set[tuple[str, int, int]] = set()
 
 
 def _adopt(root: Path, st: os.stat_result, *, mark: bool) -> None:
@@ -165,7 +169,8 @@ def _adopt(root: Path, st: os.stat_result, *, mark: bool) -> None:
     Raises:
         CacheError: it holds something sharedml did not create; nothing was changed.
     """
-    if (st.st_dev, st.st_ino) in _ADOPTED:
+    key = (str(root), st.st_dev, st.st_ino)
+    if key in _ADOPTED:
         return
     marker = root / MARKER_FILE
     if not _is_own_marker(marker):
@@ -189,7 +194,7 @@ def _adopt(root: Path, st: os.stat_result, *, mark: bool) -> None:
             finally:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
-    _ADOPTED.add((st.st_dev, st.st_ino))
+    _ADOPTED.add(key)
 
 
 def _check_root(root: Path) -> None:
@@ -342,14 +347,25 @@ class Cache:
         """The cache folder, checked to be sharedml's if it exists (nothing is created).
 
         Raises:
-            CacheError: it exists and holds what sharedml did not create.
+            CacheError: it exists and holds what sharedml did not create, or it is not a
+                folder (``--cache-dir /dev/null``: read as "no entries", a typo would pass
+                unnoticed).
         """
         try:
             st = self.root.stat()
+        except NotADirectoryError:  # a path through a file: /dev/null/cache
+            raise CacheError(
+                f"The sharedml cache folder '{self.root}' cannot exist: a part of its path is a "
+                "file, not a folder. Point --cache-dir or SHAREDML_CACHE_DIR at a folder."
+            ) from None
         except OSError:
             return self.root
-        if stat.S_ISDIR(st.st_mode):
-            _adopt(self.root, st, mark=False)
+        if not stat.S_ISDIR(st.st_mode):
+            raise CacheError(
+                f"The sharedml cache folder '{self.root}' is {_files.file_kind(st.st_mode)}, not a "
+                "folder. Point --cache-dir or SHAREDML_CACHE_DIR at a folder."
+            )
+        _adopt(self.root, st, mark=False)
         return self.root
 
 

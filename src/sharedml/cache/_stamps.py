@@ -25,8 +25,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from sharedml import _host
 from sharedml._errors import CacheError
+from sharedml._host import _hashing
 from sharedml.cache._files import TMP_SUFFIX, temp_owner
 from sharedml.cache._root import Cache, is_private_dir
 
@@ -224,7 +224,7 @@ def verified_sha256(path: Path, expected: str, *, cache: Cache) -> bool:
         return True
     if recall_stamp("sha256", path, cache=cache) == expected:
         return True
-    digest = _host.sha256_file(path)
+    digest = _hashing.sha256_file(path)
     record_stamp("sha256", before, digest, cache=cache)
     if memo is not None and before.taken_again() == before:  # unchanged while it was read
         _DIGESTS[memo] = digest

@@ -162,9 +162,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from sharedml.cli import _cache as _cli_cache
     from sharedml.cli import _inspect as _cli_inspect
+    from sharedml.cli import _serve as _cli_serve
 
     _cli_inspect.add_parser(sub)
     _cli_cache.add_parser(sub)
+    _cli_serve.add_parser(sub)
     return parser
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 from typing import Any
 
 from sharedml._units import human_bytes, parse_bytes
@@ -71,8 +72,10 @@ def add_parser(sub: Any) -> None:
             "are kept."
         ),
     )
-    a.add_argument("--older-than", type=float, metavar="DAYS", help="unused for this many days")
-    a.add_argument("--max-size", type=_size, metavar="SIZE", help="e.g. 500M, 2G (binary units)")
+    # Parsed in _prune, so that a bad value is one line of error like every other (argparse
+    # would print its usage first).
+    a.add_argument("--older-than", metavar="DAYS", help="unused for this many days")
+    a.add_argument("--max-size", metavar="SIZE", help="e.g. 500M, 2G (binary units)")
     a.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
     a.add_argument("--json", action="store_true", help="print JSON")
     add_cache_dir_option(a)
@@ -91,11 +94,22 @@ def add_parser(sub: Any) -> None:
     a.set_defaults(func=_clear)
 
 
-def _size(text: str) -> int:
+def _days(text: str) -> float:
+    """``--older-than``: a finite number of days, at least 0.
+
+    Raises:
+        ValueError: anything else (NaN and infinity too).
+    """
     try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        days = float(text)
+    except ValueError:
+        days = math.nan
+    if not 0 <= days < math.inf:
+        raise ValueError(
+            f"--older-than {text!r} is not a number of days: give a finite number, at least 0 "
+            "(e.g. 30 or 0.5)."
+        )
+    return days
 
 
 def _when(t: float | None) -> str:
@@ -242,10 +256,14 @@ def _report_removal(args: argparse.Namespace, result: Any) -> int:
 def _prune(args: argparse.Namespace) -> int:
     from sharedml import cache
 
-    older = args.older_than * _DAY_S if args.older_than is not None else None
+    older = _days(args.older_than) * _DAY_S if args.older_than is not None else None
+    try:
+        max_bytes = parse_bytes(args.max_size) if args.max_size is not None else None
+    except ValueError as exc:
+        raise ValueError(f"--max-size: {exc}") from None
     result = cache.prune_cache(
         older_than_s=older,
-        max_bytes=args.max_size,
+        max_bytes=max_bytes,
         dry_run=args.dry_run,
         cache_dir=args.cache_dir,
     )

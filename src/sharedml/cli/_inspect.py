@@ -21,6 +21,7 @@ from typing import Any
 from sharedml._errors import MeasurementError, missing_package
 from sharedml._units import human_bytes, human_seconds
 from sharedml.cli._cache import add_cache_dir_option
+from sharedml.cli._providers import add_provider_arguments, provider_options
 
 __all__ = [
     "add_parser",
@@ -66,21 +67,23 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=4,
         metavar="N",
-        help="sessions (and threads) to measure (default: %(default)s)",
+        help=f"sessions (and threads) to measure, 1 to {MAX_SESSIONS} (default: %(default)s)",
     )
-    p.add_argument(
-        "--providers",
-        nargs="+",
-        default=None,
-        metavar="P",
-        help="execution providers in priority order, e.g. CUDAExecutionProvider (default: CPU)",
+    add_provider_arguments(
+        p,
+        providers_help="execution providers in priority order, e.g. CUDAExecutionProvider "
+        "(default: CPU)",
     )
     p.add_argument(
         "--dim",
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="size of a symbolic input dimension (default 1); repeatable",
+        # The sizes of sharedml.model._inputs (PLAUSIBLE_*), not imported here: --help stays
+        # fast. tests/inspection/test_measure.py checks that they agree.
+        help="size of a symbolic input dimension; repeatable (default: chosen from the model: "
+        "a batch of 1, an image's height and width at least 224 or its metadata's imgsz, "
+        "other lengths 128, smaller where a plain session refuses those)",
     )
     p.add_argument(
         "--shape",
@@ -117,6 +120,13 @@ def add_parser(sub: Any) -> None:
     )
     add_cache_dir_option(p)  # the demo model and every measured pool use it
     p.set_defaults(func=_cmd_inspect)
+
+
+# Each strategy creates N sessions and runs N threads at once in one fresh process, and the
+# plain strategies hold a copy of the weights per session: 10^8 was accepted and would have
+# spent hours creating sessions until memory ran out. Memory grows linearly in N past a few
+# sessions, so the report's projection answers larger counts without creating them.
+MAX_SESSIONS = 1024
 
 
 def parse_dims(items: Sequence[str]) -> dict[str, int]:
@@ -158,10 +168,18 @@ def parse_shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_plot_target(path: Path) -> None:
-    """Fail before measuring (which takes a while) rather than after it."""
+def _check_plot_target(path: Path, inputs: Sequence[str | None] = ()) -> None:
+    """Fail before measuring (which takes a while) rather than after it.
+
+    ``inputs``: the files the command reads (the model, ``--inputs``), which the plot must not
+    replace.
+    """
     if path.suffix.lower() != ".png":
         raise ValueError(f"--plot writes a PNG file; name it *.png, not '{path}'.")
+    from sharedml.prepared._files import check_outputs
+
+    sources = [(Path(p), f"an input of this command, '{p}'") for p in inputs if p]
+    check_outputs([path], sources, writer="--plot", fix="name another file for the plot")
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise FileNotFoundError(f"--plot: folder '{folder}' does not exist.")
@@ -253,24 +271,32 @@ def _cmd_inspect_family(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from sharedml.inspection._inspect import inspect
 
-    if args.sessions < 1:
-        raise ValueError(f"--sessions must be at least 1, not {args.sessions}.")
+    if not 1 <= args.sessions <= MAX_SESSIONS:
+        raise ValueError(
+            f"--sessions must be between 1 and {MAX_SESSIONS}, not {args.sessions}: each "
+            "strategy creates that many sessions (plain ones with a copy of the weights each) "
+            "and threads in one process. Measure a few and read larger counts from the "
+            "report's memory projection."
+        )
     if len(args.model) > 1:
         if args.compress:
             raise ValueError("--compress inspects one model; give one model file.")
         return _cmd_inspect_family(args)
     args.model = args.model[0] if args.model else None
+    chosen = provider_options(args)
     dims = parse_dims(args.dim)
     shapes = parse_shapes(args.shape)
     plot = Path(args.plot) if args.plot else None
     if plot is not None:
-        _check_plot_target(plot)
+        _check_plot_target(plot, (args.model, args.inputs))
     try:
         with _progress_display() as progress:
             report = inspect(
                 args.model,
                 sessions=args.sessions,
                 providers=args.providers,
+                ep_libraries=chosen.get("ep_libraries"),
+                ep_devices=chosen.get("ep_devices"),
                 dims=dims,
                 shapes=shapes,
                 feeds=args.inputs,
@@ -459,8 +485,9 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         heading("sharedml inspect", f": {report.model_path.name}")
     para(str(report.model_path))
     para(
-        f"onnxruntime {report.onnxruntime_version}, {', '.join(report.providers)}; inputs: "
-        f"{', '.join(i.describe() for i in report.inputs) or 'none'}"
+        f"onnxruntime {report.onnxruntime_version}, {', '.join(report.providers)}"
+        f"{f' (device: {report.device})' if report.device and report.device != 'CPU' else ''}"
+        f"; inputs: {', '.join(i.describe() for i in report.inputs) or 'none'}"
     )
     out.print()
 

@@ -59,10 +59,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sharedml._host import available_bytes, heap_trim_available, release_freed_heap
+from sharedml._host._platform import available_bytes, heap_trim_available, release_freed_heap
 from sharedml.inspection._memory import FALLBACK_NOTES, METRICS, metric_of, read_memory
 from sharedml.inspection._strategies import Runner, StrategyContext
 from sharedml.model._inputs import generate
+from sharedml.runtime._providers import plan_from_spec, runs_rule
 
 __all__ = ["PROGRESS_PREFIX", "SPEC_VERSION", "measuring_child", "warmup_model_bytes"]
 
@@ -358,11 +359,10 @@ def _child_trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     import onnxruntime as ort
 
     feeds = _feeds(spec)
-    sess = ort.InferenceSession(
-        spec["model"],
-        providers=list(spec["providers"]),
-        provider_options=[dict(o) for o in spec["provider_options"]],
-    )
+    plan = plan_from_spec(spec)
+    so = ort.SessionOptions()
+    sess = ort.InferenceSession(spec["model"], so, **plan.session_kwargs(so))
+    plan.check_session(sess, f"The trial session of '{spec['model']}'")
     start = time.perf_counter()
     outputs = sess.run(None, feeds)
     seconds = time.perf_counter() - start
@@ -377,7 +377,12 @@ def _child_trial(spec: Mapping[str, Any]) -> dict[str, Any]:
         else:
             described.append({"name": name, "dtype": type(out).__name__, "shape": None})
     np.savez(spec["reference_file"], **_comparable(outputs))
-    return {"outputs": described, "run_seconds": seconds, "onnxruntime": ort.__version__}
+    return {
+        "outputs": described,
+        "run_seconds": seconds,
+        "onnxruntime": ort.__version__,
+        "device": plan.device,
+    }
 
 
 def _growth(now: Mapping[str, Any], base: Mapping[str, Any], key: str) -> int | None:
@@ -601,11 +606,13 @@ def _strategy(spec: Mapping[str, Any]) -> tuple[Any, StrategyContext]:
         raise ValueError(f"spec version {spec.get('version')} is not {SPEC_VERSION}")
     module_name, _, func_name = spec["factory"].partition(":")
     factory = getattr(importlib.import_module(module_name), func_name)
+    plan = plan_from_spec(spec)  # a plugin EP's library registered here, its device chosen
     ctx = StrategyContext(
         model_path=Path(spec["model"]),
         sessions=int(spec["sessions"]),
-        providers=tuple(spec["providers"]),
-        provider_options=tuple(dict(o) for o in spec["provider_options"]),
+        providers=plan.providers,
+        provider_options=plan.provider_options,
+        plan=plan,
     )
     return factory, ctx
 
@@ -620,8 +627,6 @@ def _load_everything(ctx: StrategyContext) -> None:
     environment and thread pools, through a throwaway session. sharedml's own cost (imports,
     probes, creation thread) is measured on its own (``fixed_cost`` in ``_measure``).
     """
-    import onnxruntime as ort
-
     import sharedml
 
     for name in sharedml.__all__:
@@ -636,11 +641,7 @@ def _load_everything(ctx: StrategyContext) -> None:
         capability("prepacked-save")
         capability("files-in-memory")
         zero_copy_mechanisms()
-    warmup = ort.InferenceSession(
-        warmup_model_bytes(),
-        providers=list(ctx.providers),
-        provider_options=list(ctx.provider_options),
-    )
+    warmup = ctx.plain_session(warmup_model_bytes())
     warmup.run(None, {"a": generate({"shape": [1], "dtype": "float32"})})
     del warmup
     gc.collect()
@@ -660,7 +661,8 @@ def _child_serve(spec: Mapping[str, Any]) -> dict[str, Any]:
     """
     factory, ctx = _strategy(spec)
     feeds = _feeds(spec)
-    concurrent = ctx.providers[0] != "DmlExecutionProvider"
+    assert ctx.plan is not None
+    concurrent = not runs_rule(ctx.plan).serialized
     _load_everything(ctx)
     trimmed = heap_trim_available()
     release_freed_heap()  # the one trim before the end: every strategy starts from a clean heap
@@ -697,12 +699,14 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     import onnxruntime as ort
 
     factory, ctx = _strategy(spec)
-    providers = ctx.providers
+    plan, providers = ctx.plan, ctx.providers
+    assert plan is not None
     feeds = _feeds(spec)
     plain = _load_reference(spec["reference_file"]) if spec.get("reference_file") else None
     reserve = int(spec["memory_reserve_bytes"])
-    # DirectML can run neither one session from two threads nor several sessions at once.
-    concurrent = providers[0] != "DmlExecutionProvider"
+    # Where the provider table says runs must not overlap (DirectML, WebGPU, a provider it does
+    # not know), the child runs its sessions one at a time: together they would crash.
+    concurrent = not runs_rule(plan).serialized
     device = _DeviceMemory(providers)
     _load_everything(ctx)
     base_untrimmed = _memory()
@@ -803,6 +807,7 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         "trimmed": trimmed,
         "setup_seconds": setup_seconds,
         "concurrent": concurrent,
+        "device": plan.device,
         "points": points,
         "device_metric": device.metric,
         "device_note": device.note,

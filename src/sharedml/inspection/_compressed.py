@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,8 @@ def compressed_accuracy(
     scratch: Path,
     providers: Sequence[Any],
     provider_options: Sequence[dict[str, Any]],
+    ep_libraries: Mapping[str, Any] | None = None,
+    ep_devices: Mapping[str, Any] | None = None,
     feeds: str | os.PathLike[str] | None = None,
     timeout_s: float | None = None,
 ) -> CompressedAccuracy:
@@ -94,6 +96,8 @@ def compressed_accuracy(
         scratch: A folder for the compressed run's outputs.
         providers: As for the trial run.
         provider_options: As for the trial run.
+        ep_libraries: As for the trial run.
+        ep_devices: As for the trial run.
         feeds: As for the trial run.
         timeout_s: Stop the run after this long.
     """
@@ -105,6 +109,8 @@ def compressed_accuracy(
         reference=scratch / f"{weights.value}-outputs.npz",
         providers=providers,
         provider_options=provider_options,
+        ep_libraries=ep_libraries,
+        ep_devices=ep_devices,
         feeds=feeds,
         timeout_s=timeout_s,
     )

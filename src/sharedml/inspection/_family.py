@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import MeasurementError
-from sharedml._host import HashingWriter
+from sharedml._host._hashing import HashingWriter
 from sharedml.inspection._child import SPEC_VERSION
 from sharedml.model._graph import read_model
 from sharedml.prepared._format import TensorDigest, digest_of

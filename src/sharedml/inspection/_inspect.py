@@ -33,6 +33,7 @@ from sharedml.inspection._strategies import (
     get_strategy,
     registered_strategies,
 )
+from sharedml.model._dtypes import onnx_name
 from sharedml.model._graph import (
     ExternalData,
     Placement,
@@ -178,10 +179,8 @@ class WeightsSummary:
 
 
 def _dtype_name(data_type: int) -> str:
-    import onnx
-
     try:
-        return str(onnx.TensorProto.DataType.Name(data_type)).lower()
+        return onnx_name(data_type)
     except ValueError:
         return f"type{data_type}"
 
@@ -336,6 +335,8 @@ class InspectReport:
         compressed: With ``compress``: the compressed model's accuracy against the float
             model on the same inputs (its memory and run time are the measurement of its
             strategy, :attr:`CompressedAccuracy.strategy`); else None.
+        device: The device measured, in words (``"CPU"``; a plugin EP's hardware, as the
+            trial run's process chose it).
     """
 
     model_path: Path
@@ -355,6 +356,7 @@ class InspectReport:
     fixed_cost: FixedCost | None = None
     tables: tuple[IndexedTable, ...] = ()
     compressed: CompressedAccuracy | None = None
+    device: str = ""
 
     @property
     def after_traffic(self) -> bool:
@@ -442,6 +444,7 @@ class InspectReport:
             "demo": self.demo,
             "sessions": self.sessions,
             "providers": list(self.providers),
+            "device": self.device,
             "onnxruntime": self.onnxruntime_version,
             "platform": self.platform,
             "inputs": [i.to_dict() for i in self.inputs],
@@ -726,18 +729,21 @@ class SerializedRuns:
         provider: Its name (``DmlExecutionProvider``).
         onnxruntime_version: The installed version, which decides it.
         not_batchable: Why the model cannot be batched (``NotBatchableError``), or None.
+        rule: The provider table's rule that serializes it.
     """
 
     provider: str
     onnxruntime_version: str
     not_batchable: str | None = None
+    rule: str = ""
 
 
 def _serialized_runs(serialized: SerializedRuns, sessions: int) -> Finding:
     provider, version = serialized.provider, serialized.onnxruntime_version
+    rule = serialized.rule or "ORT issue #20713"
     text = (
-        f"{provider} on onnxruntime {version} runs one Run at a time across the process (ORT "
-        f"issue #20713): {sessions} sessions run no more at once than one, and each uploads "
+        f"{provider} on onnxruntime {version} runs one Run at a time across the process "
+        f"({rule}): {sessions} sessions run no more at once than one, and each uploads "
         "its own device copy of the weights (no device route shares them there). "
     )
     if serialized.not_batchable is None:
@@ -1280,6 +1286,8 @@ def inspect(
     timeout_s: float | None = None,
     progress: InspectProgress | None = None,
     compress: str | None = None,
+    ep_libraries: Mapping[str, str | os.PathLike[str]] | None = None,
+    ep_devices: Mapping[str, Any] | None = None,
 ) -> InspectReport:
     """Report what ``model`` holds and what ``sessions`` sessions of it cost per strategy.
 
@@ -1312,6 +1320,10 @@ def inspect(
             compare its outputs with the float model's on the same inputs
             (:attr:`InspectReport.compressed`: largest absolute and relative difference, top-1
             agreement of classifier-like outputs). See ``docs/compress.md``.
+        ep_libraries: A plugin execution provider's library per EP name, as for
+            ``SessionPool``; every measuring process registers it.
+        ep_devices: A plugin EP's device per EP name, as for ``SessionPool``; every measuring
+            process picks that device (:attr:`InspectReport.device` says which).
 
     Returns:
         The :class:`InspectReport`.
@@ -1360,7 +1372,14 @@ def inspect(
             raise ValueError("compress must be 'int8' or 'int4' (the float model is measured).")
         names = (*names, f"{SHARED}-{compressed_format.value}")
     chosen = [get_strategy(n) for n in dict.fromkeys(names)]
-    plan = plan_providers(providers, provider_options)  # fails early on a missing provider
+    # Fails early on a missing provider; a plugin EP's library is registered and its device
+    # chosen here, and every measuring child is given the same (plan.to_spec()).
+    plan = plan_providers(
+        providers, provider_options, ep_libraries=ep_libraries, ep_devices=ep_devices
+    )
+    plugin_args = {
+        key: value for key, value in plan.to_spec().items() if key in ("ep_libraries", "ep_devices")
+    }
 
     demo = model is None
     if model is None:
@@ -1406,6 +1425,7 @@ def inspect(
             demo=demo,
             sessions=sessions,
             providers=plan.providers,
+            device=trial.get("device") or plan.device,
             inputs=inputs,
             weights=weights,
             measurements=tuple(measured),
@@ -1442,6 +1462,7 @@ def inspect(
                 reference=Path(scratch) / "plain-outputs.npz",
                 providers=plan.providers,
                 provider_options=plan.provider_options,
+                **plugin_args,
                 feeds=feeds,
                 timeout_s=timeout_s,
             )
@@ -1469,6 +1490,7 @@ def inspect(
                 scratch=Path(scratch),
                 providers=plan.providers,
                 provider_options=plan.provider_options,
+                **plugin_args,
                 feeds=feeds,
                 timeout_s=timeout_s,
             )
@@ -1495,6 +1517,7 @@ def inspect(
                     sessions=sessions,
                     providers=plan.providers,
                     provider_options=plan.provider_options,
+                    **plugin_args,
                     inputs=inputs,
                     timeout_s=timeout_s,
                     progress=step,
@@ -1520,6 +1543,7 @@ def inspect(
                 sessions=sessions,
                 providers=plan.providers,
                 provider_options=plan.provider_options,
+                **plugin_args,
                 feeds=feeds,
                 timeout_s=timeout_s,
                 rounds=shared.points[-1].rounds,
@@ -1554,16 +1578,17 @@ def _serialized_for(plan: Any, proto: Any, label: str) -> SerializedRuns | None:
 
     from sharedml._errors import NotBatchableError
     from sharedml.pool._batching import signature_of
-    from sharedml.runtime._providers import serialize_runs_by_default
+    from sharedml.runtime._providers import runs_rule
 
-    if not serialize_runs_by_default(plan):
+    rule = runs_rule(plan)
+    if not rule.serialized:
         return None
     try:
         signature_of(proto, name=label)
         why = None
     except NotBatchableError as exc:
         why = str(exc)
-    return SerializedRuns(plan.primary, ort.__version__, why)
+    return SerializedRuns(plan.primary, ort.__version__, why, rule.reason)
 
 
 # What Windows says where ORT turns a wide file name into the ANSI code page and cannot: the

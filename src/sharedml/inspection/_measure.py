@@ -61,8 +61,22 @@ def reading():
 
 providers = list(spec["providers"])
 options = [dict(o) for o in spec["provider_options"]]
-warm = ort.InferenceSession(bytes.fromhex(spec["warmup"]), providers=providers,
-                            provider_options=options)
+libraries, devices = spec.get("ep_libraries") or {}, spec.get("ep_devices") or {}
+warm_so = ort.SessionOptions()
+if devices:  # a plugin EP, registered and chosen as its user would (sharedml not imported yet)
+    (name, chosen), = devices.items()
+    if name in libraries:
+        ort.register_execution_provider_library(name, libraries[name])
+    def fits(d):
+        hw = d.device
+        return (str(hw.type).rsplit(".", 1)[-1].lower() == chosen["type"]
+                and hw.vendor_id == chosen["vendor_id"] and hw.device_id == chosen["device_id"])
+    found = [d for d in ort.get_ep_devices() if d.ep_name == name and fits(d)]
+    warm_so.add_provider_for_devices([found[chosen["index"]]], options[0])
+    warm = ort.InferenceSession(bytes.fromhex(spec["warmup"]), warm_so)
+else:
+    warm = ort.InferenceSession(bytes.fromhex(spec["warmup"]), providers=providers,
+                                provider_options=options)
 warm.run(None, {"a": np.zeros(1, np.float32)})
 del warm
 before = reading()
@@ -76,7 +90,8 @@ feeds = {i["name"]: given[i["name"]] if i.get("source") == "file" else generate(
 import threading
 n = spec["sessions"]
 pool = sharedml.SessionPool(spec["model"], sessions=n, providers=providers,
-                            provider_options=options)
+                            provider_options=options, ep_libraries=libraries,
+                            ep_devices=devices, per_session_state=True)
 pool.wait_ready()
 held = [pool.session() for _ in range(n)]
 sessions = [h.__enter__() for h in held]
@@ -109,6 +124,8 @@ def measure(
     sessions: int = 4,
     providers: Sequence[Any] | None = None,
     provider_options: Sequence[dict[str, Any]] | None = None,
+    ep_libraries: Mapping[str, Any] | None = None,
+    ep_devices: Mapping[str, Any] | None = None,
     dims: Mapping[str, int] | None = None,
     inputs: Sequence[InputSpec] | None = None,
     timeout_s: float | None = None,
@@ -128,6 +145,8 @@ def measure(
             round until their memory settles: :attr:`MemoryPoint.rounds`).
         providers: As for ``onnxruntime.InferenceSession``; default CPU.
         provider_options: As for ``onnxruntime.InferenceSession``.
+        ep_libraries: Plugin EP libraries by EP name, as for ``SessionPool``.
+        ep_devices: Plugin EP devices by EP name, as for ``SessionPool``.
         dims: Sizes of the inputs' symbolic dimensions (default 1); ignored with ``inputs``.
         inputs: The inputs to generate (default: from the model's signature and ``dims``).
         timeout_s: Stop the child after this long (``None``: no limit).
@@ -166,7 +185,9 @@ def measure(
     if sessions < 1:
         raise ValueError(f"sessions must be at least 1, not {sessions}.")
     chosen = get_strategy(strategy)
-    plan = plan_providers(providers, provider_options)
+    plan = plan_providers(
+        providers, provider_options, ep_libraries=ep_libraries, ep_devices=ep_devices
+    )
     path = Path(model)
     if inputs is None:
         inputs = input_specs(load_graph(path), dims, model_name=f"'{path}'")
@@ -209,12 +230,15 @@ def measure(
 def _spec(
     path: Path, plan: Any, inputs: Sequence[InputSpec], feeds: str | os.PathLike[str] | None
 ) -> dict[str, Any]:
-    """What every child needs: the model, the providers and how to make the inputs."""
+    """What every child needs: the model, the providers and how to make the inputs.
+
+    The providers as :meth:`~sharedml.runtime.ProviderPlan.to_spec` gives them: a child
+    registers the same plugin library and picks the same device.
+    """
     return {
         "version": SPEC_VERSION,
         "model": str(path.resolve()),
-        "providers": list(plan.providers),
-        "provider_options": [dict(o) for o in plan.provider_options],
+        **plan.to_spec(),
         "inputs": [i.to_dict() for i in inputs],
         "feeds_file": str(Path(feeds).resolve()) if feeds is not None else None,
     }
@@ -229,12 +253,14 @@ class TrialRun:
         outputs: ``{name, dtype, shape}`` of each output (shape None for non-tensor outputs).
         run_seconds: The run's wall time.
         reference: The file holding its numeric outputs (for :func:`measure`'s ``reference``).
+        device: The device the session ran on, in words (``ProviderPlan.device``).
     """
 
     error: str | None
     outputs: tuple[Mapping[str, Any], ...] = ()
     run_seconds: float | None = None
     reference: Path | None = None
+    device: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -242,6 +268,7 @@ class TrialRun:
             "error": self.error,
             "outputs": [dict(o) for o in self.outputs],
             "run_seconds": self.run_seconds,
+            "device": self.device,
         }
 
 
@@ -252,6 +279,8 @@ def trial_run(
     reference: str | os.PathLike[str],
     providers: Sequence[Any] | None = None,
     provider_options: Sequence[dict[str, Any]] | None = None,
+    ep_libraries: Mapping[str, Any] | None = None,
+    ep_devices: Mapping[str, Any] | None = None,
     feeds: str | os.PathLike[str] | None = None,
     timeout_s: float | None = None,
 ) -> TrialRun:
@@ -267,6 +296,8 @@ def trial_run(
         reference: Where to write the outputs (``.npz``).
         providers: As for ``onnxruntime.InferenceSession``; default CPU.
         provider_options: As for ``onnxruntime.InferenceSession``.
+        ep_libraries: Plugin EP libraries by EP name, as for ``SessionPool``.
+        ep_devices: Plugin EP devices by EP name, as for ``SessionPool``.
         feeds: As for :func:`measure`.
         timeout_s: Stop the child after this long.
 
@@ -275,7 +306,9 @@ def trial_run(
     """
     from sharedml.runtime._providers import plan_providers
 
-    plan = plan_providers(providers, provider_options)
+    plan = plan_providers(
+        providers, provider_options, ep_libraries=ep_libraries, ep_devices=ep_devices
+    )
     spec = _spec(Path(model), plan, inputs, feeds) | {
         "mode": "trial",
         "strategy": "trial",
@@ -291,6 +324,7 @@ def trial_run(
         outputs=tuple(raw["outputs"]),
         run_seconds=float(raw["run_seconds"]),
         reference=Path(reference),
+        device=raw.get("device"),
     )
 
 
@@ -347,6 +381,8 @@ def fixed_cost(
     sessions: int = 4,
     providers: Sequence[Any] | None = None,
     provider_options: Sequence[dict[str, Any]] | None = None,
+    ep_libraries: Mapping[str, Any] | None = None,
+    ep_devices: Mapping[str, Any] | None = None,
     feeds: str | os.PathLike[str] | None = None,
     timeout_s: float | None = None,
     rounds: int = MIN_ROUNDS,
@@ -363,7 +399,9 @@ def fixed_cost(
     from sharedml.inspection._child import warmup_model_bytes
     from sharedml.runtime._providers import plan_providers
 
-    plan = plan_providers(providers, provider_options)
+    plan = plan_providers(
+        providers, provider_options, ep_libraries=ep_libraries, ep_devices=ep_devices
+    )
     spec = _spec(Path(model), plan, inputs, feeds) | {
         "sessions": sessions,
         "rounds": rounds,

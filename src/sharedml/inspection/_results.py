@@ -105,8 +105,8 @@ class Measurement:
             each point's reading, so that the points are what the sessions hold.
         setup_seconds: Time to set the strategy up before its first session (e.g. a pool
             opening and verifying its weights file).
-        concurrent: Whether the runs of each point were concurrent (not with DirectML, which
-            cannot run sessions concurrently).
+        concurrent: Whether the runs of each point were concurrent (not where the provider
+            table serializes runs: DirectML, WebGPU, a provider it does not know).
         device_metric: How device memory was read (``"nvml"``, ``"nvidia-smi"``), or ``None``.
         device_note: Why device memory is missing, where a GPU provider was used.
         stopped_reason: Why fewer sessions than asked were created (memory running out).

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from sharedml.runtime._providers import ProviderPlan
+
 __all__ = [
     "NAIVE",
     "SHARED",
@@ -53,12 +55,45 @@ class StrategyContext:
         sessions: How many sessions the child will ask for.
         providers: Provider names in priority order (CPU last), as planned by sharedml.
         provider_options: One options dict per provider.
+        plan: The provider plan itself, made in this child (a plugin EP's library registered
+            and its device chosen, as in the parent); None: plain ``providers`` and
+            ``provider_options``.
     """
 
     model_path: Path
     sessions: int
     providers: tuple[str, ...]
     provider_options: tuple[dict[str, str], ...]
+    plan: ProviderPlan | None = None
+
+    def plain_session(self, model: str | Path | bytes | None = None) -> Any:
+        """A plain ``onnxruntime.InferenceSession`` on the planned providers (ORT's defaults).
+
+        A plugin EP is chosen by device, as ORT's documentation does it; a session that fell
+        back to the CPU raises ``ProviderError``.
+        """
+        import onnxruntime as ort
+
+        source: str | bytes = model if isinstance(model, bytes) else str(model or self.model_path)
+        if self.plan is None:
+            return ort.InferenceSession(
+                source,
+                providers=list(self.providers),
+                provider_options=[dict(o) for o in self.provider_options],
+            )
+        so = ort.SessionOptions()
+        sess = ort.InferenceSession(source, so, **self.plan.session_kwargs(so))
+        self.plan.check_session(sess, f"A plain session of '{self.model_path}'")
+        return sess
+
+    def pool_arguments(self) -> dict[str, Any]:
+        """The provider arguments of a ``SessionPool`` on the planned providers."""
+        if self.plan is None:
+            return {
+                "providers": list(self.providers),
+                "provider_options": [dict(o) for o in self.provider_options],
+            }
+        return self.plan.to_spec()
 
 
 class SessionSet(Protocol):
@@ -159,16 +194,8 @@ class _PlainSessions:
         self._sessions: list[Any] = []
 
     def add(self) -> Runner:
-        import onnxruntime as ort
-
         if not self._sessions or not self._share_one:
-            self._sessions.append(
-                ort.InferenceSession(
-                    str(self._ctx.model_path),
-                    providers=list(self._ctx.providers),
-                    provider_options=[dict(o) for o in self._ctx.provider_options],
-                )
-            )
+            self._sessions.append(self._ctx.plain_session())
         sess = self._sessions[-1]
         return lambda feeds: sess.run(None, dict(feeds))
 
@@ -191,8 +218,7 @@ class _PoolSessions:
             ctx.model_path,
             sessions=ctx.sessions,
             min_sessions=0,
-            providers=list(ctx.providers),
-            provider_options=[dict(o) for o in ctx.provider_options],
+            **ctx.pool_arguments(),
             prepacking=prepacking,
             serialize_runs=False,
             weights=weights,

@@ -19,20 +19,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from sharedml import _host
 from sharedml._errors import (
     ExternalDataError,
     InvalidModelError,
     ModelNotFoundError,
     UnsafePathError,
 )
+from sharedml._host import _files
+from sharedml.model._dtypes import np_dtype
 from sharedml.model._proto import (
     AttributeProto,
     GraphProto,
     ModelProto,
     NodeProto,
     TensorProto,
-    np_dtype,
     parse_model,
 )
 
@@ -89,7 +89,7 @@ def read_model(path: str | os.PathLike[str]) -> tuple[ModelProto, bytes]:
         raise InvalidModelError(f"'{path}' cannot be read ({exc.strerror or exc}).") from None
     if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever
         raise InvalidModelError(
-            f"'{path}' is not a file: it is {_host.file_kind(st.st_mode)}. Pass an .onnx file."
+            f"'{path}' is not a file: it is {_files.file_kind(st.st_mode)}. Pass an .onnx file."
         )
     try:
         with open(path, "rb") as fh:
@@ -330,7 +330,7 @@ class ExternalSlice:
 
         Between :func:`resolve_external`'s check and this open, a symlink may have been swapped
         into the path; the open refuses it instead of reading what the link points to (see
-        :func:`sharedml._host.open_below`). The descriptor itself is then checked: a regular
+        :func:`sharedml._host._files.open_below`). The descriptor itself is then checked: a regular
         file that still holds the slice. Read from the returned file only.
 
         Raises:
@@ -339,8 +339,8 @@ class ExternalSlice:
         """
         where = f"Tensor '{tensor_name}': external data file '{self.file}'"
         try:
-            fd = _host.open_below(self.folder, self.file)
-        except _host.LinkSwappedError:
+            fd = _files.open_below(self.folder, self.file)
+        except _files.LinkSwappedError:
             raise UnsafePathError(
                 f"{where} changed into a symlink while prepare opened it (someone is swapping "
                 f"files in '{self.folder}'); nothing outside the model's folder was read."
@@ -365,7 +365,7 @@ class ExternalSlice:
         where = f"Tensor '{tensor_name}': external data file '{self.file}'"
         if not stat.S_ISREG(st.st_mode):
             raise ExternalDataError(
-                f"{where} is not a regular file: it is {_host.file_kind(st.st_mode)}."
+                f"{where} is not a regular file: it is {_files.file_kind(st.st_mode)}."
             )
         if self.offset + self.length > st.st_size:
             end = self.offset + self.length
@@ -475,7 +475,7 @@ def _resolve_file(base: Path, location: str, where: str) -> tuple[Path, Path, os
     if not stat.S_ISREG(st.st_mode):
         raise ExternalDataError(
             f"{where}: external data file '{resolved}' is not a regular file: it is "
-            f"{_host.file_kind(st.st_mode)}. External data must be a regular file."
+            f"{_files.file_kind(st.st_mode)}. External data must be a regular file."
         )
     return real_base, resolved, st
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import MeasurementError
-from sharedml.model import _proto
+from sharedml.model import _dtypes
 
 __all__ = [
     "PLAUSIBLE_IMAGE_SIZE",
@@ -376,10 +376,10 @@ def input_specs(
             )
         tensor_type = value.type.tensor_type
         try:
-            np_dtype = _proto.np_dtype(tensor_type.elem_type)
+            np_dtype = _dtypes.np_dtype(tensor_type.elem_type)
             dtype_name = "str" if np_dtype.kind in "OSU" else np_dtype.name
         except Exception:
-            dtype_name = _proto.pb2().TensorProto.DataType.Name(tensor_type.elem_type).lower()
+            dtype_name = _dtypes.onnx_name(tensor_type.elem_type)
         if dtype_name not in _GENERATED_DTYPES and value.name not in wanted_dtypes:
             raise MeasurementError(
                 f"Input '{value.name}' of {model_name} has type {dtype_name}; inspect can "

@@ -25,7 +25,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import numpy as np
     from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 
 __all__ = [
@@ -34,7 +33,6 @@ __all__ = [
     "ModelProto",
     "NodeProto",
     "TensorProto",
-    "np_dtype",
     "parse_model",
     "pb2",
 ]
@@ -88,43 +86,6 @@ def parse_model(data: bytes) -> ModelProto:
     model: ModelProto = pb2().ModelProto()
     model.ParseFromString(data)
     return model
-
-
-# ONNX data type -> numpy type name, for the types numpy has natively. The others (bfloat16,
-# the float8 and 4-bit types) are ml_dtypes', reached through onnx.helper.
-_NUMPY_TYPES = {
-    1: "float32",
-    2: "uint8",
-    3: "int8",
-    4: "uint16",
-    5: "int16",
-    6: "int32",
-    7: "int64",
-    8: "object",  # STRING: onnx.helper maps it to object too
-    9: "bool",
-    10: "float16",
-    11: "float64",
-    12: "uint32",
-    13: "uint64",
-    14: "complex64",
-    15: "complex128",
-}
-
-
-def np_dtype(data_type: int) -> np.dtype[Any]:
-    """The numpy dtype of an ONNX ``TensorProto.DataType`` (``onnx.helper``'s mapping).
-
-    Raises:
-        KeyError or ValueError: the type has no numpy dtype (``STRING``, ``UNDEFINED``, unknown).
-    """
-    import numpy as np
-
-    name = _NUMPY_TYPES.get(data_type)
-    if name is not None:
-        return np.dtype(name)
-    import onnx
-
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type))
 
 
 def __getattr__(name: str) -> Any:

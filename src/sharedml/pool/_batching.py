@@ -4,7 +4,7 @@ The pool (:mod:`sharedml.pool._pool`) decides *when* requests merge (the ones qu
 session was busy, oldest first); this module decides *whether* they may and *how*:
 
 - A model is batchable when axis 0 of every input is dynamic and the row-independence
-  analysis (:mod:`sharedml.pool._rows`) proves that every output's axis 0 holds one entry per input
+  analysis (:mod:`sharedml.rows`) proves that every output's axis 0 holds one entry per input
   row, computed from that row alone: no node combines values across rows (a batch statistic,
   a Softmax over axis 0, a time-major RNN, dynamic quantization's one scale per tensor, ...).
   :func:`signature_of` refuses other models with :class:`~sharedml.NotBatchableError`, naming
@@ -27,41 +27,64 @@ outputs can differ from a solo run in the last bits of float precision (``docs/b
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import itertools
 import math
+import numbers
 import operator
+import random
+import sys
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from sharedml._errors import InvalidInputError, NotBatchableError
-from sharedml.model import _proto
+from sharedml.model import _dtypes
 
 if TYPE_CHECKING:
-    from sharedml.pool._rows import RowAnalysis
+    from sharedml.rows import RowAnalysis
 
 __all__ = [
     "ADAPTIVE_DELAY_SHARE",
     "CONVOLUTION_OPS",
+    "MAX_COUNT",
+    "MAX_DELAY_MS",
     "Batching",
     "BatchingDefault",
     "BatchingSetting",
+    "CheckKind",
+    "CheckSchedule",
     "Request",
     "Signature",
+    "UNTOLD_GAP",
+    "blank_feed",
     "bucket_for",
+    "isolated",
     "merge",
+    "same_feed",
     "same_results",
     "signature_of",
     "split",
+    "tells",
 ]
 
 # With Batching(max_delay_ms=None): the most a session waits for the rows it expects, as a share
 # of the latest batch's run time. Waiting costs the rows already there at most this share of a
 # run when the expected rows do not come; when they come, the batch runs them all at once.
 ADAPTIVE_DELAY_SHARE = 0.5
+
+# The longest Batching.max_delay_ms: a batch that waits longer for rows is a mistake (and past
+# threading.TIMEOUT_MAX a lock's wait overflows).
+MAX_DELAY_MS = 60_000.0  # milliseconds: a minute
+
+# The largest Batching.max_batch_size and check_within: far past any batch worth merging, and
+# small enough that buckets and schedules stay small numbers.
+MAX_COUNT = 1 << 20
 
 # Ops whose CUDA kernels keep cuDNN plans for the last input shape only (conv.cc,
 # conv_transpose.cc, contrib FusedConv/NhwcConv): a new batch size rebuilds them.
@@ -111,16 +134,27 @@ class Batching:
             rows measured faster (figures: ``docs/batching.md``, the policy).
         copy_outputs: Give each caller arrays of its own, copied out of the batch's outputs
             (in the caller's thread, after the session went back). False: each caller's
-            outputs are views of the batch's output arrays (its own rows only, so writes
-            never reach another caller), which saves copying every output once; a view
-            keeps the whole batch's output (``max_batch_size`` times a request's bytes at
-            most) alive for as long as the caller holds it. A run that was not merged returns
+            outputs are views of the batch's output arrays, which saves copying every output
+            once. A view covers the caller's rows only, and so does everything it leads to:
+            its ``.base`` is an object whose ``__array_interface__`` spans those rows, with no
+            reference to the batch's array (writes, ``.base``, pickling and buffer exports
+            never reach another caller's rows). The batch's output (``max_batch_size`` times
+            a request's bytes at most) stays alive, held by sharedml, until every caller's
+            views are gone. Outputs of strings are copied. A run that was not merged returns
             ORT's arrays either way.
         rows_independent: Take the caller's word that every output row depends only on its own
             input row, and merge without the row-independence analysis (for a model it cannot
-            prove, e.g. one with a custom operator). The pool still checks its first merged
-            batches against solo runs and stops merging on a mismatch. False (default): merge
-            only models the analysis proves.
+            prove, e.g. one with a custom operator). The pool still checks merged batches
+            against solo runs (``check_within``) and stops merging on a mismatch. False
+            (default): merge only models the analysis proves.
+        check_within: The most merged batches of different requests, in one class of batches
+            (the requests' input signature and the batch's power-of-two row bucket), from one
+            check against solo runs to the next: a leak of rows between callers that shows in
+            a class's batches is found within this many of them, whatever the first requests
+            were (``docs/batching.md``, defence in depth, has the schedule and its cost). The
+            first merged batch of every class is checked, then batches at random gaps that
+            grow to this bound. None: check each class only until a batch that could show a
+            leak has passed (the first batches of a class), then never again.
     """
 
     max_batch_size: int = 32
@@ -130,34 +164,47 @@ class Batching:
     share_rows: bool | None = None
     copy_outputs: bool = True
     rows_independent: bool = False
+    check_within: int | None = 64
 
     def __post_init__(self) -> None:
-        try:
-            rows = operator.index(self.max_batch_size)
-        except TypeError:
-            rows = 0
-        if rows < 1 or isinstance(self.max_batch_size, bool):
-            raise ValueError(
-                f"max_batch_size must be an integer >= 1, not {self.max_batch_size!r}."
-            )
+        # Every field is checked here, so that a bad setting fails where it is written, not
+        # at the first run (a delay of 1e300 ms once overflowed the lock's timeout there).
+        object.__setattr__(
+            self, "max_batch_size", _count("max_batch_size", self.max_batch_size, "rows")
+        )
         delay: object = self.max_delay_ms
-        if delay is not None and (
-            not isinstance(delay, (int, float))
-            or isinstance(delay, bool)
-            or not math.isfinite(delay)
-            or delay < 0
-        ):
-            raise ValueError(
-                f"max_delay_ms must be None (adaptive) or a finite number >= 0, not {delay!r}."
-            )
-        for name in ("pad_to_buckets", "session_per_bucket", "share_rows"):
-            if getattr(self, name) not in (None, True, False):
+        if delay is not None:
+            ms = math.nan
+            if isinstance(delay, (bool, np.bool_)):
+                pass  # True is no number of milliseconds
+            elif isinstance(delay, numbers.Real):
+                ms = float(delay)
+            if not (math.isfinite(ms) and 0 <= ms <= MAX_DELAY_MS):
                 raise ValueError(
-                    f"{name} must be True, False or None, not {getattr(self, name)!r}."
+                    f"Batching(max_delay_ms={delay!r}): max_delay_ms must be None (adaptive) or "
+                    f"a number of milliseconds from 0 to {MAX_DELAY_MS:g} (a minute); a batch "
+                    "that waits longer for rows is a mistake."
                 )
+            object.__setattr__(self, "max_delay_ms", ms)
+        for name in ("pad_to_buckets", "session_per_bucket", "share_rows"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (bool, np.bool_)):
+                raise ValueError(
+                    f"Batching({name}={value!r}): {name} must be True, False or None "
+                    "(the provider's default)."
+                )
+            object.__setattr__(self, name, None if value is None else bool(value))
         for name in ("copy_outputs", "rows_independent"):
-            if getattr(self, name) not in (True, False):
-                raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}.")
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"Batching({name}={value!r}): {name} must be True or False.")
+            object.__setattr__(self, name, bool(value))
+        if self.check_within is not None:
+            object.__setattr__(
+                self,
+                "check_within",
+                _count("check_within", self.check_within, "merged batches", none="or None"),
+            )
 
     def pads(self, provider: str, *, cuda_graphs: bool = False) -> bool:
         """Whether batches on ``provider`` are padded to buckets (see ``pad_to_buckets``)."""
@@ -228,6 +275,20 @@ class Batching:
         raise ValueError(
             f"batching must be 'auto', True, False or a sharedml.Batching, not {value!r}."
         )
+
+
+def _count(name: str, value: object, unit: str, *, none: str = "") -> int:
+    """A Batching field that counts something: an integer from 1 to ``MAX_COUNT``."""
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        count = 0
+    if isinstance(value, (bool, np.bool_)) or not 1 <= count <= MAX_COUNT:
+        raise ValueError(
+            f"Batching({name}={value!r}): {name} must be an integer from 1 to {MAX_COUNT:,} "
+            f"({unit}){' ' + none if none else ''}."
+        )
+    return count
 
 
 BatchingSetting = bool | Batching | Literal["auto"]
@@ -371,10 +432,10 @@ def _value_info(value: Any) -> tuple[str, Any, tuple[int | None, ...] | None]:
     if tensor is None:
         return value.type.WhichOneof("value") or "unknown", None, None
     try:
-        dtype: Any = _proto.np_dtype(tensor.elem_type).type
+        dtype: Any = _dtypes.np_dtype(tensor.elem_type).type
     except Exception:
         dtype = None
-    type_text = f"tensor({_proto.pb2().TensorProto.DataType.Name(tensor.elem_type).lower()})"
+    type_text = _dtypes.ort_type(tensor.elem_type)
     if dtype is not None and np.dtype(dtype).kind in "OSU":
         dtype = np.object_
     if not tensor.HasField("shape"):
@@ -435,7 +496,7 @@ def signature_of(
             input fixed at 1 with ``relax``: the node that ties axis 0 to 1).
     """
     from sharedml.model._graph import iter_graphs
-    from sharedml.pool._rows import RowAnalysis
+    from sharedml.rows import RowAnalysis
 
     initializers = {t.name for t in model.graph.initializer}
     inputs: dict[str, _Input] = {}
@@ -487,7 +548,7 @@ def _relaxable(model: Any, name: str, input_name: str, shape: str, bound: int) -
     Raises:
         NotBatchableError: naming the node that ties axis 0 to 1 (or that mixes rows).
     """
-    from sharedml.pool._rows import RowAnalysis
+    from sharedml.rows import RowAnalysis
 
     analysis = RowAnalysis(model, max_rows=bound, fixed_rows=True)
     refusal = analysis.refusal()
@@ -568,32 +629,283 @@ def same_results(merged: Sequence[Any], solo: Sequence[Any], *, rtol: float) -> 
     A merged run may pick other kernel blockings than a solo one, so floats may differ in their
     last bits; a row that took another caller's values differs by far more. Floats compare
     within ``rtol`` of the output's largest finite magnitude (NaN and inf where the solo run
-    has them); everything else exactly.
+    has them), in tensors and in sequence and map outputs alike (a scikit-learn classifier's
+    ZipMap gives a list of {label: probability} dicts); everything else (shapes, dtypes,
+    lengths, keys, integers, strings) exactly.
     """
     if len(merged) != len(solo):
         return False
     for m, s in zip(merged, solo, strict=True):
-        if not isinstance(m, np.ndarray) or not isinstance(s, np.ndarray):
-            if m != s:
+        if isinstance(m, np.ndarray) and isinstance(s, np.ndarray):
+            if not _same_array(m, s, rtol=rtol):
                 return False
             continue
-        if m.shape != s.shape or m.dtype != s.dtype:
+        floats: list[tuple[float, float]] = []
+        if not _same_structure(m, s, floats):
             return False
-        if m.dtype.kind not in "fc":
-            if not np.array_equal(m, s):
-                return False
-            continue
-        finite = np.isfinite(s)
-        if not np.array_equal(finite, np.isfinite(m)) or not np.array_equal(
-            m[~finite], s[~finite], equal_nan=True
-        ):
-            return False
-        if finite.any():
-            scale = float(np.max(np.abs(s[finite])))
-            diff = float(np.max(np.abs(m[finite].astype(np.float64) - s[finite])))
-            if diff > rtol * max(scale, np.finfo(s.dtype).tiny):
+        if floats:
+            got, want = np.array(floats).T  # float64 (complex128 for complex tensors)
+            if not _same_array(got, want, rtol=rtol):
                 return False
     return True
+
+
+def _same_array(m: np.ndarray, s: np.ndarray, *, rtol: float) -> bool:
+    if m.shape != s.shape or m.dtype != s.dtype:
+        return False
+    if m.dtype.kind not in "fc":
+        return bool(np.array_equal(m, s))
+    finite = np.isfinite(s)
+    if not np.array_equal(finite, np.isfinite(m)) or not np.array_equal(
+        m[~finite], s[~finite], equal_nan=True
+    ):
+        return False
+    if finite.any():
+        scale = float(np.max(np.abs(s[finite])))
+        diff = float(np.max(np.abs(m[finite].astype(np.float64) - s[finite])))
+        if diff > rtol * max(scale, np.finfo(s.dtype).tiny):
+            return False
+    return True
+
+
+def _same_structure(m: Any, s: Any, floats: list[tuple[float, float]]) -> bool:
+    """Whether ``m`` and ``s`` (a sequence or map output) match but for their floats.
+
+    Lists, tuples and dicts must match in type, length and keys; tensors inside compare as
+    :func:`_same_array` does on their own; floats are collected into ``floats`` as
+    (merged, solo) pairs, so that the caller compares them against the whole output's scale.
+    """
+    if isinstance(s, (float, np.floating)):
+        if not isinstance(m, (float, np.floating)):
+            return False
+        floats.append((float(m), float(s)))
+        return True
+    if isinstance(s, np.ndarray):
+        if not isinstance(m, np.ndarray) or m.shape != s.shape or m.dtype != s.dtype:
+            return False
+        if m.dtype.kind not in "fc":
+            return bool(np.array_equal(m, s))
+        floats.extend(zip(m.ravel().tolist(), s.ravel().tolist(), strict=True))
+        return True
+    if isinstance(m, np.ndarray):
+        return False
+    if isinstance(s, dict):
+        if not isinstance(m, dict) or m.keys() != s.keys():
+            return False
+        key_types = {k: type(k) for k in m}  # keys equal as values (1 == 1.0): types too
+        return all(key_types[k] is type(k) and _same_structure(m[k], s[k], floats) for k in s)
+    if isinstance(s, (list, tuple)):
+        if type(m) is not type(s) or len(m) != len(s):
+            return False
+        return all(_same_structure(a, b, floats) for a, b in zip(m, s, strict=True))
+    return type(m) is type(s) and bool(m == s)
+
+
+# A class whose checks all passed without one that could have shown a leak (every other
+# caller's rows blank: see blank_feed) is checked at least this often (merged batches of different
+# requests), however many of them passed: priming a pool with harmless requests buys no gaps.
+UNTOLD_GAP = 4
+
+# Classes a schedule remembers (least recently batched dropped first). A dropped class is
+# checked again at its next batch, as a new one: forgetting only adds checks.
+_MAX_CLASSES = 4096
+
+CheckKind = Literal["full", "spot"]
+"""A check of a merged batch: ``"full"`` reruns every request alone, ``"spot"`` one of them."""
+
+
+@dataclasses.dataclass
+class _Class:
+    due: int = 1  # merged batches of the class until the next check (<= 0: the next one)
+    gap: int = 1  # the most merged batches from one check to the next, for now
+    checked: bool = False  # a check of the class passed
+    told: bool = False  # ... one that could have shown a leak
+
+
+class CheckSchedule:
+    """When a batching pool checks a merged batch against solo runs of its requests.
+
+    Batches fall into classes: the requests' key (input names, dtypes and non-batch dims,
+    output names) and the batch's row bucket (the power of two at or above its rows). A
+    class's first merged batch gets a full check (every request rerun alone); after a check
+    passes the next one comes at a random gap of 1 to ``gap`` merged batches, ``gap``
+    doubling with every passed check up to ``within`` (a spot check: one request, picked at
+    random, rerun alone). Until a check of the class passed that could have shown a leak
+    (:func:`tells`), ``gap`` stays at most :data:`UNTOLD_GAP`. A batch of equal requests
+    proves nothing and is not checked: the check that was due goes to the class's next batch.
+
+    So a class's merged batches of different requests go at most ``within`` in a row
+    unchecked, whatever the first requests were, and once a class is settled about
+    ``2 / (within + 1)`` of its batches are checked. The gaps are random, so that a client
+    cannot time its requests between checks.
+
+    Args:
+        within: The bound on the gaps (``Batching.check_within``); None: no check after the
+            first that could have shown a leak passed.
+        limit: The most rows a batch holds (``Batching.max_batch_size``), the last bucket.
+        seed: Seeds the gaps and the spot checks' picks (tests); None: from the OS.
+
+    Not thread-safe: the scheduler calls it with its lock held.
+    """
+
+    def __init__(self, within: int | None, *, limit: int, seed: int | None = None) -> None:
+        self._within = within
+        self._limit = limit
+        self._rng = random.Random(seed)
+        self._classes: collections.OrderedDict[Any, _Class] = collections.OrderedDict()
+
+    def _class(self, key: Any, rows: int) -> _Class:
+        name = (key, bucket_for(rows, self._limit))
+        found = self._classes.get(name)
+        if found is None:
+            found = self._classes[name] = _Class()
+            if len(self._classes) > _MAX_CLASSES:
+                self._classes.popitem(last=False)
+        else:
+            self._classes.move_to_end(name)
+        return found
+
+    def due(self, key: Any, rows: int) -> CheckKind | None:
+        """Count a merged batch of ``rows`` rows of requests keyed ``key``; its check if due."""
+        found = self._class(key, rows)
+        found.due -= 1
+        if found.due > 0:
+            return None
+        return "spot" if found.checked else "full"
+
+    def skipped(self, key: Any, rows: int) -> None:
+        """A due check was not made (equal requests): the class's next batch gets it."""
+        found = self._class(key, rows)
+        found.due = min(found.due, 0)
+
+    def passed(self, key: Any, rows: int, *, telling: bool) -> None:
+        """A check of the class passed; ``telling``: one that could have shown a leak."""
+        found = self._class(key, rows)
+        found.checked = True
+        found.told = found.told or telling
+        if found.told and self._within is None:
+            found.due = sys.maxsize  # settled: never again
+            return
+        cap = UNTOLD_GAP if self._within is None else self._within
+        if not found.told:
+            cap = min(cap, UNTOLD_GAP)
+        found.gap = min(found.gap * 2, cap)
+        found.due = self._rng.randint(1, found.gap)
+
+    def pick(self, members: int) -> int:
+        """The member of a batch of ``members`` requests that a spot check reruns."""
+        return self._rng.randrange(members)
+
+
+def blank_feed(feed: Mapping[str, Any]) -> bool:
+    """Whether a request's rows could hide a leak: every input blank (:func:`_blank`).
+
+    A leak hands a caller values computed from another caller's rows; rows that add nothing
+    to a sum, a mean or an attention over positions (zeros, one value throughout, rows that
+    sum to zero, every position the same) leave the caller's values as they were, so a check
+    of a batch whose other rows are all such passes whether the model leaks or not.
+    """
+    return all(_blank(value) for value in feed.values())
+
+
+def _blank(value: Any) -> bool:
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "biufc":
+        return False  # strings and the like: cannot tell, so taken as telling
+    if value.size == 0:
+        return True
+    if value.ndim == 0 or np.all(value == value.flat[0]):
+        return True  # zeros, or one value throughout
+    wide = value.astype(np.complex128 if value.dtype.kind == "c" else np.float64)
+    magnitude = np.abs(wide)
+    # Sums within float rounding of zero: the whole request's, or each column's over its rows.
+    if abs(wide.sum()) <= _ZERO_SUM * magnitude.sum():
+        return True
+    if len(value) > 1 and np.all(np.abs(wide.sum(axis=0)) <= _ZERO_SUM * magnitude.sum(axis=0)):
+        return True
+    if value.ndim >= 2:
+        # Every position (all axes but the rows' and the features') holding the same vector:
+        # a sequence of one repeated token, which an attention over positions cannot tell.
+        positions = (
+            value[:, :, None] if value.ndim == 2 else value.reshape(len(value), -1, value.shape[-1])
+        )
+        if positions.shape[1] > 1 and np.array_equal(
+            positions, np.broadcast_to(positions[:, :1], positions.shape)
+        ):
+            return True
+    return False
+
+
+_ZERO_SUM = 1e-6  # a sum this small against the sum of magnitudes is zero, up to rounding
+
+
+def tells(feeds: Sequence[Mapping[str, Any]], checked: Sequence[int]) -> bool:
+    """Whether a check of the requests ``checked`` (indices into ``feeds``) could show a leak.
+
+    It could where a checked request shares its batch with another that holds other values
+    and is not blank (:func:`blank_feed`): that one's rows change what a leaking model hands
+    the checked caller.
+    """
+    blank: dict[int, bool] = {}
+    for i in checked:
+        for j, other in enumerate(feeds):
+            if j == i:
+                continue
+            if j not in blank:
+                blank[j] = blank_feed(other)
+            if not blank[j] and not same_feed(feeds[i], other):
+                return True
+    return False
+
+
+def same_feed(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two requests' feeds hold the same values (a check of them proves nothing)."""
+    return a.keys() == b.keys() and all(
+        np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] is b[k] for k in a
+    )
+
+
+class _Rows:
+    """One caller's rows of a batch's output array, as numpy sees them: address and shape only.
+
+    An array made from it (``np.asarray``) has it as its ``.base``: the view of the caller's
+    rows reaches no other caller's through ``.base``, ``__array_interface__`` or any Python
+    reference. The batch's array is kept alive apart, in ``_HELD``, until this object goes.
+    """
+
+    __slots__ = ("__array_interface__", "__weakref__")
+
+    def __init__(self, interface: dict[str, Any]) -> None:
+        self.__array_interface__ = interface
+
+
+# The batch outputs that views handed out with copy_outputs=False still need, by token: held
+# here rather than by the views, so that nothing a caller holds leads to other callers' rows.
+_HELD: dict[int, Any] = {}
+_TOKENS = itertools.count()
+
+
+def isolated(part: Sequence[Any]) -> list[Any]:
+    """A request's outputs from :func:`split` with ``copy=False``, as views of its rows alone.
+
+    A plain slice of a batch's output has the whole output as its ``.base``: a caller who
+    follows it reads every other caller's rows. Here each array is a view of the same memory
+    (no copy) whose ``.base`` is a :class:`_Rows` spanning the caller's rows only; the batch's
+    output stays alive until every caller's views are gone. Arrays of Python objects
+    (strings) are copied instead; sequence outputs (lists) are already the caller's own.
+    """
+    views: list[Any] = []
+    for out in part:
+        if not isinstance(out, np.ndarray):
+            views.append(out)
+        elif out.dtype.hasobject:
+            views.append(out.copy())  # object pointers: numpy's own copy holds their refs
+        else:
+            rows = _Rows(dict(out.__array_interface__))
+            token = next(_TOKENS)
+            _HELD[token] = out
+            weakref.finalize(rows, _HELD.pop, token, None).atexit = False
+            views.append(np.asarray(rows))
+    return views
 
 
 def owned(part: Sequence[Any]) -> list[Any]:

@@ -26,6 +26,11 @@ creates its sessions:
   128 tokens here, 15-34% at 32), so the batch size stands. Then, among the splits at that
   size, the fewest sessions within :data:`SESSIONS_MARGIN` of the best.
 
+Calibration keeps two budgets, and says what they left unmeasured (``Calibration.skipped``):
+time, :data:`HARD_LIMIT_S` (no Run and no probe starts that its prediction says would end past
+it), and the probes' batch memory (:data:`PROBE_MEMORY_FLOOR`, :data:`PROBE_AVAILABLE_SHARE`:
+a batch whose activations would not fit is probed at the rows that fit, or not at all).
+
 Where nothing can be measured (another provider, runs serialized, no batching, inputs that
 cannot be generated, a probe that fails) the pool takes a stated default, and
 :attr:`Calibration.reason` says why; ``pool.stats().calibration`` reports either way.
@@ -41,7 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sharedml._errors import SharedMLError
-from sharedml._host import release_freed_heap, usable_cores
+from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.model._graph import load_graph
 from sharedml.model._inputs import UNNAMED_DIM, generate, input_specs
 from sharedml.model._proto import ModelProto
@@ -54,6 +59,8 @@ __all__ = [
     "BUDGET_S",
     "CALIBRATION_ROWS",
     "HARD_LIMIT_S",
+    "PROBE_AVAILABLE_SHARE",
+    "PROBE_MEMORY_FLOOR",
     "ROWS_MARGIN",
     "SESSIONS_MARGIN",
     "Calibration",
@@ -65,7 +72,17 @@ __all__ = [
 
 CALIBRATION_ROWS = 8  # rows per probe batch: a batch that several callers fill quickly
 BUDGET_S = 1.0  # seconds of timed Runs, shared by the candidates
-HARD_LIMIT_S = 10.0  # seconds: no candidate is probed that would end calibration beyond this
+# seconds: calibration's time budget. No Run starts, and no probe, that its prediction says
+# would end calibration beyond it; only the first single-row Run, which nothing predicts, may.
+HARD_LIMIT_S = 10.0
+
+# A probe's batch may add at most this share of the memory the machine has available...
+PROBE_AVAILABLE_SHARE = 0.25
+# ... and at most what the probe session itself took with single rows (its weights as it
+# touched them, its arenas, one row's activations), or this much, whichever is more: a model
+# of 100 MiB of activations a row once took calibration to 1.13 GiB for an 8-row batch that
+# it then did not use, against 306 MiB for a pool of 2 sessions. Bytes.
+PROBE_MEMORY_FLOOR = 64 * 2**20
 _MIN_RUNS = 2  # timed Runs per batch size and candidate, budget or not
 _MAX_RUNS = 50  # timed Runs per batch size and candidate: a small model's settles long before
 
@@ -128,6 +145,12 @@ class Calibration:
         batch_memory_share: What the first probe's batch added to its resident memory over
             single rows, as a share of what the session took with single rows; None where not
             measured.
+        skipped: What calibration did not measure to keep its budgets, one phrase each (a
+            batch size whose predicted memory or time did not fit, splits whose probes would
+            have ended past the time budget); empty where it measured everything.
+        time_budget_s: The time budget it kept (:data:`HARD_LIMIT_S` unless given).
+        memory_budget_bytes: What the first probe allowed a batch to add to its memory (see
+            :data:`PROBE_MEMORY_FLOOR`); None where nothing was measured.
     """
 
     candidates: tuple[CalibrationCandidate, ...]
@@ -138,6 +161,9 @@ class Calibration:
     seconds: float
     max_batch_size: int | None = None
     batch_memory_share: float | None = None
+    skipped: tuple[str, ...] = ()
+    time_budget_s: float = HARD_LIMIT_S
+    memory_budget_bytes: int | None = None
 
 
 def candidate_splits(cores: int) -> list[tuple[int, int]]:
@@ -222,6 +248,7 @@ def calibrate(
     default_sessions: int,
     creation_lock: Any = None,
     cores: int | None = None,
+    time_budget_s: float | None = None,
 ) -> Calibration:
     """Decide a pool's sessions and threads for ``sessions="auto"`` (see the module).
 
@@ -232,19 +259,23 @@ def calibrate(
         serialized: The provider runs one ``Run`` at a time.
         default_sessions: The pool's default session count (where nothing is measured).
         creation_lock: Held while a probe session is created (the pool's creation lock).
-        cores: The usable cores (default: :func:`sharedml._host.usable_cores`).
+        cores: The usable cores (default: :func:`sharedml._host._platform.usable_cores`).
+        time_budget_s: Calibration's time budget (default: :data:`HARD_LIMIT_S`).
 
     Returns:
-        The decision, with what was measured; never raises for a model that cannot be
-        measured (the reason says so, and a default applies).
+        The decision, with what was measured and what was skipped to keep the budgets; never
+        raises for a model that cannot be measured (the reason says so, and a default
+        applies).
 
     Thread safety: creates and runs sessions; call it from the thread that builds the pool.
     """
     start = time.perf_counter()
     cores = usable_cores() if cores is None else cores
+    time_budget_s = HARD_LIMIT_S if time_budget_s is None else time_budget_s
 
     def fallback(sessions: int, threads: int | None, why: str) -> Calibration:
-        return Calibration((), sessions, threads, False, why, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        return Calibration((), sessions, threads, False, why, elapsed, time_budget_s=time_budget_s)
 
     if recipe.plan.primary != CPU:
         return fallback(
@@ -283,37 +314,51 @@ def calibrate(
     if len(splits) == 1:
         return fallback(cores, 1, "one usable core: one session of one thread; nothing to measure.")
     rows = min(CALIBRATION_ROWS, batching.max_batch_size)
-    sizes = sorted({1, rows})  # single rows first: the batch's memory is measured over theirs
     try:
         graph = load_graph(recipe.model_path)  # read once: the feeds and the guessed sizes
-        feeds = [_feed(graph, n) for n in sizes]
+        feeds = {n: _feed(graph, n) for n in sorted({1, rows})}
     except (ValueError, SharedMLError) as exc:  # MeasurementError: a type it cannot generate
         return fallback(
             cores,
             1,
             f"inputs could not be generated from the model's signature ({exc}); {on_failure}.",
         )
+
+    def feed_for(n: int) -> dict[str, Any]:
+        if n not in feeds:  # a smaller batch, where the memory budget cut the probe's
+            feeds[n] = _feed(graph, n)
+        return feeds[n]
+
+    import psutil
+
+    available = psutil.virtual_memory().available  # bytes, once: the memory budget's cap
+    budget = _Budget(start, time_budget_s)
     measured: list[CalibrationCandidate] = []
     lock = creation_lock if creation_lock is not None else contextlib.nullcontext()
     share_s = BUDGET_S / len(splits)
     probed = 0
     share: float | None = None
-    last: tuple[float, int] | None = None  # the last probe's seconds and threads
+    memory_budget: int | None = None
+    memory_cap: int | None = None  # the batch size the memory budget allowed, where it cut it
+    batch = rows  # the batch size probes run: the memory budget may lower it
+    last: _Probe | None = None
     for sessions, threads in splits:
         # A probe of fewer threads runs its batches about that much slower: none starts that
-        # the last one's time says would end beyond the bound.
-        expected = 0.0 if last is None else last[0] * last[1] / threads
-        if measured and time.perf_counter() - start + expected > HARD_LIMIT_S:
+        # the last one's time says would end beyond the budget.
+        if last is not None and not budget.fits(last.elapsed * last.threads / threads):
             break
-        began = time.perf_counter()
         try:
-            seconds, grown = _seconds_per_run(
+            probe = _probe(
                 dataclasses.replace(recipe, intra_op_threads=threads),
-                feeds,
+                feed_for,
+                batch,
+                threads=threads,
                 lock=lock,
                 share_s=share_s,
-                deadline=start + HARD_LIMIT_S,
-                resident=probed == 0 and len(feeds) > 1,  # later probes find weights touched
+                budget=budget,
+                hint=last,
+                # the first probe measures memory: later ones find the weights touched
+                memory=None if probed else available,
             )
         except Exception as exc:  # onnxruntime's own errors have no common base but Exception
             return fallback(
@@ -322,24 +367,34 @@ def calibrate(
                 f"a probe session of {threads} thread(s) failed on {rows} generated rows "
                 f"({type(exc).__name__}: {_short(exc)}); {on_failure}.",
             )
-        last = (time.perf_counter() - began, threads)
-        if grown is not None:
-            session_bytes, batch_bytes = grown
-            share = batch_bytes / session_bytes if session_bytes > 0 else None
+        if probed == 0:
+            share, memory_budget = probe.batch_memory_share, probe.memory_budget
+            if probe.rows < batch:
+                memory_cap = batch = probe.rows
+        last = probe
         probed += 1
         measured.extend(
-            CalibrationCandidate(threads, sessions, n, s, sessions * n / s)
-            for n, s in zip(sizes, seconds, strict=True)
+            CalibrationCandidate(threads, sessions, n, sec, sessions * n / sec)
+            for n, sec in sorted(probe.seconds.items())
+        )
+    skipped = list(budget.skipped)
+    if probed < len(splits):
+        skipped.append(
+            f"{len(splits) - probed} split(s) with more sessions: their probes would have "
+            f"ended past the {time_budget_s:g} s budget"
         )
     # A batch's cost per row depends on the other sizes (a transformer's sequence length): where
     # probes guessed them, the traffic's own may make batches pay, so they are not capped.
     guessed = _guesses_sizes(graph)
     chosen, reason = choose(measured, batch_memory_share=None if guessed else share)
-    if probed < len(splits):
-        reason += (
-            f" {len(splits) - probed} split(s) with more sessions were not measured: "
-            f"calibration would have passed its bound of {HARD_LIMIT_S:.0f} s."
-        )
+    if skipped:
+        reason += f" Not measured, to keep calibration's budgets: {'; '.join(skipped)}."
+    if guessed:  # the probes' memory and speed are those of guessed sizes: traffic decides
+        cap = None
+    elif any(c.rows > 1 for c in measured):
+        cap = chosen.rows if chosen.rows < rows else None
+    else:  # no batch measured: the memory budget's cap, if any, else the setting stands
+        cap = memory_cap
     return Calibration(
         tuple(measured),
         chosen.sessions,
@@ -347,8 +402,11 @@ def calibrate(
         True,
         reason,
         time.perf_counter() - start,
-        max_batch_size=chosen.rows if chosen.rows < rows else None,
+        max_batch_size=cap,
         batch_memory_share=share,
+        skipped=tuple(skipped),
+        time_budget_s=time_budget_s,
+        memory_budget_bytes=memory_budget,
     )
 
 
@@ -388,26 +446,87 @@ def _feed(graph: ModelProto, rows: int) -> dict[str, Any]:
     return feed
 
 
-def _seconds_per_run(
+class _Budget:
+    """Calibration's time budget: which Runs may start, and what was skipped to keep it."""
+
+    def __init__(self, start: float, seconds: float) -> None:
+        self.deadline = start + seconds
+        self.seconds = seconds
+        self.skipped: list[str] = []
+
+    def fits(self, predicted_s: float) -> bool:
+        """Whether something predicted to take ``predicted_s`` would end within the budget."""
+        return time.perf_counter() + predicted_s <= self.deadline
+
+
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """What one probe session measured.
+
+    Attributes:
+        seconds: Per batch size measured, the median seconds of one Run (of the timed Runs,
+            or where the budget left none, the last warm-up Run).
+        last: Per batch size, the last Run's seconds: the next probe's prediction.
+        rows: The batch size it probed (below the one asked where the memory budget cut it;
+            1: no batch).
+        threads: Its intra-op threads.
+        elapsed: Seconds from its creation to its release.
+        batch_memory_share: What its batch added to its resident memory, as a share of what
+            it took with single rows; None where not measured.
+        memory_budget: What its batch was allowed to add (bytes); None where not measured.
+    """
+
+    seconds: dict[int, float]
+    last: dict[int, float]
+    rows: int
+    threads: int
+    elapsed: float
+    batch_memory_share: float | None = None
+    memory_budget: int | None = None
+
+
+def _anonymous_bytes(process: Any) -> int:
+    """Resident memory that no file backs: arenas and activations, not mapped weights.
+
+    On Linux, ``rss - shared`` (statm's file-backed resident pages); elsewhere all of RSS.
+    """
+    info = process.memory_info()
+    return int(info.rss - getattr(info, "shared", 0))
+
+
+def _probe(
     recipe: SessionRecipe,
-    feeds: Sequence[dict[str, Any]],
+    feed_for: Any,
+    rows: int,
     *,
+    threads: int,
     lock: Any,
     share_s: float,
-    deadline: float,
-    resident: bool = False,
-) -> tuple[list[float], tuple[int, int] | None]:
-    """The median time of one ``Run`` of each feed on a probe session of ``recipe``.
+    budget: _Budget,
+    hint: _Probe | None,
+    memory: int | None,
+) -> _Probe:
+    """Time single rows and a batch of ``rows`` on a probe session of ``recipe``, within budget.
 
-    Two warm-up Runs of each feed first, in order (ORT plans a shape's memory on its first Run
-    and allocates the plan on the second); then the feeds in turn, so a moment of load slows
-    them alike, until ``share_s`` seconds passed and each ran at least ``_MIN_RUNS`` times, at
-    most ``_MAX_RUNS``, or ``deadline`` passed after one turn. The session is released before
-    returning.
+    Two warm-up Runs of each size first, single rows then the batch (ORT plans a shape's memory
+    on its first Run and allocates the plan on the second); then the sizes in turn, so a moment
+    of load slows them alike, until ``share_s`` seconds passed and each ran at least
+    ``_MIN_RUNS`` times, or ``_MAX_RUNS``. No Run starts whose predicted time would end past
+    ``budget``: a size's last Run predicts its next, single rows predict a batch (linearly in
+    its rows, an upper bound), and ``hint`` (the last probe, scaled by its threads over these)
+    predicts what this probe has not run yet. Only the very first Run of calibration is
+    unpredicted. Where no timed Run fits, a size's last warm-up Run stands for it; where none
+    of its Runs fits, it is not measured, and ``budget.skipped`` says so.
 
-    With ``resident``, also what the process's resident memory grew by: from before the
-    session's creation to after the first feed's warm-up (the session), and over the warm-ups
-    of the rest (their larger activations); else None.
+    With ``memory`` (the machine's available bytes; the first probe only), the batch's
+    predicted growth is checked first: one row's activations (what the single-row warm-ups
+    added to the anonymous memory) times its rows must fit within
+    ``min(PROBE_AVAILABLE_SHARE * memory, max(PROBE_MEMORY_FLOOR, what the session took))``;
+    where it does not, the batch shrinks to the rows that fit, or to none below 2. Also then,
+    what the batch added to the resident memory as a share of the session's (the memory
+    verdict of :func:`choose`).
+
+    The session is released before returning.
     """
     import onnxruntime as ort
     import psutil
@@ -415,35 +534,115 @@ def _seconds_per_run(
     quiet = ort.RunOptions()
     quiet.log_severity_level = 4  # a failing probe is reported in the reason, not logged too
     me = psutil.Process()
-    if resident:  # heap freed earlier and trimmed during creation would read as a negative cost
+    began = time.perf_counter()
+    if memory is not None:  # heap freed earlier and trimmed during creation would read negative
         release_freed_heap()
     before = me.memory_info().rss
     with lock:
-        sess = recipe.create_session()
+        session = [recipe.create_session()]  # a list: released in `finally`, used by run()
     try:
-        marks = []
-        for feed in feeds:
-            sess.run(None, feed, quiet)
-            sess.run(None, feed, quiet)
-            marks.append(me.memory_info().rss)
-        grown = (marks[0] - before, max(0, marks[-1] - marks[0])) if resident else None
-        times: list[list[float]] = [[] for _ in feeds]
-        began = time.perf_counter()
-        while True:
-            for feed, timed in zip(feeds, times, strict=True):
-                t0 = time.perf_counter()
-                sess.run(None, feed, quiet)
-                timed.append(time.perf_counter() - t0)
-            now, turns = time.perf_counter(), len(times[0])
-            if turns >= _MAX_RUNS or now >= deadline:
+        created = _anonymous_bytes(me)
+        runs: dict[int, list[float]] = {}
+
+        def predict(n: int) -> float:
+            own = runs.get(n)
+            if own:
+                return own[-1]
+            if runs:  # another size of this probe: linear in the rows, never less
+                m = max(runs)
+                return runs[m][-1] * max(1.0, n / m)
+            if hint is not None and hint.last:
+                m = n if n in hint.last else max(hint.last)
+                return hint.last[m] * max(1.0, n / m) * hint.threads / threads
+            return 0.0  # calibration's first Run: nothing to predict it from
+
+        def run(n: int) -> float | None:
+            first = hint is None and not runs  # calibration's first Run: always made
+            if not first and not budget.fits(predict(n)):
+                return None
+            t0 = time.perf_counter()
+            session[0].run(None, feed_for(n), quiet)
+            took = time.perf_counter() - t0
+            runs.setdefault(n, []).append(took)
+            return took
+
+        def unmeasured(n: int) -> str:
+            what = "single rows" if n == 1 else f"batches of {n} rows"
+            return (
+                f"{what} on {threads} thread(s): a Run predicted at {predict(n):.2g} s would "
+                f"have ended past the {budget.seconds:g} s budget"
+            )
+
+        sizes: list[int] = []
+        for _ in range(2):
+            if run(1) is None:
                 break
-            if turns >= _MIN_RUNS and now - began >= share_s:
+        if runs.get(1):
+            sizes.append(1)
+        else:
+            budget.skipped.append(unmeasured(1))
+        single_rss = me.memory_info().rss
+        share = allowed = None
+        if rows > 1 and memory is not None and sizes:
+            session_bytes = max(0, single_rss - before)
+            per_row = max(0, _anonymous_bytes(me) - created)
+            allowed = int(
+                min(PROBE_AVAILABLE_SHARE * memory, max(PROBE_MEMORY_FLOOR, session_bytes))
+            )
+            # n rows' activations each: ORT's arena takes a new region for a request its
+            # single-row one cannot hold, so the batch adds its own n rows, not n - 1.
+            fit = allowed // per_row if per_row else rows
+            if fit < rows:
+                budget.skipped.append(
+                    f"batches of {rows} rows: one row's activations took "
+                    f"{per_row / 2**20:.1f} MiB, so they would add about "
+                    f"{rows * per_row / 2**20:.0f} MiB, over the "
+                    f"{allowed / 2**20:.0f} MiB a probe's batch may add"
+                    + (f" (probed {fit} rows instead)" if fit >= 2 else "")
+                )
+                rows = fit if fit >= 2 else 1
+        if rows > 1:
+            for _ in range(2):
+                if run(rows) is None:
+                    break
+            if runs.get(rows):
+                sizes.append(rows)
+                if memory is not None and allowed is not None:
+                    session_bytes = single_rss - before
+                    grown = max(0, me.memory_info().rss - single_rss)
+                    share = grown / session_bytes if session_bytes > 0 else None
+            else:
+                budget.skipped.append(unmeasured(rows))
+        timed: dict[int, list[float]] = {n: [] for n in sizes}
+        started = time.perf_counter()
+        while sizes and budget.fits(sum(predict(n) for n in sizes)):
+            for n in sizes:
+                t0 = time.perf_counter()
+                session[0].run(None, feed_for(n), quiet)
+                took = time.perf_counter() - t0
+                timed[n].append(took)
+                runs[n].append(took)
+            turns = len(timed[sizes[0]])
+            if turns >= _MAX_RUNS:
+                break
+            if turns >= _MIN_RUNS and time.perf_counter() - started >= share_s:
                 break
     finally:
-        del sess
+        session.clear()
         release_freed_heap()
     # A zero would divide the prediction.
-    return [max(statistics.median(t), 1e-9) for t in times], grown
+    seconds = {
+        n: max(statistics.median(timed[n]) if timed[n] else runs[n][-1], 1e-9) for n in sizes
+    }
+    return _Probe(
+        seconds,
+        {n: ts[-1] for n, ts in runs.items()},
+        rows,
+        threads,
+        time.perf_counter() - began,
+        batch_memory_share=share,
+        memory_budget=allowed,
+    )
 
 
 def _short(exc: BaseException, limit: int = 200) -> str:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sharedml._errors import SessionCreationError, SharedMLError
-from sharedml._host import release_freed_heap, usable_cores
+from sharedml._host._platform import release_freed_heap, usable_cores
 
 __all__ = [
     "CREATION_LOCK",

@@ -12,8 +12,9 @@ the scheduler's (:mod:`sharedml.pool._scheduler`); creation and its retries are
 - Every checked-out session comes back: a run that raises returns its session; a session whose
   provider failed (``EPFail``/``EngineError``) is dropped and a fresh one takes its place.
 - Where the provider runs one ``Run`` at a time across the process (DirectML on
-  onnxruntime-directml >= 1.18), each ``Run`` takes a process-wide first-come-first-served lock
-  for its device; checkouts do not hold it.
+  onnxruntime-directml >= 1.18, WebGPU, any provider the provider table does not know:
+  :data:`sharedml.runtime.PROVIDER_FACTS`), each ``Run`` takes a process-wide
+  first-come-first-served lock for its device; checkouts do not hold it.
 - The constructor returns once the first session exists; the others are created in the
   background, one at a time process-wide, retried with back-off on failure.
 """
@@ -46,7 +47,7 @@ from sharedml._errors import (
     PoolTimeout,
     SharedMLError,
 )
-from sharedml._host import release_freed_heap, usable_cores
+from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.cache._root import CacheDir
 from sharedml.model._graph import load_graph
 from sharedml.model._proto import ModelProto
@@ -75,16 +76,17 @@ from sharedml.pool._graphs import (
 )
 from sharedml.pool._relax import relax, relaxed_recipe
 from sharedml.pool._runlock import FairLock, SerializedSession, run_lock_for
-from sharedml.pool._scheduler import Scheduler, closed_error, is_session_fatal, run_error
+from sharedml.pool._scheduler import Scheduler, closed_error
 from sharedml.pool._stats import PoolStats
 from sharedml.route._planner import Mechanism, SessionRecipe, plan_route
+from sharedml.runtime._errors import is_session_lost, mapped_run_errors, run_error
 from sharedml.runtime._providers import (
     CPU,
     DML,
     ProviderPlan,
     ProviderSpec,
     plan_providers,
-    serialize_runs_by_default,
+    runs_rule,
 )
 from sharedml.weights._store import WeightStore
 
@@ -216,7 +218,8 @@ def _decide_batching(
         wanted: The settings asked for (``True`` or a ``Batching``); None: not asked for.
         auto: ``"auto"``: merge if the analysis proves the model batchable, else say why not.
         by_default: ``batching`` was left out.
-        serialized: The provider runs one ``Run`` at a time.
+        serialized: The pool holds one session by default (the provider runs one ``Run`` at a
+            time, or each session holds its own copy of the weights).
         model_path: The prepared model, whose graph the analysis reads.
         name: How messages name the model.
 
@@ -226,7 +229,8 @@ def _decide_batching(
     reason = "batching was not asked for (batching=False)"
     if by_default and not serialized:
         reason = (
-            "batching is on by default only where the provider runs one Run at a time; "
+            "batching is on by default only where the provider runs one Run at a time, or "
+            "each of its sessions holds its own copy of the weights (the provider table); "
             "pass batching=True to merge requests"
         )
     if wanted is None and not auto:
@@ -339,7 +343,7 @@ class _Sessions:
         """One ``sess.run``, under the device's run lock where runs are serialized."""
         names = list(request.output_names) if request.output_names is not None else None
         lock = self._run_lock if self._run_lock is not None else contextlib.nullcontext()
-        with lock:
+        with lock, mapped_run_errors():
             if isinstance(sess, GraphSession):
                 if request.run_options is not None:
                     raise InvalidInputError(
@@ -378,15 +382,18 @@ class SessionPool:
         model: Path of any ONNX model, or its bytes. A model not written by
             :func:`sharedml.prepare` is prepared into the cache first (keyed by content,
             reused across processes).
-        sessions: How many sessions the pool holds. Default: 4; 1 where the provider runs one
-            ``Run`` at a time across the process (DirectML), where more sessions only multiply
-            the weights on the device (asking for more warns, unless ``per_session_state``).
+        sessions: How many sessions the pool holds. Default: the provider table's (4; 1 where
+            the provider runs one ``Run`` at a time across the process, DirectML and WebGPU,
+            where more sessions only multiply the weights on the device: asking for more warns,
+            unless ``per_session_state``; 1 on OpenVINO, whose sessions each compile their own
+            copy of the weights).
             ``"auto"``: on the CPU with batching on, split the usable cores into sessions x
             intra-op threads by measuring a few probe sessions before the pool's own are
-            created (at most about a second of timed runs; ``docs/batching.md``, choosing the
-            split). Elsewhere, or where the model cannot be measured, a stated default
-            applies. An ``intra_op_num_threads`` set by ``sess_options`` or ``configure``
-            fixes the threads, and the sessions are then ``cores // threads``.
+            created (within a time budget of 10 s and a memory budget for the probes'
+            batches; ``docs/batching.md``, choosing the split). Elsewhere, or where the model
+            cannot be measured, a stated default applies. An ``intra_op_num_threads`` set by
+            ``sess_options`` or ``configure`` fixes the threads, and the sessions are then
+            ``cores // threads``.
             ``pool.stats().calibration`` says what was measured and chosen, and why.
         min_sessions: Create only this many and grow on demand up to ``max_sessions``. Not
             with ``sessions="auto"`` (``ValueError``), which chooses the count itself.
@@ -417,9 +424,10 @@ class SessionPool:
             spelling: ``"auto"``: wherever the row-independence analysis proves the model
             batchable, else off; ``True``: the defaults, or ``NotBatchableError``; a
             ``Batching``: its settings; ``False``: never. Left out: ``"auto"`` where the
-            provider runs one ``Run`` at a time, else ``False``. ``None`` is deprecated (it
-            meant "left out"). :attr:`batching_reason` says which and why. Only models whose
-            rows the analysis proves apart are merged (or with
+            pool holds one session by default (the provider runs one ``Run`` at a time, or each
+            session holds its own copy of the weights: the provider table), else ``False``.
+            ``None`` is deprecated (it meant "left out"). :attr:`batching_reason` says which
+            and why. Only models whose rows the analysis proves apart are merged (or with
             ``Batching(rows_independent=True)``, the caller's word).
         per_session_state: Say that each caller needs a session of its own (state kept in the
             session, CUDA or DML graph capture): no warning for extra sessions where runs are
@@ -438,8 +446,11 @@ class SessionPool:
             the helper threads' arenas (figures: README, Benchmarks). Refused (``ValueError``)
             with DirectML.
         serialize_runs: Allow only one ``Run`` at a time on the provider's device, across the
-            process, first come first served. ``None``: on for DirectML on ORT versions where
-            concurrent DML sessions crash.
+            process, first come first served. ``None``: as sharedml's provider table says
+            (:data:`sharedml.runtime.PROVIDER_FACTS`): on for DirectML on ORT versions where
+            concurrent DML sessions crash, for WebGPU, and for every provider the table does
+            not know; ``False`` is the opt-in for such a provider whose runs may overlap.
+            ``stats().runs_rule`` says which rule applied.
         size_threshold_bytes: Passed to :func:`sharedml.prepare` for models it prepares.
         weights: ``"float"`` (default: the model's own weights), or ``"int8"`` / ``"int4"``:
             its MatMul and Gemm weights quantized to 8- or 4-bit blocks (onnxruntime's
@@ -449,6 +460,15 @@ class SessionPool:
             mask): what ``sessions="auto"`` splits, and what a CPU pool given a count divides
             into intra-op threads (``cores // sessions`` each). A Ray replica passes its
             ``num_cpus``; a process sharing its cores with other work passes its own share.
+        ep_libraries: A plugin execution provider's library per EP name
+            (``{"FooExecutionProvider": "/opt/foo/libfoo_ep.so"}``), for one sharedml does not
+            find itself: it finds those of the packages it knows (``onnxruntime-ep-webgpu``,
+            ``onnxruntime-ep-openvino``, ``onnxruntime-ep-nv-tensorrt-rtx``) and any library
+            already registered in the process. Each is registered once per process.
+        ep_devices: A plugin EP's device per EP name: a
+            :class:`~sharedml.runtime.DeviceSelector` (hardware type, vendor, device id,
+            index) or ``OrtEpDevice`` objects (as Windows ML hands them out); default: the
+            first device the EP lists. :attr:`plan` says which (``pool.plan.device``).
 
     Raises:
         SharedMLError: see :mod:`sharedml._errors`; the model, provider or first session failed.
@@ -482,6 +502,8 @@ class SessionPool:
         size_threshold_bytes: int | None = None,
         weights: str = "float",
         cores: int | None = None,
+        ep_libraries: Mapping[str, str | os.PathLike[str]] | None = None,
+        ep_devices: Mapping[str, Any] | None = None,
     ) -> None:
         self._state = _State.OPENING
         self._pid = os.getpid()
@@ -508,16 +530,19 @@ class SessionPool:
             )
             if value is not None
         }
-        self.plan: ProviderPlan = plan_providers(providers, provider_options)
-        serialized = (
-            serialize_runs if serialize_runs is not None else serialize_runs_by_default(self.plan)
+        self.plan: ProviderPlan = plan_providers(
+            providers, provider_options, ep_libraries=ep_libraries, ep_devices=ep_devices
         )
+        self._runs_rule = runs_rule(self.plan, asked=serialize_runs)
+        serialized = self._runs_rule.serialized
         if not serialize_creation and DML in self.plan.providers:
             raise ValueError(
                 "serialize_creation=False with DmlExecutionProvider: creating DirectML sessions "
                 "concurrently crashes some onnxruntime-directml versions; leave it True."
             )
-        default = _SERIALIZED_SESSIONS if serialized else DEFAULT_SESSIONS
+        # The table's default, unless the caller overrode its rule on runs (then as it says).
+        one = self.plan.facts.default_sessions == 1 if serialize_runs is None else serialized
+        default = _SERIALIZED_SESSIONS if one else DEFAULT_SESSIONS
         self._max = counts.get("max_sessions", counts.get("sessions", default))
         if auto_sessions and self.plan.primary == CPU and not serialized:
             # Routed for the most sessions calibration may choose (map budget); the count and
@@ -538,7 +563,7 @@ class SessionPool:
             )
             batching = BatchingDefault.BY_PROVIDER
         by_default = batching is BatchingDefault.BY_PROVIDER
-        setting = ("auto" if serialized else None) if by_default else Batching.parse(batching)
+        setting = ("auto" if one else None) if by_default else Batching.parse(batching)
         auto = setting == "auto"
         wanted = setting if isinstance(setting, Batching) else None
 
@@ -570,7 +595,7 @@ class SessionPool:
             wanted,
             auto=auto,
             by_default=by_default,
-            serialized=serialized,
+            serialized=one,
             model_path=self.recipe.model_path,
             name=f"model '{self.source_path}'",
         )
@@ -616,7 +641,7 @@ class SessionPool:
                     chosen, max_batch_size=self._calibration.max_batch_size
                 )
                 reason = reason.rstrip(".") + (
-                    f". sessions='auto' measured merged batches not worth their memory: at most "
+                    f". sessions='auto' found merged batches not worth their memory: at most "
                     f"{chosen.max_batch_size} row(s) per Run (stats().calibration says why)."
                 )
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
@@ -791,7 +816,7 @@ class SessionPool:
         try:
             yield sess if self._run_lock is None else SerializedSession(sess, self._run_lock)
         except BaseException as exc:
-            failed, broken = True, is_session_fatal(exc)
+            failed, broken = True, is_session_lost(exc)
             raise
         finally:
             self._scheduler.checkin(sess, failed=failed, broken=broken)
@@ -836,6 +861,11 @@ class SessionPool:
         run_options: Any | None = None,
     ) -> list[Any]:
         """``run`` for asyncio code: the request queues without holding a thread.
+
+        Cancelling the awaiting task (a client that disconnected) takes the request out of
+        the queue, or out of the batch that took it if that batch has not started: it never
+        runs, and the batch runs for the others. A request whose batch already runs finishes;
+        its result is dropped. Either way no session or queue slot stays held.
 
         Raises:
             The same as :meth:`run`.
@@ -921,6 +951,9 @@ class SessionPool:
             stats,
             calibration=self._calibration,
             arena_shrinks=peaks.shrinks if peaks is not None else 0,
+            serialized_runs=self._runs_rule.serialized,
+            runs_rule=self._runs_rule.reason,
+            device=self.plan.device,
         )
 
     def close(self, timeout_s: float | None = None) -> None:

@@ -3,31 +3,34 @@
 ONNX Runtime takes a model's declared shapes as facts: a ``value_info`` (or a graph output, or a
 subgraph's input) declared ``[1, 4]`` lets it fold ``Shape(t)`` into the constant ``[1, 4]``
 while the graph is loaded, whatever ``t`` holds at run time. The row-independence analysis
-(:class:`~sharedml.pool._rows.RowAnalysis`) derives every shape from the graph's inputs and
+(:class:`~sharedml.rows.RowAnalysis`) derives every shape from the graph's inputs and
 trusts no declaration, so a model whose declarations lie (an export that left a second output
 out of ``dynamic_axes`` declares it ``[1, 4]``) would be proven batchable while ORT runs another
 graph, one whose ``Reshape(x, [Shape(t)[0], -1])`` joins every caller's rows. So the pool never
 lets ORT run a graph that declares what the analysis did not prove: the sessions of a batching
 pool load :func:`relax`'s copy of the *prepared* graph, in which
 
-- every ``value_info``, at any depth, is dropped (ORT infers the shapes again, from the inputs);
-- subgraphs (``If``/``Loop``/``Scan`` bodies) declare no input or output shape, but for a
-  ``Loop`` body's iteration number and condition, which are scalars by the operator's
-  definition (ORT's ``Loop`` needs them);
-- a graph output keeps a declared dim only where the analysis proved that very dim: a constant
-  it computed, a symbolic dim of an input it followed, or the rows' axis named as an input's
-  axis 0 is; any other is left unknown, and a rows' axis declared otherwise (``1`` in a batch-1
-  export) becomes the symbolic dim :data:`ROWS_DIM`;
+- a ``value_info`` or output of the main graph keeps its declared shape only where every dim is
+  proven: a size the analysis computed (never a size on the rows' axis, which is N), or a name
+  that stands for one proven size wherever the main graph's declarations use it (a name is what
+  ORT equates dims by). A ``value_info`` that is not is dropped (ORT infers it again, from the
+  inputs); an output loses the dims that are not, a rows' axis becoming :data:`ROWS_DIM`;
+- subgraphs (``If``/``Loop``/``Scan`` bodies) declare nothing: no ``value_info`` and no input or
+  output shape (two branches may define one name, and a loop body's facts hold for the rounds
+  the analysis followed), but for a ``Loop`` body's iteration number and condition, scalars by
+  the operator's definition (ORT's ``Loop`` needs them);
 - the graph's inputs keep their shapes (requests are checked against them), but for an axis 0
   fixed at 1 where the analysis ran in its ``fixed_rows`` mode (models exported with axis 0
   fixed at 1, served batched with that axis relaxed): it becomes :data:`ROWS_DIM`.
 
 Where nothing changes, the pool loads the prepared graph itself. Otherwise the copy is a
-``models`` cache entry of its own (:func:`relaxed_model_for`), keyed by the prepared graph's
-bytes, whose weights files are hard links to the prepared model's: the same files (and inodes),
-so the weights are still mapped once per process, and every route (ORT's optimized and prepacked
-forms included) is built from the copy. The model the caller gave is never written. Requests are
-still checked against the source's shapes (one row each, for a model fixed at 1).
+``models`` cache entry of its own (:func:`relaxed_model_for`), keyed by the relaxed graph's
+bytes. Its weights files are hard links to the prepared model's where that is a file of the
+cache (the same inodes, so the weights are still mapped once per process), and copies where
+the caller prepared the model (a second link would change the caller's file; the pool maps only
+the copy). Every route (ORT's optimized and prepacked forms included) is built from it. The
+model the caller gave is never written. Requests are still checked against the source's shapes
+(one row each, for a model fixed at 1).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,10 +49,9 @@ from sharedml.cache._locks import lend_hold
 from sharedml.cache._root import Cache
 from sharedml.model._graph import external_locations
 from sharedml.model._proto import AttributeProto, GraphProto, ModelProto
-from sharedml.pool._dims import ONE, Dim
-from sharedml.pool._rows import Fact, RowAnalysis
 from sharedml.prepared._format import read_manifest
 from sharedml.route._planner import SessionRecipe
+from sharedml.rows import ONE, Dim, Fact, Kind, RowAnalysis
 
 __all__ = [
     "ROWS_DIM",
@@ -129,10 +132,25 @@ def relax(model: ModelProto, analysis: RowAnalysis) -> Relaxed:
     relaxed = ModelProto()
     relaxed.CopyFrom(model)
     changed: list[str] = []
-    _undeclare(relaxed.graph, changed)
     graph = relaxed.graph
     batch_params = analysis.batch_params
     rows_dim = _rows_dim(graph, batch_params)
+    top = analysis.top_facts
+    once = _consistent_names(graph, top, analysis.facts)
+    kept = []
+    for value in graph.value_info:
+        fact = top.get(value.name)
+        tensor = value.type.tensor_type if value.type.HasField("tensor_type") else None
+        if fact is None and value.name not in analysis.facts:
+            kept.append(value)  # a value no graph of the model has: it declares nothing
+        elif fact is not None and tensor is not None and _proven(tensor, fact, batch_params, once):
+            kept.append(value)
+        else:
+            changed.append(value.name)
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+    for node in graph.node:
+        _undeclare_subgraphs(node, changed)
     fixed = False
     if analysis.fixed_rows:
         for name in fixed_row_inputs(relaxed):
@@ -148,7 +166,7 @@ def relax(model: ModelProto, analysis: RowAnalysis) -> Relaxed:
         if fact is None or not value.type.HasField("tensor_type"):
             _clear_shapes(value.type)
         else:
-            _keep_proven(value.type.tensor_type, fact, batch_params, rows_dim)
+            _keep_proven(value.type.tensor_type, fact, batch_params, rows_dim, once)
         if value.type.SerializeToString() != before:
             changed.append(value.name)
     if not fixed and not changed:
@@ -161,33 +179,37 @@ def relaxed_graph(model: ModelProto, analysis: RowAnalysis) -> ModelProto:
     return relax(model, analysis).graph
 
 
-def _undeclare(graph: GraphProto, changed: list[str]) -> None:
-    """Drop ``graph``'s ``value_info`` and, below the top, the shapes of its inputs and outputs."""
-    changed.extend(v.name for v in graph.value_info)
-    del graph.value_info[:]
-    for node in graph.node:
-        for attr in node.attribute:
-            subs = [attr.g] if attr.type == AttributeProto.GRAPH else []
-            if attr.type == AttributeProto.GRAPHS:
-                subs = list(attr.graphs)
-            body = node.op_type == "Loop" and node.domain in ("", "ai.onnx")
-            for sub in subs:
-                _undeclare(sub, changed)
-                # A Loop body's iteration number and condition: scalars by the operator's
-                # definition, which ORT's Loop needs declared.
-                scalars = 2 if body and attr.name == "body" else 0
-                for value, scalar in [
-                    *((v, k < scalars) for k, v in enumerate(sub.input)),
-                    *((v, k < scalars // 2) for k, v in enumerate(sub.output)),
-                ]:
-                    before = value.type.SerializeToString()
-                    if scalar and value.type.HasField("tensor_type"):
-                        value.type.tensor_type.shape.Clear()
-                        value.type.tensor_type.shape.SetInParent()
-                    else:
-                        _clear_shapes(value.type)
-                    if value.type.SerializeToString() != before:
-                        changed.append(value.name)
+def _undeclare_subgraphs(node: Any, changed: list[str]) -> None:
+    """Drop every shape ``node``'s subgraphs declare, at any depth (``value_info``, I/O).
+
+    Below the main graph nothing is kept: two branches may define one name, and a loop body's
+    facts hold for the rounds the analysis followed, not for every iteration.
+    """
+    body = node.op_type == "Loop" and node.domain in ("", "ai.onnx")
+    for attr in node.attribute:
+        subs = [attr.g] if attr.type == AttributeProto.GRAPH else []
+        if attr.type == AttributeProto.GRAPHS:
+            subs = list(attr.graphs)
+        for sub in subs:
+            changed.extend(v.name for v in sub.value_info)
+            del sub.value_info[:]
+            for inner in sub.node:
+                _undeclare_subgraphs(inner, changed)
+            # A Loop body's iteration number and condition: scalars by the operator's
+            # definition, which ORT's Loop needs declared.
+            scalars = 2 if body and attr.name == "body" else 0
+            for value, scalar in [
+                *((v, k < scalars) for k, v in enumerate(sub.input)),
+                *((v, k < scalars // 2) for k, v in enumerate(sub.output)),
+            ]:
+                before = value.type.SerializeToString()
+                if scalar and value.type.HasField("tensor_type"):
+                    value.type.tensor_type.shape.Clear()
+                    value.type.tensor_type.shape.SetInParent()
+                else:
+                    _clear_shapes(value.type)
+                if value.type.SerializeToString() != before:
+                    changed.append(value.name)
 
 
 def _clear_shapes(type_proto: Any) -> None:
@@ -201,7 +223,9 @@ def _clear_shapes(type_proto: Any) -> None:
         _clear_shapes(type_proto.map_type.value_type)
 
 
-def _keep_proven(tensor: Any, fact: Fact, batch_params: frozenset[str], rows_dim: str) -> None:
+def _keep_proven(
+    tensor: Any, fact: Fact, batch_params: frozenset[str], rows_dim: str, once: frozenset[str]
+) -> None:
     """Keep the dims of a graph output's declared shape that ``fact`` proves; forget the rest."""
     if not tensor.HasField("shape"):
         return
@@ -210,26 +234,75 @@ def _keep_proven(tensor: Any, fact: Fact, batch_params: frozenset[str], rows_dim
         tensor.ClearField("shape")  # not even the rank is proven
         return
     for axis, (dim, proven) in enumerate(zip(dims, fact.shape, strict=True)):
+        if _proves(fact, axis, proven, dim, batch_params, once):
+            continue
+        dim.Clear()
         if axis == fact.axis and fact.fold == ONE:
-            # N rows: only an input's axis-0 name is the same size by proof
-            if _declares(dim) and not (dim.HasField("dim_param") and dim.dim_param in batch_params):
-                dim.Clear()
-                dim.dim_param = rows_dim
-        elif _declares(dim) and not _proves(proven, dim, batch_params):
-            dim.Clear()
+            dim.dim_param = rows_dim
 
 
-def _declares(dim: Any) -> bool:
-    """Whether a dim says anything (a size, or a name that ORT may equate with others)."""
+def _proven(tensor: Any, fact: Fact, batch_params: frozenset[str], once: frozenset[str]) -> bool:
+    """Whether every dim of a ``value_info``'s declared shape is one ``fact`` proves."""
+    if not tensor.HasField("shape"):
+        return True
+    dims = tensor.shape.dim
+    if fact.kind is Kind.MIXED or fact.shape is None or len(fact.shape) != len(dims):
+        return False
+    return all(
+        _proves(fact, axis, proven, dim, batch_params, once)
+        for axis, (dim, proven) in enumerate(zip(dims, fact.shape, strict=True))
+    )
+
+
+def _proves(
+    fact: Fact,
+    axis: int,
+    proven: Dim,
+    dim: Any,
+    batch_params: frozenset[str],
+    consistent: frozenset[str],
+) -> bool:
+    """Whether a declared dim says nothing that ``proven`` (axis ``axis`` of ``fact``) denies.
+
+    A size must be the one computed (and never on the rows' axis, whose size is N); a name
+    must stand for one proven size wherever the main graph's declarations use it
+    (``consistent``): ORT equates the dims one name names, so that is all a name claims.
+    """
     if dim.HasField("dim_value"):
-        return bool(dim.dim_value >= 0)  # Paddle writes -1 for dynamic, as ORT reads it
-    return bool(dim.HasField("dim_param") and dim.dim_param)
+        if dim.dim_value < 0:
+            return True  # Paddle writes -1 for dynamic, as ORT reads it
+        return not (fact.rows and axis == fact.axis) and bool(proven.const == dim.dim_value)
+    param = dim.dim_param if dim.HasField("dim_param") else ""
+    return not param or param in consistent
 
 
-def _proves(proven: Dim, dim: Any, batch_params: frozenset[str]) -> bool:
-    if dim.HasField("dim_value"):
-        return bool(proven.const == dim.dim_value)
-    return dim.dim_param not in batch_params and proven == Dim.of(f"dim:{dim.dim_param}")
+def _consistent_names(
+    graph: GraphProto, top: dict[str, Fact], anywhere: dict[str, Fact]
+) -> frozenset[str]:
+    """The dim names of the main graph's declarations that stand for one proven size each.
+
+    An input's dims are what requests give (N on axis 0); a value's, what the analysis computed
+    for it. A name used where the analysis knows no size, or for two sizes it cannot prove
+    equal (two opaque sizes, a size and N), is not consistent.
+    """
+    sizes: dict[str, set[Dim]] = {}
+    unknown: set[str] = set()
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if not value.type.HasField("tensor_type"):
+            continue
+        fact = top.get(value.name)
+        if fact is None and value.name not in anywhere:
+            continue  # a value no graph of the model has: ORT ignores its declaration
+        dims = value.type.tensor_type.shape.dim
+        shape = fact.shape if fact is not None else None
+        for axis, d in enumerate(dims):
+            if not (d.HasField("dim_param") and d.dim_param):
+                continue
+            if shape is not None and len(shape) == len(dims):
+                sizes.setdefault(d.dim_param, set()).add(shape[axis])
+            else:
+                unknown.add(d.dim_param)
+    return frozenset(name for name, found in sizes.items() if len(found) == 1) - unknown
 
 
 def _rows_dim(graph: GraphProto, batch_params: frozenset[str]) -> str:
@@ -269,19 +342,29 @@ def relaxed_model_for(prepared: Path, relaxed: Relaxed, *, cache: Cache) -> Path
     # other file a tensor names.
     locations = sorted(set(known) | external_locations(relaxed.graph.graph))
 
+    # A file of the cache (a model the pool prepared) is hard-linked: the same inode, mapped
+    # once. A file of the caller's is copied, never linked: a second link would change it for
+    # its owner (onnx.load refuses external data with more than one link, "a potential
+    # hardlink attack"), and the pool maps only the copy, so still once.
+    own = _inside(prepared, cache.root)
+
     def build(folder: Path) -> Built:
         for location in locations:
-            target = folder / location
+            source, target = prepared.parent / location, folder / location
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.link(prepared.parent / location, target)
+                if own:
+                    os.link(source, target)
+                else:
+                    shutil.copyfile(source, target)
             except OSError as exc:
                 raise NotBatchableError(
-                    f"The weights file '{prepared.parent / location}' cannot be hard-linked into "
-                    f"the cache ({exc.strerror or exc}), so the model cannot get the relaxed "
-                    "graph that batching needs without a second copy of its weights. Put the "
-                    "cache (SHAREDML_CACHE_DIR) on the model's file system, or run it without "
-                    "batching (batching=False)."
+                    f"The weights file '{source}' cannot be "
+                    + ("hard-linked" if own else "copied")
+                    + f" into the cache ({exc.strerror or exc}), so the model cannot get the "
+                    "graph that batching needs without a second copy of its weights in memory. "
+                    "Put the cache (SHAREDML_CACHE_DIR) on the model's file system, or run it "
+                    "without batching (batching=False)."
                 ) from None
         (folder / _MODEL_NAME).write_bytes(data)
         what = f"axis 0 fixed at 1 -> '{ROWS_DIM}'; " if relaxed.fixed_rows else ""
@@ -313,3 +396,12 @@ def relaxed_recipe(
     """
     path = relaxed_model_for(recipe.model_path, relaxed, cache=Cache.at(recipe.cache))
     return dataclasses.replace(plan_route(path), source_path=recipe.source_path)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Whether ``path`` lies in the folder ``root`` (both resolved)."""
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True

@@ -1,8 +1,9 @@
 """The fair run locks: one ``Run`` at a time on a device, first come first served.
 
 Where the provider runs one ``Run`` at a time across the process (DirectML on
-onnxruntime-directml >= 1.18), each ``Run`` takes a process-wide lock for its device that every
-pool on it shares; checkouts do not hold it, only each ``Run`` inside them.
+onnxruntime-directml >= 1.18, WebGPU, a provider the provider table does not know), each ``Run``
+takes a process-wide lock for its device that every pool on it shares, whatever its model;
+checkouts do not hold it, only each ``Run`` inside them.
 """
 
 from __future__ import annotations
@@ -60,15 +61,14 @@ class FairLock:
         self.release()
 
 
-_RUN_LOCKS: dict[tuple[str, int], FairLock] = {}
+_RUN_LOCKS: dict[str, FairLock] = {}
 _RUN_LOCKS_GUARD = threading.Lock()
 
 
 def run_lock_for(plan: ProviderPlan) -> FairLock:
     """The process-wide run lock of ``plan``'s device: every pool on it shares it."""
-    key = (plan.primary, plan.device_id)
     with _RUN_LOCKS_GUARD:
-        return _RUN_LOCKS.setdefault(key, FairLock())
+        return _RUN_LOCKS.setdefault(plan.device_key, FairLock())
 
 
 class SerializedSession:

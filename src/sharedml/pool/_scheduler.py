@@ -10,8 +10,8 @@ One queue of tickets serves every caller (``run``, ``run_async``, checkouts), ol
 The oldest ticket gets the next free session and becomes its *leader*: with batching on it takes
 the compatible requests queued behind it, oldest first, up to ``max_batch_size`` rows, runs them
 as one ``Run`` and hands each follower its rows (``docs/batching.md`` has the policy: the
-adaptive delay, rows shared over sessions, the check of the first merged batches, the fallback
-to solo runs where merged outputs do not split).
+adaptive delay, rows shared over sessions, the checks of merged batches against solo runs, the
+fallback to solo runs where merged outputs do not split).
 
 The session released last is handed out first: on a lightly used pool one session does the
 work, with its intra-op threads still spinning and its buffers in cache, while the others'
@@ -31,11 +31,10 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from sharedml._errors import (
-    InvalidInputError,
     PoolClosedError,
     PoolTimeout,
     RunError,
@@ -44,12 +43,17 @@ from sharedml._errors import (
 from sharedml.pool._batching import (
     ADAPTIVE_DELAY_SHARE,
     Batching,
+    CheckKind,
+    CheckSchedule,
     Request,
     bucket_for,
+    isolated,
     merge,
     owned,
+    same_feed,
     same_results,
     split,
+    tells,
 )
 from sharedml.pool._stats import Counters, PoolStats
 
@@ -58,8 +62,6 @@ __all__ = [
     "SessionSource",
     "Ticket",
     "closed_error",
-    "is_session_fatal",
-    "run_error",
 ]
 
 # Merged runs whose outputs did not split back into the requests' rows before the pool stops
@@ -87,34 +89,22 @@ class SessionSource(Protocol):
         """Let a session go that a provider failure broke."""
 
 
-def is_session_fatal(exc: BaseException) -> bool:
-    """Errors after which ORT does not promise a usable session (device and engine faults)."""
-    return type(exc).__name__ in ("EPFail", "EngineError")
-
-
-def run_error(exc: BaseException) -> SharedMLError:
-    """ORT's run failure as a sharedml error that keeps ORT's message and type name."""
+def _failure(exc: BaseException) -> SharedMLError:
+    """What a source's run raised, as the callers get it (the source maps ORT's own errors)."""
     if isinstance(exc, SharedMLError):
-        return exc  # sharedml's own refusal (a graph session's), already clear
-    kind = type(exc).__name__
-    message = " ".join(str(exc).split()) or kind
-    # InvalidArgument: shapes or dtypes; ValueError: ORT's Python layer (missing inputs).
-    cls = InvalidInputError if kind in ("InvalidArgument", "ValueError") else RunError
-    error = cls(f"onnxruntime raised {kind}: {message}", ort_type=kind)
+        return exc
+    error = RunError(f"{type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
+
+
+def _lost(error: SharedMLError) -> bool:
+    return isinstance(error, RunError) and error.session_lost
 
 
 def closed_error() -> PoolClosedError:
     """The error of a call on a closed pool (or a waiter that a closing pool turned away)."""
     return PoolClosedError("This SessionPool is closed; create a new pool to run more work.")
-
-
-def _same_feed(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Whether two requests' feeds hold the same values (a check of them proves nothing)."""
-    import numpy as np
-
-    return all(np.array_equal(a[k], b[k]) for k in a)
 
 
 class _Signal:
@@ -156,11 +146,13 @@ class Ticket:
         "event",
         "future",
         "granted",
+        "left",
         "queued_at",
         "request",
         "result",
         "session",
         "to_copy",
+        "views",
     )
 
     def __init__(self, request: Request | None = None, future: Future[Any] | None = None) -> None:
@@ -172,18 +164,50 @@ class Ticket:
         self.done = False  # a leader ran this request in its batch
         self.result: Any = None
         self.to_copy = False  # result is views of a batch's outputs, to copy: see owned_result
+        self.views = False  # ... to hand over as views of the caller's rows only
         self.error: BaseException | None = None
         self.queued_at = 0.0
+        self.left = False  # its caller is gone (cancelled, interrupted) before it ran
+
+    def gone(self) -> bool:
+        """Whether the caller left before its request started (it must not run)."""
+        return self.left or (self.future is not None and self.future.cancelled())
+
+    def start(self) -> bool:
+        """Mark the request as running, unless its caller left: then False (it must not run).
+
+        An async caller's future is set running here, so that a cancel from now on (the
+        caller gone while its batch runs) leaves the result to be dropped instead.
+        """
+        if self.left:
+            return False
+        return self.future is None or self.future.set_running_or_notify_cancel()
+
+    def settle(self) -> None:
+        """Hand an async caller its result or error; nothing where it was cancelled."""
+        future = self.future
+        assert future is not None
+        if future.cancelled():
+            return  # nobody waits for it: no copy, no error
+        try:
+            if self.error is not None:
+                future.set_exception(self.error)
+            else:
+                future.set_result(self.owned_result())
+        except InvalidStateError:
+            pass  # cancelled meanwhile
 
     def owned_result(self) -> Any:
         """The result, copied out of the batch's outputs first where it is views of them to copy.
 
         Called in the thread that hands the result over (the caller's own for ``run``), after
         the session went back: the copies of a batch's rows are made in parallel and never
-        while the session is held.
+        while the session is held. With ``Batching(copy_outputs=False)`` the views become
+        arrays whose ``.base`` holds the caller's rows only (:func:`isolated`).
         """
         if self.to_copy:
-            self.result, self.to_copy = owned(self.result), False
+            self.result = isolated(self.result) if self.views else owned(self.result)
+            self.to_copy = False
         return self.result
 
 
@@ -199,6 +223,8 @@ class Scheduler:
         shares_rows: Share the rows in play over the sessions (``Batching.shares_rows``).
         check_rtol: The tolerance of the check of merged batches against solo runs, relative
             to an output's largest magnitude.
+        check_seed: Seeds when those checks come and which request a spot check reruns
+            (:class:`~sharedml.pool._batching.CheckSchedule`; tests). None: from the OS.
         name: The model, as warnings name it.
 
     Thread safety: every method may be called from any thread.
@@ -214,6 +240,7 @@ class Scheduler:
         pads: bool = False,
         shares_rows: bool = False,
         check_rtol: float = 1e-3,
+        check_seed: int | None = None,
         name: str = "model",
     ) -> None:
         self._source = source
@@ -239,8 +266,13 @@ class Scheduler:
         self._leading = 0
         self._held_rows = 0
         # Defence in depth behind the analysis: merged batches are checked against solo runs of
-        # their requests until one with requests of different rows has passed.
-        self._checked = False
+        # their requests, the first of every class and then at random (CheckSchedule).
+        self._checks = CheckSchedule(
+            batching.check_within if batching is not None else None,
+            limit=batching.max_batch_size if batching is not None else 1,
+            seed=check_seed,
+        )
+        self._leaked = False  # a check failed: batches still in flight are checked in full
         self._executor: ThreadPoolExecutor | None = None
         self._creation_error: BaseException | None = None  # undelivered background failure
 
@@ -287,6 +319,8 @@ class Scheduler:
         """Report a background failure to the caller that waits for capacity, or keep it."""
         with self.cond:
             self.counters.creation_failures += 1
+            while self._queue and self._queue[0].gone():
+                self._left(self._queue.popleft())
             if self._queue and not self._idle:
                 # The caller at the head of the queue would have had this session.
                 self._finish(self._queue.popleft(), error=error)
@@ -316,6 +350,9 @@ class Scheduler:
         """
         while self._open and self._queue and (self._idle or self._count < self._max):
             ticket = self._queue.popleft()
+            if ticket.gone():
+                self._left(ticket)
+                continue
             if self._idle:
                 ticket.session = self._idle.pop()
             else:
@@ -390,6 +427,8 @@ class Scheduler:
                     elif ticket in self._queue:
                         self._queue.remove(ticket)
                         self.counters.wait_seconds += time.monotonic() - ticket.queued_at
+                    elif not ticket.done:
+                        ticket.left = True  # a leader took it: it must not run now
                 raise
 
     def _give_back(self, sess: Any) -> None:
@@ -457,7 +496,7 @@ class Scheduler:
 
         Raises:
             PoolClosedError: the scheduler is closing or closed.
-            BaseException: whatever the run raised (see :func:`run_error`).
+            BaseException: whatever the run raised (the source's errors, as it maps them).
         """
         ticket = Ticket(request)
         sess = self._acquire(ticket, None)
@@ -478,7 +517,26 @@ class Scheduler:
         with self.cond:
             if self._take(ticket):
                 self._lead_async(ticket)
+        future.add_done_callback(lambda f: self._cancelled(ticket) if f.cancelled() else None)
         return future
+
+    def _cancelled(self, ticket: Ticket) -> None:
+        """An async caller cancelled (or disconnected): a queued request leaves the queue.
+
+        One that a leader took into a batch still forming is dropped when the batch starts;
+        one already running finishes, and its result is dropped.
+        """
+        with self.cond:
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+                self.counters.wait_seconds += time.monotonic() - ticket.queued_at
+                self._left(ticket)
+
+    def _left(self, ticket: Ticket) -> None:
+        """Count a request whose caller left before it ran (``self.cond`` held), once."""
+        if not ticket.done:
+            ticket.done = True
+            self.counters.cancelled += 1
 
     def _lead_async(self, ticket: Ticket) -> None:
         """Run a granted async ticket on the executor. Called with ``self.cond`` held."""
@@ -489,32 +547,38 @@ class Scheduler:
         self._executor.submit(self._lead_and_settle, ticket)
 
     def _lead_and_settle(self, ticket: Ticket) -> None:
-        future = ticket.future
-        assert future is not None
         try:
             if ticket.session is None:
                 self._create_for(ticket)
             self._lead(ticket.session, ticket)
         except BaseException as exc:
             ticket.error = exc
-        if ticket.error is not None:
-            future.set_exception(ticket.error)
-        else:
-            future.set_result(ticket.owned_result())
+        ticket.settle()
 
     def _lead(self, sess: Any, ticket: Ticket) -> None:
         """Run ``ticket``'s request (and, batching, compatible queued ones) on ``sess``."""
         batch = [ticket]
+        taken: list[Ticket] = []
         held: int | None = None
         broken = False
         run_s = 0.0
         try:
             if self.batching is not None and ticket.request is not None:
                 followers, held = self._followers(ticket)
+                taken = followers
                 batch += followers
-            start = time.perf_counter()
-            broken = self._run_batch(sess, batch)
-            run_s = time.perf_counter() - start
+            with self.cond:
+                # Callers that left (a cancelled run_async) before the run starts: their
+                # requests do not run; the rest of the batch does.
+                running = [t for t in batch if t.start()]
+                for t in batch:
+                    if t not in running:
+                        self._left(t)
+            batch = running
+            if batch:
+                start = time.perf_counter()
+                broken = self._run_batch(sess, batch)
+                run_s = time.perf_counter() - start
         except BaseException as exc:  # KeyboardInterrupt in the leader: nobody is left hanging
             for t in batch:
                 if t.result is None and t.error is None:
@@ -525,8 +589,9 @@ class Scheduler:
             self._release(
                 sess, requests=len(batch), failed=failed, broken=broken, held=held, run_s=run_s
             )
-            for follower in batch[1:]:
-                self._finish(follower)
+            for follower in taken:
+                if follower in batch:
+                    self._finish(follower)
 
     def _followers(self, leader: Ticket) -> tuple[list[Ticket], int | None]:
         """Take the queued requests that merge with ``leader``'s, oldest first.
@@ -570,6 +635,10 @@ class Scheduler:
                     full = False
                     for other in list(self._queue):
                         request = other.request
+                        if other.gone():
+                            self._queue.remove(other)
+                            self._left(other)
+                            continue
                         if request is None or request.key != key:
                             continue
                         if rows + request.rows > cap:
@@ -639,9 +708,10 @@ class Scheduler:
                 feed = merge(requests, rows=rows)  # type: ignore[arg-type]
                 outputs = self._source.run(sess, batch[0].request, feed)  # type: ignore[arg-type]
             except Exception as exc:
-                if is_session_fatal(exc):
+                error = _failure(exc)
+                if _lost(error):
                     for t in batch:
-                        t.error = run_error(exc)
+                        t.error = error
                     return True
                 outputs = None  # rerun each member alone: only the culprit fails
             self._count_batch(merged_rows, time.perf_counter() - start, padded=rows - merged_rows)
@@ -650,13 +720,13 @@ class Scheduler:
                 if outputs is not None
                 else None
             )
-            if parts is not None and len(batch) > 1 and not self._checked:
-                parts = self._check_merged(sess, batch, parts)
+            if parts is not None and len(batch) > 1:
+                parts = self._check_merged(sess, batch, parts, merged_rows)
                 if parts is None:
                     return False  # each request got its solo outcome
             if parts is not None:
                 for t, part in zip(batch, parts, strict=True):
-                    t.result, t.to_copy = part, self._copies
+                    t.result, t.to_copy, t.views = part, True, not self._copies
                 return False
             if outputs is not None:
                 self._split_failed()  # an output's axis 0 did not add up: rerun one by one
@@ -665,8 +735,8 @@ class Scheduler:
             try:
                 t.result = self._source.run(sess, t.request, None)  # type: ignore[arg-type]
             except Exception as exc:
-                t.error = run_error(exc)
-                if is_session_fatal(exc):
+                t.error = _failure(exc)
+                if _lost(t.error):
                     for rest in batch:
                         if rest.result is None and rest.error is None:
                             rest.error = t.error
@@ -685,36 +755,59 @@ class Scheduler:
             counters.padded_rows += padded
             counters.max_batch_rows = max(counters.max_batch_rows, rows)
 
-    def _check_merged(self, sess: Any, batch: list[Ticket], parts: list[Any]) -> list[Any] | None:
-        """Compare a merged batch's rows with each request run alone (until one check passed).
+    def _check_merged(
+        self, sess: Any, batch: list[Ticket], parts: list[Any], rows: int
+    ) -> list[Any] | None:
+        """Check a merged batch against solo runs of its requests where the schedule says so.
 
-        Only batches whose requests hold different values are checked (equal rows would hide a
-        model that mixes them). Returns ``parts`` where every request's rows match its solo
-        run; else None, after giving every request its solo outcome (a result, or the error
-        its run alone raised): the scheduler then stops merging.
+        The solo runs are made here, on the batch's session, right after the merged run: the
+        batch's callers wait for them (one run for a spot check), and the callers of other
+        batches only where they wait for this session. Returns ``parts`` where no check was
+        due or every request checked matched its solo run; else None, after giving every
+        request its solo outcome (a result, or the error its run alone raised): the
+        scheduler then stops merging. Once a check failed, every merged batch still in
+        flight is checked in full, so that none of them hands out merged rows.
         """
         requests = [t.request for t in batch]
-        first = requests[0].feed  # type: ignore[union-attr]
-        if all(_same_feed(first, r.feed) for r in requests[1:]):  # type: ignore[union-attr]
-            return parts
-        outcomes: list[Any] = []
-        for t in batch:
-            try:
-                outcomes.append(self._source.run(sess, t.request, None))  # type: ignore[arg-type]
-            except Exception as exc:
-                outcomes.append(run_error(exc))
-        same = all(
-            not isinstance(solo, BaseException) and same_results(part, solo, rtol=self._rtol)
-            for part, solo in zip(parts, outcomes, strict=True)
-        )
+        key = requests[0].key  # type: ignore[union-attr]
         with self.cond:
-            self.counters.batch_checks += 1
-            self._checked = self._checked or same
+            leaked = self._leaked
+            kind: CheckKind | None = "full" if leaked else self._checks.due(key, rows)
+            if kind is None:
+                return parts
+            spot = self._checks.pick(len(batch)) if kind == "spot" else None
+        feeds = [r.feed for r in requests]  # type: ignore[union-attr]
+        if not leaked and all(same_feed(feeds[0], f) for f in feeds[1:]):
+            with self.cond:
+                self._checks.skipped(key, rows)  # proves nothing: the next batch gets it
+            return parts
+        checked = list(range(len(batch))) if spot is None else [spot]
+        start = time.perf_counter()
+        outcomes = {i: self._solo(sess, batch[i]) for i in checked}
+        same = all(
+            not isinstance(solo, BaseException) and same_results(parts[i], solo, rtol=self._rtol)
+            for i, solo in outcomes.items()
+        )
+        if not same:  # every caller of this batch gets its solo outcome
+            for i, t in enumerate(batch):
+                if i not in outcomes:
+                    outcomes[i] = self._solo(sess, t)
+        elapsed = time.perf_counter() - start
+        telling = same and not leaked and tells(feeds, checked)
+        with self.cond:
+            counters = self.counters
+            counters.batch_checks += 1
+            counters.check_runs += len(outcomes)
+            counters.check_seconds += elapsed
             if not same:
-                self.counters.batch_mismatches += 1
+                counters.batch_mismatches += 1
+                self._leaked = True
+            elif not leaked:
+                self._checks.passed(key, rows, telling=telling)
         if same:
             return parts
-        for t, solo in zip(batch, outcomes, strict=True):
+        for i, t in enumerate(batch):
+            solo = outcomes[i]
             if isinstance(solo, BaseException):
                 t.error = solo
             else:
@@ -724,6 +817,13 @@ class Scheduler:
             "outputs depend on other callers' rows)"
         )
         return None
+
+    def _solo(self, sess: Any, ticket: Ticket) -> Any:
+        """``ticket``'s request run alone on ``sess``: its outputs, or the error it raised."""
+        try:
+            return self._source.run(sess, ticket.request, None)  # type: ignore[arg-type]
+        except Exception as exc:
+            return _failure(exc)
 
     def _split_failed(self) -> None:
         with self.cond:
@@ -753,10 +853,7 @@ class Scheduler:
             ticket.error = error
         ticket.done = True
         if ticket.future is not None:
-            if ticket.error is not None:
-                ticket.future.set_exception(ticket.error)
-            else:
-                ticket.future.set_result(ticket.owned_result())
+            ticket.settle()
         else:
             ticket.event.set()
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from sharedml.pool._calibrate import Calibration
 
-__all__ = ["Counters", "PoolStats"]
+__all__ = ["COUNTERS", "GAUGES", "Counters", "PoolStats"]
 
 
 @dataclasses.dataclass
@@ -34,6 +34,9 @@ class Counters:
     run_seconds: float = 0.0
     batch_checks: int = 0
     batch_mismatches: int = 0
+    check_runs: int = 0
+    check_seconds: float = 0.0
+    cancelled: int = 0
     split_failures: int = 0
 
     def published(self) -> dict[str, Any]:
@@ -74,15 +77,28 @@ class PoolStats:
             a window, divided by the window and the sessions, it is how busy they were: the
             rest went to waiting for rows, handing results back, and idling.
         batching: Whether the pool merges requests now (see ``SessionPool.batching_reason``).
-        batch_checks: Merged batches checked against solo runs of their requests (the pool
-            checks its first merged batches, until one of requests with different rows passed).
+        batch_checks: Merged batches checked against solo runs of their requests: the first
+            of every class of batches (input signature and row bucket), then batches at random
+            gaps of at most ``Batching.check_within`` (see ``docs/batching.md``, defence in
+            depth).
         batch_mismatches: Checks whose merged rows differed from the solo runs: the pool then
-            gave every caller its solo result and stopped merging.
+            gave every caller of that batch its solo result and stopped merging.
+        check_runs: Solo runs those checks made (every request of a full check, one of a spot
+            check; every request of a batch that failed its check).
+        check_seconds: Total time sessions spent in those runs (part of ``run_seconds``): what
+            the checks cost.
+        cancelled: Requests whose callers left before they ran (a cancelled ``run_async``, a
+            caller interrupted while its request waited in a batch): they never ran.
         arena_shrinks: Runs that gave a CPU session's arena memory back after a peak of rows
             had passed (see :mod:`sharedml.pool._arena`).
         calibration: For ``SessionPool(sessions="auto")``, how the pool split the cores into
             sessions and threads: what it measured, what it chose, and why
             (:class:`~sharedml.pool.Calibration`); None for a pool given a number.
+        serialized_runs: Each ``Run`` takes the device's process-wide run lock (one at a time
+            across every pool on the device).
+        runs_rule: Why runs are or are not serialized: the caller's ``serialize_runs``, or the
+            provider table's rule for the provider (or for a provider the table lacks).
+        device: The device the sessions run on, in words (a plugin EP's hardware).
     """
 
     sessions: int
@@ -108,6 +124,12 @@ class PoolStats:
     batch_mismatches: int = 0
     calibration: Calibration | None = None
     arena_shrinks: int = 0
+    check_runs: int = 0
+    check_seconds: float = 0.0
+    cancelled: int = 0
+    serialized_runs: bool = False
+    runs_rule: str = ""
+    device: str = ""
 
     @property
     def idle(self) -> int:
@@ -121,3 +143,40 @@ class PoolStats:
 
 
 _PUBLISHED = frozenset(field.name for field in dataclasses.fields(PoolStats))
+
+
+# What servers export of PoolStats (sharedml serve's /metrics, a Ray replica's metrics), in one
+# table so that both say the same: field -> (metric name stem, help). Each server prefixes the
+# stem its own way (``sharedml_pool_`` and ``sharedml_``).
+COUNTERS: dict[str, tuple[str, str]] = {
+    "runs": ("requests", "Requests the pool completed (failed ones included)."),
+    "failed_runs": ("failed_requests", "Requests whose run raised."),
+    "waits": ("queued_requests", "Requests that queued for a session."),
+    "wait_seconds": ("queue_seconds", "Seconds requests spent queued for a session."),
+    "batches": ("batches", "Runs the pool made for requests while batching."),
+    "batched_rows": ("batched_rows", "Rows those runs processed."),
+    "run_seconds": ("run_seconds", "Seconds the pool's sessions spent running requests."),
+    "arena_shrinks": (
+        "arena_shrinks",
+        "Runs that gave a session's CPU arena memory back after a peak of rows.",
+    ),
+    "batch_checks": ("batch_checks", "Merged batches checked against solo runs."),
+    "batch_mismatches": (
+        "batch_mismatches",
+        "Checked batches whose rows differed from solo runs (merging then stops).",
+    ),
+    "check_runs": ("check_runs", "Solo runs the checks of merged batches made."),
+    "check_seconds": ("check_seconds", "Seconds those solo runs took."),
+    "cancelled": ("cancelled_requests", "Requests cancelled before they ran (never run)."),
+    "replaced": ("replaced_sessions", "Sessions replaced after a provider failure."),
+}
+GAUGES: dict[str, tuple[str, str]] = {
+    "sessions": ("sessions", "Sessions in the pool."),
+    "busy": ("busy_sessions", "Sessions running a request now."),
+    "waiting": ("waiting_requests", "Requests queued for a session now."),
+    "max_batch_rows": ("max_batch_rows", "The most rows one batched run has held."),
+    "batching": (
+        "batching",
+        "1 where the pool merges requests, 0 where each runs alone (the server's log says why).",
+    ),
+}

@@ -29,24 +29,32 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sharedml import _host
 from sharedml._errors import (
     FamilyError,
     ModelNotFoundError,
     PrepareError,
     SharedMLError,
 )
-from sharedml._host import HashingWriter, fsync_dir
+from sharedml._host._files import fsync_dir
+from sharedml._host._hashing import HashingWriter
 from sharedml.model._graph import (
     ExternalData,
-    external_locations,
     iter_tensors,
     load_graph,
     read_model,
     set_external,
 )
 from sharedml.model._proto import ModelProto, TensorProto
-from sharedml.prepared._files import create_temp, output_error, remove_dead_temps, write_temp
+from sharedml.prepared._files import (
+    SourceFile,
+    check_outputs,
+    create_temp,
+    output_error,
+    remove_dead_temps,
+    replace_output,
+    source_files,
+    write_temp,
+)
 from sharedml.prepared._format import (
     DEFAULT_ALIGNMENT_BYTES,
     ProgressCallback,
@@ -137,8 +145,11 @@ class _DedupingWriter:
         return offset, True
 
 
-def _check_members(sources: Sequence[Path], out_dir: Path) -> None:
+def _check_members(sources: Sequence[Path], out_dir: Path) -> list[SourceFile]:
     """Refuse clashing names, missing members and members inside the output folder.
+
+    Returns:
+        Every file the members are made of (:func:`~sharedml.prepared._files.source_files`).
 
     Raises:
         FamilyError, ModelNotFoundError, PrepareError: before anything is written.
@@ -165,12 +176,10 @@ def _check_members(sources: Sequence[Path], out_dir: Path) -> None:
             "Nothing was written."
         )
     real_out = os.path.realpath(out_dir)
+    every: list[SourceFile] = []
     for src in sources:
-        model = load_graph(src)
-        inputs = [src] + [
-            src.parent / loc for loc in sorted(external_locations(model.graph)) if "\0" not in loc
-        ]
-        for path in inputs:
+        files = source_files(src, load_graph(src).graph)
+        for path, _ in files:
             real = os.path.realpath(path)
             if os.path.commonpath([real_out, real]) == real_out:
                 what = "is" if path == src else f"has external data '{path}', which is"
@@ -179,6 +188,8 @@ def _check_members(sources: Sequence[Path], out_dir: Path) -> None:
                     "prepare would write over its own source. Write the family to another "
                     "folder. Nothing was written."
                 )
+        every += files
+    return every
 
 
 def _referenced(folder: Path) -> set[str] | None:
@@ -226,30 +237,6 @@ def _only_ours(path: Path) -> bool:
     )
 
 
-def _replace_weights(tmp: Path, path: Path) -> None:
-    """Rename ``tmp`` over ``path``; where the folder forbids it, say whose file is in the way.
-
-    Raises:
-        PrepareError: a sticky folder (``/tmp``, a shared deploy folder) keeps another user's
-            file at ``path``, which this user may not replace.
-    """
-    try:
-        os.replace(tmp, path)
-    except PermissionError as exc:
-        try:
-            owner = os.lstat(path).st_uid
-        except OSError:
-            raise exc from None
-        if os.name != "posix" or owner == os.geteuid():
-            raise
-        raise PrepareError(
-            f"'{path}' belongs to user id {owner}, and this folder does not let you replace "
-            "another user's file (sticky bit). It is not used: that user could change a running "
-            "pool's weights through it. Remove it (as its owner) or prepare into a folder of "
-            "your own. Nothing was written."
-        ) from exc
-
-
 def prepare_family(
     models: Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
@@ -286,18 +273,19 @@ def prepare_family(
     """
     check_settings(size_threshold_bytes, alignment_bytes)
     paths = [Path(s) for s in models]
+    if not os.fspath(out_dir):  # Path("") is ".": the working directory, which nobody named
+        raise PrepareError(
+            "The output folder is empty: name the folder to write the family into (e.g. -o "
+            "prepared/), or '.' for the current folder. Nothing was written."
+        )
     folder = Path(out_dir)
-    _check_members(paths, folder)
-    for src in paths:
-        out = folder / src.name
-        with contextlib.suppress(OSError):
-            st = os.lstat(out)
-            if not stat.S_ISREG(st.st_mode):
-                raise PrepareError(
-                    f"prepare would replace '{out}', which is {_host.file_kind(st.st_mode)}; it "
-                    "replaces only regular files. Remove it or choose another folder. Nothing "
-                    "was written."
-                )
+    sources = _check_members(paths, folder)
+    check_outputs(
+        [folder / src.name for src in paths],
+        sources,
+        writer="prepare",
+        fix="write the family to another folder",
+    )
     placeholder = "family.weights"  # the real name is known once the content is
     layout = WeightsManifest(placeholder, 0, "", alignment_bytes, 0)
 
@@ -351,7 +339,7 @@ def prepare_family(
         ):
             tmp_weights.unlink()
         else:
-            _replace_weights(tmp_weights, weights_path)
+            replace_output(tmp_weights, weights_path)
         tmp_weights = None
         # Weights first: until a graph lands, it refers to the weights file it referred to.
         for src, tmp in zip(paths, tmp_graphs, strict=True):

@@ -14,19 +14,32 @@ import os
 import re
 import secrets
 import stat
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sharedml._errors import OutputError, PrepareError
-from sharedml.cache._files import temp_is_stale, temp_owner
+from sharedml._host import _files
+from sharedml.cache._files import remove_tree, temp_is_stale, temp_owner
+from sharedml.model._graph import external_locations
+
+if TYPE_CHECKING:
+    from sharedml.model._proto import GraphProto
 
 __all__ = [
     "COPY_CHUNK_BYTES",
+    "SourceFile",
+    "check_outputs",
     "create_temp",
     "keep_a_link",
     "output_error",
     "remove_dead_temps",
     "replace_file",
+    "replace_output",
     "same_file",
+    "scratch_folder",
+    "source_files",
     "write_temp",
 ]
 
@@ -36,6 +49,11 @@ _NAME_MAX_BYTES = 255  # bytes in one file name (NAME_MAX on Linux, macOS and NT
 # sharedml.cache._files.temp_owner; older ones have none).
 _TEMP_NAME = re.compile(
     r"\.(?P<name>.+)\.(?:(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)-)?[0-9a-f]{12}\.tmp"
+)
+# Scratch folders of compress and compress_static: ``.sharedml-<label>-<owner>-<random>``
+# (tempfile's random part; older ones have no owner).
+_SCRATCH_NAME = re.compile(
+    r"\.sharedml-(?:static|compress)-(?:(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)-)?[a-z0-9_]+"
 )
 _EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)
 _WINDOWS_IN_USE = (5, 32)  # ERROR_ACCESS_DENIED, ERROR_SHARING_VIOLATION
@@ -108,16 +126,19 @@ def replace_file(path: Path, data: bytes) -> None:
 
 
 def remove_dead_temps(folder: Path) -> tuple[Path, ...]:
-    """Remove the temporary outputs that killed prepares left in ``folder``.
+    """Remove the temporary outputs and scratch folders that killed writers left in ``folder``.
 
     A ``kill -9`` while prepare writes leaves its hidden temporary files (a weights file's
-    worth each), which nothing else ever removes. Only files named as :func:`create_temp`
-    names them, owned by this user, and stale (their process is gone from this host, or they
-    are a day old: see :func:`sharedml.cache._files.temp_is_stale`) are removed: never a live
-    prepare's, in this process or another.
+    worth each), and one during compress or compress_static its scratch folder (the prepared
+    float model, the quantizer's output: tens of MB), which nothing else would ever remove.
+    Only files named as :func:`create_temp` names them and folders named as
+    :func:`scratch_folder` names them, owned by this user, and stale (their process is gone
+    from this host, or they are a day old: :func:`sharedml.cache._files.temp_is_stale`, the
+    cache's own rule) are removed: never a live writer's, in this process or another, and
+    never another user's.
 
     Returns:
-        The files removed.
+        What was removed.
     """
     removed = []
     try:
@@ -126,20 +147,42 @@ def remove_dead_temps(folder: Path) -> tuple[Path, ...]:
         return ()
     for child in children:
         match = _TEMP_NAME.fullmatch(child.name)
-        if match is None:
+        scratch = _SCRATCH_NAME.fullmatch(child.name) if match is None else None
+        if match is None and scratch is None:
             continue
         try:
             st = child.stat(follow_symlinks=False)
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode) or (os.name == "posix" and st.st_uid != os.geteuid()):
+        is_kind = stat.S_ISREG(st.st_mode) if scratch is None else stat.S_ISDIR(st.st_mode)
+        if not is_kind or (os.name == "posix" and st.st_uid != os.geteuid()):
             continue
-        owner = (match["host"], int(match["pid"])) if match["host"] else None
+        found = match if match is not None else scratch
+        assert found is not None
+        owner = (found["host"], int(found["pid"])) if found["host"] else None
         if temp_is_stale(Path(child.path), owner):
             with contextlib.suppress(OSError):
-                os.unlink(child.path)
+                if scratch is None:
+                    os.unlink(child.path)
+                else:
+                    remove_tree(Path(child.path))
                 removed.append(Path(child.path))
     return tuple(removed)
+
+
+@contextlib.contextmanager
+def scratch_folder(folder: Path, label: str) -> Iterator[Path]:
+    """A private scratch folder in ``folder`` for one call, removed when it ends.
+
+    Named ``.sharedml-<label>-<owner>-<random>`` (the owner: this host and process, as the
+    cache names its temporaries), so that the next writer into ``folder`` removes it if a
+    ``kill -9`` left it (:func:`remove_dead_temps`, run here first). Made on the
+    destination's filesystem: the result is prepared from it at the destination.
+    """
+    remove_dead_temps(folder)
+    prefix = f".sharedml-{label}-{temp_owner()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=folder) as tmp:
+        yield Path(tmp)
 
 
 def keep_a_link(path: Path) -> Path | None:
@@ -149,6 +192,10 @@ def keep_a_link(path: Path) -> Path | None:
     (the old graph, still in place, refuses the new one by its recorded hash).
     """
     if not path.is_file() or path.is_symlink():
+        return None
+    if _kept_by_sticky_folder(path) is not None:
+        # Another user's file in a sticky folder: this user could not remove a link to it
+        # either, so a failure would leave the link behind (and the file cannot be replaced).
         return None
     for _ in range(100):
         link = path.with_name(f".{path.name[:200]}.{secrets.token_hex(6)}.old")
@@ -160,6 +207,121 @@ def keep_a_link(path: Path) -> Path | None:
         except OSError:
             return None
     return None  # pragma: no cover
+
+
+SourceFile = tuple[Path, str]  # a file a call reads, and what it is (for messages)
+
+
+def source_files(model_path: Path, graph: GraphProto) -> tuple[SourceFile, ...]:
+    """The files a model is made of: the model file and every external data file it names.
+
+    Args:
+        model_path: The model file.
+        graph: Its graph (external data need not be loaded).
+    """
+    files: list[SourceFile] = [(model_path, "the source model")]
+    files += [
+        (model_path.parent / location, f"external data of the source model '{model_path}'")
+        for location in sorted(external_locations(graph))
+        if location and "\0" not in location
+    ]
+    return tuple(files)
+
+
+def check_outputs(
+    outputs: Iterable[Path], sources: Sequence[SourceFile], *, writer: str, fix: str
+) -> None:
+    """Refuse outputs that are not regular files, or that are (or alias) a file a call reads.
+
+    Every sharedml call that writes files a user names runs this before it does any work:
+    prepare, prepare_family, compress, compress_static, and the CLI's outputs. An output that
+    is a source file, or another name for one (a hard link, a symlink to it, the same file
+    through another folder or in another letter case on a case-insensitive filesystem: the
+    same device and inode), would replace the source with the result: ``compress(m, m)``
+    once did. An existing output must be a regular file: ``os.replace`` would replace a
+    symlink itself, and, as root, a device (``-o /dev/null``) or a FIFO.
+
+    Args:
+        outputs: The paths the call will write.
+        sources: The files it reads (:func:`source_files`, plus any other input file).
+        writer: The call, for the message (``"compress"``).
+        fix: What to do instead, for the message (``"write to another path (-o ...)"``).
+
+    Raises:
+        PrepareError: naming the output, what it is, and ``fix``. Nothing was written.
+    """
+    for out in outputs:
+        try:
+            st = os.lstat(out)
+        except OSError:  # absent (or its folder is): nothing to protect, and a clear error later
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise PrepareError(
+                f"{writer} would replace '{out}', which is {_files.file_kind(st.st_mode)}; it "
+                "replaces only regular files. Remove it or choose another output path. Nothing "
+                "was written."
+            )
+        owner = _kept_by_sticky_folder(out)
+        if owner is not None:
+            raise _sticky_error(out, owner)
+        for path, what in sources:
+            if same_file(out, path):
+                alias = (
+                    ""
+                    if os.path.abspath(out) == os.path.abspath(path)
+                    else (f" (the same file under another name: '{path}')")
+                )
+                raise PrepareError(
+                    f"{writer} would overwrite its source: '{out}' is {what}{alias}. Nothing "
+                    f"was written; {fix}."
+                )
+
+
+def _kept_by_sticky_folder(path: Path) -> int | None:
+    """The owner of ``path`` where a sticky folder keeps this user from replacing it, else None.
+
+    In a sticky folder (``/tmp``, a shared deploy folder: mode 1777) only a file's owner, the
+    folder's owner and root may rename over it or remove it.
+    """
+    if os.name != "posix":
+        return None
+    try:
+        st = os.lstat(path)
+        folder = os.stat(path.parent)
+    except OSError:
+        return None
+    me = os.geteuid()
+    if me == 0 or me in (st.st_uid, folder.st_uid) or not folder.st_mode & stat.S_ISVTX:
+        return None
+    return st.st_uid
+
+
+def _sticky_error(path: Path, owner: int) -> PrepareError:
+    return PrepareError(
+        f"'{path}' belongs to user id {owner}, and this folder does not let you replace "
+        "another user's file (sticky bit). It is not used: that user could change a running "
+        "pool's weights through it. Remove it (as its owner) or write into a folder of your "
+        "own. Nothing was written."
+    )
+
+
+def replace_output(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` over ``path``; where a sticky folder forbids it, say whose file is in the way.
+
+    :func:`check_outputs` refuses such an output before any work; this covers a file planted
+    in between.
+
+    Raises:
+        PrepareError: a sticky folder keeps another user's file at ``path``.
+        OSError: the rename failed otherwise (the caller turns it into an ``OutputError``).
+    """
+    try:
+        os.replace(tmp, path)
+    except PermissionError as exc:
+        owner = _kept_by_sticky_folder(path)
+        if owner is None:
+            raise
+        raise _sticky_error(path, owner) from exc
 
 
 def same_file(a: Path, b: Path) -> bool:

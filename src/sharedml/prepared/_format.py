@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any, TypeGuard
 
 from sharedml._errors import InvalidModelError, UnsafePathError
-from sharedml._host import HashingWriter, sha256_file
+from sharedml._host._hashing import HashingWriter, sha256_file
 from sharedml.model._proto import ModelProto, TensorProto
 
 __all__ = [

@@ -17,13 +17,11 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import stat
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, overload
 
-from sharedml import _host
 from sharedml._errors import (
     CacheError,
     ExternalDataError,
@@ -32,7 +30,8 @@ from sharedml._errors import (
     PrepareError,
     SharedMLError,
 )
-from sharedml._host import fsync_dir
+from sharedml._host import _platform
+from sharedml._host._files import fsync_dir
 from sharedml.cache._entries import Built, ensure_entry
 from sharedml.cache._locks import lend_hold
 from sharedml.cache._root import Cache, CacheDir
@@ -42,11 +41,13 @@ from sharedml.model._proto import ModelProto, parse_model
 from sharedml.prepared._dedupe import share_with_entries
 from sharedml.prepared._family import FamilyResult, prepare_family
 from sharedml.prepared._files import (
+    check_outputs,
     create_temp,
     keep_a_link,
     output_error,
     remove_dead_temps,
-    same_file,
+    replace_output,
+    source_files,
     write_temp,
 )
 from sharedml.prepared._format import (
@@ -73,6 +74,7 @@ __all__ = [
     "SharedWeights",
     "WeightsManifest",
     "content_key",
+    "output_paths",
     "prepare",
     "prepared_model_for",
     "prepared_model_from_bytes",
@@ -162,47 +164,31 @@ def _write_weights(
             progress(done, total)
 
 
-def _check_outputs(src_path: Path, model: ModelProto, dst_path: Path, weights_path: Path) -> None:
-    """Refuse outputs that are not regular files, or that are any of prepare's inputs.
+def output_paths(src_path: Path, dst: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """The graph file and the weights file that preparing ``src_path`` to ``dst`` writes.
 
-    Inputs are the source model and every external data file it names (moved or not): writing
-    over one destroys the source (``prepare("model.onnx", "model.onnx.data")``). An existing
-    output must be a regular file: ``os.replace`` would replace a symlink itself, and, as root,
-    a device (``-o /dev/null``) or a FIFO.
+    An existing folder as ``dst`` means ``<dst>/<src stem>.onnx`` (as ``cp`` does); the weights
+    go to ``<graph stem>.weights`` beside the graph.
 
     Raises:
-        PrepareError: naming the output, what it is, and the fix.
+        PrepareError: ``dst`` is empty, or the graph file would also be the weights file's name.
     """
+    if not os.fspath(dst):  # Path("") is ".": the working directory, which nobody named
+        raise PrepareError(
+            "The output path is empty: name the graph file to write (e.g. -o "
+            "prepared/model.onnx), or '.' for the current folder. Nothing was written."
+        )
+    dst_path = Path(dst)
+    if dst_path.is_dir() and not dst_path.is_symlink():
+        dst_path = dst_path / f"{src_path.stem}.onnx"
+    weights_path = weights_path_for(dst_path)
     if weights_path == dst_path:
         raise PrepareError(
             f"'{dst_path}' is also the name prepare gives the weights file (the graph file's stem "
             "+ '.weights'); name the graph file differently, e.g. "
             f"'{dst_path.with_suffix('.onnx')}'. Nothing was written."
         )
-    inputs = [(src_path, "the source model")]
-    inputs += [
-        (src_path.parent / location, f"external data of the source model '{src_path}'")
-        for location in sorted(external_locations(model.graph))
-        if location and "\0" not in location
-    ]
-    for out in (dst_path, weights_path):
-        try:
-            st = os.lstat(out)
-        except OSError:  # absent (or its folder is): nothing to protect, and a clear error later
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            raise PrepareError(
-                f"prepare would replace '{out}', which is {_host.file_kind(st.st_mode)}; it "
-                "replaces only regular files. Remove it or choose another output path. Nothing "
-                "was written."
-            )
-        for path, what in inputs:
-            if same_file(out, path):
-                raise PrepareError(
-                    f"prepare would overwrite its source: '{out}' is {what}. Nothing was "
-                    "written; write the prepared model to another path (e.g. -o "
-                    "model.prepared.onnx)."
-                )
+    return dst_path, weights_path
 
 
 @overload
@@ -296,14 +282,18 @@ def prepare(
         )
     check_settings(size_threshold_bytes, alignment_bytes)
     src_path = Path(src)
-    dst_path = Path(dst)
-    if dst_path.is_dir() and not dst_path.is_symlink():
-        dst_path = dst_path / f"{src_path.stem}.onnx"
-    weights_path = weights_path_for(dst_path)
+    dst_path, weights_path = output_paths(src_path, dst)
     model, model_bytes = read_model(src_path)
     reader = SourceReader(model_bytes)
     del model_bytes
-    _check_outputs(src_path, model, dst_path, weights_path)
+    # Inputs are the source model and every external data file it names (moved or not):
+    # writing over one destroys the source (``prepare("model.onnx", "model.onnx.data")``).
+    check_outputs(
+        (dst_path, weights_path),
+        source_files(src_path, model.graph),
+        writer="prepare",
+        fix="write the prepared model to another path (e.g. -o model.prepared.onnx)",
+    )
     plan = plan_weights(model, src_path, size_threshold_bytes)
     layout = WeightsManifest(weights_path.name, 0, "", alignment_bytes, len(plan.moving))
 
@@ -327,11 +317,11 @@ def prepare(
         backup = keep_a_link(weights_path)
         try:
             writing = weights_path
-            os.replace(tmp_weights, weights_path)
+            replace_output(tmp_weights, weights_path)
             tmp_weights = None
             try:
                 writing = dst_path
-                os.replace(tmp_model, dst_path)
+                replace_output(tmp_model, dst_path)
             except BaseException:
                 if backup is not None:
                     os.replace(backup, weights_path)
@@ -498,7 +488,7 @@ def prepared_model_for(
     del model, model_bytes  # the graph can be large; prepare loads its own copy
     # A source with inline weights was read and parsed whole (twice its size): glibc keeps
     # those pages in the heap unless trimmed, and every pool's process would carry them.
-    _host.release_freed_heap()
+    _platform.release_freed_heap()
     prepared = entry_for(key)
     # Recorded only if no file changed since `before`: else the build may hold other bytes.
     record_stamp("prepared", before, key, params, cache=cache)

@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import BinaryIO
 
 from sharedml._errors import ExternalDataError
-from sharedml._host import HashingWriter
+from sharedml._host._hashing import HashingWriter
 from sharedml.model._graph import ExternalSlice, inline_bytes
 from sharedml.prepared._files import COPY_CHUNK_BYTES
 from sharedml.prepared._plan import TensorSource

@@ -24,19 +24,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from sharedml import _host
 from sharedml._errors import CompressError, missing_package
+from sharedml._host import _platform
 from sharedml.model._accuracy import OutputAccuracy, compare_outputs, worst_of
+from sharedml.model._dtypes import np_dtype
 from sharedml.model._graph import iter_graphs, load_graph, tensor_nbytes
-from sharedml.prepared._compress import root_logging_kept
-from sharedml.prepared._prepare import PrepareResult, prepare
+from sharedml.prepared._files import check_outputs, scratch_folder, source_files
+from sharedml.prepared._prepare import PrepareResult, output_paths, prepare
+from sharedml.runtime._quantization import root_logging_kept
 
 __all__ = ["StaticCompressResult", "compress_static"]
 
@@ -65,6 +67,13 @@ class StaticCompressResult:
             float model over the checked feeds, and the top-1 agreement of classifier-like
             outputs.
         prepared: What prepare wrote for the quantized model.
+        checked_on: Where the checked feeds came from: ``"check"`` (the caller's),
+            ``"held back"`` (calibration feeds, or rows of the one calibration feed, kept out
+            of the calibration to check on) or ``"calibration"`` (nothing could be held back:
+            the accuracy is measured on the very inputs the scales were fitted to).
+        caveats: Why ``accuracy`` may say less than it seems to, one sentence each (empty
+            where nothing is known against it): checked on the calibration inputs, or on
+            inputs that are all constant.
     """
 
     model_path: Path
@@ -77,6 +86,8 @@ class StaticCompressResult:
     checked_feeds: int
     accuracy: tuple[OutputAccuracy, ...]
     prepared: PrepareResult
+    checked_on: str = "check"
+    caveats: tuple[str, ...] = ()
 
     @property
     def max_rel_diff(self) -> float | None:
@@ -104,13 +115,157 @@ def _feeds(value: Iterable[Mapping[str, Any]] | None, what: str) -> list[dict[st
     return feeds
 
 
-def _check_names(feeds: Sequence[Mapping[str, Any]], wanted: set[str], what: str) -> None:
+# Held back from the calibration to check on, where the caller gives no check feeds: one feed
+# in this many (at least one), spread over the list (calibration data often comes sorted).
+_HOLD_BACK_EVERY = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    """One model input: its numpy dtype (None: no numpy type) and its axes (size, name or None)."""
+
+    name: str
+    dtype: np.dtype[Any] | None
+    axes: tuple[int | str | None, ...] | None  # None: no shape in the model
+
+
+def _model_inputs(graph: Any) -> dict[str, _Input]:
+    """The graph inputs a feed must give (initializers with defaults left out)."""
+    initializers = {t.name for t in graph.initializer}
+    found = {}
+    for value in graph.input:
+        if value.name in initializers:
+            continue
+        tensor = value.type.tensor_type
+        try:
+            dtype: np.dtype[Any] | None = np_dtype(tensor.elem_type)
+        except (KeyError, ValueError):
+            dtype = None
+        axes = None
+        if tensor.HasField("shape"):
+            axes = tuple(
+                int(d.dim_value)
+                if d.HasField("dim_value") and d.dim_value > 0
+                else (d.dim_param or None)
+                for d in tensor.shape.dim
+            )
+        found[value.name] = _Input(value.name, dtype, axes)
+    return found
+
+
+def _check_feeds(
+    feeds: Sequence[Mapping[str, np.ndarray]], inputs: Mapping[str, _Input], what: str
+) -> None:
+    """Refuse feeds that are not the model's inputs: names, dtypes, ranks, fixed sizes, values.
+
+    Every input of every feed must hold at least one value, and a float input only finite
+    ones: one infinity in the calibration makes an activation's range infinite, and the
+    written model then computed NaN for every input (onnxruntime 1.32).
+
+    Raises:
+        ValueError: naming the feed (``calibration[3]``), the input, what is wrong, the fix.
+    """
+    wanted = set(inputs)
     for i, feed in enumerate(feeds):
         if set(feed) != wanted:
             missing, extra = sorted(wanted - set(feed)), sorted(set(feed) - wanted)
             raise ValueError(
                 f"{what}[{i}] does not feed the model's inputs: missing {missing}, unknown {extra}."
             )
+        for name, array in feed.items():
+            spec = inputs[name]
+            where = f"{what}[{i}]['{name}']"
+            if spec.dtype is not None and array.dtype != spec.dtype:
+                raise ValueError(
+                    f"{where} is {array.dtype}, but the model's input '{name}' is "
+                    f"{spec.dtype}: give {spec.dtype} arrays (array.astype(np.{spec.dtype}))."
+                )
+            if spec.axes is not None:
+                if array.ndim != len(spec.axes):
+                    raise ValueError(
+                        f"{where} has shape {tuple(array.shape)}, but the model's input "
+                        f"'{name}' has rank {len(spec.axes)} ({list(spec.axes)})."
+                    )
+                for axis, (size, want) in enumerate(zip(array.shape, spec.axes, strict=True)):
+                    if isinstance(want, int) and size != want:
+                        raise ValueError(
+                            f"{where} has shape {tuple(array.shape)}, but the model's input "
+                            f"'{name}' is {list(spec.axes)}: axis {axis} must be {want}."
+                        )
+            if array.size == 0:
+                raise ValueError(
+                    f"{where} holds no values (shape {tuple(array.shape)}): give at least one "
+                    "row of real inputs."
+                )
+            if array.dtype.kind in "fc" and not np.isfinite(array).all():
+                bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+                raise ValueError(
+                    f"{where} holds {bad} NaN or infinite value(s): an activation calibrated "
+                    "on them gets an infinite range, and the int8 model then computes NaN for "
+                    "every input. Give finite inputs."
+                )
+
+
+def _constant(feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, Any] | None:
+    """The one value of each input where every input holds one value in every feed; else None."""
+    values: dict[str, Any] = {}
+    for name in feeds[0]:
+        arrays = [np.asarray(feed[name]) for feed in feeds]
+        if arrays[0].dtype.kind not in "biuf":
+            return None
+        first = arrays[0].flat[0]
+        if any(not np.all(a == first) for a in arrays):
+            return None
+        values[name] = first.item()
+    return values
+
+
+def _rows_apart(
+    feed: Mapping[str, np.ndarray], inputs: Mapping[str, _Input]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+    """One feed split by rows into (calibrate, check); None where it cannot be.
+
+    It can where every input's axis 0 is dynamic and of the same size, at least 2.
+    """
+    rows = {a.shape[0] if a.ndim else 0 for a in feed.values()}
+    firsts = [spec.axes[0] if spec.axes else 0 for spec in inputs.values()]
+    dynamic = all(not isinstance(a, int) for a in firsts)  # a name, or unnamed (None)
+    names = {a for a in firsts if isinstance(a, str)}
+    if len(rows) != 1 or not dynamic or len(names) > 1:
+        return None
+    (count,) = rows
+    held = count // _HOLD_BACK_EVERY or (1 if count >= 2 else 0)
+    if not held:
+        return None
+    keep = count - held
+    return (
+        {n: a[:keep] for n, a in feed.items()},
+        {n: a[keep:] for n, a in feed.items()},
+    )
+
+
+def _held_back(
+    feeds: list[dict[str, np.ndarray]], inputs: Mapping[str, _Input]
+) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]], str] | None:
+    """The calibration split into (calibrate, check), and what was held back; or None.
+
+    One feed in :data:`_HOLD_BACK_EVERY` (at least one, spread over the list); with a single
+    feed, its last rows where every input's rows can be split (a quarter, at least one).
+    """
+    if len(feeds) >= 2:
+        held = max(1, len(feeds) // _HOLD_BACK_EVERY)
+        step = len(feeds) / held
+        picked = {int(step * (j + 1)) - 1 for j in range(held)}
+        check = [f for i, f in enumerate(feeds) if i in picked]
+        calibrate = [f for i, f in enumerate(feeds) if i not in picked]
+        return calibrate, check, f"{held} of the {len(feeds)} calibration feeds"
+    split = _rows_apart(feeds[0], inputs)
+    if split is None:
+        return None
+    first, last = split
+    rows = next(iter(last.values())).shape[0]
+    total = next(iter(feeds[0].values())).shape[0]
+    return [first], [last], f"the last {rows} of the {total} rows of the calibration feed"
 
 
 def _quantize_static() -> Any:
@@ -218,12 +373,6 @@ def _per_channel_source(float_path: Path, scratch: Path) -> tuple[Path, bool]:
     return target, True
 
 
-def _inputs_of(path: Path) -> set[str]:
-    model = load_graph(path)
-    initializers = {t.name for t in model.graph.initializer}
-    return {i.name for i in model.graph.input if i.name not in initializers}
-
-
 def compress_static(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -246,19 +395,33 @@ def compress_static(
 
     Args:
         src: Any ONNX model with float weights.
-        dst: The graph file to write; its weights go to ``<dst stem>.weights`` beside it.
-        calibration: Feeds (input name -> array) of real inputs, one or more.
-        check: Feeds to measure the accuracy on (default: ``calibration``; held-out inputs
-            say more).
+        dst: The graph file to write (an existing folder: ``<dst>/<src stem>.onnx``); its
+            weights go to ``<dst stem>.weights`` beside it. Neither may be, or be another name
+            for, ``src`` or one of its data files.
+        calibration: Feeds (input name -> array) of real inputs, one or more: each the
+            model's inputs by name, of its dtypes, ranks and fixed sizes, at least one value
+            each, floats finite, and not one constant value for every input.
+        check: Feeds to measure the accuracy on. Default: a part of ``calibration`` held back
+            from it (one feed in four, or with one feed a quarter of its rows), so that the
+            accuracy is measured on inputs the scales were not fitted to; where nothing can be
+            held back (one feed whose rows cannot be split), the calibration itself, with a
+            ``RuntimeWarning`` and a caveat in the result.
 
     Returns:
-        What was written, with the accuracy against the float model on ``check``.
+        What was written, with the accuracy against the float model on the checked feeds,
+        where they came from (``checked_on``) and what the figures cannot say (``caveats``:
+        also warned).
 
     Raises:
         TypeError: ``calibration`` or ``check`` is not a sequence of feeds.
-        ValueError: an empty ``calibration``, or a feed that is not the model's inputs.
-        CompressError: onnxruntime's quantization tools are missing or failed, or they found
-            nothing to quantize.
+        ValueError: an empty ``calibration``, a feed that is not the model's inputs (names,
+            dtypes, ranks, fixed sizes), an input with no values or with NaN or infinity, or a
+            calibration that holds one constant value for every input.
+        CompressError: onnxruntime's quantization tools are missing or failed, they found
+            nothing to quantize, or the int8 model computes NaN or infinity where the float
+            model does not (nothing is written then).
+        PrepareError: ``dst`` or its weights file is (or aliases) a source file, or is not a
+            regular file: refused before any work.
         ModelError, PrepareError: from :func:`sharedml.prepare`.
 
     Thread safety: safe to call concurrently (each call has its own temporary folder).
@@ -266,16 +429,54 @@ def compress_static(
     import onnx
 
     calibrating = _feeds(calibration, "calibration")
-    checking = calibrating if check is None else _feeds(check, "check")
+    checking = None if check is None else _feeds(check, "check")
+    src_path = Path(src)
+    dst_path, weights_path = output_paths(src_path, dst)
+    source_graph = load_graph(src_path).graph
+    # Before any work: the result is prepared at dst last, and would replace the source there.
+    check_outputs(
+        (dst_path, weights_path),
+        source_files(src_path, source_graph),
+        writer="compress_static",
+        fix="write the int8 model to another path",
+    )
+    inputs = _model_inputs(source_graph)
+    del source_graph
+    _check_feeds(calibrating, inputs, "calibration")
+    if checking is not None:
+        _check_feeds(checking, inputs, "check")
+    constant = _constant(calibrating)
+    if constant is not None:
+        raise ValueError(
+            f"Every calibration input holds one value in every feed ({constant}): each "
+            "activation's range would be one point, and the int8 model would be garbage for "
+            "any other input. Calibrate on real inputs."
+        )
+    caveats: list[str] = []
+    checked_on = "check"
+    if checking is None:
+        split = _held_back(calibrating, inputs)
+        if split is None:
+            checking, checked_on = calibrating, "calibration"
+            caveats.append(
+                "The accuracy was measured on the calibration inputs themselves (one feed whose "
+                "rows cannot be split: nothing could be held back), the inputs the scales were "
+                "fitted to: it says little about other inputs. Pass check= with other inputs."
+            )
+        else:
+            calibrating, checking, held = split
+            checked_on = "held back"
+            _log.info("sharedml: compress_static holds back %s to check the accuracy on", held)
+    one_value = _constant(checking)
+    if one_value is not None:
+        caveats.append(
+            f"Every checked input holds one value ({one_value}): the accuracy says nothing "
+            "about any other input. Check on real inputs."
+        )
     run_quantizer = _quantize_static()
-    dst_path = Path(dst)
     dst_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".sharedml-static-", dir=dst_path.parent) as tmp:
-        scratch = Path(tmp)
+    with scratch_folder(dst_path.parent, "static") as scratch:
         float_path = prepare(src, scratch / "float.onnx").model_path
-        wanted = _inputs_of(float_path)
-        _check_names(calibrating, wanted, "calibration")
-        _check_names(checking, wanted, "check")
         quantized_path = scratch / _SCRATCH_MODEL
         source, per_channel = _per_channel_source(float_path, scratch)
         try:
@@ -293,18 +494,21 @@ def compress_static(
                 f"onnxruntime's quantize_static quantized no weight of '{src}' (it quantizes "
                 "Conv, MatMul, Gemm and the like): nothing to gain from int8."
             )
-        prepared = prepare(quantized_path, dst_path)
+        # Checked before anything reaches dst: a model that fails here must not replace what
+        # dst held. Preparing changes where the weights sit, not what the model computes.
         reference = _run_all(float_path, checking)
         try:
-            got = _run_all(prepared.model_path, checking)
+            got = _run_all(quantized_path, checking)
         except Exception as exc:  # the quantizer wrote a model this onnxruntime refuses
-            for written in (prepared.model_path, prepared.weights_path):
-                written.unlink(missing_ok=True)
             raise CompressError(
                 f"onnxruntime's quantize_static wrote a model of '{src}' that onnxruntime cannot "
                 f"run: {type(exc).__name__}: {exc}"
             ) from exc
-        _host.release_freed_heap()
+        _refuse_non_finite(src, reference, got)
+        prepared = prepare(quantized_path, dst_path)
+        _platform.release_freed_heap()
+    for caveat in caveats:
+        warnings.warn(f"compress_static('{src}'): {caveat}", RuntimeWarning, stacklevel=2)
     float_bytes = sum(
         tensor_nbytes(t) or 0 for t in before.values() if t.data_type in (1, 10, 11, 16)
     )
@@ -319,4 +523,29 @@ def compress_static(
         checked_feeds=len(checking),
         accuracy=worst_of([compare_outputs(r, g) for r, g in zip(reference, got, strict=True)]),
         prepared=prepared,
+        checked_on=checked_on,
+        caveats=tuple(caveats),
     )
+
+
+def _refuse_non_finite(
+    src: object, reference: Sequence[Mapping[str, Any]], got: Sequence[Mapping[str, Any]]
+) -> None:
+    """Raise where the int8 model computes NaN or infinity and the float model does not.
+
+    Calibration inputs are checked to be finite; this catches what a finite calibration can
+    still do (a range too wide for an activation's scale), before the model is written.
+    """
+    for i, (want, have) in enumerate(zip(reference, got, strict=True)):
+        for name, w in want.items():
+            h = have.get(name)
+            if h is None or not isinstance(w, np.ndarray) or w.dtype.kind != "f":
+                continue
+            bad = int(np.count_nonzero(~np.isfinite(np.asarray(h)) & np.isfinite(w)))
+            if bad:
+                raise CompressError(
+                    f"The int8 model of '{src}' computes NaN or infinity in {bad} value(s) of "
+                    f"output '{name}' (checked feed {i}) where the float model does not: its "
+                    "calibration gave an activation a range that int8 cannot hold. Nothing was "
+                    "written; calibrate on inputs like the real ones."
+                )

@@ -23,38 +23,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from sharedml.pool._pool import PoolStats
+from sharedml.pool._stats import COUNTERS, GAUGES
 
 __all__ = ["LATENCY_BUCKETS_S", "TAG_KEYS", "PoolMetrics"]
 
 TAG_KEYS = ("model", "application", "deployment", "replica")
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-# PoolStats field -> (counter name, description): cumulative counts exported as Ray counters.
-_COUNTERS = {
-    "runs": ("sharedml_requests", "Requests the replica's pool completed (failed ones included)."),
-    "failed_runs": ("sharedml_failed_requests", "Requests whose run raised."),
-    "waits": ("sharedml_queued_requests", "Requests that queued for a session."),
-    "wait_seconds": ("sharedml_queue_seconds", "Seconds requests spent queued for a session."),
-    "batches": ("sharedml_batches", "Runs the pool made for requests while batching."),
-    "batched_rows": ("sharedml_batched_rows", "Rows those runs processed."),
-    "run_seconds": ("sharedml_run_seconds", "Seconds the pool's sessions spent running requests."),
-    "arena_shrinks": (
-        "sharedml_arena_shrinks",
-        "Runs that gave a session's CPU arena memory back after a peak of rows.",
-    ),
-}
-# PoolStats field -> (gauge name, description): the state now.
-_GAUGES = {
-    "sessions": ("sharedml_sessions", "Sessions in the replica's pool."),
-    "busy": ("sharedml_busy_sessions", "Sessions running a request now."),
-    "waiting": ("sharedml_waiting_requests", "Requests queued for a session now."),
-    "max_batch_rows": ("sharedml_max_batch_rows", "The most rows one batched run has held."),
-    "batching": (
-        "sharedml_batching",
-        "1 where the replica's pool merges requests, 0 where each runs alone (the replica's "
-        "log and info() say why).",
-    ),
-}
+# PoolStats field -> (Ray metric name, description): pool/_stats.py's table, named as Ray
+# exports them (Ray adds its own "ray_" in front).
+_COUNTERS = {field: (f"sharedml_{stem}", text) for field, (stem, text) in COUNTERS.items()}
+_GAUGES = {field: (f"sharedml_{stem}", text) for field, (stem, text) in GAUGES.items()}
 
 
 class PoolMetrics:

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from sharedml._host import filesystem_type, is_remote_filesystem
+from sharedml._host._filesystems import filesystem_type, is_remote_filesystem
 from sharedml.cache._locks import held_lock
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.pool._batching import BatchingSetting

@@ -18,22 +18,20 @@ Decisions:
   A replica that dies is Serve's to replace; its in-flight requests fail (``ActorDiedError``
   through a handle, 500 through HTTP), and the replacement maps the node's prepared file.
 - Serve's health check fails once the pool is closed, so Serve replaces such a replica.
-- Bodies are parsed off the replica's event loop (where Serve also runs its health checks), after
-  their size and declared arrays are checked against the replica's :class:`HttpLimits`: see
-  :mod:`sharedml.ray._http`. A request's bytes stay reserved until its reply is written.
+- HTTP is answered by the same code as ``sharedml serve`` (:mod:`sharedml.serve._http`): a
+  body is reserved against the replica's :class:`HttpLimits` budget before it is read, parsed
+  off the replica's event loop (where Serve also runs its health checks), and its bytes stay
+  reserved until its reply is written.
 - The replica's internal gRPC server listens on the node's address only (127.0.0.1 on a node
   started on loopback), not on every interface: :func:`sharedml.ray.restrict_replica_grpc`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,28 +39,24 @@ from typing import Any, Literal
 
 import numpy as np
 
-from sharedml._errors import InvalidInputError, PoolClosedError, RunError
+from sharedml._errors import InvalidInputError, PoolClosedError
 from sharedml.pool._batching import Batching
 from sharedml.pool._pool import DEFAULT_SESSIONS
-from sharedml.ray import _http
-from sharedml.ray._http import (
-    JSON,
-    HttpError,
-    HttpLimits,
-    InflightBytes,
-    encode_outputs,
-    error_body,
-    max_body_bytes,
-    model_metadata,
-    tensor_infos,
-)
+from sharedml.protocol._admission import HttpLimits, InflightBytes
 from sharedml.ray._loopback import restrict_replica_grpc
 from sharedml.ray._metrics import PoolMetrics
 from sharedml.ray._node import BatchingSetting, create_pool, mapped_files
+from sharedml.serve._grpc import InferenceGrpc, grpc_failure
+from sharedml.serve._http import InferenceHttp
+from sharedml.serve._models import ServedModel
 
-__all__ = ["ModelServer", "deployment"]
+__all__ = ["GRPC_SERVICER", "ModelServer", "deployment"]
 
-_MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/[^/]+)?(/ready|/infer)?$")
+# What Serve's gRPC proxy needs to serve inference.GRPCInferenceService (the Open Inference
+# Protocol over gRPC): serve.start(grpc_options={"port": ..., "grpc_servicer_functions":
+# [GRPC_SERVICER]}); the proxy then routes each RPC to ModelServer's method of the same name.
+GRPC_SERVICER = "sharedml.serve._grpc.add_GRPCInferenceServiceServicer_to_server"
+
 _CLOSE_TIMEOUT_S = 30.0  # seconds a stopping replica waits for its runs in flight
 _log = logging.getLogger("ray.serve")  # a replica's log: Serve keeps and shows it
 
@@ -82,7 +76,7 @@ class ModelServer:
         outputs = handle.infer.remote({"input": x}, ["output"]).result()
 
     HTTP (relative to the application's route prefix): ``POST /`` with JSON, ``.npy`` or
-    ``.npz`` (see :mod:`sharedml.ray._http`); the Open Inference Protocol's
+    ``.npz`` (see :mod:`sharedml.serve._http`); the Open Inference Protocol's
     ``POST /v2/models/<name>/infer``, ``GET /v2/models/<name>``, ``GET /v2/models/<name>/ready``,
     ``GET /v2/health/live`` and ``GET /v2/health/ready``.
 
@@ -138,8 +132,6 @@ class ModelServer:
         )
         self.start_seconds = time.perf_counter() - start
         self.model_name = model_name or _model_name(model)
-        self.inputs = tensor_infos(self.pool.get_inputs())
-        self.outputs = tensor_infos(self.pool.get_outputs())
         self.metrics = PoolMetrics(
             {
                 "model": self.model_name,
@@ -148,8 +140,27 @@ class ModelServer:
                 "replica": self._identity.get("replica", ""),
             }
         )
+        self.served = ServedModel(self.model_name, self.pool, on_run=self._record)
+        self.inputs = self.served.inputs
+        self.outputs = self.served.outputs
+        # The same routes, codecs and limits as `sharedml serve`: sharedml.serve._http.
+        self.http = InferenceHttp(
+            {self.model_name: self.served},
+            version=_version(),
+            limits=self.http_limits,
+            budget=self.inflight,
+        )
+        self.grpc = InferenceGrpc(
+            {self.model_name: self.served},
+            version=_version(),
+            limits=self.http_limits,
+            budget=self.inflight,
+        )
         self.metrics.record(self.pool.stats())
         _log.info("sharedml: model '%s': %s", self.model_name, self.pool.batching_reason)
+
+    def _record(self, latency_s: float) -> None:
+        self.metrics.record(self.pool.stats(), latency_s=latency_s)
 
     # ----------------------------------------------------------------------------------------
     # Handle API
@@ -164,13 +175,7 @@ class ModelServer:
             RunError: onnxruntime failed the run.
             PoolClosedError: the replica is stopping.
         """
-        start = time.perf_counter()
-        names = list(output_names) if output_names is not None else None
-        try:
-            values = await self.pool.run_async(names, dict(feed))
-        finally:
-            self.metrics.record(self.pool.stats(), latency_s=time.perf_counter() - start)
-        return dict(zip(names or self.outputs, values, strict=True))
+        return await self.served.infer(feed, output_names)
 
     async def __call__(self, request: Any) -> Any:
         """An HTTP request, or a handle call with a feed (a mapping of arrays)."""
@@ -221,110 +226,51 @@ class ModelServer:
     # HTTP
 
     async def _http(self, request: Any) -> Any:
-        from starlette.responses import Response
+        return await self.http.handle(request)
 
-        headers: dict[str, str] = {}
+    # ----------------------------------------------------------------------------------------
+    # gRPC: inference.GRPCInferenceService through Serve's gRPC proxy (see GRPC_SERVICER)
+
+    async def _grpc(self, method: str, request: Any, context: Any) -> Any:
         try:
-            body, media, status = await self._route(request)
-        except HttpError as exc:
-            body, media, status = error_body(exc.message), JSON, exc.status
-            headers = exc.headers
-        except InvalidInputError as exc:
-            body, media, status = error_body(str(exc)), JSON, 400
-        except PoolClosedError as exc:
-            body, media, status = error_body(str(exc)), JSON, 503
-        except RunError as exc:
-            body, media, status = error_body(str(exc)), JSON, 500
-        return Response(body, status_code=status, media_type=media, headers=headers)
+            return await getattr(self.grpc, method)(request)
+        except Exception as exc:
+            failure = grpc_failure(exc)
+            if failure is not None and context is not None:
+                # Serve answers with the code set on its context when the method raises.
+                context.set_code(failure[0])
+                context.set_details(failure[1])
+            raise
 
-    async def _route(self, request: Any) -> tuple[bytes, str, int]:
-        root = request.scope.get("root_path", "")
-        path = request.scope.get("path", "")
-        relative = (path[len(root) :] if path.startswith(root) else path).rstrip("/")
-        method = request.method
-        if relative == "":
-            _allow(method, "POST")
-            return await self._infer_http(request, kserve=False)
-        if relative in ("/v2/health/live", "/v2/health/ready"):
-            _allow(method, "GET")
-            return b"{}", JSON, 200
-        match = _MODEL_PATH.match(relative)
-        if match is None:
-            raise HttpError(
-                404,
-                f"No route {relative!r}: POST / or /v2/models/{self.model_name}/infer.",
-            )
-        if match.group(1) != self.model_name:
-            raise HttpError(
-                404,
-                f"Model {match.group(1)!r} is not served here; this deployment serves "
-                f"{self.model_name!r}.",
-            )
-        suffix = match.group(2)
-        if suffix == "/infer":
-            _allow(method, "POST")
-            return await self._infer_http(request, kserve=True)
-        _allow(method, "GET")
-        if suffix == "/ready":
-            return b"{}", JSON, 200
-        metadata = model_metadata(self.model_name, self.inputs, self.outputs)
-        return json.dumps(metadata).encode(), JSON, 200
+    async def ServerLive(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ServerLive RPC."""
+        return await self._grpc("ServerLive", request, grpc_context)
 
-    async def _infer_http(self, request: Any, *, kserve: bool) -> tuple[bytes, str, int]:
-        content_type = request.headers.get("content-type", "")
-        body = await _read_body(request, max_body_bytes(content_type, self.http_limits))
-        # Parsing is CPU work proportional to the body: off the event loop, where Serve runs
-        # health checks and every other request of the replica.
-        parsed = await asyncio.to_thread(
-            _http.parse_request,
-            body,
-            content_type,
-            self.inputs,
-            kserve=kserve,
-            output_names=request.query_params.getlist("output") or None,
-            limits=self.http_limits,
-            budget=self.inflight,
-        )
-        del body  # the request holds what it needs (an .npy body: its array)
-        try:
-            outputs = await self.infer(parsed.feed, parsed.output_names)
-            # Encoding a large reply is CPU work too.
-            reply, media = await asyncio.to_thread(
-                encode_outputs,
-                outputs,
-                parsed,
-                accept=request.headers.get("accept", ""),
-                model_name=self.model_name,
-            )
-        finally:
-            parsed.release()
-        return reply, media, 200
+    async def ServerReady(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ServerReady RPC."""
+        return await self._grpc("ServerReady", request, grpc_context)
+
+    async def ModelReady(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ModelReady RPC."""
+        return await self._grpc("ModelReady", request, grpc_context)
+
+    async def ServerMetadata(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ServerMetadata RPC."""
+        return await self._grpc("ServerMetadata", request, grpc_context)
+
+    async def ModelMetadata(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ModelMetadata RPC."""
+        return await self._grpc("ModelMetadata", request, grpc_context)
+
+    async def ModelInfer(self, request: Any, grpc_context: Any = None) -> Any:
+        """The Open Inference Protocol's ModelInfer RPC."""
+        return await self._grpc("ModelInfer", request, grpc_context)
 
 
-async def _read_body(request: Any, max_bytes: int) -> bytes:
-    """The request's body, refused (413) as soon as it is longer than ``max_bytes``."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise HttpError(413, _too_long(int(declared), max_bytes))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise HttpError(413, _too_long(size, max_bytes))
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _version() -> str:
+    from sharedml import __version__
 
-
-def _too_long(size: int, max_bytes: int) -> str:
-    return (
-        f"The body has {size} bytes or more, and this server takes at most {max_bytes}: send "
-        "smaller requests (HttpLimits.max_request_bytes and max_json_bytes)."
-    )
-
-
-def _allow(method: str, allowed: str) -> None:
-    if method != allowed:
-        raise HttpError(405, f"Use {allowed} here, not {method}.")
+    return __version__
 
 
 def _replica_identity() -> dict[str, str]:

@@ -11,10 +11,11 @@ The rules, in order:
    (:func:`sharedml.prepared_model_for`, :class:`sharedml.WeightStore`).
 2. On CUDA weights go to the device once and every session borrows the device buffers
    (:class:`~sharedml.Mechanism` ``DEVICE``), if a route probed in a child process works with
-   the installed ORT; otherwise sessions use host weights, with a warning. On DirectML no
-   device route can work: every session uploads its own device copy, and ORT loads the
+   the installed ORT; otherwise sessions use host weights, with a warning. Where the provider
+   table says no device route can work (DirectML, WebGPU, other plugin EPs: their weights
+   route is ``ort-mmap``), every session uploads its own device copy, and ORT loads the
    weights from the file (``ORT_MMAP``), which holds no host copy after the upload; the
-   reason says so, without a warning (a pool of one session is DirectML's default anyway).
+   reason says so, without a warning (a pool of one session is their default anyway).
 3. On the CPU, with ``prepacking`` ``auto`` or ``shared``, sessions load ORT's saved
    optimized form of the model where ORT packs or derives any weight: ``PREPACKED_FILE`` where
    it holds prepacked blobs (one copy of the packed weights too), ``OPTIMIZED_FILE`` where ORT
@@ -43,19 +44,21 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
-from sharedml._host import release_freed_heap, usable_cores, warn_deprecated
+from sharedml._host._deprecation import warn_deprecated
+from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import iter_graphs, load_graph
 from sharedml.prepared._compress import WeightsFormat, compressed_model_for
 from sharedml.prepared._prepare import prepared_model_for, prepared_model_from_bytes
+from sharedml.route._cpu import CpuRoute, choose_cpu_route
 from sharedml.runtime._capabilities import capability
 from sharedml.runtime._options import clone_session_options, config_entry
 from sharedml.runtime._providers import (
     CPU,
     CUDA,
-    DML,
-    DML_NO_DEVICE_ROUTE,
+    ProviderFacts,
     ProviderPlan,
+    WeightsRoute,
     graphs_unavailable,
 )
 from sharedml.weights._store import WeightStore, zero_copy_mechanisms
@@ -226,6 +229,15 @@ class SessionRecipe:
             self.weights.register(so, self.mechanism.value)
         if self.configure is not None:
             self.configure(so)
+            if _has_providers(so):
+                raise ProviderError(
+                    f"configure added execution providers to the session options of "
+                    f"'{self.source_path}' (add_provider_for_devices or add_provider): the pool "
+                    f"creates its sessions with {self.plan.primary}, so those would be ignored or "
+                    "would run the sessions on a provider the pool did not plan for. Pass the "
+                    "provider to the pool instead: providers=[NAME] (or an OrtEpDevice), with "
+                    "ep_devices= to choose its device."
+                )
         return so
 
     def create_session(
@@ -246,29 +258,37 @@ class SessionRecipe:
         so = self.options()
         for name, value in (dims or {}).items():
             so.add_free_dimension_override_by_name(name, value)
-        provider_options = [dict(o) for o in self.plan.provider_options]
+        plan = self.plan
         if not cuda_graph:
-            for options in provider_options:
-                options.pop("enable_cuda_graph", None)
-        try:
-            sess = ort.InferenceSession(
-                str(self.load_path),
-                so,
-                providers=list(self.plan.providers),
-                provider_options=provider_options,
+            plan = dataclasses.replace(
+                plan,
+                provider_options=tuple(
+                    {k: v for k, v in o.items() if k != "enable_cuda_graph"}
+                    for o in plan.provider_options
+                ),
             )
+        try:
+            sess = ort.InferenceSession(str(self.load_path), so, **plan.session_kwargs(so))
         except SharedMLError:
             raise
         except Exception as exc:
             raise SessionCreationError(
                 f"onnxruntime could not create a session for '{self.source_path}' (prepared as "
-                f"'{self.model_path}') with {list(self.plan.providers)}: {exc}"
+                f"'{self.model_path}') with {list(self.plan.providers)} ({self.plan.device}): "
+                f"{exc}"
             ) from exc
+        plan.check_session(sess, f"A session of '{self.source_path}'")
         if self.prepacked is not None:
             # ORT packs every weight again at load to validate the mapped blobs, then frees
             # that work; glibc keeps the freed pages unless trimmed.
             release_freed_heap()
         return sess
+
+
+def _has_providers(so: Any) -> bool:
+    """Whether ``so`` has execution providers added (``SessionOptions.has_providers``, 1.23+)."""
+    has = getattr(so, "has_providers", None)
+    return bool(has()) if callable(has) else False
 
 
 def plan_route(
@@ -415,8 +435,9 @@ def _plan(
         ),
     }
 
-    if plan.primary == DML:
-        return _directml_recipe(requested, common)
+    facts = plan.facts
+    if facts.weights is WeightsRoute.ORT_MMAP:
+        return _own_copy_recipe(requested, common, facts)
     device_reason = ""
     if requested is Mechanism.DEVICE or (requested is None and plan.primary == CUDA):
         device_store, device_reason = _device_weights(weights, plan, forced=requested is not None)
@@ -441,7 +462,7 @@ def _plan(
         block_packs = packing is Prepacking.AUTO and (
             compressed is not WeightsFormat.FLOAT or _block_quantized(model_path)
         )
-        prepacked, reason = _prepacked_weights(
+        prepacked, reason, packs = _prepacked_weights(
             weights,
             sess_options,
             cache,
@@ -469,7 +490,10 @@ def _plan(
                 runtime_stats=prepacked.stats,
                 **common,
             )
-        if block_packs:
+        if block_packs or packs:
+            # ORT packs weights that no saved model shares here (too small to be saved apart,
+            # or MatMulNBits before 1.28): unpacked, those kernels compute other values than
+            # plain ORT (a 1-D U-Net: 5.7e-6 away), so each session packs its own, as ORT does.
             # MatMulNBits unpacked ran 0.55x (int8) and 0.66x (int4) of its packed speed here
             # (onnxruntime 1.32; 1.30's int8 reload computed NaN, and unpacked ran 0.09x): the
             # compressed weights are a quarter or an eighth of the floats, so each session's
@@ -557,21 +581,25 @@ def _host_reason(mechanism: Mechanism, packing: Prepacking) -> str:
     return f"Raw weights shared: {how}; {packs}."
 
 
-# DirectML: no device route (DML_NO_DEVICE_ROUTE), so every session holds its own device copy.
-# Of the host routes, ORT loading the weights from the file frees its host copy once uploaded;
-# the in-memory file keeps the whole map resident for the pool's life, one more copy of the
-# weights; add-initializer's tensors are copied too. Figures: docs/directml.md.
-_DML_MECHANISM = Mechanism.ORT_MMAP
+# Providers whose sessions each hold their own device copy (DirectML, WebGPU, other plugin EPs:
+# PROVIDER_FACTS' weights route "ort-mmap"). Of the host routes, ORT loading the weights from the
+# file frees its host copy once uploaded; the in-memory file keeps the whole map resident for
+# the pool's life, one more copy of the weights; add-initializer's tensors are copied too.
+# Figures: docs/directml.md; on WebGPU 1.32 the host routes cost most (docs/webgpu.md).
+_OWN_COPY_MECHANISM = Mechanism.ORT_MMAP
 
 
-def _directml_recipe(requested: Mechanism | None, common: dict[str, Any]) -> SessionRecipe:
-    """The DirectML route: a host mechanism, and each session's own device copy, said plainly."""
+def _own_copy_recipe(
+    requested: Mechanism | None, common: dict[str, Any], facts: ProviderFacts
+) -> SessionRecipe:
+    """A provider without a device route: a host mechanism, and each session's own device copy."""
+    why = facts.no_device_route or f"{facts.provider} sessions cannot share device weights"
     if requested is Mechanism.DEVICE:
         raise ProviderError(
-            f"mechanism='device' with DmlExecutionProvider: {DML_NO_DEVICE_ROUTE}. Use "
-            "mechanism='auto': one session with batching keeps one device copy."
+            f"mechanism='device' with {facts.provider}: {why}. Use mechanism='auto': one "
+            "session with batching keeps one device copy."
         )
-    host = requested or _DML_MECHANISM
+    host = requested or _OWN_COPY_MECHANISM
     how = {
         Mechanism.ORT_MMAP: (
             "ORT loads them from the prepared model's weights file and frees its host copy "
@@ -586,7 +614,7 @@ def _directml_recipe(requested: Mechanism | None, common: dict[str, Any]) -> Ses
             "(it warns that the user-supplied initializer's memory location differs)"
         ),
     }[host]
-    reason = f"{DML_NO_DEVICE_ROUTE}. Host weights ({host.value}): {how}."
+    reason = f"{why}. Host weights ({host.value}): {how}."
     return SessionRecipe(load_path=common["model_path"], mechanism=host, reason=reason, **common)
 
 
@@ -631,13 +659,13 @@ def _prepacked_weights(
     source: Path,
     instead: str = "the pool shares raw weights with prepacking off instead",
     block_quantized: bool = False,
-) -> tuple[Any, str]:
-    """The prepacked model where it pays (or is forced), else (None, why not).
+) -> tuple[Any, str, bool]:
+    """The prepacked model where it pays (or is forced), else (None, why not, packs).
 
-    ``instead`` says what the pool does where building it failed.
+    ``instead`` says what the pool does where building it failed; ``packs``: ORT packs
+    weights that no saved model shares, so raw-weight sessions should pack their own
+    (:attr:`~sharedml.route._cpu.CpuRouteDecision.packs_per_session`).
     """
-    from sharedml.weights import _prepacked as _prepack
-
     saves = capability("prepacked-save")
     if not saves.available:
         # Not a failure: this onnxruntime has no such route, and the raw one is correct.
@@ -646,7 +674,7 @@ def _prepacked_weights(
                 f"prepacking='shared' needs ORT's saved prepacked model, but {saves.reason}. "
                 "Use prepacking='auto' (raw weights shared) or a newer onnxruntime."
             )
-        return None, f"The saved prepacked model is not used: {saves.reason}."
+        return None, f"The saved prepacked model is not used: {saves.reason}.", False
     try:
         prepacked = _optimized_model(weights, sess_options, cache, verify=verify)
     except CacheError:
@@ -659,10 +687,8 @@ def _prepacked_weights(
             RuntimeWarning,
             stacklevel=4,
         )
-        return None, f"The prepacked model could not be built ({exc})."
-    decision = _prepack.choose_cpu_route(
-        prepacked.stats, sessions=sessions, block_quantized=block_quantized
-    )
-    if forced or decision.route is _prepack.CpuRoute.PREPACKED_FILE:
-        return prepacked, decision.reason
-    return None, decision.reason
+        return None, f"The prepacked model could not be built ({exc}).", False
+    decision = choose_cpu_route(prepacked.stats, sessions=sessions, block_quantized=block_quantized)
+    if forced or decision.route is CpuRoute.PREPACKED_FILE:
+        return prepacked, decision.reason, False
+    return None, decision.reason, decision.packs_per_session

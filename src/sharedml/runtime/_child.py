@@ -5,7 +5,7 @@ nor inflate another's figures), a probe that may crash the process (a crash must
 never the caller), and a family's memory (plain sessions against pools). All three go through
 :func:`run_child`, so every child:
 
-- gets :func:`sharedml._host.child_env` (it imports this very sharedml and onnxruntime);
+- gets :func:`sharedml._host._children.child_env` (it imports this very sharedml and onnxruntime);
 - is killed after ``timeout_s``, and the error names what timed out;
 - gives one result: a ``RESULT`` line of JSON on stdout (:data:`RESULT_PREFIX`); the other
   stdout lines (progress) go to a callback;
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sharedml._errors import SharedMLError
-from sharedml._host import child_env, crash_name
+from sharedml._host._children import child_env, crash_name
 
 __all__ = ["RESULT_PREFIX", "ChildFailed", "child_entry", "entry_code", "run_child"]
 

@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from sharedml._errors import SharedMLError
+from sharedml._errors import ProviderError, SharedMLError
 
 __all__ = [
     "CONFIG_KEYS",
@@ -134,14 +134,24 @@ def clone_session_options(template: Any | None) -> Any:
     """A new ``SessionOptions`` with ``template``'s public attributes and copied config keys.
 
     Raises:
-        SharedMLError: the template sets a key that must not reach every session, or writes an
+        SharedMLError: the template sets a key that must not reach every session, writes an
             optimized model (``optimized_model_filepath``).
+        ProviderError: the template has execution providers added (a ``SharedMLError`` too).
     """
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     if template is None:
         return so
+    has_providers = getattr(template, "has_providers", None)  # onnxruntime 1.23+
+    if callable(has_providers) and has_providers():
+        # ORT cannot read the devices back, so a copy would run on the CPU without a word.
+        raise ProviderError(
+            "sess_options has execution providers added (add_provider_for_devices or "
+            "add_provider), which ORT cannot read back: every session of the pool would run on "
+            "the CPU. Pass the provider to the pool instead: providers=[NAME] (or an "
+            "OrtEpDevice), with ep_devices= to choose its device."
+        )
     if getattr(template, "optimized_model_filepath", ""):
         raise SharedMLError(
             "sess_options sets optimized_model_filepath: every session of the pool would write "

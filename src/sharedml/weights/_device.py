@@ -42,10 +42,9 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from sharedml._errors import ProviderError
-from sharedml.model import _proto
+from sharedml.model import _dtypes
 from sharedml.runtime._providers import CPU, CUDA, DML
 from sharedml.weights._dlpack import (
-    DLPACK_TYPES,
     RouteError,
     check_view,
     export_capsule,
@@ -81,11 +80,11 @@ class HostWeights(Protocol):
 
 
 def _np_dtype(slot: TensorSlot) -> np.dtype[Any]:
-    return _proto.np_dtype(slot.data_type)
+    return _dtypes.np_dtype(slot.data_type)
 
 
 def _on_device(slot: TensorSlot) -> bool:
-    if slot.data_type not in DLPACK_TYPES or slot.length == 0:
+    if _dtypes.dlpack_type(slot.data_type) is None or slot.length == 0:
         return False
     return slot.length == int(np.prod(slot.dims, dtype=np.int64)) * _np_dtype(slot).itemsize
 

@@ -11,17 +11,14 @@ that ORT's import points where it should. The structures follow ``dlpack.h`` (th
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
 from typing import Any
 
-from onnx import TensorProto
-
+from sharedml.model._dtypes import dlpack_type
 from sharedml.runtime._capabilities import ort_version
 from sharedml.weights._store import TensorSlot
 
 __all__ = [
     "probe_dlpack",
-    "DLPACK_TYPES",
     "RouteError",
     "check_view",
     "export_capsule",
@@ -29,23 +26,7 @@ __all__ = [
     "retargeted_view",
 ]
 
-# DLPack type codes (dlpack.h) and the ONNX types ORT's DLPack importer maps them back to.
-_DL_INT, _DL_UINT, _DL_FLOAT = 0, 1, 2
-DLPACK_TYPES: Mapping[int, tuple[int, int]] = {
-    TensorProto.FLOAT: (_DL_FLOAT, 32),
-    TensorProto.FLOAT16: (_DL_FLOAT, 16),
-    TensorProto.DOUBLE: (_DL_FLOAT, 64),
-    TensorProto.INT8: (_DL_INT, 8),
-    TensorProto.INT16: (_DL_INT, 16),
-    TensorProto.INT32: (_DL_INT, 32),
-    TensorProto.INT64: (_DL_INT, 64),
-    TensorProto.UINT8: (_DL_UINT, 8),
-    TensorProto.UINT16: (_DL_UINT, 16),
-    TensorProto.UINT32: (_DL_UINT, 32),
-    TensorProto.UINT64: (_DL_UINT, 64),
-    # BOOL travels as uint8 and comes back as bool only if the importer is told so, which the
-    # capsule path of OrtValue.from_dlpack does not do on every version: left in the file.
-}
+_UINT8 = dlpack_type(2)  # (type code, bits) of TensorProto.UINT8: a weights buffer's bytes
 
 
 class RouteError(RuntimeError):
@@ -146,14 +127,18 @@ def retargeted_view(slab: Any, base: int, offset: int, slot: TensorSlot, device:
     if (
         tensor.data != base
         or tensor.ndim != 1
-        or (dtype.code, dtype.bits, dtype.lanes) != (_DL_UINT, 8, 1)
+        or (dtype.code, dtype.bits) != _UINT8
+        or dtype.lanes != 1
         or tensor.byte_offset != 0
     ):
         raise RouteError(
             "onnxruntime's DLPack export of a 1-D uint8 buffer has an unexpected layout "
             f"(ndim={tensor.ndim}, dtype=({dtype.code}, {dtype.bits}, {dtype.lanes}))"
         )
-    code, bits = DLPACK_TYPES[slot.data_type]
+    dl_type = dlpack_type(slot.data_type)
+    if dl_type is None:
+        raise KeyError(slot.data_type)  # callers lend only the types the table has a code for
+    code, bits = dl_type
     shape = (ctypes.c_int64 * max(len(slot.dims), 1))(*slot.dims)
     tensor.data = base + offset
     tensor.ndim = len(slot.dims)

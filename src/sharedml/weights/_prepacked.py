@@ -17,12 +17,14 @@ Decisions, each measured (figures and commands: ``docs/cpu-prepacking.md``):
 * Sessions load the saved model by path, never through the in-memory-file route: with it ORT
   ignores the blobs and every session packs again.
 * ORT still packs every weight at load to validate the mapped blob, then frees that work; the
-  pool trims the heap after each creation (:func:`sharedml._host.release_freed_heap`), or
+  pool trims the heap after each creation (:func:`sharedml._host._platform.release_freed_heap`), or
   glibc keeps the freed pages.
 * Small initializers stay inline in the saved model: ORT maps each external initializer per
   session, and Linux caps maps per process (``vm.max_map_count``).
-* :func:`choose_cpu_route` takes the route only where ORT packs or derives a weight, and not
-  where the maps of all sessions would crowd the per-process map limit.
+* The route planner takes this route only where ORT packs or derives a weight, and not where
+  the maps of all sessions would crowd the per-process map limit: a policy over this module's
+  figures (:class:`PrepackStats`), which lives with the routes
+  (:func:`sharedml.route._cpu.choose_cpu_route`).
 * The C API's prepacked-weights container is not reachable from Python (``InferenceSession``
   cannot adopt a session made through ctypes), so this file route is the one Python has.
 
@@ -34,22 +36,22 @@ for one key: builders race to the cache's atomic publish and the losers use the 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 import mmap
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sharedml import _host
 from sharedml._errors import (
     CacheError,
     ExternalDataError,
     ModelNotFoundError,
     SessionCreationError,
 )
+from sharedml._host import _hashing, _platform
 from sharedml.cache._entries import CacheEntry, ensure_entry, iter_entries
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import (
@@ -67,36 +69,21 @@ if TYPE_CHECKING:
     import onnxruntime as ort
 
 __all__ = [
-    "CpuRoute",
-    "CpuRouteDecision",
     "PrepackStats",
     "PrepackedModel",
     "build_prepacked_model",
-    "choose_cpu_route",
     "inspect_prepacked_model",
 ]
 
 _KIND = "prepacked"  # the cache's entry kind
 _MODEL_NAME = "model.onnx"
 _DATA_NAME = "model.data"
-_FORMAT = 2  # bump when an entry's layout, or what goes into its key, changes
+_FORMAT = 3  # bump when an entry's layout, or what goes into its key, changes
 _PAGE_BYTES = mmap.PAGESIZE  # bytes; a blob at a page-aligned offset is mapped without slack
 
 # Initializers below this size stay inside the saved .onnx instead of its data file: a small
 # tensor costs each session a private copy of a few KiB, where an external one costs a map.
 _DEFAULT_MIN_EXTERNAL_BYTES = 64 * 1024  # bytes
-
-
-class CpuRoute(enum.Enum):
-    """How a pool gives its CPU sessions their weights."""
-
-    PREPACKED_FILE = "prepacked-file"
-    """Sessions load :attr:`PrepackedModel.model_path` after :meth:`PrepackedModel.apply`: raw,
-    derived and packed weights are mapped from one file, once for all sessions; packed speed."""
-
-    SHARED_RAW = "shared-raw"
-    """Sessions borrow the raw weights zero-copy with ``session.disable_prepacking=1``: one copy,
-    near-zero session creation time, unpacked kernels."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +102,16 @@ class PrepackStats:
         unaligned_blobs: blobs whose file offset is not page-aligned (mapped with some slack).
         maps_per_session: memory maps one session makes of the data file: one per blob, plus
             one per external initializer without a blob.
+        inline_packed_blobs: Weights ORT packs that the saved model keeps inline (under
+            ``min_external_bytes``, where ORT saves no packed form: each session packs its own
+            copy, as plain ORT does), counted by saving the model once more with every
+            initializer external. None where not counted (the saved model has blobs) or where
+            it could not be told.
+        inline_packed_bytes: Their packed bytes (None as above).
+        session_pack_bytes: What one session over the raw weights costs more with prepacking
+            on than off (anonymous memory, measured at the build where ORT packs weights no
+            saved model shares, or may): the inline packs, and the packs of kernels that save
+            no packed form at all (int8 ``QLinearConv`` in NHWC). None where not measured.
     """
 
     external_initializers: int
@@ -124,14 +121,9 @@ class PrepackStats:
     derived_bytes: int
     unaligned_blobs: int
     maps_per_session: int
-
-
-@dataclasses.dataclass(frozen=True)
-class CpuRouteDecision:
-    """The route :func:`choose_cpu_route` picked, and why (one sentence, for logs and reports)."""
-
-    route: CpuRoute
-    reason: str
+    inline_packed_blobs: int | None = None
+    inline_packed_bytes: int | None = None
+    session_pack_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +236,7 @@ def build_prepacked_model(
             through hard links, so that models holding the same weights share their pages.
 
     Returns:
-        The entry; its ``stats`` feed :func:`choose_cpu_route`.
+        The entry; its ``stats`` feed :func:`sharedml.route._cpu.choose_cpu_route`.
 
     Raises:
         ValueError: ``sess_options`` sets ``session.disable_prepacking=1``, or the model has
@@ -257,8 +249,95 @@ def build_prepacked_model(
     Thread safety: safe to call concurrently, also from several processes sharing ``cache_dir``.
     Leaves the process's heap trimmed after a build.
     """
-    import onnxruntime as ort
+    plan = _plan_build(
+        prepared_model,
+        weights_file,
+        cache_dir,
+        sess_options=sess_options,
+        weights_digest=weights_digest,
+        min_external_bytes=min_external_bytes,
+        share=share,
+    )
+    entry = ensure_entry(_KIND, plan.key, plan.build, cache=plan.cache, verify=verify)
+    return PrepackedModel._of(entry)
 
+
+# --------------------------------------------------------------------------------------------
+# The build: first what it is (the plan: inputs checked, key computed; nothing written), then
+# one place that writes the entry (:meth:`_BuildPlan.build`), step by step.
+
+
+@dataclasses.dataclass(frozen=True)
+class _BuildPlan:
+    """One prepacked entry to build: its inputs, checked, and its key (see :func:`_plan_build`).
+
+    Attributes:
+        model: The prepared model.
+        source: Its graph (external data not loaded).
+        files: The weights files it reads, by the location its tensors name.
+        key_material: What the key covers (:func:`_key_material`).
+        key: The cache key.
+        min_external_bytes: Initializers smaller than this stay inline in the saved model.
+        share: Point identical initializers at other entries' data files.
+        cache: The cache the entry goes to.
+    """
+
+    model: Path
+    source: ModelProto
+    files: Mapping[str, Path]
+    key_material: dict[str, Any]
+    key: str
+    min_external_bytes: int
+    share: bool
+    cache: Cache
+
+    def build(self, tmp: Path) -> dict[str, Any]:
+        """Write the entry into ``tmp``, check that ORT reloads it to plain ORT's values.
+
+        Returns:
+            The entry's metadata.
+        """
+        options = _BuildOptions.over(self)
+        so = options.saving(tmp, self.min_external_bytes)
+        try:
+            reference = _save_optimized(self.model, so, self.source)
+            stats = _make_self_contained(self, tmp)
+            if stats.prepacked_blobs == 0:
+                stats = _count_inline_packs(self.model, options, tmp, stats)
+            own_index = _blob_index(tmp / _MODEL_NAME)
+            sharing = _share_then_check(self, tmp, stats, own_index, reference)
+        except Exception as exc:
+            raise SessionCreationError(
+                f"onnxruntime could not save or reload the prepacked form of '{self.model}': "
+                f"{exc}. Use the shared-raw route for this model."
+            ) from exc
+        finally:
+            options.release()  # the maps of the weights: unmapped once unreferenced
+            _platform.release_freed_heap()  # the two sessions freed about twice the weights
+        return {
+            "source": str(self.model),
+            "key_material": self.key_material,
+            "stats": dataclasses.asdict(stats),
+            # What a later entry may share: every external initializer's content and place.
+            "blobs": sharing.index if sharing is not None else own_index,
+            "shared": sharing.summary() if sharing is not None else None,
+        }
+
+
+def _plan_build(
+    prepared_model: str | os.PathLike[str],
+    weights_file: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None,
+    cache_dir: CacheDir,
+    *,
+    sess_options: ort.SessionOptions | None,
+    weights_digest: str | None,
+    min_external_bytes: int,
+    share: bool,
+) -> _BuildPlan:
+    """Check :func:`build_prepacked_model`'s arguments and compute the entry's key.
+
+    Reads the model and (without a digest) hashes its weights; writes nothing.
+    """
     cache = Cache.at(cache_dir)
     prepared_model = Path(prepared_model)
     try:
@@ -268,24 +347,7 @@ def build_prepacked_model(
             f"Model '{prepared_model}' does not exist. Pass the path of a prepared model."
         ) from None
     source = parse_model(model_bytes)
-    files: dict[str, Path] = {}
-    if isinstance(weights_file, Mapping):
-        files = {location: Path(path) for location, path in weights_file.items()}
-        missing = sorted(external_locations(source.graph) - set(files))
-        if missing:
-            raise ExternalDataError(
-                f"Model '{prepared_model}' keeps weights in {', '.join(missing)}, which "
-                "weights_file does not give."
-            )
-    else:
-        location = _single_external_location(source, prepared_model)
-        if location is not None and weights_file is None:
-            raise ValueError(
-                f"Model '{prepared_model}' keeps weights in the external file '{location}', but "
-                "weights_file is None. Pass the path of that file."
-            )
-        if location is not None and weights_file is not None:
-            files = {location: Path(weights_file)}
+    files = _weights_files(prepared_model, source, weights_file)
     if config_entry(sess_options, "session.disable_prepacking") == "1":
         raise ValueError(
             "sess_options sets session.disable_prepacking=1, but the prepacked route exists to "
@@ -301,109 +363,212 @@ def build_prepacked_model(
             ) from None
     if files and weights_digest is None:
         weights_digest = "sha256:" + ",".join(
-            _host.sha256_file(files[name]) for name in sorted(files)
+            _hashing.sha256_file(files[name]) for name in sorted(files)
         )
     key_material = _key_material(
         model_bytes, weights_digest, weights_size, sess_options, min_external_bytes
     )
-    level, carried = key_material["optimization_level"], key_material["config"]
     key = hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()[:32]
+    return _BuildPlan(
+        prepared_model, source, files, key_material, key, min_external_bytes, share, cache
+    )
 
-    def build(tmp: Path) -> dict[str, Any]:
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel(level)
-        # At ORT_ENABLE_ALL, ORT warns that the saved model is hardware-specific: expected here
-        # (the key names the CPU), so only errors are logged.
-        so.log_severity_level = 3
-        for k, v in carried.items():
-            so.add_session_config_entry(k, v)
-        so.optimized_model_filepath = str(tmp / _MODEL_NAME)
+
+def _weights_files(
+    prepared_model: Path,
+    source: ModelProto,
+    weights_file: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None,
+) -> dict[str, Path]:
+    """The weights files ``source`` reads, by location, from ``weights_file`` as given."""
+    if isinstance(weights_file, Mapping):
+        files = {location: Path(path) for location, path in weights_file.items()}
+        missing = sorted(external_locations(source.graph) - set(files))
+        if missing:
+            raise ExternalDataError(
+                f"Model '{prepared_model}' keeps weights in {', '.join(missing)}, which "
+                "weights_file does not give."
+            )
+        return files
+    location = _single_external_location(source, prepared_model)
+    if location is not None and weights_file is None:
+        raise ValueError(
+            f"Model '{prepared_model}' keeps weights in the external file '{location}', but "
+            "weights_file is None. Pass the path of that file."
+        )
+    if location is not None and weights_file is not None:
+        return {location: Path(weights_file)}
+    return {}
+
+
+@dataclasses.dataclass
+class _BuildOptions:
+    """The session options of one build, every session over the same weights.
+
+    Where ORT takes weights files in memory, they are mapped once here and lent to each
+    session; elsewhere ORT reads them itself, from where the model says they are.
+    """
+
+    level: int
+    carried: Mapping[str, str]
+    names: list[str]
+    maps: list[Any]
+
+    @classmethod
+    def over(cls, plan: _BuildPlan) -> _BuildOptions:
+        """The options of ``plan``'s build, its weights files mapped where ORT can borrow them."""
+        maps: list[Any] = []
+        if plan.files and capability("files-in-memory").available:
+            import numpy as np
+
+            maps = [np.memmap(plan.files[n], dtype=np.uint8, mode="r") for n in sorted(plan.files)]
+        elif plan.files:
+            _check_read_by_path(plan.model, plan.files)  # ORT reads the weights file itself
+        material = plan.key_material
+        return cls(material["optimization_level"], material["config"], sorted(plan.files), maps)
+
+    def saving(self, folder: Path, min_bytes: int) -> ort.SessionOptions:
+        """Options of a session that saves the optimized, prepacked model into ``folder``."""
+        so = self._common()
+        so.optimized_model_filepath = str(folder / _MODEL_NAME)
         so.add_session_config_entry(
             "session.optimized_model_external_initializers_file_name", _DATA_NAME
         )
         so.add_session_config_entry(
-            "session.optimized_model_external_initializers_min_size_in_bytes",
-            str(min_external_bytes),
+            "session.optimized_model_external_initializers_min_size_in_bytes", str(min_bytes)
         )
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-        weights_maps: list[Any] = []
-        if files and capability("files-in-memory").available:
-            import numpy as np
+        self._lend_weights(so)
+        return so
 
-            names = sorted(files)
-            weights_maps = [np.memmap(files[n], dtype=np.uint8, mode="r") for n in names]
+    def plain(self, prepack: bool) -> ort.SessionOptions:
+        """Options of a session over the prepared model as a raw-weights pool makes it."""
+        so = self._common()
+        so.add_session_config_entry("session.disable_prepacking", "0" if prepack else "1")
+        self._lend_weights(so)
+        return so
+
+    def release(self) -> None:
+        """Drop the maps of the weights (unmapped once no session refers to them)."""
+        self.maps.clear()
+
+    def _common(self) -> ort.SessionOptions:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel(self.level)
+        # At ORT_ENABLE_ALL, ORT warns that the saved model is hardware-specific: expected
+        # here (the key names the CPU), so only errors are logged.
+        so.log_severity_level = 3
+        for k, v in self.carried.items():
+            so.add_session_config_entry(k, v)
+        return so
+
+    def _lend_weights(self, so: ort.SessionOptions) -> None:
+        if self.maps:
             so.add_external_initializers_from_files_in_memory(
-                names, weights_maps, [m.nbytes for m in weights_maps]
+                self.names, self.maps, [m.nbytes for m in self.maps]
             )
             so.add_session_config_entry(
                 "session.use_external_initializer_file_buffers_directly", "1"
             )
-        elif files:
-            _check_read_by_path(prepared_model, files)  # ORT reads the weights file itself
-        try:
-            saving = ort.InferenceSession(
-                str(prepared_model), so, providers=["CPUExecutionProvider"]
-            )
-            # What plain ORT computes (prepacking per session), kept to hold the saved form
-            # to it; the session goes before the reload, so a build holds one at a time.
-            feed, expected = _reference_run(saving, source)
-            del saving
-            if not (tmp / _DATA_NAME).exists():  # nothing was large enough to go external
-                (tmp / _DATA_NAME).write_bytes(b"")
-            _read_only_own_data(tmp, files)
-            _drop_sharedml_metadata(tmp / _MODEL_NAME, key)
-            stats = inspect_prepacked_model(tmp / _MODEL_NAME, source_model=source)
-            own_index = _blob_index(tmp / _MODEL_NAME)
-            unshared = (tmp / _MODEL_NAME).read_bytes()
-            sharing = _share_identical(tmp, own_index, key_material, cache) if share else None
 
-            def check_reload() -> None:
-                check = ort.SessionOptions()
-                PrepackedModel(tmp / _MODEL_NAME, tmp / _DATA_NAME, key, stats).apply(check)
-                reloaded = ort.InferenceSession(
-                    str(tmp / _MODEL_NAME), check, providers=["CPUExecutionProvider"]
-                )
-                if feed is not None:
-                    _check_outputs(reloaded.run(None, feed), expected)
 
-            try:
-                check_reload()
-            except Exception:
-                if sharing is None:
-                    raise
-                # ORT refused the shared form: keep the entry's own blobs (still correct).
-                (tmp / _MODEL_NAME).write_bytes(unshared)
-                for linked in sharing.files:
-                    (tmp / linked).unlink()
-                sharing = None
-                check_reload()
-            if sharing is not None and _DATA_NAME not in external_locations(
-                load_graph(str(tmp / _MODEL_NAME)).graph
-            ):
-                # Every initializer now points at other entries' files: ORT's own copy of them
-                # is dead weight (byte-identical to the linked file), kept empty as an entry
-                # with nothing external keeps it.
-                (tmp / _DATA_NAME).unlink()
-                (tmp / _DATA_NAME).write_bytes(b"")
-        except Exception as exc:
-            raise SessionCreationError(
-                f"onnxruntime could not save or reload the prepacked form of '{prepared_model}': "
-                f"{exc}. Use the shared-raw route for this model."
-            ) from exc
-        finally:
-            del weights_maps
-            _host.release_freed_heap()  # the two sessions freed about twice the weights
-        return {
-            "source": str(prepared_model),
-            "key_material": key_material,
-            "stats": dataclasses.asdict(stats),
-            # What a later entry may share: every external initializer's content and place.
-            "blobs": sharing.index if sharing is not None else own_index,
-            "shared": sharing.summary() if sharing is not None else None,
-        }
+_Reference = tuple[dict[str, Any] | None, list[Any]]  # generated inputs, plain ORT's outputs
 
-    entry = ensure_entry(_KIND, key, build, cache=cache, verify=verify)
-    return PrepackedModel._of(entry)
+
+def _save_optimized(model: Path, saving: ort.SessionOptions, source: ModelProto) -> _Reference:
+    """Have one session over ``model`` save its optimized form; return what it computes.
+
+    What plain ORT computes (prepacking per session) is kept to hold the saved form to it;
+    the session goes before the reload, so a build holds one at a time.
+    """
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model), saving, providers=["CPUExecutionProvider"])
+    return _reference_run(session, source)
+
+
+def _make_self_contained(plan: _BuildPlan, tmp: Path) -> PrepackStats:
+    """Make the model ORT saved in ``tmp`` read only its own files, and count what they hold."""
+    if not (tmp / _DATA_NAME).exists():  # nothing was large enough to go external
+        (tmp / _DATA_NAME).write_bytes(b"")
+    _read_only_own_data(tmp, plan.files)
+    _drop_sharedml_metadata(tmp / _MODEL_NAME, plan.key)
+    return inspect_prepacked_model(tmp / _MODEL_NAME, source_model=plan.source)
+
+
+def _count_inline_packs(
+    model: Path, options: _BuildOptions, tmp: Path, stats: PrepackStats
+) -> PrepackStats:
+    """``stats`` of a saved model without blobs, with the packs of the weights it keeps inline.
+
+    No blob: ORT may still pack weights that the saved model keeps inline (under
+    ``min_external_bytes``, where ORT saves no packed form): a 1-D U-Net's small ConvTranspose
+    filters. Saved once more with every initializer external, ORT shows each packed one by its
+    blob.
+    """
+    blobs, packed = _inline_packs(model, lambda folder: options.saving(folder, 0), tmp)
+    cost = None
+    if blobs != 0:  # packs each session would make: what do they cost it?
+        cost = _packing_cost(model, options.plain)
+    return dataclasses.replace(
+        stats,
+        inline_packed_blobs=blobs,
+        inline_packed_bytes=packed,
+        session_pack_bytes=cost,
+    )
+
+
+def _share_then_check(
+    plan: _BuildPlan,
+    tmp: Path,
+    stats: PrepackStats,
+    own_index: list[dict[str, Any]],
+    reference: _Reference,
+) -> _Sharing | None:
+    """Share what other entries hold (``plan.share``), then reload the entry as a pool would.
+
+    Where ORT refuses the shared form, the entry keeps its own blobs (still correct) and is
+    reloaded again; where it refuses that too, the error propagates.
+    """
+    unshared = (tmp / _MODEL_NAME).read_bytes()
+    sharing = (
+        _share_identical(tmp, own_index, plan.key_material, plan.cache) if plan.share else None
+    )
+    try:
+        _check_reload(tmp, plan.key, stats, reference)
+    except Exception:
+        if sharing is None:
+            raise
+        # ORT refused the shared form: keep the entry's own blobs (still correct).
+        (tmp / _MODEL_NAME).write_bytes(unshared)
+        for linked in sharing.files:
+            (tmp / linked).unlink()
+        sharing = None
+        _check_reload(tmp, plan.key, stats, reference)
+    if sharing is not None and _DATA_NAME not in external_locations(
+        load_graph(str(tmp / _MODEL_NAME)).graph
+    ):
+        # Every initializer now points at other entries' files: ORT's own copy of them
+        # is dead weight (byte-identical to the linked file), kept empty as an entry
+        # with nothing external keeps it.
+        (tmp / _DATA_NAME).unlink()
+        (tmp / _DATA_NAME).write_bytes(b"")
+    return sharing
+
+
+def _check_reload(tmp: Path, key: str, stats: PrepackStats, reference: _Reference) -> None:
+    """Load the entry in ``tmp`` as :meth:`PrepackedModel.apply` would; compare its outputs."""
+    import onnxruntime as ort
+
+    check = ort.SessionOptions()
+    PrepackedModel(tmp / _MODEL_NAME, tmp / _DATA_NAME, key, stats).apply(check)
+    reloaded = ort.InferenceSession(
+        str(tmp / _MODEL_NAME), check, providers=["CPUExecutionProvider"]
+    )
+    feed, expected = reference
+    if feed is not None:
+        _check_outputs(reloaded.run(None, feed), expected)
 
 
 # ORT validates each prepacked blob at load, not what the reloaded graph computes: onnxruntime
@@ -675,7 +840,7 @@ def _key_material(
         "format": _FORMAT,
         "ort_version": ort.__version__,
         "ort_build": _ort_build_info(),
-        "cpu": _host.cpu_fingerprint(),
+        "cpu": _platform.cpu_fingerprint(),
         "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
         "weights_digest": weights_digest,
         "weights_size": weights_size,
@@ -683,6 +848,65 @@ def _key_material(
         "config": carried,
         "min_external_bytes": min_external_bytes,
     }
+
+
+def _inline_packs(
+    prepared_model: Path, options_for: Callable[[Path], Any], tmp: Path
+) -> tuple[int | None, int | None]:
+    """How many weights ORT packs that a saved model keeps inline, and their packed bytes.
+
+    A session given ``options_for(folder)`` (every initializer external) saves the optimized
+    model into a scratch folder inside ``tmp``, which is removed; each weight ORT packed has a
+    blob there. Where anything fails, both are None: not known.
+    """
+    import onnxruntime as ort
+
+    try:
+        with tempfile.TemporaryDirectory(dir=tmp) as scratch:
+            folder = Path(scratch)
+            saving = ort.InferenceSession(
+                str(prepared_model), options_for(folder), providers=["CPUExecutionProvider"]
+            )
+            del saving
+            found = inspect_prepacked_model(folder / _MODEL_NAME)
+    except Exception:  # ORT's errors have no common base; the route then says it cannot tell
+        return None, None
+    finally:
+        _platform.release_freed_heap()
+    return found.prepacked_blobs, found.prepacked_bytes
+
+
+def _packing_cost(prepared_model: Path, options: Callable[[bool], Any]) -> int | None:
+    """Bytes one session holds more with prepacking on than off (``options(prepack)``).
+
+    Each measured twice, as the anonymous memory (``rss - shared``: not the mapped weights)
+    a session adds once the freed heap is trimmed; the smaller of each pair is taken. None
+    where it cannot be measured.
+    """
+    import onnxruntime as ort
+    import psutil
+
+    me = psutil.Process()
+
+    def anonymous() -> int:
+        _platform.release_freed_heap()
+        info = me.memory_info()
+        return int(info.rss - getattr(info, "shared", 0))
+
+    grown: dict[bool, list[int]] = {True: [], False: []}
+    try:
+        for prepack in (True, False, True, False):
+            before = anonymous()
+            session = ort.InferenceSession(
+                str(prepared_model), options(prepack), providers=["CPUExecutionProvider"]
+            )
+            grown[prepack].append(anonymous() - before)
+            del session
+    except Exception:  # ORT's errors have no common base: not measured
+        return None
+    finally:
+        _platform.release_freed_heap()
+    return max(0, min(grown[True]) - min(grown[False]))
 
 
 def inspect_prepacked_model(
@@ -697,7 +921,7 @@ def inspect_prepacked_model(
             initializers the optimizers made (``derived_bytes``); None reports 0 for those.
 
     Returns:
-        The figures :func:`choose_cpu_route` decides on.
+        The figures :func:`sharedml.route._cpu.choose_cpu_route` decides on.
     """
     model = load_graph(str(model_path))
     source_names = (
@@ -727,71 +951,6 @@ def inspect_prepacked_model(
         # blob, and dropped, so it is not mapped; an unpacked initializer is mapped once.
         maps += own_blobs if own_blobs else 1
     return PrepackStats(external, raw, blobs, packed, derived, unaligned, maps)
-
-
-def choose_cpu_route(
-    stats: PrepackStats,
-    *,
-    sessions: int,
-    max_map_count: int | None = None,
-    block_quantized: bool = False,
-) -> CpuRouteDecision:
-    """Pick the CPU weight route for ``sessions`` sessions of one model.
-
-    PREPACKED_FILE wherever ORT packs or derives anything: memory is then about that of
-    SHARED_RAW, or far less where the optimizers derive weights (each shared-raw session keeps
-    its own derived copies), and packed kernels are faster as soon as a MatMul has more than one
-    row. The costs are disk (about twice the weights), a one-off build, and slower session
-    creation (ORT packs again to validate); hence SHARED_RAW when there is nothing to gain, or
-    when the file maps of all sessions would crowd the kernel's per-process map limit. Figures:
-    ``docs/cpu-prepacking.md``.
-
-    Args:
-        stats: From :func:`inspect_prepacked_model` or ``PrepackedModel.stats``.
-        sessions: How many sessions of this model the process will hold at most.
-        max_map_count: The per-process memory-map limit; None reads ``vm.max_map_count``.
-        block_quantized: The model has ``MatMulNBits`` kernels. ORT always packs their
-            weights, but before onnxruntime 1.28 it saves no packed form of them (measured:
-            1.24-1.27 saved none, 1.28 and later do), so no saved blob does not mean no pack.
-
-    Returns:
-        The route and a one-sentence reason.
-    """
-    if stats.prepacked_bytes == 0 and stats.derived_bytes == 0 and block_quantized:
-        return CpuRouteDecision(
-            CpuRoute.SHARED_RAW,
-            "ORT saved no packed form of this model's MatMulNBits weights (onnxruntime before "
-            "1.28 packs them in each session and saves nothing), so the saved copy would only "
-            "double the disk use.",
-        )
-    if stats.prepacked_bytes == 0 and stats.derived_bytes == 0:
-        return CpuRouteDecision(
-            CpuRoute.SHARED_RAW,
-            "ORT neither prepacks nor derives any weight of this model on this CPU, so the saved "
-            "copy would only double the disk use and slow session creation.",
-        )
-    limit = max_map_count if max_map_count is not None else _host.max_map_count()
-    maps = stats.maps_per_session * sessions
-    if maps > limit // 2:  # leave half the limit to the rest of the process
-        return CpuRouteDecision(
-            CpuRoute.SHARED_RAW,
-            f"{sessions} sessions would make {maps} memory maps of the data file, over half of "
-            f"vm.max_map_count ({limit}); raise min_external_bytes or vm.max_map_count.",
-        )
-    derived = (
-        f"{stats.derived_bytes / 2**20:.1f} MiB of weights that ORT's optimizers derive (fused, "
-        "folded or dequantized)"
-    )
-    if stats.prepacked_blobs == 0:
-        return CpuRouteDecision(
-            CpuRoute.PREPACKED_FILE,
-            f"ORT packs no weight of this model on this CPU, but its saved optimized model "
-            f"carries {derived}: mapped once for every session (mechanism 'optimized-file').",
-        )
-    what = f"{stats.prepacked_blobs} prepacked blobs ({stats.prepacked_bytes / 2**20:.1f} MiB)"
-    if stats.derived_bytes:
-        what += f" and {derived}"
-    return CpuRouteDecision(CpuRoute.PREPACKED_FILE, f"{what} are mapped once for every session.")
 
 
 def _check_read_by_path(prepared_model: Path, files: Mapping[str, Path]) -> None:
@@ -826,12 +985,21 @@ def _read_only_own_data(folder: Path, files: Mapping[str, Path]) -> None:
     """
     model_path = folder / _MODEL_NAME
     model = load_graph(str(model_path))
+    deduplicated = _keep_one_copy_of_each(model)
+    copied = _copy_foreign_tensors(model, folder / _DATA_NAME, files)
+    if deduplicated or copied:
+        model_path.write_bytes(model.SerializeToString())
+
+
+def _is_foreign(tensor: Any) -> bool:
+    """Whether ``tensor``'s data lives in a file other than the entry's data file."""
+    info = ExternalData.of(tensor)
+    return info is not None and info.location != _DATA_NAME
+
+
+def _keep_one_copy_of_each(model: ModelProto) -> bool:
+    """Keep one initializer of each name in every graph; whether any was dropped."""
     changed = False
-
-    def foreign(tensor: Any) -> bool:
-        info = ExternalData.of(tensor)
-        return info is not None and info.location != _DATA_NAME
-
     for graph, _depth in iter_graphs(model.graph):
         # Of the copies of one name, the last that is inline or in the data file (the last at
         # all where every copy points elsewhere): what ORT itself saved last for it.
@@ -839,8 +1007,8 @@ def _read_only_own_data(folder: Path, files: Mapping[str, Path]) -> None:
         for i, tensor in enumerate(graph.initializer):
             if (
                 tensor.name not in last
-                or not foreign(tensor)
-                or foreign(graph.initializer[last[tensor.name]])
+                or not _is_foreign(tensor)
+                or _is_foreign(graph.initializer[last[tensor.name]])
             ):
                 last[tensor.name] = i
         kept = [t for i, t in enumerate(graph.initializer) if last[t.name] == i]
@@ -848,8 +1016,17 @@ def _read_only_own_data(folder: Path, files: Mapping[str, Path]) -> None:
             del graph.initializer[:]
             graph.initializer.extend(kept)
             changed = True
+    return changed
+
+
+def _copy_foreign_tensors(model: ModelProto, data_path: Path, files: Mapping[str, Path]) -> bool:
+    """Copy what tensors read from ``files`` to the end of ``data_path``, and point them there.
+
+    Each range is copied once, page-aligned. Returns whether any tensor was pointed anew.
+    """
+    changed = False
     copied: dict[tuple[str, int, int], int] = {}  # (file, offset, length) -> offset in data
-    with open(folder / _DATA_NAME, "ab") as data:
+    with open(data_path, "ab") as data:
         for ref in iter_tensors(model.graph):
             info = ExternalData.of(ref.tensor)
             if info is None or info.location == _DATA_NAME:
@@ -879,8 +1056,7 @@ def _read_only_own_data(folder: Path, files: Mapping[str, Path]) -> None:
                 entry = ref.tensor.external_data.add()
                 entry.key, entry.value = k, v
             changed = True
-    if changed:
-        model_path.write_bytes(model.SerializeToString())
+    return changed
 
 
 def _copy_range(source: Path, offset: int, length: int, out: Any) -> None:
@@ -889,7 +1065,7 @@ def _copy_range(source: Path, offset: int, length: int, out: Any) -> None:
         fh.seek(offset)
         left = length
         while left:
-            chunk = fh.read(min(left, _host.HASH_CHUNK_BYTES))
+            chunk = fh.read(min(left, _hashing.HASH_CHUNK_BYTES))
             if not chunk:
                 raise ExternalDataError(
                     f"Weights file '{source}' ends before byte {offset + length} that its "

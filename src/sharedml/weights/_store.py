@@ -44,7 +44,7 @@ from sharedml._errors import (
 from sharedml.cache._locks import hold_entry
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.cache._stamps import verified_sha256
-from sharedml.model import _proto
+from sharedml.model import _dtypes, _proto
 from sharedml.model._graph import ExternalData, Placement, iter_tensors, load_graph, tensor_nbytes
 from sharedml.prepared._format import WeightsManifest, read_manifest
 
@@ -318,7 +318,7 @@ class WeightStore:
         with self._lock:
             value = self._ortvalues.get(slot.name)
             if value is None:
-                dtype = _proto.np_dtype(slot.data_type)
+                dtype = _dtypes.np_dtype(slot.data_type)
                 buffer = self.buffers[slot.file]
                 view = buffer[slot.offset : slot.offset + slot.length].view(dtype)
                 value = ort.OrtValue.ortvalue_from_numpy(view.reshape(slot.dims))

@@ -1,6 +1,6 @@
 """Symbolic tensor dimensions: integers as polynomials over named sizes.
 
-The row-independence analysis (:mod:`sharedml.pool._rows`) follows shapes through a graph without
+The row-independence analysis (:mod:`sharedml.rows`) follows shapes through a graph without
 knowing its sizes: ``N``, the rows of a (merged) request, and the model's other symbolic dims
 (a sequence length, an image's height) stay symbols, so that ``N * seq`` reshaped to
 ``[N, seq]`` can be proven to keep every row whole. A :class:`Dim` is a polynomial with integer
