@@ -17,7 +17,7 @@ environment for every session: ``create_and_register_allocator`` and
 Command line::
 
     python benchmarks/activation_memory.py --models unet unet1d gru --sessions 4 --rounds 8
-        [--model PATH --shape NAME=AxBxC] [--size tiny] [--json OUT]
+        [--model PATH --shape NAME=AxBxC] [--cycle NAME=AxBxC,DxExF] [--size tiny] [--json OUT]
         [--configs plain pool pool:patterns pool:noarena pool:envarena single]
 """
 
@@ -72,7 +72,11 @@ def value(i):
         return rng.integers(0, 2, shape).astype(np.int64 if "int64" in i.type else np.int32)
     return rng.standard_normal(shape).astype(np.float32)
 feed = {i.name: value(i) for i in first.get_inputs()}
-first.run(None, feed)  # ORT's environment and this model's first load: not counted
+cycle = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
+feeds = [feed]
+for name, options in cycle.items():  # each thread takes these shapes in turn, round by round
+    feeds = [{**feed, name: rng.standard_normal(shape).astype(np.float32)} for shape in options]
+first.run(None, feeds[0])  # ORT's environment and this model's first load: not counted
 del first
 if settings & {"envarena", "sameasrequested"}:
     cfg = ort.OrtArenaCfg(0, 1 if "sameasrequested" in settings else -1, -1, -1)
@@ -105,11 +109,11 @@ else:
         return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     sessions = [make()] * n if strategy == "single" else [make() for _ in range(n)]
 barrier = threading.Barrier(n + 1)
-def serve(sess):
-    for _ in range(rounds):
+def serve(index, sess):
+    for r in range(rounds):
         barrier.wait()
-        sess.run(None, feed)
-threads = [threading.Thread(target=serve, args=(s,)) for s in sessions]
+        sess.run(None, feeds[(index + r) % len(feeds)])
+threads = [threading.Thread(target=serve, args=(i, s)) for i, s in enumerate(sessions)]
 for t in threads:
     t.start()
 cpu = wall = 0.0
@@ -131,7 +135,13 @@ print(json.dumps(result))
 
 
 def run_config(
-    model: Path, config: str, *, sessions: int, rounds: int, shapes: dict[str, list[int]]
+    model: Path,
+    config: str,
+    *,
+    sessions: int,
+    rounds: int,
+    shapes: dict[str, list[int]],
+    cycle: dict[str, list[list[int]]] | None = None,
 ) -> dict[str, Any]:
     """One configuration in a fresh process: its figures, or the error it ended with."""
     strategy, _, rest = config.partition(":")
@@ -153,6 +163,7 @@ def run_config(
             str(rounds),
             json.dumps(settings),
             json.dumps(shapes),
+            json.dumps(cycle or {}),
         ],
         capture_output=True,
         text=True,
@@ -189,6 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="an ONNX file of your own (repeatable)",
     )
     parser.add_argument("--shape", action="append", default=[], help="NAME=AxBxC")
+    parser.add_argument(
+        "--cycle",
+        action="append",
+        default=[],
+        help="NAME=AxBxC,DxExF,...: each thread runs these shapes in turn (varying traffic)",
+    )
     parser.add_argument("--size", choices=("tiny", "full"), default="full")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8)
@@ -199,6 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for value in args.shape:
         name, _, dims = value.partition("=")
         shapes[name] = [int(d) for d in dims.split("x")]
+    cycle = {}
+    for value in args.cycle:
+        name, _, options = value.partition("=")
+        cycle[name] = [[int(d) for d in o.split("x")] for o in options.split(",")]
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="activation-memory-") as scratch:
         os.environ.setdefault("SHAREDML_CACHE_DIR", str(Path(scratch) / "cache"))
@@ -211,7 +232,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             sharedml.SessionPool(model, sessions=1, create_in_background=False).close()
             for config in args.configs:
                 row = {"model": model.name} | run_config(
-                    model, config, sessions=args.sessions, rounds=args.rounds, shapes=shapes
+                    model,
+                    config,
+                    sessions=args.sessions,
+                    rounds=args.rounds,
+                    shapes=shapes,
+                    cycle=cycle,
                 )
                 print(json.dumps(row), flush=True)
                 results.append(row)

@@ -405,6 +405,9 @@ class SessionPool:
             known config entries are applied to every session (the object is not modified).
         configure: Called with each session's ``SessionOptions`` before creation, for settings
             that cannot be read back from a template (free-dimension overrides, custom ops).
+            On the CPU it is called after the pool turned memory patterns off
+            (``enable_mem_pattern=False``: with them each session keeps its activations twice,
+            ``docs/memory.md``), so it may turn them back on.
         mechanism: How sessions get the shared weights: ``"auto"`` (the route planner picks:
             device buffers on a GPU provider where a route works, else the best zero-copy host
             mechanism measured on the installed ORT) or a :class:`~sharedml.route.Mechanism` value:
