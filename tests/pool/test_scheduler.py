@@ -1,7 +1,9 @@
 """The scheduler on its own: fake sessions, no ONNX Runtime, properties that hold under load.
 
 A fake session computes ``2 * x + 1`` row by row and records the rows of every feed it runs,
-so a caller that got another caller's rows, or a batch over the limit, shows at once. Batches
+so a caller that got another caller's rows, or a batch over the limit, shows at once. Its runs
+take no real time but advance a fake clock that the scheduler times runs with (its
+``run_clock``): by ``cost(rows)`` each, a constant by default (merging pays, as on a GPU). Batches
 that must form are made deterministic by holding the only session with a checkout while
 callers queue (polling ``waiting``), as tests/pool/test_batching.py does with a real pool.
 """
@@ -21,6 +23,7 @@ import pytest
 from _waiting import DEADLINE_S, wait_until
 
 from sharedml import Batching, InvalidInputError, PoolClosedError, RunError, SessionCreationError
+from sharedml.pool import _payoff
 from sharedml.pool._batching import UNTOLD_GAP, Request
 from sharedml.pool._creation import create_with_retries
 from sharedml.pool._scheduler import Scheduler
@@ -45,7 +48,10 @@ class FakeSessions:
         leak_above: float | None = None,
         gate: threading.Event | None = None,
         lose_session_on: float | None = None,
+        cost: Callable[[int], float] = lambda rows: 1e-4,
     ) -> None:
+        self.cost = cost  # fake seconds a run of that many rows takes
+        self.now = 0.0  # the fake clock: advanced by the runs only
         self.fail_merged = fail_merged
         self.lose_session_on = lose_session_on  # a run holding this value loses its session
         self.discarded: list[Any] = []
@@ -72,6 +78,7 @@ class FakeSessions:
             self.running.add(session)
             self.feeds.append((len(x), feed is not None))
             self.seen.append(x.copy())
+            self.now += self.cost(len(x))
         try:
             if feed is not None and self.gate is not None:
                 self.merged_started.set()
@@ -94,6 +101,10 @@ class FakeSessions:
     def discard(self, session: Any) -> None:
         with self.lock:
             self.discarded.append(session)
+
+    def clock(self) -> float:
+        with self.lock:
+            return self.now
 
 
 def request(x: np.ndarray) -> Request:
@@ -118,7 +129,11 @@ def make() -> Iterator[Callable[..., tuple[Scheduler, FakeSessions]]]:
     ) -> tuple[Scheduler, FakeSessions]:
         source = FakeSessions(**fake)
         scheduler = Scheduler(
-            source, max_sessions=sessions, batching=batching, check_seed=check_seed
+            source,
+            max_sessions=sessions,
+            batching=batching,
+            check_seed=check_seed,
+            run_clock=source.clock,
         )
         scheduler.add_sessions([source.create() for _ in range(sessions)])
         made.append(scheduler)
@@ -454,7 +469,9 @@ def test_the_first_batch_of_every_class_is_checked_in_full(
     [f.result(DEADLINE_S) for f in futures]
     stats = scheduler.stats()
     assert (stats.batch_checks, stats.check_runs) == (4, 2 + 4 + 2 + 2)  # full: every request
-    assert stats.batch_mismatches == 0 and len(source.feeds) == 13 + stats.check_runs
+    # Every other run: the 13 merged ones, and those that timed merging against solo runs.
+    assert stats.batch_mismatches == 0
+    assert len(source.feeds) == 13 + stats.check_runs + stats.gain_runs
 
 
 def test_equal_requests_are_not_checked_and_the_next_different_batch_is(
@@ -671,3 +688,120 @@ def test_a_run_that_loses_its_session_fails_and_the_session_is_replaced(make: An
     out = scheduler.run(request(rows(1, 5.0)))  # a new session serves the next caller
     np.testing.assert_array_equal(out[0], rows(1, 5.0) * 2.0 + 1.0)
     assert source.created == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Whether merging pays: merged Runs timed against solo runs, on the fake clock
+
+
+def merged_runs(source: FakeSessions) -> int:
+    with source.lock:
+        return sum(merged for _rows, merged in source.feeds)
+
+
+def test_merging_pauses_where_a_batch_costs_what_its_rows_cost_alone(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    # Convolutions on a few cores: n rows in one Run take n single rows' time. Merging then
+    # only adds its own costs, so the pool measures it and stops waiting for rows.
+    batching = Batching(max_batch_size=8, max_delay_ms=0)
+    scheduler, source = make(1, batching=batching, cost=lambda rows: 1e-3 * rows)
+    for b in range(_payoff.WARM_RUNS + _payoff.SAMPLES):  # a shape's first Runs do not count
+        merged_batch(scheduler, distinct(b, members=4))
+    stats = scheduler.stats()
+    assert stats.merge_pauses == 1 and not stats.batching
+    assert stats.merge_gain == pytest.approx(1.0)
+    assert stats.merge_comparisons == _payoff.SAMPLES
+    assert "merging paused: merged batches of 4.0 rows" in scheduler.batching_reason
+    assert "1.00x the rows/s" in scheduler.batching_reason
+    # From now on queued requests run one by one, each alone, and still get their own rows.
+    before = merged_runs(source)
+    inputs = distinct(100, members=4)
+    outs = merged_batch(scheduler, inputs)
+    assert merged_runs(source) == before
+    for x, out in zip(inputs, outs, strict=True):
+        np.testing.assert_array_equal(out[0], x * 2.0 + 1.0)
+
+
+def test_merging_goes_on_where_a_batch_costs_little_more_than_a_row(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    # A MatMul-bound model: the weights are read once for all the rows of a batch.
+    batching = Batching(max_batch_size=8, max_delay_ms=0)
+    scheduler, source = make(1, batching=batching, cost=lambda rows: 1e-3 + 1e-5 * rows)
+    for b in range(3 * _payoff.SAMPLES):
+        merged_batch(scheduler, distinct(b, members=4))
+    assert merged_runs(source) == 3 * _payoff.SAMPLES
+    stats = scheduler.stats()
+    assert stats.merge_pauses == 0 and stats.batching
+    assert stats.merge_gain is not None and stats.merge_gain > 3
+    # Once decided, no more solo runs for timing: only the checks' (spread out) give samples.
+    assert stats.gain_runs < _payoff.SAMPLES
+    assert "paused" not in scheduler.batching_reason
+
+
+def test_a_paused_pool_measures_again_later_and_resumes_only_past_the_hysteresis(
+    make: Callable[..., tuple[Scheduler, FakeSessions]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_payoff, "FIRST_RETRY_RUNS", 8)
+    per_row = [1e-3]  # the traffic changes: rows get cheaper once the pool has paused
+
+    def cost(rows: int) -> float:
+        return 1e-3 + per_row[0] * (rows - 1)
+
+    batching = Batching(max_batch_size=8, max_delay_ms=0, check_within=None)
+    scheduler, source = make(1, batching=batching, cost=cost)
+    for b in range(_payoff.WARM_RUNS + _payoff.SAMPLES):
+        merged_batch(scheduler, distinct(b, members=4))
+    assert scheduler.stats().merge_pauses == 1
+    # A gain between the thresholds (1.23x: above PAUSE_BELOW, under RESUME_AT) found by the
+    # retry does not resume merging: the pool pauses again, and waits twice as long.
+    per_row[0] = 0.75e-3
+    assert _payoff.PAUSE_BELOW < 4 / (1 + 3 * 0.75) < _payoff.RESUME_AT
+    b = 100
+    while scheduler.stats().merge_pauses < 2:
+        merged_batch(scheduler, distinct(b, members=4))
+        b += 1
+        assert b < 100 + 8 * (8 + _payoff.SAMPLES), "the paused pool never measured again"
+    assert not scheduler.stats().batching
+    # Rows as cheap as on a GPU: the next retry resumes merging, and says why.
+    per_row[0] = 1e-5
+    assert "short of the 1.3x that resumes it" in scheduler.batching_reason
+    while scheduler.batching_reason.startswith("merging paused"):
+        merged_batch(scheduler, distinct(b, members=4))
+        b += 1
+        assert b < 200 + 16 * (16 + _payoff.SAMPLES), "merging never resumed"
+    assert scheduler.batching_reason.startswith("merging again: merged batches of 4.0 rows")
+    assert scheduler.stats().batching and scheduler.stats().merge_pauses == 2
+    before = merged_runs(source)
+    merged_batch(scheduler, distinct(1000, members=4))
+    assert merged_runs(source) == before + 1
+
+
+def test_runs_too_short_to_time_keep_merging_and_stop_the_timing_runs(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    # A Run of microseconds times the threads around it more than the model; merging then saves
+    # the pool's own per-request work. Such comparisons do not pause, and after SAMPLES of them
+    # no more solo runs are made to time merging.
+    batching = Batching(max_batch_size=8, max_delay_ms=0, check_within=None)
+    short = _payoff.MIN_RUN_S / 10
+    scheduler, source = make(1, batching=batching, cost=lambda rows: short * rows)
+    for b in range(_payoff.WARM_RUNS + 3 * _payoff.SAMPLES):
+        merged_batch(scheduler, distinct(b, members=4))
+    stats = scheduler.stats()
+    assert stats.batching and stats.merge_pauses == 0 and stats.merge_gain is None
+    assert stats.gain_runs <= _payoff.WARM_RUNS + _payoff.SAMPLES
+    assert merged_runs(source) == _payoff.WARM_RUNS + 3 * _payoff.SAMPLES
+
+
+def test_measure_gain_false_keeps_merging_whatever_the_gain(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    batching = Batching(max_batch_size=8, max_delay_ms=0, measure_gain=False)
+    scheduler, source = make(1, batching=batching, cost=lambda rows: 1e-3 * rows)
+    for b in range(2 * _payoff.SAMPLES):
+        merged_batch(scheduler, distinct(b, members=4))
+    stats = scheduler.stats()
+    assert stats.batching and stats.merge_pauses == 0 and stats.gain_runs == 0
+    assert merged_runs(source) == 2 * _payoff.SAMPLES

@@ -155,6 +155,11 @@ class Batching:
             first merged batch of every class is checked, then batches at random gaps that
             grow to this bound. None: check each class only until a batch that could show a
             leak has passed (the first batches of a class), then never again.
+        measure_gain: Compare merged batches' ``Run`` time with solo runs of their requests
+            on the same session, and pause merging where it gains too little to pay for
+            itself (a batch of n rows costing about n single rows: convolutions on a few
+            cores), trying again later with hysteresis (:mod:`sharedml.pool._payoff`;
+            ``stats().merge_gain``, ``batching_reason``). False: merge whatever it gains.
     """
 
     max_batch_size: int = 32
@@ -165,6 +170,7 @@ class Batching:
     copy_outputs: bool = True
     rows_independent: bool = False
     check_within: int | None = 64
+    measure_gain: bool = True
 
     def __post_init__(self) -> None:
         # Every field is checked here, so that a bad setting fails where it is written, not
@@ -194,7 +200,7 @@ class Batching:
                     "(the provider's default)."
                 )
             object.__setattr__(self, name, None if value is None else bool(value))
-        for name in ("copy_outputs", "rows_independent"):
+        for name in ("copy_outputs", "rows_independent", "measure_gain"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"Batching({name}={value!r}): {name} must be True or False.")

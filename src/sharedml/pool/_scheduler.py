@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -55,6 +55,7 @@ from sharedml.pool._batching import (
     split,
     tells,
 )
+from sharedml.pool._payoff import Comparison, MergeGain, MergeState
 from sharedml.pool._stats import Counters, PoolStats
 
 __all__ = [
@@ -225,6 +226,9 @@ class Scheduler:
             to an output's largest magnitude.
         check_seed: Seeds when those checks come and which request a spot check reruns
             (:class:`~sharedml.pool._batching.CheckSchedule`; tests). None: from the OS.
+        run_clock: What times the runs of requests (merged, alone, and the solo runs that
+            check merged batches or time them against solo runs: whether merging pays, and
+            the adaptive delay). Default ``time.perf_counter``; tests give a fake clock.
         name: The model, as warnings name it.
 
     Thread safety: every method may be called from any thread.
@@ -241,9 +245,11 @@ class Scheduler:
         shares_rows: bool = False,
         check_rtol: float = 1e-3,
         check_seed: int | None = None,
+        run_clock: Callable[[], float] | None = None,
         name: str = "model",
     ) -> None:
         self._source = source
+        self._clock = run_clock if run_clock is not None else time.perf_counter
         self._max = max_sessions
         self.batching = batching
         self.batching_reason = batching_reason
@@ -273,6 +279,10 @@ class Scheduler:
             seed=check_seed,
         )
         self._leaked = False  # a check failed: batches still in flight are checked in full
+        # Whether merging pays, measured on the traffic (merged Runs against solo reruns of
+        # their requests): merging pauses where it does not (pool/_payoff).
+        self._gain = MergeGain(enabled=batching is not None and batching.measure_gain)
+        self._base_reason = batching_reason
         self._executor: ThreadPoolExecutor | None = None
         self._creation_error: BaseException | None = None  # undelivered background failure
 
@@ -615,6 +625,8 @@ class Scheduler:
         rows = leader.request.rows
         taken: list[Ticket] = []
         with self.cond:
+            if not self._gain.merges():
+                return [], None  # merging measured not to pay: this request runs alone
             counted = self._shares  # adaptive only (Batching.shares_rows)
             if adaptive:
                 # The callers of the latest batches are likely on their way back: wait for
@@ -703,7 +715,7 @@ class Scheduler:
         if self._pads and self.batching is not None and batch[0].request.key is not None:  # type: ignore[union-attr]
             rows = bucket_for(merged_rows, self.batching.max_batch_size)
         if len(batch) > 1 or rows != merged_rows:
-            start = time.perf_counter()
+            start = self._clock()
             try:
                 feed = merge(requests, rows=rows)  # type: ignore[arg-type]
                 outputs = self._source.run(sess, batch[0].request, feed)  # type: ignore[arg-type]
@@ -714,14 +726,15 @@ class Scheduler:
                         t.error = error
                     return True
                 outputs = None  # rerun each member alone: only the culprit fails
-            self._count_batch(merged_rows, time.perf_counter() - start, padded=rows - merged_rows)
+            merged_s = self._clock() - start
+            self._count_batch(merged_rows, merged_s, padded=rows - merged_rows)
             parts = (
                 split(outputs, requests, rows=rows, copy=False)  # type: ignore[arg-type]
                 if outputs is not None
                 else None
             )
             if parts is not None and len(batch) > 1:
-                parts = self._check_merged(sess, batch, parts, merged_rows)
+                parts = self._check_merged(sess, batch, parts, merged_rows, merged_s)
                 if parts is None:
                     return False  # each request got its solo outcome
             if parts is not None:
@@ -731,7 +744,7 @@ class Scheduler:
             if outputs is not None:
                 self._split_failed()  # an output's axis 0 did not add up: rerun one by one
         for t in batch:
-            start = time.perf_counter()
+            start = self._clock()
             try:
                 t.result = self._source.run(sess, t.request, None)  # type: ignore[arg-type]
             except Exception as exc:
@@ -743,7 +756,7 @@ class Scheduler:
                     return True
             finally:
                 if self.batching is not None:
-                    self._count_batch(t.request.rows, time.perf_counter() - start)  # type: ignore[union-attr]
+                    self._count_batch(t.request.rows, self._clock() - start)  # type: ignore[union-attr]
         return False
 
     def _count_batch(self, rows: int, seconds: float, *, padded: int = 0) -> None:
@@ -756,7 +769,7 @@ class Scheduler:
             counters.max_batch_rows = max(counters.max_batch_rows, rows)
 
     def _check_merged(
-        self, sess: Any, batch: list[Ticket], parts: list[Any], rows: int
+        self, sess: Any, batch: list[Ticket], parts: list[Any], rows: int, merged_s: float
     ) -> list[Any] | None:
         """Check a merged batch against solo runs of its requests where the schedule says so.
 
@@ -767,23 +780,38 @@ class Scheduler:
         request its solo outcome (a result, or the error its run alone raised): the
         scheduler then stops merging. Once a check failed, every merged batch still in
         flight is checked in full, so that none of them hands out merged rows.
+
+        The solo runs' times, against the merged run's (``merged_s``), tell whether merging
+        pays (:class:`~sharedml.pool._payoff.MergeGain`); while it wants a comparison and no
+        check is due, one request picked at random is rerun alone for its time only.
         """
         requests = [t.request for t in batch]
         key = requests[0].key  # type: ignore[union-attr]
         with self.cond:
             leaked = self._leaked
             kind: CheckKind | None = "full" if leaked else self._checks.due(key, rows)
-            if kind is None:
-                return parts
+            timing = kind is None and self._gain.wants_comparison(rows)
             spot = self._checks.pick(len(batch)) if kind == "spot" else None
+        if kind is None:
+            if timing:  # any request times as well: the leader's own
+                self._time_alone(sess, batch[0], rows, merged_s)
+            return parts
         feeds = [r.feed for r in requests]  # type: ignore[union-attr]
         if not leaked and all(same_feed(feeds[0], f) for f in feeds[1:]):
             with self.cond:
                 self._checks.skipped(key, rows)  # proves nothing: the next batch gets it
+                timing = self._gain.wants_comparison(rows)
+            if timing:
+                self._time_alone(sess, batch[0], rows, merged_s)
             return parts
         checked = list(range(len(batch))) if spot is None else [spot]
-        start = time.perf_counter()
-        outcomes = {i: self._solo(sess, batch[i]) for i in checked}
+        start = self._clock()
+        outcomes: dict[int, Any] = {}
+        solo_s = 0.0
+        for i in checked:
+            began = self._clock()
+            outcomes[i] = self._solo(sess, batch[i])
+            solo_s += self._clock() - began
         same = all(
             not isinstance(solo, BaseException) and same_results(parts[i], solo, rtol=self._rtol)
             for i, solo in outcomes.items()
@@ -792,7 +820,7 @@ class Scheduler:
             for i, t in enumerate(batch):
                 if i not in outcomes:
                     outcomes[i] = self._solo(sess, t)
-        elapsed = time.perf_counter() - start
+        elapsed = self._clock() - start
         telling = same and not leaked and tells(feeds, checked)
         with self.cond:
             counters = self.counters
@@ -804,6 +832,8 @@ class Scheduler:
                 self._leaked = True
             elif not leaked:
                 self._checks.passed(key, rows, telling=telling)
+                solo_rows = sum(r.rows for i in checked if (r := requests[i]) is not None)
+                self._compared(Comparison(merged_s, rows, solo_s, solo_rows))
         if same:
             return parts
         for i, t in enumerate(batch):
@@ -817,6 +847,30 @@ class Scheduler:
             "outputs depend on other callers' rows)"
         )
         return None
+
+    def _time_alone(self, sess: Any, ticket: Ticket, rows: int, merged_s: float) -> None:
+        """Rerun one request of a merged batch alone, for its time only.
+
+        Its result stays the merged one; the time is a comparison for
+        :class:`~sharedml.pool._payoff.MergeGain`.
+        """
+        start = self._clock()
+        outcome = self._solo(sess, ticket)
+        elapsed = self._clock() - start
+        with self.cond:
+            self.counters.gain_runs += 1
+            self.counters.gain_seconds += elapsed
+            if not isinstance(outcome, BaseException):
+                solo_rows = ticket.request.rows  # type: ignore[union-attr]
+                self._compared(Comparison(merged_s, rows, elapsed, solo_rows))
+
+    def _compared(self, comparison: Comparison) -> None:
+        """Record a comparison (``self.cond`` held); say so where merging paused or resumed."""
+        change = self._gain.add(comparison)
+        if change is not None:
+            base = self._base_reason.rstrip(".")
+            self.batching_reason = f"{base}; {change}" if base else change
+            _log.info("sharedml: model '%s': %s", self._name, change)
 
     def _solo(self, sess: Any, ticket: Ticket) -> Any:
         """``ticket``'s request run alone on ``sess``: its outputs, or the error it raised."""
@@ -868,7 +922,10 @@ class Scheduler:
                 busy=self._busy,
                 waiting=len(self._queue),
                 max_sessions=self._max,
-                batching=self.batching is not None,
+                batching=self.batching is not None and self._gain.state is not MergeState.PAUSED,
+                merge_gain=self._gain.gain,
+                merge_comparisons=self._gain.comparisons,
+                merge_pauses=self._gain.pauses,
                 **self.counters.published(),
             )
 

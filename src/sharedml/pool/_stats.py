@@ -38,6 +38,8 @@ class Counters:
     check_seconds: float = 0.0
     cancelled: int = 0
     split_failures: int = 0
+    gain_runs: int = 0
+    gain_seconds: float = 0.0
 
     def published(self) -> dict[str, Any]:
         """The counters that :class:`PoolStats` shows, by field name."""
@@ -76,7 +78,8 @@ class PoolStats:
             split of its outputs; checkouts through ``session()`` are the caller's own). Over
             a window, divided by the window and the sessions, it is how busy they were: the
             rest went to waiting for rows, handing results back, and idling.
-        batching: Whether the pool merges requests now (see ``SessionPool.batching_reason``).
+        batching: Whether the pool merges requests now (see ``SessionPool.batching_reason``):
+            False where it never does, stopped, or paused because merging did not pay.
         batch_checks: Merged batches checked against solo runs of their requests: the first
             of every class of batches (input signature and row bucket), then batches at random
             gaps of at most ``Batching.check_within`` (see ``docs/batching.md``, defence in
@@ -89,6 +92,17 @@ class PoolStats:
             the checks cost.
         cancelled: Requests whose callers left before they ran (a cancelled ``run_async``, a
             caller interrupted while its request waited in a batch): they never ran.
+        merge_gain: Whether merging pays, as measured on the pool's traffic: the rows/s that
+            merged batches served over the rows/s of the same requests run alone on the same
+            session, per Run second, over the comparisons its latest decision rested on (see
+            :mod:`sharedml.pool._payoff`); None until enough were made.
+        merge_comparisons: Merged batches compared with solo runs of their requests (the
+            checks' solo runs, and ``gain_runs``).
+        merge_pauses: Times merging paused because merged batches gained too little over solo
+            runs (``batching`` is then False, and ``SessionPool.batching_reason`` says why).
+        gain_runs: Solo runs made only to time a merged batch's request alone, while a
+            decision on merging was pending (part of ``run_seconds``).
+        gain_seconds: Total time sessions spent in those runs.
         arena_shrinks: Runs that gave a CPU session's arena memory back after a peak of rows
             had passed (see :mod:`sharedml.pool._arena`).
         calibration: For ``SessionPool(sessions="auto")``, how the pool split the cores into
@@ -127,6 +141,11 @@ class PoolStats:
     check_runs: int = 0
     check_seconds: float = 0.0
     cancelled: int = 0
+    merge_gain: float | None = None
+    merge_comparisons: int = 0
+    merge_pauses: int = 0
+    gain_runs: int = 0
+    gain_seconds: float = 0.0
     serialized_runs: bool = False
     runs_rule: str = ""
     device: str = ""

@@ -1,0 +1,225 @@
+"""Whether merging requests pays: merged batches' ``Run`` time against solo runs of theirs.
+
+Merging pays where one ``Run`` of n rows costs less than n runs of one row: a MatMul-bound
+model reads its weights once for every row of a batch (the 100 MiB MLP served 4.4x the
+requests at 16 callers). Where a model's kernels are already busy at one row (convolutions on
+a few cores) a batch of n rows costs n single rows, and merging then only adds its costs: the
+wait for rows, the merge and split, the callers' hand-offs, a larger arena (real CNN
+classifiers, 16 callers of one row: 357-500 requests/s merged against 440-462 unmerged).
+
+No rule of thumb tells the two apart (the same transformer gained 4% from 8-row batches at 128
+tokens and 15-34% at 32), so the pool measures it on its own traffic: a merged batch's
+``Run`` time against solo runs of some of its requests, made right after it on the same
+session (the defence-in-depth checks already make such runs; while a decision is pending,
+one request of every merged batch is rerun alone for its time). The *gain* of a set of
+comparisons is the time the solo runs predict for the merged rows over the time the merged
+runs took (rows/s merged over rows/s alone, per Run second of a session).
+
+:class:`MergeGain` decides, with hysteresis so that noise cannot flap it:
+
+- **Measuring** (from the start): every merged batch is compared, until :data:`SAMPLES`
+  comparisons; a gain under :data:`PAUSE_BELOW` pauses merging, else it goes on. Not counted:
+  the first :data:`WARM_RUNS` merged Runs of each row count (ORT plans and allocates a new
+  shape's memory then), and solo runs under :data:`MIN_RUN_S` a row, which time the threads
+  around them more than the model: :data:`SAMPLES` of those decide to merge.
+- **Merging**: the checks' solo runs keep comparing (at most every ``check_within`` batches);
+  a window of the last :data:`SAMPLES` whose gain falls under :data:`PAUSE_BELOW` pauses.
+- **Paused**: leaders run their own request alone and take no followers. After
+  :data:`FIRST_RETRY_RUNS` such runs (doubling after each retry that failed, up to
+  :data:`MAX_RETRY_RUNS`) merging is tried again: **probing** compares every merged batch
+  until :data:`SAMPLES` comparisons, and merging resumes only where their gain reaches
+  :data:`RESUME_AT` (more than it takes to pause: the hysteresis); else it pauses again.
+
+Thread safety: none of its own; the scheduler calls it with its lock held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import deque
+
+__all__ = [
+    "FIRST_RETRY_RUNS",
+    "MAX_RETRY_RUNS",
+    "MIN_RUN_S",
+    "PAUSE_BELOW",
+    "RESUME_AT",
+    "SAMPLES",
+    "WARM_RUNS",
+    "Comparison",
+    "MergeGain",
+    "MergeState",
+]
+
+# Merging pauses where merged batches serve less than this many times the rows/s of solo runs
+# (per Run second). Above 1 because merging has costs outside Run: the wait for rows, the
+# callers' hand-offs, the split and copies of outputs, the arena a batch grows.
+PAUSE_BELOW = 1.15
+# ... and resumes only at this gain or more: between the two, the pool keeps what it does.
+RESUME_AT = 1.3
+SAMPLES = 6  # comparisons a decision rests on: one merged Run each, against its solo reruns
+# Merged Runs of a row count not compared until this many ran: ORT plans a new shape's memory
+# on its first Run and allocates the plan on the second, which a small model's first merged
+# Runs of 2 rows took 2-4x longer for than the solo runs of an old shape after them.
+WARM_RUNS = 2
+# Solo runs shorter than this (seconds a row) are not compared: a Run of tens of microseconds
+# is timed through the hand-offs of the threads around it (a tiny model's merged Runs of 2 rows
+# timed 3-4x its solo Runs in the scheduler, 1.3x when run back to back), and there merging
+# pays mostly outside Run, in the pool's per-request work it saves. After SAMPLES of them the
+# decision is to merge.
+MIN_RUN_S = 0.5e-3
+FIRST_RETRY_RUNS = 256  # solo runs while paused before merging is measured again
+MAX_RETRY_RUNS = 16384  # the most, after retries that found merging still unpaid
+
+
+class MergeState(enum.Enum):
+    """Where :class:`MergeGain` stands."""
+
+    MEASURING = "measuring"
+    MERGING = "merging"
+    PAUSED = "paused"
+    PROBING = "probing"
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One merged ``Run`` against solo runs of some of its requests, on the same session.
+
+    Attributes:
+        merged_seconds: The merged ``Run`` (with the merge of its feeds).
+        merged_rows: The rows it held (padding not counted).
+        solo_seconds: The solo runs, together.
+        solo_rows: The rows they held.
+    """
+
+    merged_seconds: float
+    merged_rows: int
+    solo_seconds: float
+    solo_rows: int
+
+
+def gain_of(comparisons: list[Comparison] | deque[Comparison]) -> float | None:
+    """Rows/s merged over rows/s alone; None without a usable comparison.
+
+    The solo runs' time per row, times the merged rows, over the merged runs' time.
+    """
+    merged = sum(c.merged_seconds for c in comparisons)
+    predicted = sum(c.solo_seconds / c.solo_rows * c.merged_rows for c in comparisons)
+    return predicted / merged if merged > 0 and predicted > 0 else None
+
+
+class MergeGain:
+    """Decides from comparisons whether a pool's leaders take followers (see the module).
+
+    Args:
+        enabled: False: never pauses (``Batching(measure_gain=False)``); comparisons that
+            the checks give are still recorded.
+    """
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.state = MergeState.MEASURING if enabled else MergeState.MERGING
+        self.window: deque[Comparison] = deque(maxlen=SAMPLES)
+        self.comparisons = 0  # over the pool's life
+        self.pauses = 0
+        self.gain: float | None = None  # of the window, as last decided on
+        self._alone = 0  # solo runs since merging paused
+        self._shapes: dict[int, int] = {}  # merged Runs seen per row count (WARM_RUNS)
+        self._short = 0  # comparisons of solo runs under MIN_RUN_S, since the last decision
+        self._retry = FIRST_RETRY_RUNS
+
+    def merges(self) -> bool:
+        """Whether a leader takes followers now; a paused pool counts the lead as alone.
+
+        Call once per leader that could merge.
+        """
+        if self.state is not MergeState.PAUSED:
+            return True
+        self._alone += 1
+        if self._alone < self._retry:
+            return False
+        self.state = MergeState.PROBING  # measure again on the traffic of now
+        self.window.clear()
+        return True
+
+    @property
+    def deciding(self) -> bool:
+        """Whether a decision is pending (measuring at first, or probing after a pause)."""
+        return self.state in (MergeState.MEASURING, MergeState.PROBING)
+
+    def wants_comparison(self, rows: int) -> bool:
+        """Whether a merged batch of ``rows`` rows should be compared where no check is due.
+
+        Not while the shape's first Runs are not compared (:data:`WARM_RUNS`): those count
+        their own Runs here.
+        """
+        if not self.deciding:
+            return False
+        seen = self._shapes.get(rows, 0)
+        if seen < WARM_RUNS:
+            self._shapes[rows] = seen + 1
+            return False
+        return True
+
+    def add(self, comparison: Comparison) -> str | None:
+        """Record a comparison; returns a sentence where the decision changed, else None."""
+        if comparison.merged_rows < 2 or comparison.solo_rows < 1:
+            return None
+        if comparison.merged_seconds <= 0 or comparison.solo_seconds <= 0:
+            return None
+        seen = self._shapes.get(comparison.merged_rows, 0)
+        if seen < WARM_RUNS:  # a shape's first Runs plan and allocate its memory
+            self._shapes[comparison.merged_rows] = seen + 1
+            return None
+        if comparison.solo_seconds / comparison.solo_rows < MIN_RUN_S:
+            self._short += 1
+            if self._short >= SAMPLES and self.deciding:
+                self.state = MergeState.MERGING  # too short to judge: merging saves the rest
+                self._short = 0
+                self._retry = FIRST_RETRY_RUNS
+            return None
+        self.comparisons += 1
+        self.window.append(comparison)
+        if len(self.window) < SAMPLES or not self.enabled:
+            if not self.enabled:
+                self.gain = gain_of(self.window)
+            return None
+        gain = gain_of(self.window)
+        if gain is None:
+            return None
+        self.gain = gain
+        rows = sum(c.merged_rows for c in self.window) / len(self.window)
+        measured = (
+            f"merged batches of {rows:.1f} rows on average served {gain:.2f}x the rows/s of "
+            f"the same requests run alone on the same session ({len(self.window)} comparisons)"
+        )
+        if self.state is MergeState.PROBING:
+            if gain >= RESUME_AT:
+                self.state = MergeState.MERGING
+                self._retry = FIRST_RETRY_RUNS
+                return f"merging again: {measured}, at least {RESUME_AT:g}x"
+            self._pause()
+            self._retry = min(MAX_RETRY_RUNS, self._retry * 2)
+            return self._paused_text(f"{measured}, short of the {RESUME_AT:g}x that resumes it")
+        if gain < PAUSE_BELOW:
+            self._pause()
+            return self._paused_text(
+                f"{measured}, under the {PAUSE_BELOW:g}x that pays for waiting for rows"
+            )
+        if self.state is MergeState.MEASURING:
+            self.state = MergeState.MERGING
+        return None
+
+    def _pause(self) -> None:
+        self.state = MergeState.PAUSED
+        self.pauses += 1
+        self._alone = 0
+        self._short = 0
+        self.window.clear()
+
+    def _paused_text(self, measured: str) -> str:
+        return (
+            f"merging paused: {measured}; each request runs alone, and merging is measured "
+            f"again after {self._retry} runs"
+        )
