@@ -48,6 +48,23 @@ def test_auto_shares_prepacked_weights_where_ort_packs_them(mlp_model: Path) -> 
 
 
 @pytest.mark.capability("prepacked-save")
+def test_sessions_of_the_saved_model_validate_its_packs_on_their_threads(mlp_model: Path) -> None:
+    # ORT packs every weight again at load to validate its saved blob, most of a pooled
+    # session's creation: spread over the session's intra-op threads unless the caller said no.
+    key = "session.prepack.enable_parallel"
+    with sharedml.SessionPool(mlp_model, sessions=1) as pool, pool.session() as sess:
+        assert pool.mechanism == "prepacked-file"
+        assert sess.get_session_options().get_session_config_entry(key) == "1"
+    template = ort.SessionOptions()
+    template.add_session_config_entry(key, "0")
+    with (
+        sharedml.SessionPool(mlp_model, sessions=1, sess_options=template) as pool,
+        pool.session() as sess,
+    ):
+        assert sess.get_session_options().get_session_config_entry(key) == "0"
+
+
+@pytest.mark.capability("prepacked-save")
 def test_auto_keeps_raw_sharing_where_nothing_is_packed(tmp_path: Path) -> None:
     # 32x32 weights: ORT packs each, but all stay inline in the saved model (under 64 KiB):
     # nothing to gain from a saved copy; each session packs them, as plain ORT does.

@@ -21,7 +21,6 @@ the scheduler's (:mod:`sharedml.pool._scheduler`); creation and its retries are
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import enum
@@ -873,6 +872,8 @@ class SessionPool:
         Raises:
             The same as :meth:`run`.
         """
+        import asyncio  # here: its import (ssl, sockets) is start-up time a pool need not pay
+
         self._check_usable()
         request = self._request(output_names, input_feed, run_options)
         return await asyncio.wrap_future(self._scheduler.submit(request))
