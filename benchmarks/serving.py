@@ -11,6 +11,9 @@ as soon as the last one returned):
 ``pool:N:batch``       ``SessionPool(sessions=N, batching=True)``: waiting requests merge.
 ``pool:auto:batch``    ``SessionPool(sessions="auto", batching=True)``: the pool splits the cores
                        into sessions x threads by measuring (its choice is recorded).
+``pool:default``       ``SessionPool(model, batching="auto")``, the pool as ``sharedml serve`` and
+                       ``sharedml.ray`` open it (their default sessions): what ``--defaults``
+                       compares with the alternatives (its ``batching_reason`` is recorded).
 ``...:serialized``     one ``Run`` at a time across the process, as onnxruntime-directml >= 1.18
                        forces: ``plain:N:serialized`` puts one lock around every Run of the N
                        sessions; ``pool:...:serialized`` is ``serialize_runs=True``.
@@ -37,6 +40,12 @@ as soon as the last one returned):
                        random gaps of at most 64 batches: what the checks cost
                        (``window_check_share``: the sessions' time in check runs).
 ``...:checkN``         checks within N merged batches (``Batching(check_within=N)``).
+``...:nogain``         batching that merges whatever it gains (``Batching(measure_gain=False)``):
+                       without the pool's measurement of whether merging pays.
+``...:tN``             a pool whose sessions each get N intra-op threads (``sess_options``);
+                       ``...:nospin``: their threads do not spin while waiting for work
+                       (``session.intra_op.allow_spinning=0``). ``pool:4:t2:nospin`` on 2 cores
+                       is the candidate for a default that serves one caller with every core.
 
 Every configuration runs in a fresh process: the server is created (timed), a pool warmed up
 (``pool.warm_up``, timed: graphs captured, buckets run once), every caller runs once (outputs
@@ -53,6 +62,11 @@ Usage::
 
 ``--first-result`` measures the pool that serves before it is full instead: time to the first
 result of a pool of N against one plain session's create + run, and time to all N sessions.
+
+``--defaults`` asks whether the default pool ever loses to its own alternatives: for each model
+and caller count, in interleaved rounds, ``pool:default`` against ``pool:4`` (unbatched),
+``single`` and the batching pools; it prints the default's median requests/s over the best
+alternative's (target: at least 0.95).
 """
 
 from __future__ import annotations
@@ -77,6 +91,10 @@ REPO = HERE.parent
 MIB = 1 << 20
 RTOL, ATOL = 1e-3, 1e-4  # batched kernels may sum in another order: see docs/batching.md
 INPUTS = 64  # distinct batch-1 requests per model, cycled through by the callers
+
+# What --defaults compares: the default pool, then its alternatives.
+DEFAULTS_CONFIGS = ["pool:default", "pool:4", "single", "pool:1:batch", "pool:4:batch"]
+DEFAULTS_TARGET = 0.95  # the default's requests/s over the best alternative's, at least
 
 DEFAULT_CONFIGS = [
     "plain:4",
@@ -266,6 +284,11 @@ def _max_rows(flag: str) -> int | None:
     return int(flag[3:]) if flag.startswith("max") and flag[3:].isdigit() else None
 
 
+def _threads(flag: str) -> int | None:
+    """``tN`` -> N intra-op threads per pooled session; None for other flags."""
+    return int(flag[1:]) if flag.startswith("t") and flag[1:].isdigit() else None
+
+
 def _check_within(flag: str) -> int | None:
     """``checkN`` -> N merged batches (``Batching.check_within``); None for other flags."""
     return int(flag[5:]) if flag.startswith("check") and flag[5:].isdigit() else None
@@ -274,8 +297,9 @@ def _check_within(flag: str) -> int | None:
 def _parse_config(name: str) -> dict[str, Any]:
     parts = name.split(":")
     kind = parts[0]
-    counted = len(parts) > 1 and (parts[1].isdigit() or (kind == "pool" and parts[1] == "auto"))
-    sessions: int | str = (parts[1] if parts[1] == "auto" else int(parts[1])) if counted else 1
+    named = kind == "pool" and len(parts) > 1 and parts[1] in ("auto", "default")
+    counted = len(parts) > 1 and (parts[1].isdigit() or named)
+    sessions: int | str = (parts[1] if named else int(parts[1])) if counted else 1
     flags = set(parts[2:] if counted else parts[1:])
     known = {
         "batch",
@@ -291,6 +315,9 @@ def _parse_config(name: str) -> dict[str, Any]:
         "int4",
         "static",
         "nocheck",
+        "nogain",
+        "parallel",
+        "nospin",
     }
     unknown = {
         f
@@ -299,6 +326,7 @@ def _parse_config(name: str) -> dict[str, Any]:
         and _switch_ms(f) is None
         and _max_rows(f) is None
         and _check_within(f) is None
+        and _threads(f) is None
     }
     if kind not in ("plain", "pool", "single") or unknown:
         raise SystemExit(f"unknown configuration {name!r}")
@@ -354,12 +382,26 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
                 if "nocheck" in flags
                 else next((c for f in flags if (c := _check_within(f)) is not None), 64)
             ),
+            measure_gain="nogain" not in flags,
         )
+        template = None
+        threads = next((t for f in flags if (t := _threads(f)) is not None), None)
+        if threads is not None or "nospin" in flags:
+            template = ort.SessionOptions()
+            if threads is not None:
+                template.intra_op_num_threads = threads
+            if "nospin" in flags:
+                template.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        default = n == "default"  # as sharedml serve opens it: default sessions, "auto"
+        chosen: Any = batching if "batch" in flags else False
+        if default:
+            chosen = batching if "nogain" in flags else "auto"
         pool = sharedml.SessionPool(
             _static_model(spec) if "static" in flags else spec["model"],
-            sessions=n,
+            sessions=None if default else n,
             providers=providers,
-            batching=batching if "batch" in flags else False,
+            sess_options=template,
+            batching=chosen,
             serialize_runs=True if "serialized" in flags else None,
             per_session_state="serialized" in flags and n != 1,
             cache_dir=spec["cache_dir"],
@@ -377,10 +419,16 @@ def _server(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             def stats(self) -> Any:
                 return pool.stats()
 
+            def batching_reason(self) -> str:
+                return pool.batching_reason
+
             def close(self) -> None:
                 pool.close()
 
-        extras: dict[str, Any] = {"mechanism": str(pool.mechanism)}
+        extras: dict[str, Any] = {
+            "mechanism": str(pool.mechanism),
+            "pool_sessions": pool.max_sessions,
+        }
         calibration = pool.stats().calibration
         if calibration is not None:  # sessions="auto": what it measured and chose
             extras["calibration"] = dataclasses.asdict(calibration)
@@ -498,6 +546,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         # (window_fill_wait_s), handing results back and taking new requests, and idling.
         run_s = after.run_seconds - before.run_seconds
         stats = {
+            "batching_reason": getattr(server, "batching_reason", lambda: None)(),
+            "merge_gain": s.merge_gain,
+            "merge_pauses": s.merge_pauses,
+            "merge_comparisons": s.merge_comparisons,
             "batches": s.batches,
             "mean_batch_rows": s.mean_batch_rows,
             "padded_rows": s.padded_rows,
@@ -611,8 +663,27 @@ def references(spec: dict[str, Any]) -> dict[str, Any]:
     return {"inputs": INPUTS}
 
 
+FIRST_RESULT_CONFIGS = ("plain", "pool", "pool:parallel")
+COMPILE_EACH_RUN = False  # --compile-each-run: children keep the environment's bytecode setting
+
+
+def _cpu_s() -> float:
+    """This process's CPU time so far, every thread's, user + system (seconds)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def first_result(spec: dict[str, Any]) -> dict[str, Any]:
-    """Time to a first result: one plain session, or a pool of N that serves before it is full."""
+    """Time to a first result: one plain session, or a pool of N that serves before it is full.
+
+    ``spec["config"]``: ``plain`` (``InferenceSession`` + one ``run``), ``pool`` (a pool of N,
+    as created by default: the first session up front, the rest in the background, one at a
+    time) or ``pool:parallel`` (``serialize_creation=False``: all N before the constructor
+    returns, on every core). Besides the wall-clock times, the process's CPU time at each mark
+    (``*_cpu_s``): what the work cost, which a busy machine inflates far less.
+    """
     import numpy as np
     import onnxruntime as ort
 
@@ -620,20 +691,33 @@ def first_result(spec: dict[str, Any]) -> dict[str, Any]:
 
     refs = np.load(spec["references"], allow_pickle=False)
     feed = {k[len("in0_") :]: refs[k] for k in refs.files if k.startswith("in0_")}
+    cpu = _cpu_s()
     start = time.perf_counter()
     if spec["config"] == "plain":
         sess = ort.InferenceSession(spec["model"], providers=spec["providers"])
         sess.run(None, feed)
-        return {"first_result_s": time.perf_counter() - start}
+        return {
+            "first_result_s": time.perf_counter() - start,
+            "first_result_cpu_s": _cpu_s() - cpu,
+        }
     pool = sharedml.SessionPool(
-        spec["model"], sessions=spec["sessions"], cache_dir=spec["cache_dir"]
+        spec["model"],
+        sessions=spec["sessions"],
+        cache_dir=spec["cache_dir"],
+        serialize_creation=spec["config"] != "pool:parallel",
     )
     pool.run(None, feed)
-    first = time.perf_counter() - start
+    first, first_cpu = time.perf_counter() - start, _cpu_s() - cpu
     pool.wait_ready()
-    ready = time.perf_counter() - start
+    ready, ready_cpu = time.perf_counter() - start, _cpu_s() - cpu
     pool.close()
-    return {"first_result_s": first, "all_sessions_s": ready, "mechanism": str(pool.mechanism)}
+    return {
+        "first_result_s": first,
+        "all_sessions_s": ready,
+        "first_result_cpu_s": first_cpu,
+        "all_sessions_cpu_s": ready_cpu,
+        "mechanism": str(pool.mechanism),
+    }
 
 
 def ceiling(spec: dict[str, Any]) -> dict[str, Any]:
@@ -716,6 +800,12 @@ def _child(
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    # Bytecode as an installed package has it (pip compiles on install): with
+    # PYTHONDONTWRITEBYTECODE every child compiled sharedml's modules again, 0.3-0.4 s of a
+    # pool's start-up here that no deployed server pays. Kept apart from the source tree.
+    if not COMPILE_EACH_RUN:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(HERE / "out" / "pycache")
     script = script or Path(__file__).resolve()
     try:
         proc = subprocess.run(
@@ -805,7 +895,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--models", nargs="+", default=["mlp", "resnet", "bert"])
-    p.add_argument("--model-path", type=Path, help="an ONNX file instead of generated models")
+    p.add_argument(
+        "--model-path", type=Path, nargs="+", help="ONNX files instead of generated models"
+    )
     p.add_argument("--configs", nargs="+", help=f"default: {' '.join(DEFAULT_CONFIGS)}")
     p.add_argument("--serialized", action="store_true", help="also the DirectML-like configs")
     p.add_argument("--callers", nargs="+", type=int, default=[1, 4, 16, 64])
@@ -819,6 +911,25 @@ def main(argv: list[str] | None = None) -> int:
         "--json", type=Path, help="write results here ('{model}' in the name: a file per model)"
     )
     p.add_argument("--first-result", action="store_true", help="time to first result instead")
+    p.add_argument(
+        "--first-result-configs",
+        nargs="+",
+        default=["plain", "pool"],
+        choices=FIRST_RESULT_CONFIGS,
+        help="what --first-result starts (pool:parallel: serialize_creation=False)",
+    )
+    p.add_argument(
+        "--compile-each-run",
+        action="store_true",
+        help="children keep PYTHONDONTWRITEBYTECODE as the environment sets it (figures before "
+        "this option: every child compiled sharedml's modules again)",
+    )
+    p.add_argument(
+        "--defaults",
+        action="store_true",
+        help=f"the default pool against its alternatives ({' '.join(DEFAULTS_CONFIGS)}), "
+        "in --repeats interleaved rounds (default callers: 1 16)",
+    )
     p.add_argument(
         "--ceiling",
         nargs="*",
@@ -837,15 +948,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="repeats for --first-result")
     p.add_argument("--timeout-s", type=float, default=900)
     args = p.parse_args(argv)
+    global COMPILE_EACH_RUN
+    COMPILE_EACH_RUN = args.compile_each_run
     providers = list(args.providers)
     if "CPUExecutionProvider" not in providers:
         providers.append("CPUExecutionProvider")
     configs = args.configs or DEFAULT_CONFIGS + (SERIALIZED_CONFIGS if args.serialized else [])
     models = (
-        [_external_model(args.model_path)]
+        [_external_model(path) for path in args.model_path]
         if args.model_path
         else [_model(m, args) for m in args.models]
     )
+    if args.defaults:
+        configs = args.configs or DEFAULTS_CONFIGS
+        if args.callers == [1, 4, 16, 64]:  # left at its default
+            args.callers = [1, 16]
     cache_dir = str(args.out_dir / "serving-cache")
     report: dict[str, Any] = {
         "device": _describe_device(providers),
@@ -891,13 +1008,38 @@ def main(argv: list[str] | None = None) -> int:
                     if "error" in result:
                         print(f"{meta['name']} {config}: {result['error']}", flush=True)
             elif args.first_result:
-                for repeat in range(args.repeats):
-                    for config in ("plain", "pool"):
+                # Round -1 is not recorded: it builds the cache entries, the bytecode and the
+                # stamps that spare hashing unchanged files, and warms the page cache, as a
+                # server's restart finds them (the first round took 2.6x longer here).
+                for repeat in range(-1, args.repeats):
+                    for config in args.first_result_configs:
                         spec = {**base, "config": config, "sessions": args.sessions}
                         result = _child("first-result", spec, args.timeout_s)
                         result |= {"name": config, "repeat": repeat}
-                        entry["configs"].append(result)
+                        if repeat >= 0:
+                            entry["configs"].append(result)
                         print(json.dumps(result), flush=True)
+                print(_first_result_summary(meta["name"], entry["configs"]), flush=True)
+            elif args.defaults:
+                for repeat in range(args.repeats):
+                    for callers in args.callers:
+                        # The order rotates each round: a load that comes or goes during a
+                        # round then favours no configuration every time.
+                        shift = repeat % len(configs)
+                        for config in configs[shift:] + configs[:shift]:
+                            spec = {
+                                **base,
+                                "config": config,
+                                "callers": callers,
+                                "duration_s": args.duration_s,
+                                "warmup_s": args.warmup_s,
+                            }
+                            result = _child("worker", spec, args.timeout_s)
+                            result |= {"name": config, "callers": callers, "repeat": repeat}
+                            entry["configs"].append(result)
+                            print(_line(meta["name"], result), flush=True)
+                summary, entry["defaults"] = _defaults_summary(meta["name"], entry["configs"])
+                print(summary, flush=True)
             else:
                 for callers in args.callers:
                     for config in configs:
@@ -932,6 +1074,57 @@ def main(argv: list[str] | None = None) -> int:
             path = args.json.with_name(args.json.name.replace("{model}", name))
             path.write_text(json.dumps(one, indent=1) + "\n")
     return 0
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _first_result_summary(model: str, results: list[dict[str, Any]]) -> str:
+    """Each pool configuration's medians over plain's: first result, all sessions (wall, CPU)."""
+    plain = _median([r["first_result_s"] for r in results if r.get("name") == "plain"])
+    plain_cpu = _median([r["first_result_cpu_s"] for r in results if r.get("name") == "plain"])
+    lines = [f"{model}: plain create + run {plain or 0:.3f} s (CPU {plain_cpu or 0:.3f} s)"]
+    for name in dict.fromkeys(r["name"] for r in results if r.get("name", "plain") != "plain"):
+        mine = [r for r in results if r.get("name") == name and "error" not in r]
+        parts = []
+        for key, base in (("first_result_s", plain), ("all_sessions_s", plain)):
+            value = _median([r[key] for r in mine])
+            if value is not None and base:
+                parts.append(f"{key[:-2]} {value:.3f} s ({value / base:.2f}x)")
+        for key, base in (("first_result_cpu_s", plain_cpu), ("all_sessions_cpu_s", plain_cpu)):
+            value = _median([r[key] for r in mine])
+            if value is not None and base:
+                parts.append(f"{key[:-2]} {value / base:.2f}x")
+        lines.append(f"  {name}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def _defaults_summary(model: str, results: list[dict[str, Any]]) -> tuple[str, list[Any]]:
+    """The default pool's median requests/s over the best alternative's, per caller count."""
+    lines, rows = [], []
+    for callers in sorted({r["callers"] for r in results}):
+        medians = {}
+        for name in DEFAULTS_CONFIGS:
+            done = [
+                r["requests_per_s"]
+                for r in results
+                if r["name"] == name and r["callers"] == callers and "error" not in r
+            ]
+            if done:
+                medians[name] = statistics.median(done)
+        default = medians.pop(DEFAULTS_CONFIGS[0], None)
+        if default is None or not medians:
+            continue
+        best = max(medians, key=lambda k: medians[k])
+        ratio = default / medians[best]
+        verdict = "meets" if ratio >= DEFAULTS_TARGET else "MISSES"
+        lines.append(
+            f"{model} x{callers}: default {default:.1f} req/s, best alternative {best} "
+            f"{medians[best]:.1f}: {ratio:.2f}x ({verdict} {DEFAULTS_TARGET})"
+        )
+        rows.append({"callers": callers, "default": default, "best": best, "ratio": ratio})
+    return "\n".join(lines), rows
 
 
 def _line(model: str, r: dict[str, Any]) -> str:

@@ -355,6 +355,38 @@ def test_serving_configurations_name_sessions_weights_and_auto() -> None:
             serving._parse_config(bad)
 
 
+def test_serving_names_the_default_pool_and_its_thread_flags() -> None:
+    assert serving._parse_config("pool:default") == {
+        "kind": "pool",
+        "sessions": "default",
+        "flags": set(),
+    }
+    assert serving._parse_config("pool:4:t2:nospin:nogain")["flags"] == {"t2", "nospin", "nogain"}
+    assert serving._threads("t2") == 2 and serving._threads("threads") is None
+    for bad in ("plain:default", "pool:4:tx"):
+        with pytest.raises(SystemExit, match="unknown configuration"):
+            serving._parse_config(bad)
+
+
+def test_the_defaults_summary_is_the_default_over_the_best_alternative_by_medians() -> None:
+    def result(name: str, callers: int, rps: float) -> dict[str, Any]:
+        return {"name": name, "callers": callers, "requests_per_s": rps}
+
+    results = [
+        *(result("pool:default", 1, r) for r in (90.0, 100.0, 500.0)),  # median 100
+        *(result("single", 1, r) for r in (99.0, 104.0, 0.0)),  # median 99: the best
+        result("pool:4", 1, 60.0),
+        {**result("pool:1:batch", 1, 1e6), "error": "crashed"},  # a failure never counts
+        *(result("pool:default", 16, r) for r in (80.0, 85.0)),
+        result("pool:4:batch", 16, 100.0),
+    ]
+    text, rows = serving._defaults_summary("m", results)
+    assert [(r["callers"], r["best"]) for r in rows] == [(1, "single"), (16, "pool:4:batch")]
+    assert rows[0]["ratio"] == pytest.approx(100 / 99) and rows[1]["ratio"] == pytest.approx(0.825)
+    assert "m x1: default 100.0 req/s" in text and "(meets 0.95)" in text
+    assert "0.82x (MISSES 0.95)" in text
+
+
 # benchmarks/peer_openvino.py: sharedml against OpenVINO
 
 import peer_openvino  # noqa: E402
