@@ -457,16 +457,13 @@ def test_session_options_template_is_applied_not_modified(model: Path) -> None:
 
 
 @pytest.mark.parametrize(("old", "new"), [(True, "per-session"), (False, "off"), (None, "auto")])
-def test_a_boolean_prepacking_still_works_for_a_release_and_says_what_to_write(
+def test_a_boolean_prepacking_is_refused_and_says_what_to_write(
     model: Path, old: bool | None, new: str
 ) -> None:
-    with pytest.warns(DeprecationWarning, match=f"prepacking='{new}'") as caught:
-        # A host mechanism named: "auto" stays "auto" (the route may not turn it into
-        # "per-session", as it does where ORT packs weights no saved model shares).
-        pool = sharedml.SessionPool(model, sessions=1, prepacking=old, mechanism="ort-mmap")
-    with pool:
-        assert pool.recipe.prepacking == new
-    assert caught[0].filename == __file__  # the warning names the caller's line
+    with pytest.raises(
+        ValueError, match=f"prepacking={old} is not a setting: write prepacking='{new}'"
+    ):
+        sharedml.SessionPool(model, sessions=1, prepacking=old)  # type: ignore[arg-type]
 
 
 def test_prepacking_can_be_turned_on(model: Path) -> None:

@@ -230,15 +230,15 @@ def test_per_session_prepacking_is_ort_behaviour_and_says_so(small: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    ("given", "expected"),
-    [(None, Prepacking.AUTO), (False, Prepacking.OFF), (True, Prepacking.PER_SESSION)],
+    ("given", "written"),
+    [(None, "'auto'"), (False, "'off'"), (True, "'per-session' (each session packs")],
 )
-def test_the_old_prepacking_spellings_mean_what_they_meant_and_are_deprecated(
-    small: Path, given: object, expected: Prepacking
+def test_the_old_prepacking_spellings_are_refused_naming_the_new_one(
+    small: Path, given: object, written: str
 ) -> None:
-    with pytest.warns(DeprecationWarning, match=rf"prepacking={given} is deprecated"):
-        recipe = route(small, prepacking=given, mechanism="ort-mmap")
-    assert recipe.prepacking is expected
+    with pytest.raises(ValueError, match=rf"prepacking={given} is not a setting: write") as caught:
+        route(small, prepacking=given, mechanism="ort-mmap")
+    assert f"prepacking={written}" in str(caught.value)
 
 
 def test_a_requested_host_mechanism_is_taken_without_the_saved_model(packed: Path) -> None:

@@ -412,8 +412,7 @@ class SessionPool:
             ``"shared"``: the prepacked-file route, or an error if it cannot be built.
             ``"off"``: share raw weights, prepacking off (unpacked kernels).
             ``"per-session"``: ORT's own behaviour: each session packs a private copy of every
-            packed weight. ``None``, ``False`` and ``True`` (the same as ``"auto"``, ``"off"``
-            and ``"per-session"``) still work for one release, with a ``DeprecationWarning``.
+            packed weight.
         batching: Merge the requests that queue while every session is busy into one ``Run``
             (see :class:`~sharedml.Batching` and ``docs/batching.md``), one meaning per
             spelling: ``"auto"``: wherever the row-independence analysis proves the model
@@ -421,9 +420,9 @@ class SessionPool:
             ``Batching``: its settings; ``False``: never. Left out: ``"auto"`` where the
             pool holds one session by default (the provider runs one ``Run`` at a time, or each
             session holds its own copy of the weights: the provider table), else ``False``.
-            ``None`` is deprecated (it meant "left out"). :attr:`batching_reason` says which
-            and why. Only models whose rows the analysis proves apart are merged (or with
-            ``Batching(rows_independent=True)``, the caller's word).
+            :attr:`batching_reason` says which and why. Only models whose rows the analysis
+            proves apart are merged (or with ``Batching(rows_independent=True)``, the caller's
+            word).
         per_session_state: Say that each caller needs a session of its own (state kept in the
             session, CUDA or DML graph capture): no warning for extra sessions where runs are
             serialized.
@@ -486,8 +485,8 @@ class SessionPool:
         sess_options: Any | None = None,
         configure: Callable[[Any], None] | None = None,
         mechanism: str = "auto",
-        prepacking: str | bool | None = "auto",
-        batching: BatchingSetting | BatchingDefault | None = BatchingDefault.BY_PROVIDER,
+        prepacking: str = "auto",
+        batching: BatchingSetting | BatchingDefault = BatchingDefault.BY_PROVIDER,
         per_session_state: bool = False,
         create_in_background: bool = True,
         cache_dir: CacheDir = None,
@@ -548,15 +547,6 @@ class SessionPool:
             raise ValueError(f"min_sessions ({self._min}) is more than max_sessions ({self._max}).")
         if serialized and self._max > 1 and not per_session_state:
             self._warn_serialized_sessions()
-        if batching is None:
-            warnings.warn(
-                "SessionPool(batching=None) is deprecated and will be refused in a future "
-                "release: leave batching out for the default ('auto' where the provider runs one "
-                "Run at a time, else False), or write 'auto', True, False or a sharedml.Batching.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            batching = BatchingDefault.BY_PROVIDER
         by_default = batching is BatchingDefault.BY_PROVIDER
         setting = ("auto" if one else None) if by_default else Batching.parse(batching)
         auto = setting == "auto"

@@ -17,10 +17,9 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 from sharedml._errors import (
     CacheError,
@@ -39,7 +38,6 @@ from sharedml.cache._stamps import Snapshot, recall_stamp, record_stamp, snapsho
 from sharedml.model._graph import external_locations, read_model, set_external
 from sharedml.model._proto import ModelProto, parse_model
 from sharedml.prepared._dedupe import share_with_entries
-from sharedml.prepared._family import FamilyResult, prepare_family
 from sharedml.prepared._files import (
     check_outputs,
     create_temp,
@@ -191,41 +189,18 @@ def output_paths(src_path: Path, dst: str | os.PathLike[str]) -> tuple[Path, Pat
     return dst_path, weights_path
 
 
-@overload
 def prepare(
     src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    size_threshold_bytes: int = ...,
-    alignment_bytes: int = ...,
-    progress: ProgressCallback | None = ...,
-) -> PrepareResult: ...
-
-
-@overload
-def prepare(
-    src: list[str | os.PathLike[str]] | list[str] | list[Path] | tuple[str | os.PathLike[str], ...],
-    dst: str | os.PathLike[str],
-    *,
-    size_threshold_bytes: int = ...,
-    alignment_bytes: int = ...,
-    progress: ProgressCallback | None = ...,
-) -> FamilyResult: ...
-
-
-def prepare(
-    src: Any,
     dst: str | os.PathLike[str],
     *,
     size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     progress: ProgressCallback | None = None,
-) -> PrepareResult | FamilyResult:
+) -> PrepareResult:
     """Rewrite ``src`` into ``dst`` plus one aligned weights file beside it.
 
     Several models that hold the same tensors (a *family*) are prepared over one weights file
-    by :func:`sharedml.prepare_family`. Given a list, ``prepare`` still calls it, with a
-    ``DeprecationWarning``, for one more release.
+    by :func:`sharedml.prepare_family`.
 
     Args:
         src: Any ONNX model: weights inline, in external data files, in ``Constant`` nodes or
@@ -260,6 +235,7 @@ def prepare(
             symlink was swapped in below it while prepare opened the file.
         PrepareError: ``dst`` or its weights file would overwrite the source or its data, or
             is not a regular file.
+        TypeError: ``src`` is a list (:func:`sharedml.prepare_family` prepares several).
         OutputError: the outputs could not be written (a full disk, a folder this user may
             not write, a name too long); it is also an ``OSError`` with the ``errno``.
 
@@ -267,18 +243,9 @@ def prepare(
     each result complete).
     """
     if isinstance(src, (list, tuple)):
-        warnings.warn(
-            "sharedml.prepare() given a list of models is deprecated and will be removed in the "
-            "next release: call sharedml.prepare_family(models, folder) instead.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return prepare_family(
-            src,
-            dst,
-            size_threshold_bytes=size_threshold_bytes,
-            alignment_bytes=alignment_bytes,
-            progress=progress,
+        raise TypeError(
+            "sharedml.prepare() prepares one model, and was given a list: call "
+            "sharedml.prepare_family(models, folder) to prepare several over one weights file."
         )
     check_settings(size_threshold_bytes, alignment_bytes)
     src_path = Path(src)

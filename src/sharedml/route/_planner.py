@@ -8,9 +8,9 @@ session's options and create it. A pool only holds the recipe; every routing rul
 The rules, in order:
 
 1. The model is prepared (cached by content) and its weights file mapped once per process
-   (:func:`sharedml.prepared_model_for`, :class:`sharedml.WeightStore`).
+   (:func:`sharedml.prepared_model_for`, :class:`sharedml.weights.WeightStore`).
 2. On CUDA weights go to the device once and every session borrows the device buffers
-   (:class:`~sharedml.Mechanism` ``DEVICE``), if a route probed in a child process works with
+   (:class:`~sharedml.route.Mechanism` ``DEVICE``), if a route probed in a child process works with
    the installed ORT; otherwise sessions use host weights, with a warning. Where the provider
    table says no device route can work (DirectML, WebGPU, other plugin EPs: their weights
    route is ``ort-mmap``), every session uploads its own device copy, and ORT loads the
@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
-from sharedml._host._deprecation import warn_deprecated
 from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import iter_graphs, load_graph
@@ -111,21 +110,19 @@ class Prepacking(str, enum.Enum):
     def parse(cls, value: object) -> Prepacking:
         """One of the values, by its name (``"auto"``, ``"shared"``, ``"off"``, ``"per-session"``).
 
-        ``None``, ``False`` and ``True`` (``"auto"``, ``"off"`` and ``"per-session"``) are
-        accepted for one release with a ``DeprecationWarning``: ``True`` reads as "share the
-        packed weights" to a user of a sharing library, and means each session's private copy.
-
         Raises:
-            ValueError: anything else that is not one of the values.
+            ValueError: anything else; ``None``, ``False`` and ``True`` with the name to write.
         """
-        aliases: dict[object, Prepacking] = {None: cls.AUTO, False: cls.OFF, True: cls.PER_SESSION}
         if isinstance(value, bool) or value is None:
-            new = aliases[value]
-            warn_deprecated(
-                f"prepacking={value!r} is deprecated: write prepacking={new.value!r} (the same "
-                "meaning); the old spelling goes in the next release."
-            )
-            return new
+            # True reads as "share the packed weights" to a user of a sharing library, and
+            # meant each session's private copy: the message names both.
+            instead = {
+                None: "'auto' (the default: leave it out)",
+                False: "'off' (no prepacking)",
+                True: "'per-session' (each session packs a private copy) or 'shared' (one packed "
+                "copy for every session)",
+            }[value]
+            raise ValueError(f"prepacking={value!r} is not a setting: write prepacking={instead}.")
         try:
             return cls(value)
         except ValueError:
@@ -316,7 +313,7 @@ def plan_route(
         configure: Called with each session's options before creation.
         mechanism: ``"auto"`` or a :class:`Mechanism` value other than ``prepacked-file`` and
             ``optimized-file`` (which the planner chooses).
-        prepacking: A :class:`Prepacking` value (or an alias, see :meth:`Prepacking.parse`).
+        prepacking: A :class:`Prepacking` value, or its name (:meth:`Prepacking.parse`).
         cache_dir: The cache: a path, a :class:`~sharedml.cache.Cache`, or None for
             :func:`sharedml.cache_dir`. Resolved once here; the recipe carries it.
         verify_weights: Check the weights' SHA-256 when first mapped in the process.

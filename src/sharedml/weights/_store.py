@@ -188,7 +188,7 @@ class WeightStore:
         # files it shares with other entries are held by the mappings too.
         self._hold = hold_entry(model_path)
         # One mapping per weights FILE per process, whichever graph (or hard link) names it:
-        # the members of a family (sharedml.prepare([...])) and cache entries that share
+        # the members of a family (sharedml.prepare_family([...])) and cache entries that share
         # tensors (sharedml.prepared._dedupe) share it, and so share its pages.
         self._files: dict[str, _MappedFile] = {}
         try:
