@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
-import functools
 import logging
 import math
 import operator
@@ -49,7 +48,6 @@ from sharedml._errors import (
 )
 from sharedml._host._platform import usable_cores
 from sharedml.cache._root import CacheDir
-from sharedml.model._graph import load_graph
 from sharedml.model._proto import ModelProto
 from sharedml.pool._arena import ArenaPeaks
 from sharedml.pool._batching import (
@@ -74,11 +72,17 @@ from sharedml.pool._graphs import (
     ShapeSessions,
     cuda_graphs_enabled,
 )
-from sharedml.pool._relax import relax, relaxed_recipe
+from sharedml.pool._relax import relax, relaxed_model
 from sharedml.pool._runlock import FairLock, SerializedSession, run_lock_for
 from sharedml.pool._scheduler import Scheduler, closed_error
 from sharedml.pool._stats import PoolStats
-from sharedml.route._planner import Mechanism, SessionRecipe, plan_route
+from sharedml.route._planner import (
+    Mechanism,
+    SessionRecipe,
+    open_model,
+    plan_route,
+    route_settings,
+)
 from sharedml.runtime._errors import is_session_lost, mapped_run_errors, run_error
 from sharedml.runtime._providers import (
     CPU,
@@ -205,10 +209,10 @@ def _decide_batching(
     auto: bool,
     by_default: bool,
     serialized: bool,
-    model_path: Path,
+    graph: ModelProto,
     name: str,
-) -> tuple[Batching | None, Signature | None, str, ModelProto | None]:
-    """Whether a pool merges requests: its settings, the model's signature, why, and its graph.
+) -> tuple[Batching | None, Signature | None, str]:
+    """Whether a pool merges requests: its settings, the model's signature, and why.
 
     A model that fixes axis 0 at 1 batches where the analysis proves that axis can be relaxed
     (``signature.relaxed``). The caller serves every proven model from the graph the analysis
@@ -220,7 +224,7 @@ def _decide_batching(
         by_default: ``batching`` was left out.
         serialized: The pool holds one session by default (the provider runs one ``Run`` at a
             time, or each session holds its own copy of the weights).
-        model_path: The prepared model, whose graph the analysis reads.
+        graph: The prepared model's graph, which the analysis reads.
         name: How messages name the model.
 
     Raises:
@@ -234,9 +238,8 @@ def _decide_batching(
             "pass batching=True to merge requests"
         )
     if wanted is None and not auto:
-        return None, None, reason, None
+        return None, None, reason
     asked = wanted or Batching()
-    graph = load_graph(model_path)
     try:
         signature = signature_of(
             graph,
@@ -250,7 +253,7 @@ def _decide_batching(
             raise  # asked for: say why not; by default: run unbatched, and say why
         reason = f"not merging requests: {exc}"
         _log.info("sharedml: %s", reason)
-        return None, None, reason, None
+        return None, None, reason
     reason = (
         "merging requests: the caller said each output row depends only on its own input row "
         "(Batching(rows_independent=True))"
@@ -258,7 +261,7 @@ def _decide_batching(
         else "merging requests: the row-independence analysis proved that every output row "
         "depends only on its own input row"
     )
-    return asked, signature, reason, graph
+    return asked, signature, reason
 
 
 class _Sessions:
@@ -515,6 +518,7 @@ class SessionPool:
             )
         if cores is not None:
             cores = _count_argument("cores", cores, minimum=1, also="")
+        route_settings(mechanism, prepacking)
         counts = {
             name: _count_argument(name, value, minimum=minimum, also=also)
             for name, value, minimum, also in (
@@ -559,36 +563,30 @@ class SessionPool:
         self._ready = threading.Event()  # every up-front session exists (or never will)
         self._stopping = threading.Event()  # close(): background creation stops
 
-        route = functools.partial(  # again below for a graph served with its axis 0 relaxed
-            plan_route,
-            plan=self.plan,
-            max_sessions=self._max,
-            sess_options=sess_options,
-            configure=configure,
-            mechanism=mechanism,
-            prepacking=prepacking,
+        # The model is prepared, parsed and mapped once; every step below reads that graph.
+        opened = open_model(
+            model,
             cache_dir=cache_dir,
             verify_weights=verify_weights,
             size_threshold_bytes=size_threshold_bytes,
             weights=weights,
-            cores=cores,
         )
-        self.recipe: SessionRecipe = route(model)
-        chosen, self._signature, reason, graph = _decide_batching(
+        chosen, self._signature, reason = _decide_batching(
             wanted,
             auto=auto,
             by_default=by_default,
             serialized=one,
-            model_path=self.recipe.model_path,
-            name=f"model '{self.source_path}'",
+            graph=opened.graph,
+            name=f"model '{opened.source_path}'",
         )
-        if graph is not None and self._signature is not None and self._signature.proof:
+        if self._signature is not None and self._signature.proof:
             # The sessions load the graph the analysis proved: no declared shape it did not
-            # prove, which ORT would fold into constants (pool/_relax).
-            relaxed = relax(graph, self._signature.proof)
+            # prove, which ORT would fold into constants (pool/_relax). It is routed instead
+            # of the prepared graph, so the pool plans one route, for the graph it loads.
+            relaxed = relax(opened.graph, self._signature.proof)
             try:
-                if relaxed.graph is not graph:
-                    self.recipe = relaxed_recipe(self.recipe, relaxed, route)
+                if relaxed.graph is not opened.graph:
+                    opened = relaxed_model(opened, relaxed, verify=verify_weights)
                 reason += relaxed.reason
             except NotBatchableError as exc:
                 if wanted is not None:
@@ -596,7 +594,18 @@ class SessionPool:
                 chosen, self._signature, reason = None, None, f"not merging requests: {exc}"
                 _log.info("sharedml: %s", reason)
             del relaxed
-        del graph
+        self.recipe: SessionRecipe = plan_route(
+            opened,
+            plan=self.plan,
+            max_sessions=self._max,
+            sess_options=sess_options,
+            configure=configure,
+            mechanism=mechanism,
+            prepacking=prepacking,
+            verify_weights=verify_weights,
+            cores=cores,
+        )
+        del opened
         self._calibration: Calibration | None = None
         if auto_sessions:  # probes come and go before any session of the pool exists
             self._calibration = calibrate(

@@ -76,6 +76,7 @@ __all__ = [
     "prepare",
     "prepared_model_for",
     "prepared_model_from_bytes",
+    "prepared_model_with_graph",
     "weights_path_for",
 ]
 # SharedWeights, WeightsManifest and weights_path_for live in sharedml.prepared._format; they are
@@ -424,6 +425,29 @@ def prepared_model_for(
     Thread and process safety: safe to call from many threads and processes at once; every
     caller gets a complete entry, and no entry is ever modified after it is published.
     """
+    return prepared_model_with_graph(
+        model_path,
+        cache_dir=cache_dir,
+        size_threshold_bytes=size_threshold_bytes,
+        verify=verify,
+        copy_prepared=copy_prepared,
+    )[0]
+
+
+def prepared_model_with_graph(
+    model_path: str | os.PathLike[str],
+    *,
+    cache_dir: CacheDir = None,
+    size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
+    verify: bool = True,
+    copy_prepared: bool = False,
+) -> tuple[Path, ModelProto | None]:
+    """:func:`prepared_model_for`, and the prepared graph where finding it parsed that graph.
+
+    A model that :func:`sharedml.prepare` wrote is read to find its manifest: that parse is
+    the prepared graph, returned so that the caller does not parse the file again. A cache
+    entry is not parsed here (the source was, or a stamp spared it): None.
+    """
     path = Path(model_path)
     size_threshold_bytes = check_threshold(size_threshold_bytes)
     # A copied prepared model must not be found by a later call that wants the model itself.
@@ -446,11 +470,11 @@ def prepared_model_for(
 
     known = recall_stamp("prepared", path, params, cache=cache)
     if known is not None:  # the source is unchanged since it was hashed: skip parse and hash
-        return entry_for(known)
+        return entry_for(known), None
     before = snapshot(path)  # before the read: a stamp must not vouch for a later write
     model, model_bytes = read_model(path)
     if read_manifest(model) is not None and not copy_prepared:
-        return path
+        return path, model
     key, before = _source_key(path, model, model_bytes, before, size_threshold_bytes)
     del model, model_bytes  # the graph can be large; prepare loads its own copy
     # A source with inline weights was read and parsed whole (twice its size): glibc keeps
@@ -459,7 +483,7 @@ def prepared_model_for(
     prepared = entry_for(key)
     # Recorded only if no file changed since `before`: else the build may hold other bytes.
     record_stamp("prepared", before, key, params, cache=cache)
-    return prepared
+    return prepared, None
 
 
 def _prepare_into(

@@ -41,14 +41,14 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
 from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import iter_graphs, load_graph
 from sharedml.prepared._compress import WeightsFormat, compressed_model_for
-from sharedml.prepared._prepare import prepared_model_for, prepared_model_from_bytes
+from sharedml.prepared._prepare import prepared_model_from_bytes, prepared_model_with_graph
 from sharedml.route._cpu import CpuRoute, choose_cpu_route
 from sharedml.runtime._capabilities import capability
 from sharedml.runtime._options import clone_session_options, config_entry
@@ -62,7 +62,18 @@ from sharedml.runtime._providers import (
 )
 from sharedml.weights._store import WeightStore, zero_copy_mechanisms
 
-__all__ = ["Mechanism", "Prepacking", "SessionRecipe", "plan_route"]
+if TYPE_CHECKING:  # the message classes load on first parse, not on import
+    from sharedml.model._proto import ModelProto
+
+__all__ = [
+    "Mechanism",
+    "OpenedModel",
+    "Prepacking",
+    "SessionRecipe",
+    "open_model",
+    "plan_route",
+    "route_settings",
+]
 
 
 class Mechanism(str, enum.Enum):
@@ -131,6 +142,24 @@ class Prepacking(str, enum.Enum):
             ) from None
 
 
+def route_settings(mechanism: object, prepacking: object) -> tuple[Mechanism | None, Prepacking]:
+    """``mechanism=`` and ``prepacking=`` checked together, before anything is prepared.
+
+    Returns:
+        The mechanism asked for (None: ``"auto"``, the planner chooses) and the prepacking.
+
+    Raises:
+        ValueError: an unknown value, or ``prepacking="shared"`` with a mechanism named.
+    """
+    requested = _parse_mechanism(mechanism)
+    packing = Prepacking.parse(prepacking)
+    if packing is Prepacking.SHARED and requested is not None:
+        raise ValueError(
+            "prepacking='shared' chooses the weight mechanism itself; leave mechanism='auto'."
+        )
+    return requested, packing
+
+
 def _parse_mechanism(value: object) -> Mechanism | None:
     """``"auto"`` -> None (the planner chooses); a name -> its Mechanism.
 
@@ -157,6 +186,9 @@ class SessionRecipe:
     Attributes:
         source_path: The model as the caller gave it.
         model_path: The prepared model (``source_path`` itself if prepare wrote it).
+        graph: ``model_path``'s graph (external data not loaded: nodes and small tensors),
+            parsed once for the pool (:func:`open_model`); whatever reads the model after
+            that reads this, never the file again. Shared: never modified.
         load_path: The file each session loads: the prepared model, or its prepacked form.
         mechanism: How sessions get the weights.
         reason: Why this mechanism, in one or two sentences (``pool.mechanism_reason``).
@@ -179,6 +211,7 @@ class SessionRecipe:
 
     source_path: Path
     model_path: Path
+    graph: ModelProto
     load_path: Path
     mechanism: Mechanism
     reason: str
@@ -288,8 +321,90 @@ def _has_providers(so: Any) -> bool:
     return bool(has()) if callable(has) else False
 
 
-def plan_route(
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpenedModel:
+    """A pool's model, prepared, parsed once and mapped once: what the planner routes.
+
+    Attributes:
+        source_path: The model as the caller gave it (``<model bytes>`` for bytes).
+        model_path: The prepared model (compressed where asked), whose weights the sessions
+            share.
+        graph: ``model_path``'s graph, external data not loaded; never modified.
+        weights: Its host weights, mapped once for the process.
+        cache: The cache it was found or built in (resolved once).
+        weights_format: ``FLOAT``, or the format ``model_path`` was compressed to.
+    """
+
+    source_path: Path
+    model_path: Path
+    graph: ModelProto
+    weights: WeightStore
+    cache: Cache
+    weights_format: WeightsFormat = WeightsFormat.FLOAT
+
+
+def open_model(
     model: str | os.PathLike[str] | bytes,
+    *,
+    cache_dir: CacheDir = None,
+    verify_weights: bool = True,
+    size_threshold_bytes: int | None = None,
+    weights: WeightsFormat | str = WeightsFormat.FLOAT,
+) -> OpenedModel:
+    """Rule 1: prepare ``model`` (cached by content), parse its graph once, map its weights.
+
+    Args:
+        model: Any ONNX model path, or a model's bytes (without external data).
+        cache_dir: The cache: a path, a :class:`~sharedml.cache.Cache`, or None for
+            :func:`sharedml.cache_dir`. Resolved once here; the opened model carries it.
+        verify_weights: Check the weights' SHA-256 when first mapped in the process.
+        size_threshold_bytes: Passed to prepare for models it prepares (None: its default).
+        weights: ``"float"``, or compressed MatMul/Gemm weights (``"int8"``, ``"int4"``): the
+            model is compressed once into the cache and the sessions share that file
+            (:mod:`sharedml.prepared._compress`).
+
+    Raises:
+        SharedMLError: the model, its weights or the cache cannot be used.
+    """
+    cache = Cache.at(cache_dir)
+    compressed = WeightsFormat.parse(weights)
+    kwargs: dict[str, Any] = (
+        {} if size_threshold_bytes is None else {"size_threshold_bytes": size_threshold_bytes}
+    )
+    graph: ModelProto | None = None  # where finding the prepared model parsed it already
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        source = Path("<model bytes>")
+        model_path = prepared_model_from_bytes(
+            bytes(model), cache_dir=cache, verify=verify_weights, **kwargs
+        )
+    elif isinstance(model, (str, os.PathLike)):
+        source = Path(model)
+        model_path, graph = prepared_model_with_graph(
+            source, cache_dir=cache, verify=verify_weights, **kwargs
+        )
+    else:
+        raise TypeError(
+            f"model must be a path (str or os.PathLike) or the model's bytes, not "
+            f"{type(model).__name__}."
+        )
+    if compressed is not WeightsFormat.FLOAT:  # compressed once from the prepared float model
+        model_path = compressed_model_for(
+            model_path,
+            weights=compressed,
+            cache_dir=cache,
+            verify=verify_weights,
+            source=source,
+            graph=graph,
+        )
+        graph = None  # the compressed model's graph is another one
+    if graph is None:
+        graph = load_graph(model_path)  # the one parse of the graph the sessions load
+    store = WeightStore.open(model_path, verify=verify_weights, cache_dir=cache, model=graph)
+    return OpenedModel(source, model_path, graph, store, cache, compressed)
+
+
+def plan_route(
+    model: str | os.PathLike[str] | bytes | OpenedModel,
     *,
     plan: ProviderPlan,
     max_sessions: int,
@@ -306,7 +421,9 @@ def plan_route(
     """Decide how ``max_sessions`` sessions of ``model`` get their weights (see the module).
 
     Args:
-        model: Any ONNX model path, or a model's bytes (without external data).
+        model: Any ONNX model path, or a model's bytes (without external data), opened with
+            :func:`open_model`; or a model opened already (then ``cache_dir``,
+            ``size_threshold_bytes`` and ``weights`` are the ones it was opened with).
         plan: From :func:`sharedml.runtime._providers.plan_providers`.
         max_sessions: The most sessions that will exist at once (threads and map budget).
         sess_options: The caller's template ``SessionOptions`` (not modified).
@@ -333,19 +450,27 @@ def plan_route(
         SharedMLError: the model, its weights or the cache cannot be used.
     """
     plan, graphs_reason = _without_unusable_graphs(plan)
-    cache = Cache.at(cache_dir)
+    requested, packing = route_settings(mechanism, prepacking)
+    opened = (
+        model
+        if isinstance(model, OpenedModel)
+        else open_model(
+            model,
+            cache_dir=cache_dir,
+            verify_weights=verify_weights,
+            size_threshold_bytes=size_threshold_bytes,
+            weights=weights,
+        )
+    )
     recipe = _plan(
-        model,
+        opened,
         plan=plan,
         max_sessions=max_sessions,
         sess_options=sess_options,
         configure=configure,
-        mechanism=mechanism,
-        prepacking=prepacking,
-        cache=cache,
+        requested=requested,
+        packing=packing,
         verify_weights=verify_weights,
-        size_threshold_bytes=size_threshold_bytes,
-        compressed=WeightsFormat.parse(weights),
         cores=cores,
     )
     if graphs_reason:
@@ -367,52 +492,25 @@ def _without_unusable_graphs(plan: ProviderPlan) -> tuple[ProviderPlan, str]:
 
 
 def _plan(
-    model: str | os.PathLike[str] | bytes,
+    opened: OpenedModel,
     *,
     plan: ProviderPlan,
     max_sessions: int,
     sess_options: Any | None,
     configure: Callable[[Any], None] | None,
-    mechanism: str,
-    prepacking: object,
-    cache: Cache,
+    requested: Mechanism | None,
+    packing: Prepacking,
     verify_weights: bool,
-    size_threshold_bytes: int | None,
-    compressed: WeightsFormat = WeightsFormat.FLOAT,
     cores: int | None = None,
 ) -> SessionRecipe:
-    """:func:`plan_route` for a plan whose options can run here."""
-    requested = _parse_mechanism(mechanism)
-    packing = Prepacking.parse(prepacking)
-    if packing is Prepacking.SHARED and requested is not None:
-        raise ValueError(
-            "prepacking='shared' chooses the weight mechanism itself; leave mechanism='auto'."
-        )
-    kwargs: dict[str, Any] = (
-        {} if size_threshold_bytes is None else {"size_threshold_bytes": size_threshold_bytes}
+    """:func:`plan_route` for an opened model and a plan whose options can run here."""
+    source, model_path, weights, cache = (
+        opened.source_path,
+        opened.model_path,
+        opened.weights,
+        opened.cache,
     )
-    if isinstance(model, (bytes, bytearray, memoryview)):
-        source = Path("<model bytes>")
-        model_path = prepared_model_from_bytes(
-            bytes(model), cache_dir=cache, verify=verify_weights, **kwargs
-        )
-    elif isinstance(model, (str, os.PathLike)):
-        source = Path(model)
-        model_path = prepared_model_for(source, cache_dir=cache, verify=verify_weights, **kwargs)
-    else:
-        raise TypeError(
-            f"model must be a path (str or os.PathLike) or the model's bytes, not "
-            f"{type(model).__name__}."
-        )
-    if compressed is not WeightsFormat.FLOAT:  # compressed once from the prepared float model
-        model_path = compressed_model_for(
-            model_path,
-            weights=compressed,
-            cache_dir=cache,
-            verify=verify_weights,
-            source=source,
-        )
-    weights = WeightStore.open(model_path, verify=verify_weights, cache_dir=cache)
+    compressed = opened.weights_format
     if requested is Mechanism.IN_MEMORY_FILE and not capability("files-in-memory").available:
         raise ProviderError(
             f"mechanism='in-memory-file' cannot be used: {capability('files-in-memory').reason}. "
@@ -421,6 +519,7 @@ def _plan(
     common: dict[str, Any] = {
         "source_path": source,
         "model_path": model_path,
+        "graph": opened.graph,
         "plan": plan,
         "weights": weights,
         "prepacking": packing,
@@ -457,16 +556,14 @@ def _plan(
         # Block-quantized MatMuls (compressed here, or quantized before they came to us) run on
         # packed weights only: where the shared packed form cannot be used, each session packs.
         block_packs = packing is Prepacking.AUTO and (
-            compressed is not WeightsFormat.FLOAT or _block_quantized(model_path)
+            compressed is not WeightsFormat.FLOAT or _block_quantized(opened.graph)
         )
         prepacked, reason, packs = _prepacked_weights(
-            weights,
+            opened,
             sess_options,
-            cache,
             max_sessions,
             forced=packing is Prepacking.SHARED,
             verify=verify_weights,
-            source=source,
             instead=(
                 "each session packs its own copy of the compressed weights instead"
                 if block_packs
@@ -502,9 +599,7 @@ def _plan(
         reason = ""
     stats = None
     if plan.primary == CPU and packing is Prepacking.OFF and device_reason == "":
-        stats, derived_reason = _derived_weights_check(
-            weights, sess_options, cache, source, verify=verify_weights
-        )
+        stats, derived_reason = _derived_weights_check(opened, sess_options, verify=verify_weights)
         reason = " ".join(r for r in (reason, derived_reason) if r)
     reason = " ".join(r for r in (device_reason, reason, _host_reason(host, packing)) if r)
     return SessionRecipe(
@@ -512,31 +607,32 @@ def _plan(
     )
 
 
-def _block_quantized(model_path: Path) -> bool:
+def _block_quantized(model: ModelProto) -> bool:
     """Whether the model runs ORT's ``MatMulNBits`` (weights in blocks of a few bits)."""
-    graph = load_graph(model_path).graph
-    return any(n.op_type == "MatMulNBits" for g, _ in iter_graphs(graph) for n in g.node)
+    return any(n.op_type == "MatMulNBits" for g, _ in iter_graphs(model.graph) for n in g.node)
 
 
-def _optimized_model(weights: WeightStore, sess_options: Any, cache: Cache, *, verify: bool) -> Any:
+def _optimized_model(opened: OpenedModel, sess_options: Any, *, verify: bool) -> Any:
     """ORT's saved optimized (and prepacked) form of the model: a cache entry, built once."""
     from sharedml.weights import _prepacked as _prepack
 
+    weights = opened.weights
     files = weights.manifest.files
     return _prepack.build_prepacked_model(
         weights.model_path,
         weights.path
         if len(files) == 1
         else {f.file: weights.model_path.parent / f.file for f in files},
-        cache,
+        opened.cache,
         sess_options=sess_options,
         weights_digest="sha256:" + ",".join(f.sha256 for f in sorted(files, key=lambda f: f.file)),
         verify=verify,
+        graph=opened.graph,
     )
 
 
 def _derived_weights_check(
-    weights: WeightStore, sess_options: Any, cache: Cache, source: Path, *, verify: bool
+    opened: OpenedModel, sess_options: Any, *, verify: bool
 ) -> tuple[Any, str]:
     """For ``prepacking="off"``: does ORT derive weights that every session then keeps itself?
 
@@ -546,7 +642,7 @@ def _derived_weights_check(
     reason saying the check could not be made.
     """
     try:
-        prepacked = _optimized_model(weights, sess_options, cache, verify=verify)
+        prepacked = _optimized_model(opened, sess_options, verify=verify)
     except CacheError:
         raise
     except (SharedMLError, ValueError) as exc:
@@ -555,7 +651,8 @@ def _derived_weights_check(
     if not derived:
         return prepacked.stats, ""
     message = (
-        f"prepacking='off' shares only the raw weights of '{source}': ORT's optimizers derive "
+        f"prepacking='off' shares only the raw weights of '{opened.source_path}': ORT's "
+        f"optimizers derive "
         f"{derived / 2**20:.1f} MiB of weights from them (fused, folded or dequantized), which "
         "every session derives and keeps for itself. prepacking='auto' (the default) shares "
         "those too."
@@ -646,14 +743,12 @@ def _device_weights(weights: WeightStore, plan: ProviderPlan, *, forced: bool) -
 
 
 def _prepacked_weights(
-    weights: WeightStore,
+    opened: OpenedModel,
     sess_options: Any,
-    cache: Cache,
     sessions: int,
     *,
     forced: bool,
     verify: bool,
-    source: Path,
     instead: str = "the pool shares raw weights with prepacking off instead",
     block_quantized: bool = False,
 ) -> tuple[Any, str, bool]:
@@ -673,14 +768,15 @@ def _prepacked_weights(
             )
         return None, f"The saved prepacked model is not used: {saves.reason}.", False
     try:
-        prepacked = _optimized_model(weights, sess_options, cache, verify=verify)
+        prepacked = _optimized_model(opened, sess_options, verify=verify)
     except CacheError:
         raise  # an untrusted cache is the caller's to fix, on every route alike
     except SharedMLError as exc:
         if forced:
             raise
         warnings.warn(
-            f"sharedml: sharing prepacked weights failed for '{source}', {instead}: {exc}",
+            f"sharedml: sharing prepacked weights failed for '{opened.source_path}', {instead}: "
+            f"{exc}",
             RuntimeWarning,
             stacklevel=4,
         )
