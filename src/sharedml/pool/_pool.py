@@ -1,7 +1,9 @@
 """SessionPool: N ONNX Runtime sessions over one copy of the weights, safe to use from any thread.
 
-The pool is the client side of the split: it owns the lifecycle of its sessions; how a session
-gets its weights is the route planner's (:mod:`sharedml.route._planner`), which hands the pool a
+The pool is the client side of the split: it owns the lifecycle of its sessions. Its arguments
+become one checked :class:`~sharedml.pool._options.PoolOptions` and a plan
+(:mod:`sharedml.pool._options`) before anything is read; how a session gets its weights is the
+route planner's (:mod:`sharedml.route._planner`), which hands the pool a
 :class:`~sharedml.route.SessionRecipe`; whether requests may merge is the batching module's
 (:mod:`sharedml.pool._batching`); who runs when, and which requests merge into one ``Run``, is
 the scheduler's (:mod:`sharedml.pool._scheduler`); creation and its retries are
@@ -27,7 +29,6 @@ import dataclasses
 import enum
 import logging
 import math
-import operator
 import os
 import threading
 import time
@@ -70,34 +71,24 @@ from sharedml.pool._graphs import (
     GRAPH_DEVICES,
     GraphSession,
     ShapeSessions,
-    cuda_graphs_enabled,
 )
+from sharedml.pool._options import PoolOptions, PoolPlan, plan_pool
 from sharedml.pool._relax import relax, relaxed_model
 from sharedml.pool._runlock import FairLock, SerializedSession, run_lock_for
 from sharedml.pool._scheduler import Scheduler, closed_error
 from sharedml.pool._stats import PoolStats
-from sharedml.route._planner import (
-    Mechanism,
-    SessionRecipe,
-    open_model,
-    plan_route,
-    route_settings,
-)
+from sharedml.route._options import Mechanism
+from sharedml.route._planner import SessionRecipe, open_model, plan_route
 from sharedml.runtime._errors import is_session_lost, mapped_run_errors, run_error
 from sharedml.runtime._providers import (
     CPU,
-    DML,
     ProviderPlan,
     ProviderSpec,
-    plan_providers,
-    runs_rule,
 )
 from sharedml.weights._store import WeightStore
 
-__all__ = ["DEFAULT_SESSIONS", "PoolStats", "SessionPool"]
+__all__ = ["PoolStats", "SessionPool", "open_pool"]
 
-DEFAULT_SESSIONS = 4  # sessions in a pool whose provider runs Runs side by side
-_SERIALIZED_SESSIONS = 1  # where Runs cannot overlap, more sessions buy no concurrency
 _CHECK_RTOL_CPU = 1e-3  # merged vs solo, relative to an output's largest magnitude
 _CHECK_RTOL_DEVICE = 2e-2  # GPUs may use TF32 and pick other kernels per batch size
 
@@ -127,12 +118,6 @@ def _discard(sess: Any) -> None:
     """Let a session go; a CUDA-graph session's thread stops first."""
     if isinstance(sess, (GraphSession, ShapeSessions)):
         sess.close()
-
-
-# The most sessions a pool takes: far beyond what any host holds (each session keeps its own
-# activations and threads), and far below what overflows a C size (2**63 raised OverflowError
-# deep inside the pool, not a message about the argument).
-_MAX_SESSIONS = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,19 +158,6 @@ def _metadata_of(sess: Any) -> dict[str, Any]:
         "providers": list(sess.get_providers()),
         "modelmeta": types.SimpleNamespace(**{a: getattr(meta, a) for a in _MODEL_METADATA}),
     }
-
-
-def _count_argument(name: str, value: object, *, minimum: int, also: str = "") -> int:
-    """A count of sessions, checked; ``also`` names another spelling the argument takes."""
-    try:
-        count = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an integer{also}, not {value!r}.") from None
-    if isinstance(value, bool) or not minimum <= count <= _MAX_SESSIONS:
-        raise ValueError(
-            f"{name} must be an integer from {minimum} to {_MAX_SESSIONS}{also}, not {value!r}."
-        )
-    return count
 
 
 def _timeout_argument(timeout_s: object) -> float | None:
@@ -502,80 +474,69 @@ class SessionPool:
         ep_libraries: Mapping[str, str | os.PathLike[str]] | None = None,
         ep_devices: Mapping[str, Any] | None = None,
     ) -> None:
+        # Arguments first: nothing is prepared, mapped or created for a call that cannot work.
+        options = PoolOptions.from_arguments(
+            sessions=sessions,
+            min_sessions=min_sessions,
+            max_sessions=max_sessions,
+            providers=providers,
+            provider_options=provider_options,
+            sess_options=sess_options,
+            configure=configure,
+            mechanism=mechanism,
+            prepacking=prepacking,
+            batching=batching,
+            per_session_state=per_session_state,
+            create_in_background=create_in_background,
+            cache_dir=cache_dir,
+            verify_weights=verify_weights,
+            serialize_creation=serialize_creation,
+            serialize_runs=serialize_runs,
+            size_threshold_bytes=size_threshold_bytes,
+            weights=weights,
+            cores=cores,
+            ep_libraries=ep_libraries,
+            ep_devices=ep_devices,
+        )
+        self._open(model, options)
+
+    def _open(self, model: str | os.PathLike[str] | bytes, options: PoolOptions) -> None:
+        """Plan the pool from its checked options, then route the model and start the sessions."""
         self._state = _State.OPENING
         self._pid = os.getpid()
-        # Arguments first: nothing is prepared, mapped or created for a call that cannot work.
-        auto_sessions = isinstance(sessions, str) and sessions == "auto"
-        if auto_sessions and (min_sessions is not None or max_sessions is not None):
-            given = " and ".join(
-                f"{name}={value!r}"
-                for name, value in (("min_sessions", min_sessions), ("max_sessions", max_sessions))
-                if value is not None
-            )
-            raise ValueError(
-                f"sessions='auto' with {given}: 'auto' chooses the number of sessions itself. "
-                "Leave min_sessions and max_sessions out, or give sessions a number."
-            )
-        if cores is not None:
-            cores = _count_argument("cores", cores, minimum=1, also="")
-        route_settings(mechanism, prepacking)
-        counts = {
-            name: _count_argument(name, value, minimum=minimum, also=also)
-            for name, value, minimum, also in (
-                ("sessions", None if auto_sessions else sessions, 1, " or 'auto'"),
-                ("max_sessions", max_sessions, 1, ""),
-                ("min_sessions", min_sessions, 0, ""),
-            )
-            if value is not None
-        }
-        self.plan: ProviderPlan = plan_providers(
-            providers, provider_options, ep_libraries=ep_libraries, ep_devices=ep_devices
-        )
-        self._runs_rule = runs_rule(self.plan, asked=serialize_runs)
-        serialized = self._runs_rule.serialized
-        if not serialize_creation and DML in self.plan.providers:
-            raise ValueError(
-                "serialize_creation=False with DmlExecutionProvider: creating DirectML sessions "
-                "concurrently crashes some onnxruntime-directml versions; leave it True."
-            )
-        # The table's default, unless the caller overrode its rule on runs (then as it says).
-        one = self.plan.facts.default_sessions == 1 if serialize_runs is None else serialized
-        default = _SERIALIZED_SESSIONS if one else DEFAULT_SESSIONS
-        self._max = counts.get("max_sessions", counts.get("sessions", default))
-        if auto_sessions and self.plan.primary == CPU and not serialized:
-            # Routed for the most sessions calibration may choose (map budget); the count and
-            # the threads are set once it has measured.
-            self._max = max(default, cores or usable_cores())
-        self._min = counts.get("min_sessions", self._max)
-        if self._min > self._max:
-            raise ValueError(f"min_sessions ({self._min}) is more than max_sessions ({self._max}).")
-        if serialized and self._max > 1 and not per_session_state:
+        self.plan: ProviderPlan = options.providers.plan()
+        planned = plan_pool(options, self.plan, cores=options.session.cores or usable_cores())
+        self._runs_rule = planned.runs
+        self._max, self._min = planned.route.max_sessions, planned.min_sessions
+        if planned.warn_sessions:
             self._warn_serialized_sessions()
-        by_default = batching is BatchingDefault.BY_PROVIDER
-        setting = ("auto" if one else None) if by_default else Batching.parse(batching)
-        auto = setting == "auto"
-        wanted = setting if isinstance(setting, Batching) else None
-
+        serialized = planned.runs.serialized
         self._run_lock: FairLock | None = run_lock_for(self.plan) if serialized else None
-        graphs = cuda_graphs_enabled(self.plan.primary, self.plan.provider_options[0])
         self._creator: Future[None] | None = None
         self._gave_up: BaseException | None = None  # background creation stopped for good
         self._ready = threading.Event()  # every up-front session exists (or never will)
         self._stopping = threading.Event()  # close(): background creation stops
+        chosen, reason = self._route(model, planned)
+        self._calibration: Calibration | None = None
+        if planned.calibrate:  # probes come and go before any session of the pool exists
+            chosen, reason = self._calibrate(planned, chosen, reason)
+        self._start(planned, chosen, reason)
 
+    def _route(
+        self, model: str | os.PathLike[str] | bytes, planned: PoolPlan
+    ) -> tuple[Batching | None, str]:
+        """Open the model, decide batching on its graph, and plan the route of the graph loaded.
+
+        Sets :attr:`recipe` and the model's batching signature; returns the batching settings
+        (None: requests do not merge) and why.
+        """
         # The model is prepared, parsed and mapped once; every step below reads that graph.
-        opened = open_model(
-            model,
-            cache_dir=cache_dir,
-            verify_weights=verify_weights,
-            size_threshold_bytes=size_threshold_bytes,
-            weights=weights,
-        )
+        opened = open_model(model, planned.route.weights)
         chosen, self._signature, reason = _decide_batching(
-            wanted,
-            auto=auto,
-            by_default=by_default,
-            serialized=one,
+            planned.batching,
+            auto=planned.auto_batching,
+            by_default=planned.batching_by_default,
+            serialized=planned.one_session,
             graph=opened.graph,
             name=f"model '{opened.source_path}'",
         )
@@ -586,51 +547,48 @@ class SessionPool:
             relaxed = relax(opened.graph, self._signature.proof)
             try:
                 if relaxed.graph is not opened.graph:
-                    opened = relaxed_model(opened, relaxed, verify=verify_weights)
+                    verify = planned.route.weights.verify_weights
+                    opened = relaxed_model(opened, relaxed, verify=verify)
                 reason += relaxed.reason
             except NotBatchableError as exc:
-                if wanted is not None:
+                if planned.batching is not None:
                     raise
                 chosen, self._signature, reason = None, None, f"not merging requests: {exc}"
                 _log.info("sharedml: %s", reason)
             del relaxed
-        self.recipe: SessionRecipe = plan_route(
-            opened,
-            plan=self.plan,
-            max_sessions=self._max,
-            sess_options=sess_options,
-            configure=configure,
-            mechanism=mechanism,
-            prepacking=prepacking,
-            verify_weights=verify_weights,
-            cores=cores,
+        self.recipe: SessionRecipe = plan_route(opened, planned.route)
+        return chosen, reason
+
+    def _calibrate(
+        self, planned: PoolPlan, chosen: Batching | None, reason: str
+    ) -> tuple[Batching | None, str]:
+        """``sessions="auto"``: measure the split, and set the counts and threads it chose."""
+        self._calibration = calibrate(
+            self.recipe,
+            batching=chosen,
+            serialized=planned.runs.serialized,
+            default_sessions=planned.default_sessions,
+            creation_lock=CREATION_LOCK if planned.serialize_creation else None,
+            cores=planned.route.session.cores,
         )
-        del opened
-        self._calibration: Calibration | None = None
-        if auto_sessions:  # probes come and go before any session of the pool exists
-            self._calibration = calibrate(
-                self.recipe,
-                batching=chosen,
-                serialized=serialized,
-                default_sessions=default,
-                creation_lock=CREATION_LOCK if serialize_creation else None,
-                cores=cores,
+        _log.info("sharedml: sessions='auto': %s", self._calibration.reason)
+        self._max = self._min = self._calibration.sessions
+        if self._calibration.threads is not None:
+            self.recipe = dataclasses.replace(
+                self.recipe, intra_op_threads=self._calibration.threads
             )
-            _log.info("sharedml: sessions='auto': %s", self._calibration.reason)
-            self._max = self._min = self._calibration.sessions
-            if self._calibration.threads is not None:
-                self.recipe = dataclasses.replace(
-                    self.recipe, intra_op_threads=self._calibration.threads
-                )
-            if chosen is not None and self._calibration.max_batch_size is not None:
-                # Merged rows measured not worth their activation memory: fewer per Run.
-                chosen = dataclasses.replace(
-                    chosen, max_batch_size=self._calibration.max_batch_size
-                )
-                reason = reason.rstrip(".") + (
-                    f". sessions='auto' found merged batches not worth their memory: at most "
-                    f"{chosen.max_batch_size} row(s) per Run (stats().calibration says why)."
-                )
+        if chosen is not None and self._calibration.max_batch_size is not None:
+            # Merged rows measured not worth their activation memory: fewer per Run.
+            chosen = dataclasses.replace(chosen, max_batch_size=self._calibration.max_batch_size)
+            reason = reason.rstrip(".") + (
+                f". sessions='auto' found merged batches not worth their memory: at most "
+                f"{chosen.max_batch_size} row(s) per Run (stats().calibration says why)."
+            )
+        return chosen, reason
+
+    def _start(self, planned: PoolPlan, chosen: Batching | None, reason: str) -> None:
+        """The scheduler and its sessions: the first ones now, the others in the background."""
+        graphs, serialized = planned.cuda_graphs, planned.runs.serialized
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
         self._sessions = _Sessions(
             self.recipe,
@@ -643,7 +601,7 @@ class SessionPool:
                 cuda_graphs=graphs,
                 convolutions=self._signature is None or self._signature.convolutions,
             ),
-            serialized_creation=serialize_creation,
+            serialized_creation=planned.serialize_creation,
             run_lock=self._run_lock,
         )
         self._scheduler = Scheduler(
@@ -662,8 +620,11 @@ class SessionPool:
             name=str(self.source_path),
         )
 
+        serialize_creation = planned.serialize_creation
         initial = (
-            self._min if not (serialize_creation and create_in_background) else min(self._min, 1)
+            self._min
+            if not (serialize_creation and planned.create_in_background)
+            else min(self._min, 1)
         )
         created = create_initial(
             self._scheduler.create_session,
@@ -698,7 +659,7 @@ class SessionPool:
             "weights. One session with batching serves the same requests; pass "
             "per_session_state=True if each caller needs a session of its own.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of SessionPool(...) (or of open_pool)
         )
 
     # ----------------------------------------------------------------------------------------
@@ -1000,3 +961,18 @@ class SessionPool:
             f"{self._max} providers={list(self.plan.providers)} mechanism={self.mechanism.value!r}"
             f"{' batching' if self.batching is not None else ''} {self._state.value}>"
         )
+
+
+def open_pool(model: str | os.PathLike[str] | bytes, options: PoolOptions) -> SessionPool:
+    """A :class:`SessionPool` from options checked already, as ``SessionPool(model, ...)`` opens it.
+
+    For code that builds one :class:`~sharedml.pool._options.PoolOptions` and passes it on
+    whole (``sharedml serve`` opens every model's pool with one; a Ray replica adjusts the
+    one it was given): the keyword arguments are not spelled out, and checked, again.
+
+    Raises:
+        SharedMLError, NotBatchableError: as ``SessionPool``.
+    """
+    pool = SessionPool.__new__(SessionPool)
+    pool._open(model, options)
+    return pool

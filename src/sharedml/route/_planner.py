@@ -1,14 +1,17 @@
 """The route planner: one place decides how a pool's sessions get their weights.
 
-``plan_route(model, ...)`` takes any model path and the caller's settings and returns a
-:class:`SessionRecipe`: the prepared model, the weights mapped once for the process, the
-:class:`Mechanism` that lends them to ORT, why that one, and everything needed to build one
-session's options and create it. A pool only holds the recipe; every routing rule is here.
+``plan_route(open_model(model, ...), options)`` takes a model, prepared and opened once, and
+the caller's settings (:class:`~sharedml.route._options.RouteOptions`) and returns a
+:class:`SessionRecipe`: the prepared model and its graph, the weights mapped once for the
+process, the :class:`~sharedml.route.Mechanism` that lends them to ORT, why that one, and
+everything needed to build one session's options and create it. A pool only holds the
+recipe; every routing rule is here.
 
 The rules, in order:
 
-1. The model is prepared (cached by content) and its weights file mapped once per process
-   (:func:`sharedml.prepared_model_for`, :class:`sharedml.weights.WeightStore`).
+1. The model is prepared (cached by content), its graph parsed once and its weights file
+   mapped once per process (:func:`open_model`: :func:`sharedml.prepared_model_for`,
+   :class:`sharedml.weights.WeightStore`). Whatever reads the model later reads that graph.
 2. On CUDA weights go to the device once and every session borrows the device buffers
    (:class:`~sharedml.route.Mechanism` ``DEVICE``), if a route probed in a child process works with
    the installed ORT; otherwise sessions use host weights, with a warning. Where the provider
@@ -36,7 +39,6 @@ The rules, in order:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -45,11 +47,17 @@ from typing import TYPE_CHECKING, Any
 
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
 from sharedml._host._platform import release_freed_heap, usable_cores
-from sharedml.cache._root import Cache, CacheDir
+from sharedml.cache._root import Cache
 from sharedml.model._graph import iter_graphs, load_graph
 from sharedml.prepared._compress import WeightsFormat, compressed_model_for
 from sharedml.prepared._prepare import prepared_model_from_bytes, prepared_model_with_graph
 from sharedml.route._cpu import CpuRoute, choose_cpu_route
+from sharedml.route._options import (
+    Mechanism,
+    Prepacking,
+    RouteOptions,
+    WeightsSettings,
+)
 from sharedml.runtime._capabilities import capability
 from sharedml.runtime._options import clone_session_options, config_entry
 from sharedml.runtime._providers import (
@@ -65,118 +73,7 @@ from sharedml.weights._store import WeightStore, zero_copy_mechanisms
 if TYPE_CHECKING:  # the message classes load on first parse, not on import
     from sharedml.model._proto import ModelProto
 
-__all__ = [
-    "Mechanism",
-    "OpenedModel",
-    "Prepacking",
-    "SessionRecipe",
-    "open_model",
-    "plan_route",
-    "route_settings",
-]
-
-
-class Mechanism(str, enum.Enum):
-    """How a pool's sessions get the one copy of the weights (``pool.mechanism``).
-
-    A ``str`` enum: ``pool.mechanism == "device"`` works.
-    """
-
-    PREPACKED_FILE = "prepacked-file"
-    """CPU: sessions load ORT's saved prepacked model by path and map its data file: raw,
-    derived and prepacked weights, one copy."""
-    OPTIMIZED_FILE = "optimized-file"
-    """CPU: as ``prepacked-file``, for a model ORT packs nothing of: the saved optimized model
-    shares the weights ORT's optimizers derive (fused, folded, dequantized), one copy."""
-    IN_MEMORY_FILE = "in-memory-file"
-    """CPU: the mapped weights file is lent whole to every session (ORT's in-memory external
-    data files, with ``session.use_external_initializer_file_buffers_directly=1``)."""
-    ADD_INITIALIZER = "add-initializer"
-    """CPU: each tensor is lent as an ``OrtValue`` over a slice of the map (``add_initializer``)."""
-    ORT_MMAP = "ort-mmap"
-    """CPU: ORT maps the weights file itself; sessions share the page cache."""
-    DEVICE = "device"
-    """GPU: weights uploaded once per device, every session borrows the device buffers."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-SAVED_MODEL = (Mechanism.PREPACKED_FILE, Mechanism.OPTIMIZED_FILE)  # chosen, never requested
-
-
-class Prepacking(str, enum.Enum):
-    """What to do with ORT's CPU weight prepacking (``SessionPool(prepacking=...)``)."""
-
-    AUTO = "auto"
-    """Share the packed weights too where ORT packs or derives any weight, else raw weights."""
-    SHARED = "shared"
-    """The prepacked-file route, or an error if it cannot be built."""
-    OFF = "off"
-    """Share raw weights with prepacking off: least memory, unpacked kernels."""
-    PER_SESSION = "per-session"
-    """ORT's own behaviour: each session packs a private copy of every packed weight."""
-
-    @classmethod
-    def parse(cls, value: object) -> Prepacking:
-        """One of the values, by its name (``"auto"``, ``"shared"``, ``"off"``, ``"per-session"``).
-
-        Raises:
-            ValueError: anything else; ``None``, ``False`` and ``True`` with the name to write.
-        """
-        if isinstance(value, bool) or value is None:
-            # True reads as "share the packed weights" to a user of a sharing library, and
-            # meant each session's private copy: the message names both.
-            instead = {
-                None: "'auto' (the default: leave it out)",
-                False: "'off' (no prepacking)",
-                True: "'per-session' (each session packs a private copy) or 'shared' (one packed "
-                "copy for every session)",
-            }[value]
-            raise ValueError(f"prepacking={value!r} is not a setting: write prepacking={instead}.")
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"prepacking must be 'auto', 'shared', 'off' or 'per-session', not {value!r}."
-            ) from None
-
-
-def route_settings(mechanism: object, prepacking: object) -> tuple[Mechanism | None, Prepacking]:
-    """``mechanism=`` and ``prepacking=`` checked together, before anything is prepared.
-
-    Returns:
-        The mechanism asked for (None: ``"auto"``, the planner chooses) and the prepacking.
-
-    Raises:
-        ValueError: an unknown value, or ``prepacking="shared"`` with a mechanism named.
-    """
-    requested = _parse_mechanism(mechanism)
-    packing = Prepacking.parse(prepacking)
-    if packing is Prepacking.SHARED and requested is not None:
-        raise ValueError(
-            "prepacking='shared' chooses the weight mechanism itself; leave mechanism='auto'."
-        )
-    return requested, packing
-
-
-def _parse_mechanism(value: object) -> Mechanism | None:
-    """``"auto"`` -> None (the planner chooses); a name -> its Mechanism.
-
-    The saved-model mechanisms are refused here: the planner chooses them, and a session told
-    to borrow raw weights that way would fail only when created.
-    """
-    if value == "auto":
-        return None
-    try:
-        found = Mechanism(value)
-    except ValueError:
-        found = None
-    if found is None or found in SAVED_MODEL:
-        names = ", ".join(repr(m.value) for m in Mechanism if m not in SAVED_MODEL)
-        chosen = " (prepacking='shared' asks for the saved model)" if found else ""
-        raise ValueError(f"mechanism must be 'auto' or one of {names}, not {value!r}{chosen}.")
-    return found
+__all__ = ["OpenedModel", "SessionRecipe", "open_model", "plan_route"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -343,34 +240,23 @@ class OpenedModel:
     weights_format: WeightsFormat = WeightsFormat.FLOAT
 
 
-def open_model(
-    model: str | os.PathLike[str] | bytes,
-    *,
-    cache_dir: CacheDir = None,
-    verify_weights: bool = True,
-    size_threshold_bytes: int | None = None,
-    weights: WeightsFormat | str = WeightsFormat.FLOAT,
-) -> OpenedModel:
+def open_model(model: str | os.PathLike[str] | bytes, settings: WeightsSettings) -> OpenedModel:
     """Rule 1: prepare ``model`` (cached by content), parse its graph once, map its weights.
 
     Args:
         model: Any ONNX model path, or a model's bytes (without external data).
-        cache_dir: The cache: a path, a :class:`~sharedml.cache.Cache`, or None for
-            :func:`sharedml.cache_dir`. Resolved once here; the opened model carries it.
-        verify_weights: Check the weights' SHA-256 when first mapped in the process.
-        size_threshold_bytes: Passed to prepare for models it prepares (None: its default).
-        weights: ``"float"``, or compressed MatMul/Gemm weights (``"int8"``, ``"int4"``): the
-            model is compressed once into the cache and the sessions share that file
-            (:mod:`sharedml.prepared._compress`).
+        settings: Where the weights come from: the cache (resolved once here; the opened model
+            carries it), whether to verify them, prepare's threshold, and the weights format
+            (compressed formats are built once into the cache from the prepared float model:
+            :mod:`sharedml.prepared._compress`).
 
     Raises:
         SharedMLError: the model, its weights or the cache cannot be used.
     """
-    cache = Cache.at(cache_dir)
-    compressed = WeightsFormat.parse(weights)
-    kwargs: dict[str, Any] = (
-        {} if size_threshold_bytes is None else {"size_threshold_bytes": size_threshold_bytes}
-    )
+    cache = Cache.at(settings.cache_dir)
+    compressed, verify_weights = settings.weights_format, settings.verify_weights
+    threshold = settings.size_threshold_bytes
+    kwargs: dict[str, Any] = {} if threshold is None else {"size_threshold_bytes": threshold}
     graph: ModelProto | None = None  # where finding the prepared model parsed it already
     if isinstance(model, (bytes, bytearray, memoryview)):
         source = Path("<model bytes>")
@@ -403,76 +289,23 @@ def open_model(
     return OpenedModel(source, model_path, graph, store, cache, compressed)
 
 
-def plan_route(
-    model: str | os.PathLike[str] | bytes | OpenedModel,
-    *,
-    plan: ProviderPlan,
-    max_sessions: int,
-    sess_options: Any | None = None,
-    configure: Callable[[Any], None] | None = None,
-    mechanism: str = "auto",
-    prepacking: object = Prepacking.AUTO,
-    cache_dir: CacheDir = None,
-    verify_weights: bool = True,
-    size_threshold_bytes: int | None = None,
-    weights: WeightsFormat | str = WeightsFormat.FLOAT,
-    cores: int | None = None,
-) -> SessionRecipe:
-    """Decide how ``max_sessions`` sessions of ``model`` get their weights (see the module).
+def plan_route(model: OpenedModel, options: RouteOptions) -> SessionRecipe:
+    """Decide how ``options.max_sessions`` sessions of ``model`` get their weights (the module).
 
     Args:
-        model: Any ONNX model path, or a model's bytes (without external data), opened with
-            :func:`open_model`; or a model opened already (then ``cache_dir``,
-            ``size_threshold_bytes`` and ``weights`` are the ones it was opened with).
-        plan: From :func:`sharedml.runtime._providers.plan_providers`.
-        max_sessions: The most sessions that will exist at once (threads and map budget).
-        sess_options: The caller's template ``SessionOptions`` (not modified).
-        configure: Called with each session's options before creation.
-        mechanism: ``"auto"`` or a :class:`Mechanism` value other than ``prepacked-file`` and
-            ``optimized-file`` (which the planner chooses).
-        prepacking: A :class:`Prepacking` value, or its name (:meth:`Prepacking.parse`).
-        cache_dir: The cache: a path, a :class:`~sharedml.cache.Cache`, or None for
-            :func:`sharedml.cache_dir`. Resolved once here; the recipe carries it.
-        verify_weights: Check the weights' SHA-256 when first mapped in the process.
-        size_threshold_bytes: Passed to prepare for models it prepares (None: its default).
-        weights: ``"float"``, or compressed MatMul/Gemm weights (``"int8"``, ``"int4"``): the
-            model is compressed once into the cache and the sessions share that file
-            (:mod:`sharedml.prepared._compress`).
-        cores: The CPU cores the sessions share, each getting ``cores // max_sessions``
-            intra-op threads on the CPU (default: this process's usable cores).
+        model: The model, opened by :func:`open_model` (with ``options.weights``).
+        options: The providers, the most sessions, each session's settings and the weights'.
 
     Returns:
         The recipe.
 
     Raises:
-        ValueError: an unknown mechanism or prepacking, or a combination that contradicts itself.
+        ValueError: a combination of settings that contradicts itself.
         ProviderError: ``mechanism="device"`` and no device route works here.
         SharedMLError: the model, its weights or the cache cannot be used.
     """
-    plan, graphs_reason = _without_unusable_graphs(plan)
-    requested, packing = route_settings(mechanism, prepacking)
-    opened = (
-        model
-        if isinstance(model, OpenedModel)
-        else open_model(
-            model,
-            cache_dir=cache_dir,
-            verify_weights=verify_weights,
-            size_threshold_bytes=size_threshold_bytes,
-            weights=weights,
-        )
-    )
-    recipe = _plan(
-        opened,
-        plan=plan,
-        max_sessions=max_sessions,
-        sess_options=sess_options,
-        configure=configure,
-        requested=requested,
-        packing=packing,
-        verify_weights=verify_weights,
-        cores=cores,
-    )
+    plan, graphs_reason = _without_unusable_graphs(options.plan)
+    recipe = _plan(model, dataclasses.replace(options, plan=plan))
     if graphs_reason:
         recipe = dataclasses.replace(recipe, reason=f"{recipe.reason} {graphs_reason}".strip())
     return recipe
@@ -491,41 +324,28 @@ def _without_unusable_graphs(plan: ProviderPlan) -> tuple[ProviderPlan, str]:
     )
 
 
-def _plan(
-    opened: OpenedModel,
-    *,
-    plan: ProviderPlan,
-    max_sessions: int,
-    sess_options: Any | None,
-    configure: Callable[[Any], None] | None,
-    requested: Mechanism | None,
-    packing: Prepacking,
-    verify_weights: bool,
-    cores: int | None = None,
-) -> SessionRecipe:
+def _plan(opened: OpenedModel, options: RouteOptions) -> SessionRecipe:
     """:func:`plan_route` for an opened model and a plan whose options can run here."""
-    source, model_path, weights, cache = (
-        opened.source_path,
-        opened.model_path,
-        opened.weights,
-        opened.cache,
-    )
-    compressed = opened.weights_format
+    plan, max_sessions = options.plan, options.max_sessions
+    sess_options, cores = options.session.sess_options, options.session.cores
+    requested, packing = options.weights.mechanism, options.weights.prepacking
+    verify_weights = options.weights.verify_weights
+    model_path, weights, compressed = opened.model_path, opened.weights, opened.weights_format
     if requested is Mechanism.IN_MEMORY_FILE and not capability("files-in-memory").available:
         raise ProviderError(
             f"mechanism='in-memory-file' cannot be used: {capability('files-in-memory').reason}. "
             "Use mechanism='auto', which picks what this onnxruntime can do."
         )
     common: dict[str, Any] = {
-        "source_path": source,
+        "source_path": opened.source_path,
         "model_path": model_path,
         "graph": opened.graph,
         "plan": plan,
         "weights": weights,
         "prepacking": packing,
         "template": sess_options,
-        "configure": configure,
-        "cache": cache,
+        "configure": options.session.configure,
+        "cache": opened.cache,
         "intra_op_threads": (
             max(1, (cores or usable_cores()) // max_sessions) if plan.primary == CPU else None
         ),
