@@ -573,3 +573,29 @@ def test_a_static_int8_pool_serves_a_model_calibrated_apart_from_the_measured_in
     float32 = ort.InferenceSession(str(info.path), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(got, int8, rtol=0, atol=1e-5 * np.abs(int8).max())
     assert not np.allclose(got, float32.run(None, feed)[0], rtol=0, atol=1e-5)  # not the float
+
+
+@pytest.mark.slow
+def test_activation_memory_runs_each_configuration_in_a_fresh_process(tmp_path: Path) -> None:
+    out = tmp_path / "activation.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "activation_memory.py"),
+            "--models", "gru",
+            "--size", "tiny",
+            "--sessions", "2",
+            "--rounds", "3",
+            "--configs", "plain", "pool:patterns+noarena",
+            "--json", str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["config"] for r in results] == ["plain", "pool:patterns+noarena"]
+    for r in results:
+        assert isinstance(r["held_bytes"], int) and isinstance(r["trimmed_bytes"], int)
+        assert r["cpu_ms_per_run"] > 0

@@ -46,10 +46,13 @@ __all__ = [
     "ModelInfo",
     "bert_like",
     "gpt2_like",
+    "gru_like",
     "main",
     "mlp",
     "resnet_like",
     "sample_inputs",
+    "unet1d_like",
+    "unet_like",
 ]
 
 OPSET = 17  # first opset with LayerNormalization
@@ -695,11 +698,258 @@ def mlp(
     )
 
 
+# --------------------------------------------------------------------------- activation-heavy
+
+
+def unet_like(
+    path: str | os.PathLike,
+    *,
+    size: str = "full",
+    seed: int = 0,
+    weights_as: str = "initializer",
+    external_data: bool = False,
+    image: int | None = None,
+) -> ModelInfo:
+    """Writes a U^2-Net-like segmenter: small weights, large spatial activations.
+
+    Full: a 320x320 RGB input, an encoder of five levels (two 3x3 convolutions each, 32-64
+    channels, max-pooling between levels), a decoder that upsamples (``Resize``), concatenates
+    the encoder's skip and convolves twice, and side outputs at every decoder level fused by a
+    1x1 convolution into one sigmoid mask, as U^2-Net's are (~0.6 MiB of weights, tens of MiB
+    of activations a row). Tiny: 64x64 at 8-16 channels.
+
+    Args:
+        path: Output ``.onnx`` path.
+        size: ``"full"`` or ``"tiny"``.
+        seed: Seed for the weights.
+        weights_as: ``"initializer"`` or ``"constant"``.
+        external_data: Store tensors in ``<stem>.data`` beside the model.
+        image: Height and width of the input (default 320 full, 64 tiny; a multiple of 16).
+
+    Returns:
+        ModelInfo with input ``image`` (float32 [batch, 3, H, W]) and output ``mask``
+        (float32 [batch, 1, H, W]).
+    """
+    _check_size(size)
+    widths = (32, 32, 64, 64, 64) if size == "full" else (8, 8, 16, 16, 16)
+    side = image if image is not None else (320 if size == "full" else 64)
+    if side % 16:
+        raise ValueError(f"image must be a multiple of 16, not {side}")
+    b = _Builder(seed, weights_as)
+
+    def conv(x: str, name: str, c_in: int, c_out: int, k: int = 3) -> str:
+        w = b.param(f"{name}.weight", (c_out, c_in, k, k), math.sqrt(2.0 / (c_in * k * k)))
+        bias = b.param(f"{name}.bias", (c_out,), 0.01)
+        return b.op("Relu", [b.op("Conv", [x, w, bias], kernel_shape=[k, k], pads=[k // 2] * 4)])
+
+    x, c_in, skips = "image", 3, []
+    for level, width in enumerate(widths):
+        b.scope = f"/encoder.{level}"
+        if level:
+            x = b.op("MaxPool", [x], kernel_shape=[2, 2], strides=[2, 2])
+        x = conv(
+            conv(x, f"encoder.{level}.conv1", c_in, width), f"encoder.{level}.conv2", width, width
+        )
+        skips.append((x, width))
+        c_in = width
+    scales = b.const([1.0, 1.0, 2.0, 2.0], np.float32)
+    sides = []
+    for level in range(len(widths) - 2, -1, -1):
+        b.scope = f"/decoder.{level}"
+        skip, width = skips[level]
+        up = b.op("Resize", [x, "", scales], mode="nearest")
+        x = b.op("Concat", [up, skip], axis=1)
+        x = conv(x, f"decoder.{level}.conv1", c_in + width, width)
+        x = conv(x, f"decoder.{level}.conv2", width, width)
+        c_in = width
+        w = b.param(f"side.{level}.weight", (1, width, 3, 3), math.sqrt(1.0 / (9 * width)))
+        s = b.op("Conv", [x, w], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+        if level:
+            factor = float(2**level)
+            s = b.op(
+                "Resize", [s, "", b.const([1.0, 1.0, factor, factor], np.float32)], mode="linear"
+            )
+        sides.append(s)
+    b.scope = "/fuse"
+    fused = b.op("Concat", sides, axis=1)
+    w = b.param("fuse.weight", (1, len(sides), 1, 1), 1.0 / len(sides))
+    b.op("Sigmoid", [b.op("Conv", [fused, w], kernel_shape=[1, 1])])
+    b.rename_output(b.graph.node[-1].output[0], "mask")
+
+    inputs = {"image": (np.dtype(np.float32), ("batch", 3, side, side))}
+    outputs = {"mask": (np.dtype(np.float32), ("batch", 1, side, side))}
+    model = b.model("unet_like", inputs, outputs)
+    path = _save(model, path, external_data)
+    return _info(
+        path,
+        f"unet_like-{size}",
+        b,
+        inputs,
+        outputs,
+        f"U^2-Net-like segmenter: {side}x{side}, {len(widths)} levels of {list(widths)} channels, "
+        "skips concatenated, side outputs fused",
+    )
+
+
+def unet1d_like(
+    path: str | os.PathLike,
+    *,
+    size: str = "full",
+    seed: int = 0,
+    weights_as: str = "initializer",
+    external_data: bool = False,
+    samples: int | None = None,
+) -> ModelInfo:
+    """Writes a 1-D U-Net with two inputs (a speech enhancer's mixture and reference).
+
+    Full: two [batch, 1, 32000] signals concatenated, an encoder of strided 1-D convolutions
+    (16-128 channels, kernel 9, each level half as long), a decoder of ``ConvTranspose`` that
+    concatenates each level's skip, and a 1x1 convolution to one channel (~0.6 MiB of
+    weights). Tiny: 4096 samples, 4-16 channels.
+
+    Args:
+        path: Output ``.onnx`` path.
+        size: ``"full"`` or ``"tiny"``.
+        seed: Seed for the weights.
+        weights_as: ``"initializer"`` or ``"constant"``.
+        external_data: Store tensors in ``<stem>.data`` beside the model.
+        samples: Length of the signals (default 32000 full, 4096 tiny; a multiple of 16).
+
+    Returns:
+        ModelInfo with inputs ``mixture`` and ``reference`` (float32 [batch, 1, L]) and
+        output ``enhanced`` (float32 [batch, 1, L]).
+    """
+    _check_size(size)
+    widths = (16, 32, 64, 128) if size == "full" else (4, 8, 16, 16)
+    length = samples if samples is not None else (32000 if size == "full" else 4096)
+    if length % 16:
+        raise ValueError(f"samples must be a multiple of 16, not {length}")
+    b = _Builder(seed, weights_as)
+    k = 9
+
+    def conv(x: str, name: str, c_in: int, c_out: int, stride: int = 1) -> str:
+        w = b.param(f"{name}.weight", (c_out, c_in, k), math.sqrt(2.0 / (c_in * k)))
+        bias = b.param(f"{name}.bias", (c_out,), 0.01)
+        pads = [k // 2, k // 2 - (1 if stride == 2 else 0)]
+        return b.op(
+            "LeakyRelu",
+            [b.op("Conv", [x, w, bias], kernel_shape=[k], strides=[stride], pads=pads)],
+            alpha=0.1,
+        )
+
+    b.scope = "/input"
+    x = b.op("Concat", ["mixture", "reference"], axis=1)
+    x, c_in, skips = conv(x, "input.conv", 2, widths[0]), widths[0], []
+    for level, width in enumerate(widths[1:], start=1):
+        b.scope = f"/encoder.{level}"
+        skips.append((x, c_in))
+        x = conv(
+            conv(x, f"encoder.{level}.down", c_in, width, 2), f"encoder.{level}.conv", width, width
+        )
+        c_in = width
+    for level in range(len(skips) - 1, -1, -1):
+        b.scope = f"/decoder.{level}"
+        skip, width = skips[level]
+        w = b.param(f"decoder.{level}.up.weight", (c_in, width, 2), math.sqrt(1.0 / c_in))
+        up = b.op("ConvTranspose", [x, w], kernel_shape=[2], strides=[2])
+        x = conv(b.op("Concat", [up, skip], axis=1), f"decoder.{level}.conv", 2 * width, width)
+        c_in = width
+    b.scope = "/output"
+    w = b.param("output.weight", (1, c_in, 1), math.sqrt(1.0 / c_in))
+    b.op("Tanh", [b.op("Conv", [x, w], kernel_shape=[1])])
+    b.rename_output(b.graph.node[-1].output[0], "enhanced")
+
+    signal = (np.dtype(np.float32), ("batch", 1, length))
+    inputs = {"mixture": signal, "reference": signal}
+    outputs = {"enhanced": signal}
+    model = b.model("unet1d_like", inputs, outputs)
+    path = _save(model, path, external_data)
+    return _info(
+        path,
+        f"unet1d_like-{size}",
+        b,
+        inputs,
+        outputs,
+        f"1-D U-Net, two inputs: {length} samples, {list(widths)} channels, skips concatenated",
+    )
+
+
+def gru_like(
+    path: str | os.PathLike,
+    *,
+    size: str = "full",
+    seed: int = 0,
+    weights_as: str = "initializer",
+    external_data: bool = False,
+    frames: int | None = None,
+) -> ModelInfo:
+    """Writes a small GRU voice-activity detector with its state as input and output.
+
+    Full: [batch, 64, 40] filterbank frames -> a 1-D convolution (64 channels) -> a GRU of 64
+    units over the frames, started from ``state`` -> a linear layer and a sigmoid per frame
+    (~0.1 MiB of weights). Tiny: 16 frames, 16 units.
+
+    Args:
+        path: Output ``.onnx`` path.
+        size: ``"full"`` or ``"tiny"``.
+        seed: Seed for the weights.
+        weights_as: ``"initializer"`` or ``"constant"``.
+        external_data: Store tensors in ``<stem>.data`` beside the model.
+        frames: Frames per call (default 64 full, 16 tiny).
+
+    Returns:
+        ModelInfo with inputs ``features`` (float32 [batch, frames, 40]) and ``state``
+        (float32 [1, batch, H]), outputs ``speech`` (float32 [batch, frames]) and
+        ``next_state``.
+    """
+    _check_size(size)
+    hidden = 64 if size == "full" else 16
+    steps = frames if frames is not None else (64 if size == "full" else 16)
+    bins = 40
+    b = _Builder(seed, weights_as)
+    b.scope = "/frontend"
+    x = b.op("Transpose", ["features"], perm=[0, 2, 1])  # [batch, bins, frames]
+    w = b.param("frontend.weight", (hidden, bins, 3), math.sqrt(2.0 / (bins * 3)))
+    x = b.op("Relu", [b.op("Conv", [x, w], kernel_shape=[3], pads=[1, 1])])
+    x = b.op("Transpose", [x], perm=[2, 0, 1])  # [frames, batch, hidden]
+    b.scope = "/gru"
+    std = 1.0 / math.sqrt(hidden)
+    gw = b.param("gru.weight", (1, 3 * hidden, hidden), std)
+    gr = b.param("gru.recurrence", (1, 3 * hidden, hidden), std)
+    gb = b.param("gru.bias", (1, 6 * hidden), 0.01)
+    y, _state = b.op(
+        "GRU", [x, gw, gr, gb, "", "state"], n_outputs=2, hidden_size=hidden, linear_before_reset=1
+    )
+    b.graph.node[-1].output[1] = "next_state"
+    b.scope = "/head"
+    y = b.op("Transpose", [b.op("Squeeze", [y, b.const([1], np.int64)])], perm=[1, 0, 2])
+    y = b.linear(y, "head", hidden, 1, std)
+    b.op("Sigmoid", [b.op("Squeeze", [y, b.const([2], np.int64)])])
+    b.rename_output(b.graph.node[-1].output[0], "speech")
+
+    inputs = {
+        "features": (np.dtype(np.float32), ("batch", steps, bins)),
+        "state": (np.dtype(np.float32), (1, "batch", hidden)),
+    }
+    outputs = {
+        "speech": (np.dtype(np.float32), ("batch", steps)),
+        "next_state": (np.dtype(np.float32), (1, "batch", hidden)),
+    }
+    model = b.model("gru_like", inputs, outputs)
+    path = _save(model, path, external_data)
+    return _info(
+        path, f"gru_like-{size}", b, inputs, outputs, f"GRU VAD: {steps} frames, {hidden} units"
+    )
+
+
 REGISTRY: dict[str, Callable[..., ModelInfo]] = {
     "bert": bert_like,
     "resnet": resnet_like,
     "gpt2": gpt2_like,
     "mlp": mlp,
+    "unet": unet_like,
+    "unet1d": unet1d_like,
+    "gru": gru_like,
 }
 
 

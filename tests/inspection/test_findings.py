@@ -254,3 +254,51 @@ def test_the_json_carries_the_findings_structured_beside_the_prose() -> None:
     assert d["findings"][0]["figures"]["pool_bytes"] == 104 * MiB
     assert d["findings"][0]["figures"]["plain_bytes"] == 400 * MiB
     assert all(set(f) == {"kind", "text", "figures"} for f in d["findings"])
+
+
+def served(held_mib: float, trimmed_mib: float) -> dict[str, Any]:
+    """A serving process's figures (``Measurement.held_growth``/``trimmed_growth``), MiB."""
+    return {
+        "held_growth": {"pss": int(held_mib * MiB)},
+        "trimmed_growth": {"pss": int(trimmed_mib * MiB)},
+        "served_rounds": 3,
+    }
+
+
+def test_the_advice_uses_what_a_server_holds_and_says_where_trimmed_figures_differ() -> None:
+    # Plain sessions keep their load-time heap untrimmed: 640 held, 384 trimmed; one shared
+    # session 160 held, 96 trimmed; the pool trims as it creates sessions: 100 either way.
+    found = verdicts(
+        4,
+        100 * MiB,
+        naive=(96, 0, served(640, 384)),
+        shared=(0.5, 98, served(100, 100)),
+        single=(0, 96, served(160, 96)),
+    )
+    assert found["pool-vs-plain"].figures["plain_bytes"] == 640 * MiB
+    assert found["advice"].figures["least"] == "shared"
+    held = found["held-vs-trimmed"]
+    assert held.figures["trimmed"] == {"shared": 100 * MiB, "single": 96 * MiB, "naive": 384 * MiB}
+    assert held.figures["kept_bytes"]["naive"] == 256 * MiB
+    assert "4 plain sessions: 640.0 MiB held, 384.0 MiB trimmed" in held.text
+    # Trimmed, one shared session is within 10% of the pool: the rule still names the pool.
+    assert held.figures["trimmed_choice"] == "shared" and "instead" not in held.text
+
+
+def test_held_vs_trimmed_names_the_strategy_the_trimmed_figures_would_have_chosen() -> None:
+    found = verdicts(
+        4,
+        10 * MiB,
+        naive=(10, 0, served(40, 40)),
+        shared=(0.5, 30, served(32, 32)),
+        single=(0, 30, served(48, 20)),
+    )
+    assert found["advice"].figures["chosen"] == "shared"
+    held = found["held-vs-trimmed"]
+    assert held.figures["trimmed_choice"] == "single"
+    assert "Trimmed, the advice would name one plain session shared by the threads" in held.text
+
+
+def test_without_a_serving_process_there_is_no_held_vs_trimmed_finding() -> None:
+    found = verdicts(4, MiB, naive=(5, 0), shared=(0.2, 2.0))
+    assert "held-vs-trimmed" not in found

@@ -3,9 +3,10 @@
 The figures are checked against an independent measurement that this file makes itself, in
 its own subprocess, of the same configuration: same model, same session count, the sessions
 run together five times (traffic runs them again and again), each on its own thread, memory
-read as PSS after ``malloc_trim`` over a process that has onnxruntime loaded. Tolerance: 10% or
-8 MiB, whichever is larger (repeat runs of either measurement agree within about 1 MiB on the
-48 MiB demo model; the margin covers a busy CI box).
+read as PSS over a trimmed baseline of a process that has onnxruntime loaded, untrimmed after
+the runs (held, inspect's headline) and then after ``malloc_trim``. Tolerance: 10% or 8 MiB,
+whichever is larger (repeat trimmed runs of either measurement agree within about 1 MiB on the
+48 MiB demo model; the margin covers a busy CI box); 25% for held figures (``HELD_SHARE``).
 """
 
 from __future__ import annotations
@@ -62,8 +63,13 @@ linux_only = pytest.mark.skipif(
 )
 
 
-def agrees(reported: int, independent: int) -> bool:
-    return abs(reported - independent) <= max(0.10 * independent, 8 * MiB)
+def agrees(reported: int, independent: int, share: float = 0.10) -> bool:
+    return abs(reported - independent) <= max(share * independent, 8 * MiB)
+
+
+# What glibc keeps untrimmed moves between fresh processes of one configuration (the demo's 3
+# plain sessions: 183-244 MiB over ten processes, which thread frees what first).
+HELD_SHARE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +179,10 @@ from onnx import TensorProto, helper
 strategy, model, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 libc = ctypes.CDLL("libc.so.6")
 
-def pss():
+def pss(trim=True):
     gc.collect()
-    libc.malloc_trim(0)
+    if trim:
+        libc.malloc_trim(0)
     return psutil.Process().memory_full_info().pss
 
 # onnxruntime's environment and thread pools exist in any process that uses it: create them
@@ -208,11 +215,12 @@ for _ in range(5):
     threads = [threading.Thread(target=work, args=(s,)) for s in sessions]
     for t in threads: t.start()
     for t in threads: t.join()
-print(json.dumps({"pss": pss() - base}))
+held = pss(trim=False) - base
+print(json.dumps({"held": held, "trimmed": pss() - base}))
 """
 
 
-def independent_pss(strategy: str, model: str, n: int) -> int:
+def independent_pss(strategy: str, model: str, n: int) -> dict[str, int]:
     out = subprocess.run(
         [sys.executable, "-c", INDEPENDENT, strategy, model, str(n)],
         capture_output=True,
@@ -220,7 +228,8 @@ def independent_pss(strategy: str, model: str, n: int) -> int:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    return int(json.loads(out.stdout.strip().splitlines()[-1])["pss"])
+    found: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
+    return found
 
 
 @linux_only
@@ -229,11 +238,20 @@ def independent_pss(strategy: str, model: str, n: int) -> int:
 def test_json_figures_agree_with_an_independent_measurement(
     demo_json: dict[str, Any], strategy: str
 ) -> None:
-    reported = demo_json["strategies"][strategy]["total_bytes"]
+    figures = demo_json["strategies"][strategy]
     independent = independent_pss(strategy, demo_json["model"], 3)
-    print(f"{strategy}: inspect {reported / MiB:.1f} MiB, independent {independent / MiB:.1f} MiB")
+    reported = {"held": figures["total_bytes"], "trimmed": figures["trimmed_bytes"]}
+    print(
+        f"{strategy}: "
+        + ", ".join(
+            f"{k} inspect {reported[k] / MiB:.1f} MiB, independent {independent[k] / MiB:.1f} MiB"
+            for k in reported
+        )
+    )
     assert demo_json["memory_metric"] == "pss"
-    assert agrees(reported, independent), (reported / MiB, independent / MiB)
+    assert figures["held_bytes"] == figures["total_bytes"]
+    assert agrees(reported["held"], independent["held"], HELD_SHARE), (reported, independent)
+    assert agrees(reported["trimmed"], independent["trimmed"]), (reported, independent)
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,3 +119,27 @@ def test_a_cpu_pool_counts_its_shrinks_in_its_stats(tmp_path: Path) -> None:
         for _ in range(_arena.QUIET_RUNS + 1):
             pool.run(None, {"x": x[:1]})
         assert pool.stats().arena_shrinks == 1
+
+
+def test_a_cpu_pools_sessions_run_without_memory_patterns_unless_configure_says(
+    tmp_path: Path,
+) -> None:
+    model = conv_model(tmp_path / "conv.onnx", channels=4, size=8)
+    with sharedml.SessionPool(model, sessions=1, create_in_background=False) as pool:
+        with pool.session() as sess:
+            assert sess.get_session_options().enable_mem_pattern is False
+        assert "Memory patterns are off" in pool.mechanism_reason
+    seen: list[bool] = []
+
+    def configure(so: Any) -> None:
+        seen.append(so.enable_mem_pattern)  # the pool's setting arrives first
+        so.enable_mem_pattern = True
+
+    with (
+        sharedml.SessionPool(
+            model, sessions=1, create_in_background=False, configure=configure
+        ) as pool,
+        pool.session() as sess,
+    ):
+        assert sess.get_session_options().enable_mem_pattern is True
+    assert seen and not any(seen)

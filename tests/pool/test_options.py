@@ -8,6 +8,7 @@ anything. DirectML plans are made with ``available=`` (planning creates no DML s
 from __future__ import annotations
 
 import dataclasses
+import types
 from pathlib import Path
 
 import pytest
@@ -129,9 +130,23 @@ def test_arguments_that_cannot_work_on_the_providers_are_refused() -> None:
     assert not plan(serialize_creation=False).serialize_creation
 
 
-def test_the_route_gets_the_groups_as_they_were_given() -> None:
-    options = PoolOptions.from_arguments(sessions=2, cores=3, prepacking="per-session")
+def test_the_route_gets_the_groups_cpu_sessions_with_memory_patterns_off_first() -> None:
+    called: list[bool] = []
+
+    def configure(so: object) -> None:
+        called.append(so.enable_mem_pattern)  # type: ignore[attr-defined]
+
+    options = PoolOptions.from_arguments(
+        sessions=2, cores=3, prepacking="per-session", configure=configure, sess_options="t"
+    )
     planned = plan_pool(options, providers(), cores=3, ort_version=ORT)
-    assert planned.route.session is options.session
-    assert planned.route.weights is options.weights
-    assert planned.route.plan == providers()
+    assert planned.route.weights is options.weights and planned.route.plan == providers()
+    session = planned.route.session
+    assert (session.sess_options, session.cores) == ("t", 3)
+    so = types.SimpleNamespace(enable_mem_pattern=True)
+    assert session.configure is not None
+    session.configure(so)
+    assert called == [False]  # off before the caller's configure, which may turn them on
+    assert plan_pool(options, providers(DML), cores=3, ort_version=ORT).route.session is (
+        options.session
+    )

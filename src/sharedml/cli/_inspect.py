@@ -370,7 +370,7 @@ def _vs_plain(m: Any) -> str:
 
 # Columns of the memory table that give way, in this order, when the console is narrow (the
 # JSON has them all): a header cut to "sess…" helps nobody.
-_OPTIONAL = ("RSS", "USS", "untrimmed")
+_OPTIONAL = ("RSS", "USS", "trimmed")
 _TABLES_SHOWN = 3
 
 
@@ -393,7 +393,11 @@ def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
     show_device = any(m.device_metric is not None or m.device_note for m in measurements)
     columns: list[tuple[str, str, Any]] = [
         ("strategy", "strategy", lambda m: m.strategy),
-        ("total", f"{metric}\nMiB", lambda m: _mib(m.total_bytes) + projected(m)),
+        (
+            "total",
+            f"{metric} held\nMiB" if trimmed else f"{metric}\nMiB",
+            lambda m: _mib(m.total_bytes) + projected(m),
+        ),
         ("per", "per extra\nsession MiB", lambda m: _mib(m.per_session_bytes)),
     ]
     if any(m.traffic_points for m in measurements):
@@ -402,7 +406,9 @@ def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
             ("traffic", "after\ntraffic MiB", lambda m: _mib(m.traffic_bytes) + projected(m))
         )
     if trimmed:
-        columns.append(("untrimmed", "before\ntrim MiB", lambda m: _mib(m.total("untrimmed"))))
+        columns.append(
+            ("trimmed", f"{metric} after\ntrim MiB", lambda m: _mib(m.trimmed_bytes) + projected(m))
+        )
     for other, key in (("USS", "uss"), ("RSS", "rss")):
         if other != metric:
             columns.append((other, f"{other}\nMiB", lambda m, k=key: _mib(m.total(k))))
@@ -433,7 +439,7 @@ def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
             break
         if any(c[0] == key for c in columns):
             columns = [c for c in columns if c[0] != key]
-            left_out.append(f"{metric} before malloc_trim" if key == "untrimmed" else key)
+            left_out.append(f"{metric} after malloc_trim" if key == "trimmed" else key)
     table = Table(show_edge=False, pad_edge=False)
     for key, header, _cell in columns:
         table.add_column(header, justify="left" if key == "strategy" else "right", no_wrap=True)
@@ -572,9 +578,11 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         f"Each strategy ran in a fresh process. Figures are the growth of its {metric} over the "
         f"same process with onnxruntime loaded (about {human_bytes(baseline)}, not counted)"
         + (
-            ", read after malloc_trim gave freed heap back to the OS: what the sessions hold. "
-            "'before trim' is what the process held, including free heap that glibc kept after "
-            "creating the sessions; it varies from run to run."
+            ", as a server holds it after concurrent traffic: nothing was trimmed, so the free "
+            "heap that glibc kept after creating and running the sessions counts (no other "
+            "process can use it). 'after trim' is the same process once malloc_trim gave that "
+            "heap back: what the sessions themselves hold. The comparisons and the advice use "
+            "the held figures."
             if trimmed
             else "."
         )

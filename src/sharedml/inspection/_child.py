@@ -23,6 +23,12 @@ Started by :func:`sharedml.measure` with one JSON spec, through the child-proces
 5. returns its result, which the runner prints as one ``RESULT`` line of JSON on stdout
    (progress lines before it), or an error as its last stderr line and a non-zero exit status.
 
+A spec with ``"mode": "serve"`` measures the strategy as a server holds it (:func:`_child_serve`):
+its N sessions created first, then served together by N threads round after round, memory read
+untrimmed ("held") and then once more after ``malloc_trim``. The points above add sessions one
+at a time and trim before each reading, which makes their per-session slope repeatable, but
+leaves another heap behind than serving does: the held figure comes from this process.
+
 A spec with ``"mode": "trial"`` does only the trial run: one plain session with ORT's defaults,
 run once on the inputs; its array outputs are saved for the measurements to compare against.
 A spec with ``"mode": "family"`` measures a family (``sharedml inspect A B ...``): N plain
@@ -44,16 +50,17 @@ import importlib
 import json
 import math
 import os
+import queue
 import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sharedml._host._platform import available_bytes, heap_trim_available, release_freed_heap
-from sharedml.inspection._memory import FALLBACK_NOTES, metric_of, read_memory
+from sharedml.inspection._memory import FALLBACK_NOTES, METRICS, metric_of, read_memory
 from sharedml.inspection._strategies import Runner, StrategyContext
 from sharedml.model._inputs import generate
 from sharedml.runtime._providers import plan_from_spec, runs_rule
@@ -170,41 +177,85 @@ def warmup_model_bytes() -> bytes:
     return data
 
 
-def _run_concurrently(
-    runners: Sequence[Runner], feeds: Mapping[str, Any], concurrent: bool
-) -> tuple[float, list[Any]]:
-    """Run every runner once, all together on a barrier or one by one.
+class _Servers:
+    """One thread per session, for the child's life, as a server's threads serve traffic.
 
-    Returns:
-        Wall seconds, and each runner's outputs in order.
+    Each session is always run by the same thread: glibc gives each thread a heap arena of its
+    own, so which thread runs a session decides where its buffers live and what freed heap
+    stays. Threads started anew for every round (an earlier version) scattered them over the
+    arenas: a pool of a face CNN held 14% more, one shared session 15% less, than a process
+    whose threads served round after round.
+
+    Args:
+        concurrent: Run the sessions together (released by a barrier); False (DirectML):
+            one after another, from the calling thread.
     """
-    outputs: list[Any] = [None] * len(runners)
-    if not concurrent:
+
+    def __init__(self, concurrent: bool) -> None:
+        self.concurrent = concurrent
+        self._runners: list[Runner] = []
+        self._jobs: list[queue.Queue[Any]] = []
+        self._threads: list[threading.Thread] = []
+        self._done: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue()
+
+    def add(self, run: Runner) -> None:
+        """Serve one more session (its thread starts now where runs are concurrent)."""
+        index = len(self._runners)
+        self._runners.append(run)
+        if not self.concurrent:
+            return
+        jobs: queue.Queue[Any] = queue.Queue()
+        thread = threading.Thread(
+            target=self._serve, args=(index, run, jobs), name=f"session-{index}", daemon=True
+        )
+        self._jobs.append(jobs)
+        self._threads.append(thread)
+        thread.start()
+
+    def _serve(self, index: int, run: Runner, jobs: queue.Queue[Any]) -> None:
+        while (job := jobs.get()) is not None:
+            barrier, feeds = job
+            try:
+                barrier.wait()
+                self._done.put((index, run(feeds), None))
+            except BaseException as exc:  # re-raised in the calling thread
+                self._done.put((index, None, exc))
+
+    def run_all(self, feeds: Mapping[str, Any]) -> tuple[float, list[Any]]:
+        """Run every session once, all together on a barrier (or one by one).
+
+        Returns:
+            Wall seconds, and each session's outputs in order.
+        """
+        outputs: list[Any] = [None] * len(self._runners)
+        if not self.concurrent:
+            start = time.perf_counter()
+            for i, run in enumerate(self._runners):
+                outputs[i] = run(feeds)
+            return time.perf_counter() - start, outputs
+        barrier = threading.Barrier(len(self._jobs) + 1)
+        for jobs in self._jobs:
+            jobs.put((barrier, feeds))
+        barrier.wait()
         start = time.perf_counter()
-        for i, run in enumerate(runners):
-            outputs[i] = run(feeds)
-        return time.perf_counter() - start, outputs
-    barrier = threading.Barrier(len(runners) + 1)
-    errors: list[BaseException] = []
+        errors = []
+        for _ in self._jobs:
+            index, out, error = self._done.get()
+            outputs[index] = out
+            if error is not None:
+                errors.append(error)
+        elapsed = time.perf_counter() - start
+        if errors:
+            raise errors[0]
+        return elapsed, outputs
 
-    def work(i: int, run: Runner) -> None:
-        try:
-            barrier.wait()
-            outputs[i] = run(feeds)
-        except BaseException as exc:  # re-raised in the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i, r)) for i, r in enumerate(runners)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    if errors:
-        raise errors[0]
-    return elapsed, outputs
+    def close(self) -> None:
+        """Stop the threads (each finishes its run first)."""
+        for jobs in self._jobs:
+            jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._runners.clear()
 
 
 def _same_outputs(a: Any, b: Any) -> bool:
@@ -428,26 +479,31 @@ def _run_over_tables(
 
 
 def _run_until_settled(
-    runners: Sequence[Runner],
+    servers: _Servers,
     feeds: Mapping[str, Any],
-    concurrent: bool,
     base: Mapping[str, Any],
     metric: str,
+    reading: Callable[[], dict[str, Any]] | None = None,
+    at_least: int = MIN_ROUNDS,
 ) -> tuple[int, bool]:
     """After a point's first round: more rounds of the same runs until one adds no memory.
+
+    ``reading`` reads memory after each round (default: trimmed, :func:`_settled_memory`);
+    ``at_least``: rounds to run in any case (at most :data:`MAX_ROUNDS`).
 
     Returns:
         How many rounds ran in all (the first included), and whether the last one added
         nothing (False: :data:`MAX_ROUNDS` ran and memory still grew).
     """
+    read = reading or _settled_memory
     rounds = 1
-    before = _growth(_settled_memory(), base, metric) or 0
+    before = _growth(read(), base, metric) or 0
     while rounds < MAX_ROUNDS:
-        _run_concurrently(runners, feeds, concurrent)
+        servers.run_all(feeds)
         rounds += 1
-        now = _growth(_settled_memory(), base, metric) or 0
+        now = _growth(read(), base, metric) or 0
         added, before = now - before, now
-        if rounds >= MIN_ROUNDS and added < max(SETTLED_BYTES, 0.01 * now):
+        if rounds >= max(MIN_ROUNDS, at_least) and added < max(SETTLED_BYTES, 0.01 * now):
             return rounds, True
     return rounds, False
 
@@ -456,6 +512,16 @@ def _settled_memory() -> dict[str, Any]:
     """This process's memory once freed objects and freed heap are given back."""
     gc.collect()
     release_freed_heap()
+    return _memory()
+
+
+def _held_memory() -> dict[str, Any]:
+    """This process's memory as it holds it: freed Python objects collected, the heap untrimmed.
+
+    A server process never trims: the heap that glibc keeps after sessions were created and
+    ran is memory that process holds, and no other process can use.
+    """
+    gc.collect()
     return _memory()
 
 
@@ -534,22 +600,107 @@ def _child_family(spec: Mapping[str, Any]) -> dict[str, Any]:
     return {"pss": grown, "metric": metric, "mechanisms": mechanisms}
 
 
-def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
-    import onnxruntime as ort
-
+def _strategy(spec: Mapping[str, Any]) -> tuple[Any, StrategyContext]:
+    """The strategy's factory and the context it is called with, from the spec."""
     if spec.get("version") != SPEC_VERSION:
         raise ValueError(f"spec version {spec.get('version')} is not {SPEC_VERSION}")
     module_name, _, func_name = spec["factory"].partition(":")
     factory = getattr(importlib.import_module(module_name), func_name)
     plan = plan_from_spec(spec)  # a plugin EP's library registered here, its device chosen
-    providers = plan.providers
     ctx = StrategyContext(
         model_path=Path(spec["model"]),
         sessions=int(spec["sessions"]),
-        providers=providers,
+        providers=plan.providers,
         provider_options=plan.provider_options,
         plan=plan,
     )
+    return factory, ctx
+
+
+def _load_everything(ctx: StrategyContext) -> None:
+    """What any process that uses these providers has paid before its sessions: not counted.
+
+    sharedml's own modules (and onnx, which they import) load on first use: all of them are
+    loaded now, so that a pooled strategy's first SessionPool does not count their imports
+    (nor its once-per-process probes of onnxruntime) as its sessions' memory, and plain
+    strategies are measured over the same baseline. Then the providers' libraries, ORT's
+    environment and thread pools, through a throwaway session. sharedml's own cost (imports,
+    probes, creation thread) is measured on its own (``fixed_cost`` in ``_measure``).
+    """
+    import sharedml
+
+    for name in sharedml.__all__:
+        getattr(sharedml, name)
+    if ctx.providers[0] == "CPUExecutionProvider":
+        # What a process's first CPU pool probes once (tiny sessions that try what this
+        # onnxruntime can do): sharedml's own cost, as its imports are, not a pool's; about
+        # 1 MiB that a small classifier's pool otherwise showed over plain sessions.
+        from sharedml.runtime._capabilities import capability
+        from sharedml.weights._store import zero_copy_mechanisms
+
+        capability("prepacked-save")
+        capability("files-in-memory")
+        zero_copy_mechanisms()
+    warmup = ctx.plain_session(warmup_model_bytes())
+    warmup.run(None, {"a": generate({"shape": [1], "dtype": "float32"})})
+    del warmup
+    gc.collect()
+
+
+def _child_serve(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """N sessions created, then served together as a server serves them; memory held and trimmed.
+
+    A server creates its sessions, then its threads run them round after round and nothing
+    trims its heap. The measuring child's points add sessions one at a time instead, which
+    leaves another heap behind (a face CNN's pool held 14% more there, one shared session 15%
+    less): the held figure comes from this process. After the held reading, one trim, and the
+    trimmed reading: what the same sessions hold without the freed heap glibc kept.
+
+    Returns:
+        ``{"metric", "rounds", "settled", "held": {metric: growth}, "trimmed": {...}}``.
+    """
+    factory, ctx = _strategy(spec)
+    feeds = _feeds(spec)
+    assert ctx.plan is not None
+    concurrent = not runs_rule(ctx.plan).serialized
+    _load_everything(ctx)
+    trimmed = heap_trim_available()
+    release_freed_heap()  # the one trim before the end: every strategy starts from a clean heap
+    base = _memory()
+    metric = metric_of(base)
+    if metric is None:
+        raise RuntimeError(f"this process's memory cannot be read here ({base['error']})")
+    sessions = factory(ctx)
+    servers = _Servers(concurrent)
+    try:
+        runners = [sessions.add() for _ in range(ctx.sessions)]  # created first, as a server's
+        for run in runners:
+            servers.add(run)
+        servers.run_all(feeds)
+        rounds, settled = _run_until_settled(
+            servers, feeds, base, metric, reading=_held_memory, at_least=int(spec["rounds"])
+        )
+        held = _held_memory()
+        after_trim = _settled_memory() if trimmed else held
+    finally:
+        servers.close()
+        runners = []
+        sessions.close()
+    return {
+        "metric": metric,
+        "rounds": rounds,
+        "settled": settled,
+        "held": {key: _growth(held, base, key) for key in METRICS},
+        "trimmed": {key: _growth(after_trim, base, key) for key in METRICS},
+    }
+
+
+def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    factory, ctx = _strategy(spec)
+    plan, providers = ctx.plan, ctx.providers
+    assert plan is not None
     feeds = _feeds(spec)
     plain = _load_reference(spec["reference_file"]) if spec.get("reference_file") else None
     reserve = int(spec["memory_reserve_bytes"])
@@ -557,20 +708,7 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     # not know), the child runs its sessions one at a time: together they would crash.
     concurrent = not runs_rule(plan).serialized
     device = _DeviceMemory(providers)
-
-    # sharedml's own modules (and onnx, which they import) load on first use: load them all
-    # now, so that a pooled strategy's first SessionPool does not count their imports as its
-    # sessions' memory, and plain strategies are measured over the same baseline.
-    import sharedml
-
-    for name in sharedml.__all__:
-        getattr(sharedml, name)
-    # One-time costs of any process that uses these providers: their libraries, ORT's
-    # environment and thread pools. Paid (and released) here, so that they are not counted.
-    warmup = ctx.plain_session(warmup_model_bytes())
-    warmup.run(None, {"a": generate({"shape": [1], "dtype": "float32"})})
-    del warmup
-    gc.collect()
+    _load_everything(ctx)
     base_untrimmed = _memory()
     trimmed = heap_trim_available()
     release_freed_heap()
@@ -587,6 +725,7 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
     sessions = factory(ctx)
     setup_seconds = time.perf_counter() - start
     runners: list[Runner] = []
+    servers = _Servers(concurrent)
     points: list[dict[str, Any]] = []
     stopped: str | None = None
     plain_diff: float | None = None
@@ -611,8 +750,9 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
             start = time.perf_counter()
             runners.append(sessions.add())
             create_seconds = time.perf_counter() - start
-            run_seconds, outputs = _run_concurrently(runners, feeds, concurrent)
-            rounds, settled = _run_until_settled(runners, feeds, concurrent, base, metric)
+            servers.add(runners[-1])
+            run_seconds, outputs = servers.run_all(feeds)
+            rounds, settled = _run_until_settled(servers, feeds, base, metric)
             if reference is None:
                 reference = outputs[0]
                 if plain is not None:
@@ -653,6 +793,7 @@ def _child_measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         describe = getattr(sessions, "details", None)
         details = dict(describe()) if callable(describe) else {}
     finally:
+        servers.close()
         runners.clear()
         sessions.close()
     device.finish()
@@ -696,6 +837,8 @@ def measuring_child(spec_json: str) -> dict[str, Any]:
         return _child_trial(spec)
     if spec.get("mode") == "family":
         return _child_family(spec)
+    if spec.get("mode") == "serve":
+        return _child_serve(spec)
     result = _child_measure(spec)
     if not all(math.isfinite(p["run_seconds"]) for p in result["points"]):
         raise ValueError("a run time is not finite")

@@ -369,7 +369,8 @@ class InspectReport:
         if self.fixed_cost is None or self.fixed_cost.error is not None:
             return None
         shared = self.strategies.get(SHARED)
-        return self.fixed_cost.bytes(self.metric, shared.total_bytes if shared else None)
+        # Both trimmed: the fixed-cost child reads after malloc_trim.
+        return self.fixed_cost.bytes(self.metric, shared.trimmed_bytes if shared else None)
 
     @property
     def weights_bytes(self) -> int:
@@ -630,6 +631,9 @@ def findings(
     advice = _advice(known, sessions)
     if advice is not None:
         out.append(advice)
+        held = _held_vs_trimmed(measurements, known, advice, sessions, traffic, fixed)
+        if held is not None:
+            out.append(held)
     if raw is not None and shared is not None and shared_total and raw.total_bytes is not None:
         out.append(_prepacking_off(raw, shared))
     for m in (raw, packs):
@@ -925,6 +929,61 @@ def _advice(known: Mapping[str, int], sessions: int) -> Finding | None:
             "this session count."
         )
     return Finding("advice", text, figures)
+
+
+def _held_vs_trimmed(
+    measurements: Mapping[str, Measurement],
+    held: Mapping[str, int],
+    advice: Finding,
+    sessions: int,
+    traffic: bool,
+    fixed: int,
+) -> Finding | None:
+    """What the compared strategies hold once glibc gave its freed heap back, against held.
+
+    The advice is on the held figures (a server never trims). This says how much of each is
+    heap the C library kept, and whether the trimmed figures would have named another
+    strategy, so that a reader who trims (or measures after a trim) sees why the two differ.
+    """
+    trimmed: dict[str, int] = {}
+    for name in held:
+        m = measurements.get(name)
+        served = m is not None and m.trimmed and bool(m.held_growth)
+        value = m.trimmed_bytes if m is not None and served else None
+        if value is None:  # not served, or no malloc_trim here: nothing to set beside held
+            return None
+        trimmed[name] = value + (fixed if name == SHARED else 0)
+    hb = human_bytes
+    kept = {n: held[n] - trimmed[n] for n in held}
+    listed = "; ".join(
+        f"{_called(n, sessions)}: {hb(held[n])} held, {hb(trimmed[n])} trimmed"
+        for n in _ADVICE_ORDER
+        if n in held
+    )
+    text = (
+        "These figures are what a process holds after its sessions ran"
+        + (" over the tables' rows" if traffic else "")
+        + ", untrimmed, as a server that never calls malloc_trim holds it; against the same "
+        f"processes after malloc_trim: {listed}."
+    )
+    alternative = _advice(trimmed, sessions)
+    other = alternative.figures["chosen"] if alternative is not None else None
+    if other is not None and other != advice.figures["chosen"]:
+        text += (
+            f" Trimmed, the advice would name {_called(other, sessions)} instead: the freed heap "
+            f"that glibc keeps decides it here (up to {hb(max(kept.values()))})."
+        )
+    return Finding(
+        "held-vs-trimmed",
+        text,
+        {
+            "held": dict(held),
+            "trimmed": trimmed,
+            "kept_bytes": kept,
+            "trimmed_choice": other,
+            "after_traffic": traffic,
+        },
+    )
 
 
 def _prepacking_off(raw: Measurement, shared: Measurement) -> Finding:
@@ -1492,7 +1551,7 @@ def inspect(
     by_name = {m.strategy: m for m in measurements}
     metric = measurements[0].metric if measurements else "pss"
     fixed_bytes = (
-        fixed.bytes(metric, by_name[SHARED].total_bytes)
+        fixed.bytes(metric, by_name[SHARED].trimmed_bytes)
         if fixed is not None and fixed.error is None and SHARED in by_name
         else None
     )

@@ -43,10 +43,11 @@ _CHILD_CODE = entry_code("sharedml.inspection._child:measuring_child")
 # sharedml.inspection._memory run as a file (runpy), so that nothing of sharedml is imported
 # before its first reading; then it imports sharedml, opens a pool as README shows (sessions
 # created in the background), runs its N sessions at once, as many rounds as the measuring
-# child's last point ran, and reads again: the pool as a process that used plain onnxruntime
-# before sees it. Less the pooled strategy's own figure, that is sharedml's fixed cost. (A pool
-# closed and read after would count twice what ORT sets up for the first session of a model,
-# which the strategy's figure holds too.)
+# child's last point ran, and reads again (trimmed: a pool gives freed heap back as it creates
+# sessions, so its held and trimmed figures agree, and trimmed readings of imports move less):
+# the pool as a process that used plain onnxruntime before sees it. Less the pooled strategy's
+# own figure, that is sharedml's fixed cost. (A pool closed and read after would count twice
+# what ORT sets up for the first session of a model, which the strategy's figure holds too.)
 _FIXED_COST_CODE = r"""
 import gc, json, runpy, sys
 spec = json.loads(sys.argv[1])
@@ -211,9 +212,19 @@ def measure(
         raw = _run_child(
             spec, what=f"Measuring strategy '{chosen.name}'", timeout_s=timeout_s, progress=progress
         )
+        served = None
+        points: list[Any] = list(raw.get("points") or [])
+        if len(points) == sessions:  # not where memory ran short: that is projected
+            # What a server holds: the N sessions created, then served together, untrimmed.
+            served = _run_child(
+                spec | {"mode": "serve", "rounds": points[-1]["rounds"]},
+                what=f"Serving strategy '{chosen.name}'",
+                timeout_s=timeout_s,
+                progress=None,
+            )
     except ChildFailed as exc:
         raise MeasurementError(str(exc)) from None
-    return Measurement._from_child(chosen, sessions, raw)
+    return Measurement._from_child(chosen, sessions, raw, served)
 
 
 def _spec(
@@ -325,8 +336,9 @@ class FixedCost:
     sharedml, opens a pool of N of the model as README shows (its other sessions created on
     sharedml's background thread) and runs all N at once: ``pool`` is that growth, what a pool
     costs a process that used plain onnxruntime before. Less the pooled strategy's own figure
-    (measured over a baseline that had sharedml imported), what remains is sharedml's: its
-    imports, its creation thread and what that thread's heap keeps. Growth per metric (``pss``,
+    (measured over a baseline that had sharedml imported and its once-per-process probes of
+    onnxruntime run), what remains is sharedml's: its imports, those probes, its creation
+    thread and what that thread's heap keeps. Growth per metric (``pss``,
     ``uss``, ``rss``, ``private``), None where the platform does not give it.
 
     Attributes:
@@ -345,7 +357,7 @@ class FixedCost:
         Args:
             metric: The metric.
             pooled: The pooled strategy's total at the same session count, over a baseline
-                that had sharedml imported (:attr:`Measurement.total_bytes`).
+                that had sharedml imported, trimmed as this is (:attr:`Measurement.trimmed_bytes`).
         """
         value = self.pool.get(metric)
         if value is None or pooled is None:

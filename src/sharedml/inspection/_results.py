@@ -2,7 +2,9 @@
 
 Byte figures are growth over the measuring child's baseline (Python, numpy and onnxruntime with
 its providers loaded). The per-extra-session cost is a least-squares slope over the measured
-points, constrained to be non-negative.
+points, constrained to be non-negative. The points are read after ``malloc_trim`` (repeatable);
+the headline total is what a second fresh process that created the N sessions and served them
+holds without trimming (``held``), as a server does, with its trimmed figure beside it.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class Measurement:
         baseline_bytes: The child's own memory before any session (``metric``): Python,
             numpy and onnxruntime with its providers loaded. Not included in the points.
         trimmed: Whether freed heap was given back to the OS (glibc ``malloc_trim``) before
-            each reading, so that the figures are what the sessions hold.
+            each point's reading, so that the points are what the sessions hold.
         setup_seconds: Time to set the strategy up before its first session (e.g. a pool
             opening and verifying its weights file).
         concurrent: Whether the runs of each point were concurrent (not where the provider
@@ -131,6 +133,14 @@ class Measurement:
         traffic: How those runs went: ``runs`` per session, ``rows`` covered per table,
             ``seconds``, ``error`` (why they failed), ``partial`` (stopped before covering
             every row, ``seconds`` ran out).
+        held_growth: Growth per metric (``pss``, ``uss``, ``rss``, ``private``) of a second
+            fresh process that created all N sessions, then ran them together round after
+            round (:attr:`served_rounds`, until memory settled) and never trimmed: what a
+            server that served such traffic holds, the freed heap that glibc keeps included.
+            Empty where it was not measured (measuring stopped early: projected instead).
+        trimmed_growth: The same process's growth once ``malloc_trim`` gave that freed heap
+            back: what its sessions themselves hold.
+        served_rounds: How many rounds that process ran its sessions together.
     """
 
     strategy: str
@@ -154,6 +164,9 @@ class Measurement:
     plain_outputs_nonfinite: int = 0
     traffic_points: tuple[MemoryPoint, ...] = ()
     traffic: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    held_growth: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+    trimmed_growth: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+    served_rounds: int = 0
 
     @property
     def matches_plain(self) -> bool | None:
@@ -212,24 +225,71 @@ class Measurement:
         fit = self.fit()
         return None if fit is None else round(fit[0])
 
+    def kept_bytes(self, metric: str | None = None) -> int:
+        """The freed heap a serving process kept: held less trimmed at N (0 where not read).
+
+        At least 0: a trim gives memory back, and a trimmed reading above the held one is the
+        noise of PSS (other processes mapping the same libraries move it).
+        """
+        metric = metric or self.metric
+        held, trimmed = self.held_growth.get(metric), self.trimmed_growth.get(metric)
+        return max(0, int(held) - int(trimmed)) if held is not None and trimmed is not None else 0
+
     def projected_bytes(self, sessions: int, metric: str | None = None) -> int | None:
-        """Memory at ``sessions`` sessions from the fit (``None`` where there is no fit)."""
+        """Memory held at ``sessions`` sessions: the fit plus :meth:`kept_bytes` (None: no fit)."""
         fit = self.fit(metric)
         if fit is None:
             return None
-        return max(0, round(fit[0] + fit[1] * sessions))
+        return max(0, round(fit[0] + fit[1] * sessions) + self.kept_bytes(metric))
 
     def total(self, metric: str | None = None) -> int | None:
-        """Memory at :attr:`sessions`: measured, or projected if measuring stopped early."""
+        """Memory held at :attr:`sessions`: measured, or projected if measuring stopped early.
+
+        Measured: the serving process's untrimmed figure (:attr:`held_growth`), where it has
+        one for ``metric``; else the last point's.
+        """
         metric = metric or self.metric
+        held = self.held_growth.get(metric)
+        if held is not None:
+            return int(held)
         if self.points and self.measured_sessions == self.sessions:
             return self.points[-1].value(metric)
         return self.projected_bytes(self.sessions, metric)
 
     @property
     def total_bytes(self) -> int | None:
-        """Memory of all N sessions after they ran until it settled (headline metric)."""
+        """Memory of all N sessions, served until it settled, held (headline metric).
+
+        As a server holds it: the freed heap the C library keeps after the sessions were
+        created and ran is in it (nothing was trimmed), which is what the advice compares.
+        The same as :attr:`held_bytes`; :attr:`trimmed_bytes` is the figure after a trim.
+        """
         return self.total()
+
+    @property
+    def held_bytes(self) -> int | None:
+        """:attr:`total_bytes`: what the process holds after traffic, untrimmed."""
+        return self.total()
+
+    def trimmed_total(self, metric: str | None = None) -> int | None:
+        """Memory of all N sessions once ``malloc_trim`` gave freed heap back.
+
+        The serving process's trimmed figure where it has one; else the points' (which are
+        trimmed): the last one, or the fit's projection where measuring stopped early.
+        """
+        metric = metric or self.metric
+        trimmed = self.trimmed_growth.get(metric)
+        if trimmed is not None:
+            return int(trimmed)
+        if self.points and self.measured_sessions == self.sessions:
+            return self.points[-1].value(metric)
+        fit = self.fit(metric)
+        return None if fit is None else max(0, round(fit[0] + fit[1] * self.sessions))
+
+    @property
+    def trimmed_bytes(self) -> int | None:
+        """:meth:`trimmed_total` of the headline metric."""
+        return self.trimmed_total()
 
     def _traffic_fit(self, metric: str | None = None) -> tuple[float, float] | None:
         """(intercept, slope) of what running over the tables added, against sessions run."""
@@ -254,7 +314,8 @@ class Measurement:
         if not self.traffic_points:
             return None
         if self.measured_sessions == self.sessions and len(self.traffic_points) == self.sessions:
-            return self.traffic_points[-1].value(metric)
+            value = self.traffic_points[-1].value(metric)
+            return None if value is None else value + self.kept_bytes(metric)
         return self.traffic_projected_bytes(self.sessions, metric)
 
     @property
@@ -275,7 +336,8 @@ class Measurement:
         fit, added = self.fit(metric), self._traffic_fit(metric)
         if fit is None or added is None:
             return None
-        return max(0, round(fit[0] + added[0] + (fit[1] + added[1]) * sessions))
+        kept = self.kept_bytes(metric)
+        return max(0, round(fit[0] + added[0] + (fit[1] + added[1]) * sessions) + kept)
 
     @property
     def init_seconds(self) -> float:
@@ -308,6 +370,12 @@ class Measurement:
             "rss_bytes": self.total("rss"),
             "private_bytes": self.total("private"),
             "untrimmed_bytes": self.total("untrimmed"),
+            "held_bytes": self.held_bytes,
+            "trimmed_bytes": self.trimmed_bytes,
+            "kept_bytes": self.kept_bytes(),
+            "held_growth": dict(self.held_growth),
+            "trimmed_growth": dict(self.trimmed_growth),
+            "served_rounds": self.served_rounds,
             "device_bytes": last.device_bytes if last is not None else None,
             "device_metric": self.device_metric,
             "device_note": self.device_note,
@@ -334,7 +402,13 @@ class Measurement:
         }
 
     @classmethod
-    def _from_child(cls, strategy: Strategy, sessions: int, raw: Mapping[str, Any]) -> Measurement:
+    def _from_child(
+        cls,
+        strategy: Strategy,
+        sessions: int,
+        raw: Mapping[str, Any],
+        served: Mapping[str, Any] | None = None,
+    ) -> Measurement:
         points = tuple(MemoryPoint(**p) for p in raw["points"])
         traffic_points = tuple(MemoryPoint(**p) for p in raw.get("traffic_points") or ())
         return cls(
@@ -359,4 +433,7 @@ class Measurement:
             plain_outputs_nonfinite=int(raw.get("plain_outputs_nonfinite") or 0),
             traffic_points=traffic_points,
             traffic=dict(raw.get("traffic") or {}),
+            held_growth=dict(served["held"]) if served else {},
+            trimmed_growth=dict(served["trimmed"]) if served else {},
+            served_rounds=int(served["rounds"]) if served else 0,
         )

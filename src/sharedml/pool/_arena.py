@@ -1,5 +1,18 @@
-"""Give a CPU session's arena back after a peak of rows has passed.
+"""A CPU session's activation memory: no memory patterns, and the arena given back after a peak.
 
+**Memory patterns off.** With ``enable_mem_pattern`` (ORT's default), a session's first ``Run``
+at a shape allocates every activation from its arena, one by one, and plans their offsets; from
+the second on it allocates that plan as one block, beside the arena's chunks from the first,
+which the arena keeps. So a session holds about twice its activations: four sessions of a
+320x320 U-Net-like segmenter (2 MiB of weights) held 834 MiB with patterns and 427 MiB without,
+a real detector at 640x640 (PP-OCRv4 det) 423 against 256, with no measurable change in CPU
+time per run here; on weight-heavy models (an MLP, BERT-like) nothing changed either way
+(``docs/memory.md`` has every figure and the other levers measured). Plain sessions keep the
+pattern; the pool's CPU sessions run without it, which is why a pool of N holds at most what N
+plain sessions do on models whose activations dominate. ``configure`` runs after this and may
+turn it back on.
+
+**Giving a peak back.**
 ORT's CPU arena keeps what the largest ``Run`` of a session needed, for the session's life: a
 ResNet-50-like session that once ran 16 rows held 393 MiB afterwards against 189 before, while
 it ran one row at a time again (two cores here, after ``malloc_trim``). ORT frees the arena's
@@ -16,9 +29,17 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["FALL", "QUIET_RUNS", "ArenaPeaks", "rows_of"]
+__all__ = [
+    "FALL",
+    "MEMORY_PATTERNS_REASON",
+    "QUIET_RUNS",
+    "ArenaPeaks",
+    "rows_of",
+    "without_memory_patterns",
+]
 
 # A run "below the peak" holds at most a quarter of its rows, and it takes 8 in a row: a pool
 # of two batching sessions under 16 callers runs batches of 1-16 rows (7.5 on average), and
@@ -29,6 +50,31 @@ FALL = 4
 
 _SHRINK_KEY = "memory.enable_memory_arena_shrinkage"
 _CPU_ARENA = "cpu:0"
+
+
+MEMORY_PATTERNS_REASON = (
+    "Memory patterns are off (enable_mem_pattern=False): with them each CPU session keeps its "
+    "first run's activation chunks beside the planned block it allocates from the second run on, "
+    "about twice its activations (configure= may turn them back on)."
+)
+"""What a CPU pool's route reason says of its sessions' memory patterns."""
+
+
+def without_memory_patterns(
+    configure: Callable[[Any], None] | None,
+) -> Callable[[Any], None]:
+    """A ``configure`` for a CPU pool's sessions: memory patterns off, then the caller's own.
+
+    Args:
+        configure: The caller's ``configure`` (called after, so it may turn them back on).
+    """
+
+    def apply(so: Any) -> None:
+        so.enable_mem_pattern = False
+        if configure is not None:
+            configure(so)
+
+    return apply
 
 
 def rows_of(feed: Any) -> int | None:

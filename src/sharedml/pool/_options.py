@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from sharedml.cache._root import CacheDir
+from sharedml.pool._arena import without_memory_patterns
 from sharedml.pool._batching import Batching, BatchingDefault, BatchingSetting
 from sharedml.route._options import RouteOptions, SessionSettings, WeightsSettings
 from sharedml.runtime._providers import (
@@ -186,7 +187,8 @@ class PoolPlan:
     Attributes:
         route: What the planner routes the model with (``route.plan``: the providers;
             ``route.max_sessions``: the most sessions, calibration's most with
-            ``sessions="auto"``).
+            ``sessions="auto"``; on the CPU, ``route.session.configure`` turns memory
+            patterns off first).
         runs: Whether runs are serialized on the device, and which rule said so.
         min_sessions: Sessions created up front (calibration may change both counts).
         default_sessions: The provider table's count, where nothing else says.
@@ -259,8 +261,11 @@ def plan_pool(
         raise ValueError(f"min_sessions ({least}) is more than max_sessions ({most}).")
     by_default = options.batching is BatchingDefault.BY_PROVIDER
     setting = ("auto" if one else None) if by_default else options.batching
+    session = options.session
+    if providers.primary == CPU:  # each session would keep its activations twice over
+        session = dataclasses.replace(session, configure=without_memory_patterns(session.configure))
     return PoolPlan(
-        route=RouteOptions(providers, most, options.session, options.weights),
+        route=RouteOptions(providers, most, session, options.weights),
         runs=runs,
         min_sessions=least,
         default_sessions=default,

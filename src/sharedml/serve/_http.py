@@ -30,11 +30,12 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 from sharedml.protocol._admission import HttpLimits, InflightBytes, read_body
 from sharedml.protocol._kserve import BINARY_HEADER
@@ -43,6 +44,8 @@ from sharedml.protocol._request import JSON, encode_outputs, max_body_bytes, par
 from sharedml.protocol._tensors import RequestError
 from sharedml.serve._models import ServedModel
 from sharedml.serve._status import status_of
+
+_T = TypeVar("_T")
 
 __all__ = ["InferenceHttp", "Observer", "error_body"]
 
@@ -64,6 +67,38 @@ def _allow(method: str, allowed: str) -> None:
 
 def _json(doc: Any, status: int = 200) -> tuple[int, bytes, str, dict[str, str]]:
     return status, json.dumps(doc).encode(), JSON, {}
+
+
+_WATCH_DISCONNECT = "sharedml.watch_disconnect"  # scope key: this request's hang-up is watched
+
+
+async def _unless_disconnected(request: Any, work: Coroutine[Any, Any, _T]) -> _T:
+    """``work``'s result, or ``ClientDisconnect`` once the client hangs up (``work`` cancelled).
+
+    A request whose client left while it waited for a session (or in a batch that has not run
+    yet) is cancelled: it never runs, and its batch serves the others (``run_async``).
+    """
+    task = asyncio.ensure_future(work)
+    if not request.scope.get(_WATCH_DISCONNECT):
+        return await task
+
+    async def hung_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        from starlette.requests import ClientDisconnect
+
+        raise ClientDisconnect()
+    return task.result()
 
 
 class InferenceHttp:
@@ -113,6 +148,10 @@ class InferenceHttp:
             return
         from starlette.requests import Request
 
+        # Served by this app's own server (uvicorn): once the body is read, the next message
+        # is the client's hang-up, which cancels its inference (Ray Serve cancels a request
+        # whose client left itself, so its handler does not watch).
+        scope[_WATCH_DISCONNECT] = True
         response = await self.handle(Request(scope, receive))
         await response(scope, receive, send)
 
@@ -241,7 +280,9 @@ class InferenceHttp:
         )
         del body  # the request holds what it needs (an .npy body: its array)
         try:
-            outputs = await model.infer(parsed.feed, parsed.output_names)
+            outputs = await _unless_disconnected(
+                request, model.infer(parsed.feed, parsed.output_names)
+            )
             # Encoding a large reply is CPU work too.
             reply = await asyncio.to_thread(
                 encode_outputs,
