@@ -88,27 +88,24 @@ def test_every_public_object_is_exported() -> None:
         assert public == set(module.__all__) - {"__version__"}, module.__name__
 
 
-def test_a_name_that_left_the_top_level_still_works_for_a_release_with_a_warning() -> None:
+def test_a_name_that_left_the_top_level_is_refused_naming_its_public_module() -> None:
+    left = 0
     for module, names in MODULES.items():
         for name in sorted(names - set(sharedml.__all__) - {m.split(".")[1] for m in MODULES}):
-            with pytest.warns(DeprecationWarning, match=f"moved to {module}.{name}"):
-                old = getattr(sharedml, name)
-            assert old is getattr(importlib.import_module(module), name)
-    with pytest.raises(AttributeError, match="NoSuchThing"):
+            home = re.escape(f"import it from {module} ({module}.{name})")
+            with pytest.raises(AttributeError, match=home):
+                getattr(sharedml, name)
+            left += 1
+    assert left >= 10  # WeightStore, SessionRecipe, Mechanism, measure's names, ...
+    with pytest.raises(AttributeError, match="NoSuchThing") as caught:
         sharedml.NoSuchThing  # noqa: B018
+    assert "import it from" not in str(caught.value)
 
 
-def test_calling_the_measure_module_still_measures_with_a_warning(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import sharedml.inspection._measure as home
-
-    calls = []
-    monkeypatch.setattr(sharedml.measure, "measure", lambda *a, **k: calls.append((a, k)) or 7)
-    with pytest.warns(DeprecationWarning, match=r"sharedml\.measure\.measure"):
-        assert sharedml.measure("m.onnx", sessions=2) == 7
-    assert calls == [(("m.onnx",), {"sessions": 2})]
-    assert callable(home.measure)
+def test_calling_the_measure_module_is_refused_naming_the_function() -> None:
+    with pytest.raises(TypeError, match=r"call sharedml\.measure\.measure\(\.\.\.\)"):
+        sharedml.measure("m.onnx", sessions=2)  # type: ignore[operator]
+    assert callable(sharedml.measure.measure)
 
 
 def test_every_error_is_a_sharedml_error() -> None:

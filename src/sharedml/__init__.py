@@ -20,9 +20,7 @@ strategy authors import the public modules: ``sharedml.weights``, ``sharedml.rou
 
 from __future__ import annotations
 
-import importlib as _importlib
 import importlib.metadata as _metadata
-import warnings as _warnings
 from typing import Any as _Any
 
 from sharedml import _exports
@@ -33,21 +31,14 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a sour
     __version__ = "0.0.0"
 
 
-def _moved(name: str) -> _Any:
-    """A name that left the top level for a public module: still served, with a warning."""
-    for module in _exports.public_modules(__name__):
-        if name in _exports.exported(module):
-            _warnings.warn(
-                f"sharedml.{name} moved to {module}.{name}; the old spelling goes in the "
-                "next release.",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            return getattr(_importlib.import_module(module), name)
-    raise AttributeError(f"module 'sharedml' has no attribute {name!r}")
+def _not_here(name: str) -> _Any:
+    """A name the top level does not export: the error names its public module, if it has one."""
+    homes = [m for m in _exports.public_modules(__name__) if name in _exports.exported(m)]
+    where = f": import it from {homes[0]} ({homes[0]}.{name})" if homes else ""
+    raise AttributeError(f"module 'sharedml' has no attribute {name!r}{where}")
 
 
-__all__, __getattr__, __dir__ = _exports.attach(__name__, fallback=_moved)
+__all__, __getattr__, __dir__ = _exports.attach(__name__, fallback=_not_here)
 __all__ = ["__version__", *__all__]
 
 # The errors are cheap to import and raised from deep inside: they name their public home from

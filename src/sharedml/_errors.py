@@ -95,7 +95,7 @@ class OutputError(PrepareError, OSError):
 
 
 class FamilyError(PrepareError, ValueError):
-    """``prepare([a, b, ...], folder)`` refused its members, before writing anything.
+    """``prepare_family([a, b, ...], folder)`` refused its members, before writing anything.
 
     Two members with one file name (both would be written to the same path), or a member (or
     one of its external data files) inside the output folder, which prepare would overwrite.

@@ -1074,14 +1074,12 @@ def test_each_batching_spelling_has_one_meaning() -> None:
             sharedml.Batching.parse(other)
 
 
-def test_batching_none_is_deprecated_and_keeps_its_meaning_meanwhile(model: Path) -> None:
-    with pytest.warns(DeprecationWarning, match="write False"):
-        assert sharedml.Batching.parse(None) is None
-    with pytest.warns(DeprecationWarning, match="leave batching out"):
-        pool = sharedml.SessionPool(model, sessions=1, batching=None)
-    with pool:  # what leaving it out means on the CPU: no merging, and why
-        assert pool.batching is None
-        assert "only where the provider runs one Run at a time" in pool.batching_reason
+def test_batching_none_is_refused_naming_false_and_the_default(model: Path) -> None:
+    said = r"not None \(False: no batching; leave the argument out for the pool's default\)"
+    with pytest.raises(ValueError, match=said):
+        sharedml.Batching.parse(None)
+    with pytest.raises(ValueError, match=said):
+        sharedml.SessionPool(model, sessions=1, batching=None)  # type: ignore[arg-type]
 
 
 def test_auto_merges_wherever_the_model_is_proven_batchable(model: Path) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from _models import PLACEMENTS, build_model, feeds, save_model
+from _models import PLACEMENTS, batchable_model, build_model, feeds, fixed_at_one, save_model
 from _waiting import DEADLINE_S, wait_until
 
 import sharedml
@@ -457,16 +459,13 @@ def test_session_options_template_is_applied_not_modified(model: Path) -> None:
 
 
 @pytest.mark.parametrize(("old", "new"), [(True, "per-session"), (False, "off"), (None, "auto")])
-def test_a_boolean_prepacking_still_works_for_a_release_and_says_what_to_write(
+def test_a_boolean_prepacking_is_refused_and_says_what_to_write(
     model: Path, old: bool | None, new: str
 ) -> None:
-    with pytest.warns(DeprecationWarning, match=f"prepacking='{new}'") as caught:
-        # A host mechanism named: "auto" stays "auto" (the route may not turn it into
-        # "per-session", as it does where ORT packs weights no saved model shares).
-        pool = sharedml.SessionPool(model, sessions=1, prepacking=old, mechanism="ort-mmap")
-    with pool:
-        assert pool.recipe.prepacking == new
-    assert caught[0].filename == __file__  # the warning names the caller's line
+    with pytest.raises(
+        ValueError, match=f"prepacking={old} is not a setting: write prepacking='{new}'"
+    ):
+        sharedml.SessionPool(model, sessions=1, prepacking=old)  # type: ignore[arg-type]
 
 
 def test_prepacking_can_be_turned_on(model: Path) -> None:
@@ -753,3 +752,85 @@ def test_a_pool_used_after_fork_raises_instead_of_hanging(tmp_path: Path) -> Non
     )
     assert "child: PoolError This SessionPool was created in process" in out.stdout, out
     assert "child status 0" in out.stdout, out
+
+
+# --------------------------------------------------------------------------------------------
+# The model is read once and routed once
+
+
+@dataclasses.dataclass
+class Reads:
+    """What a pool read on its way to a first result: graphs parsed, and routes planned."""
+
+    parsed: list[str]  # the SHA-256 of every serialized graph parsed, in order
+    planned: int = 0
+
+    def of(self, path: Path) -> int:
+        """How often the graph in the file at ``path`` was parsed."""
+        return self.parsed.count(hashlib.sha256(path.read_bytes()).hexdigest())
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> Reads:
+    """Count every parse of a graph (sharedml parses in one function) and every route planned.
+
+    Each module that imported one of the two functions holds its own name for it: every such
+    name is wrapped. The modules a pool may import lazily are imported first, so that none
+    binds a wrapper that outlives the test.
+    """
+    import sharedml.model._inputs
+    import sharedml.pool._pool
+    import sharedml.weights._prepacked  # noqa: F401
+    from sharedml.model import _proto
+    from sharedml.route import _planner
+
+    found = Reads([])
+    parse, plan = _proto.parse_model, _planner.plan_route
+
+    def parse_counted(data: bytes) -> object:
+        found.parsed.append(hashlib.sha256(bytes(data)).hexdigest())
+        return parse(data)
+
+    def plan_counted(*args: object, **kwargs: object) -> object:
+        found.planned += 1
+        return plan(*args, **kwargs)  # type: ignore[arg-type]
+
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith("sharedml"):
+            continue
+        for name, original, counted in (
+            ("parse_model", parse, parse_counted),
+            ("plan_route", plan, plan_counted),
+        ):
+            if getattr(module, name, None) is original:
+                monkeypatch.setattr(module, name, counted)
+    return found
+
+
+@pytest.mark.parametrize("prepacking", ["auto", "off"])  # both read ORT's optimized form
+def test_a_pool_parses_its_prepared_graph_once_and_plans_one_route(
+    tmp_path: Path, reads: Reads, prepacking: str
+) -> None:
+    source = batchable_model(tmp_path / "mlp.onnx", dim=64)
+    prepared = sharedml.prepare(source, tmp_path / "prepared.onnx").model_path
+    reads.parsed.clear()
+    with sharedml.SessionPool(prepared, sessions=2, batching="auto", prepacking=prepacking) as pool:
+        assert pool.batching is not None  # the row analysis read the graph as well
+        pool.run(None, {"x": np.ones((1, 64), np.float32)})
+    assert reads.of(prepared) == 1, reads
+    assert reads.planned == 1
+
+
+def test_a_batching_pool_routes_its_relaxed_graph_from_memory(tmp_path: Path, reads: Reads) -> None:
+    source = fixed_at_one(batchable_model(tmp_path / "mlp.onnx"), tmp_path / "fixed.onnx")
+    prepared = sharedml.prepare(source, tmp_path / "prepared.onnx").model_path
+    reads.parsed.clear()
+    with sharedml.SessionPool(prepared, sessions="auto", cores=2, batching="auto") as pool:
+        relaxed = pool.model_path  # an entry of the cache: axis 0 relaxed from 1
+        assert relaxed != prepared and "relaxed" in pool.batching_reason
+        pool.run(None, {"x": np.ones((1, 32), np.float32)})
+        calibration = pool.stats().calibration
+        assert calibration is not None and calibration.decided  # it read the graph too
+        assert reads.of(prepared) == 1, reads
+        assert reads.of(relaxed) == 0, reads  # written from memory, and never read back
+    assert reads.planned == 1  # the relaxed graph's route only: the prepared one is not loaded

@@ -244,16 +244,13 @@ def test_preparing_the_same_family_again_keeps_the_same_weights_file(
     assert second.weights_path.stat().st_ino == inode  # kept, not replaced (pools map it)
 
 
-def test_prepare_given_a_list_still_prepares_the_family_and_names_prepare_family(
+def test_prepare_given_a_list_is_refused_naming_prepare_family(
     tmp_path: Path, variants: list[Path]
 ) -> None:
-    with pytest.warns(DeprecationWarning, match=r"sharedml\.prepare_family\(") as caught:
-        result = sharedml.prepare(variants[:2], tmp_path / "old")
-    assert caught[0].filename == __file__  # the warning points at the caller's line
-    expected = sharedml.prepare_family(variants[:2], tmp_path / "new")
-    assert isinstance(result, sharedml.FamilyResult)
-    assert [p.name for p in result.model_paths] == [p.name for p in variants[:2]]
-    assert result.manifest == expected.manifest  # the same bytes, the same content name
+    for given in (variants[:2], tuple(variants[:2])):
+        with pytest.raises(TypeError, match=r"call sharedml\.prepare_family\(models, folder\)"):
+            sharedml.prepare(given, tmp_path / "old")  # type: ignore[arg-type]
+    assert not (tmp_path / "old").exists()  # refused before writing anything
 
 
 def test_the_cli_prepares_a_family_into_a_folder(tmp_path: Path, variants: list[Path]) -> None:

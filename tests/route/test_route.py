@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,14 @@ from _models import PLACEMENTS, batchable_model, build_model, save_model
 
 from sharedml._errors import ProviderError, SessionCreationError
 from sharedml._host._platform import usable_cores
-from sharedml.route._planner import Mechanism, Prepacking, SessionRecipe, plan_route
+from sharedml.route._options import (
+    Mechanism,
+    Prepacking,
+    RouteOptions,
+    SessionSettings,
+    WeightsSettings,
+)
+from sharedml.route._planner import SessionRecipe, open_model, plan_route
 from sharedml.runtime._capabilities import WITHOUT_ENV
 from sharedml.runtime._options import config_entry
 from sharedml.runtime._providers import DML_NO_DEVICE_ROUTE, plan_providers
@@ -96,12 +104,14 @@ def conv_bn(tmp_path: Path) -> Path:
 
 
 def route(
-    model: Path | bytes, providers: list[str] | None = None, **kwargs: object
+    model: Path | bytes, providers: list[str] | None = None, **kwargs: Any
 ) -> SessionRecipe:
     available = [DML, CUDA, CPU] if providers else None
     plan = plan_providers(providers, available=available)
-    kwargs.setdefault("max_sessions", 2)
-    return plan_route(model, plan=plan, **kwargs)  # type: ignore[arg-type]
+    sessions = kwargs.pop("max_sessions", 2)
+    session = SessionSettings(**{k: kwargs.pop(k) for k in ("sess_options",) if k in kwargs})
+    options = RouteOptions(plan, sessions, session, WeightsSettings.parse(**kwargs))
+    return plan_route(open_model(model, options.weights), options)
 
 
 def disable_prepacking(recipe: SessionRecipe) -> str | None:
@@ -230,15 +240,15 @@ def test_per_session_prepacking_is_ort_behaviour_and_says_so(small: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    ("given", "expected"),
-    [(None, Prepacking.AUTO), (False, Prepacking.OFF), (True, Prepacking.PER_SESSION)],
+    ("given", "written"),
+    [(None, "'auto'"), (False, "'off'"), (True, "'per-session' (each session packs")],
 )
-def test_the_old_prepacking_spellings_mean_what_they_meant_and_are_deprecated(
-    small: Path, given: object, expected: Prepacking
+def test_the_old_prepacking_spellings_are_refused_naming_the_new_one(
+    small: Path, given: object, written: str
 ) -> None:
-    with pytest.warns(DeprecationWarning, match=rf"prepacking={given} is deprecated"):
-        recipe = route(small, prepacking=given, mechanism="ort-mmap")
-    assert recipe.prepacking is expected
+    with pytest.raises(ValueError, match=rf"prepacking={given} is not a setting: write") as caught:
+        route(small, prepacking=given, mechanism="ort-mmap")
+    assert f"prepacking={written}" in str(caught.value)
 
 
 def test_a_requested_host_mechanism_is_taken_without_the_saved_model(packed: Path) -> None:

@@ -393,6 +393,11 @@ def test_deployment_lets_enough_requests_reach_each_pool(tmp_path: Path) -> None
     assert deployment(model, sessions="auto")._bound_deployment.max_ongoing_requests == 4 * 33
     with pytest.raises(TypeError):
         deployment(model, no_such_serve_option=1)
+    # The pool's arguments are checked here, once, not by every replica as it starts.
+    with pytest.raises(TypeError, match="no_such_pool_argument"):
+        deployment(model, pool_options={"no_such_pool_argument": 1})
+    with pytest.raises(ValueError, match="prepacking=True is not a setting"):
+        deployment(model, pool_options={"prepacking": True})
 
 
 # --------------------------------------------------------------------------------------------

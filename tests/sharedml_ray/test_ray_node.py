@@ -362,6 +362,18 @@ def test_an_auto_replica_splits_the_cpus_ray_gave_it_by_measuring(
         assert pool.run(None, {"input": x})[0].shape == (2, 512)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "error"),
+    [({"no_such_argument": 1}, TypeError), ({"prepacking": True}, ValueError)],
+)
+def test_a_pool_argument_is_refused_before_the_node_prepares_anything(
+    mlp_model: Path, tmp_path: Path, arguments: dict[str, object], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        create_pool(mlp_model, cache_dir=tmp_path / "cache", **arguments)
+    assert not (tmp_path / "cache").exists()  # no turn taken, nothing prepared
+
+
 def test_an_auto_pool_given_one_cpu_measures_nothing(mlp_model: Path, tmp_path: Path) -> None:
     pool, _ = create_pool(mlp_model, sessions="auto", cpus=1, cache_dir=tmp_path)
     with pool:

@@ -23,7 +23,8 @@ from onnx import TensorProto
 
 import sharedml
 from sharedml._host._children import crash_name
-from sharedml.route._planner import plan_route
+from sharedml.route._options import RouteOptions, WeightsSettings
+from sharedml.route._planner import open_model, plan_route
 from sharedml.runtime._providers import DML_NO_DEVICE_ROUTE, plan_providers
 from sharedml.weights import _device
 from sharedml.weights import _probe as _device_probe
@@ -318,7 +319,8 @@ def test_no_working_route_means_no_device_mechanism(
     assert calls == list(_device.ROUTES)
     plan = plan_providers([CUDA], available=[CUDA, CPU])
     with pytest.raises(sharedml.ProviderError, match=r"ort-slab: crashed \(SIGSEGV\)"):
-        plan_route(prepared, plan=plan, max_sessions=1, mechanism="device")
+        options = RouteOptions(plan, 1, weights=WeightsSettings.parse(mechanism="device"))
+        plan_route(open_model(prepared, options.weights), options)
 
 
 def test_probe_errors_never_escape_device_mechanism_available(

@@ -7,8 +7,7 @@
 - :mod:`._hashing`: the one hashing writer, and file digests;
 - :mod:`._files`: opening a file below a folder without following symlinks, file kinds,
   durable renames;
-- :mod:`._filesystems`: the file system that holds a path, and whether it is remote;
-- :mod:`._deprecation`: deprecation warnings that name the user's line.
+- :mod:`._filesystems`: the file system that holds a path, and whether it is remote.
 
 Modules that need one of these import it from its module, so that a platform difference is
 handled in one place.

@@ -168,6 +168,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"sharedml serve needs the serve extra ({exc.name} is not installed): "
             "pip install '.[serve]' in a checkout of sharedml."
         ) from None
+    from sharedml.pool._batching import BatchingSetting
+    from sharedml.pool._options import PoolOptions
     from sharedml.protocol._admission import HttpLimits
     from sharedml.serve._server import Server, model_specs
 
@@ -179,13 +181,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "body_timeout_s": args.body_timeout_s,
     }
     limits = HttpLimits(**{k: v for k, v in given.items() if v is not None})
-    batching = {"auto": "auto", "on": True, "off": False}[args.batching]
-    pool_options: dict[str, Any] = {"batching": batching}
-    if args.sessions is not None:
-        pool_options["sessions"] = args.sessions
-    pool_options.update(provider_options(args))
-    if args.cache_dir is not None:
-        pool_options["cache_dir"] = args.cache_dir
+    spelled: dict[str, BatchingSetting] = {"auto": "auto", "on": True, "off": False}
+    pool_options = PoolOptions.from_arguments(  # every model's pool, checked once
+        sessions=args.sessions,
+        batching=spelled[args.batching],
+        cache_dir=args.cache_dir,
+        **provider_options(args),
+    )
     server = Server(
         model_specs(args.model, args.name),
         host=args.host,

@@ -9,7 +9,6 @@ holds. ``__init__.pyi`` lists the names.
 
 import sys as _sys
 import types as _types
-import warnings as _warnings
 from typing import Any as _Any
 
 from sharedml import _exports
@@ -17,17 +16,13 @@ from sharedml import _exports
 __all__, __getattr__, __dir__ = _exports.attach(__name__)
 
 
-class _CallableModule(_types.ModuleType):
-    """``sharedml.measure`` was a function before it was this module: calls still work."""
+class _Module(_types.ModuleType):
+    """``sharedml.measure`` is a module: calling it says which function measures."""
 
     def __call__(self, *args: _Any, **kwargs: _Any) -> _Any:
-        _warnings.warn(
-            "sharedml.measure(...) is now the module sharedml.measure: call "
-            "sharedml.measure.measure(...); the old spelling goes in the next release.",
-            DeprecationWarning,
-            stacklevel=2,
+        raise TypeError(
+            "sharedml.measure is a module, not a function: call sharedml.measure.measure(...)."
         )
-        return self.measure(*args, **kwargs)
 
 
-_sys.modules[__name__].__class__ = _CallableModule
+_sys.modules[__name__].__class__ = _Module

@@ -36,7 +36,6 @@ import numbers
 import operator
 import random
 import sys
-import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -262,14 +261,6 @@ class Batching:
         Raises:
             ValueError: any other value.
         """
-        if value is None:
-            warnings.warn(
-                "Batching.parse(None) is deprecated and will be refused in a future release: "
-                "write False for no batching (what None meant here).",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return None
         if value is False:
             return None
         if value is True:
@@ -278,8 +269,11 @@ class Batching:
             return "auto"
         if isinstance(value, cls):
             return value
+        # None once meant "left out" to a pool and False here: it now means neither.
+        none = " (False: no batching; leave the argument out for the pool's default)"
         raise ValueError(
-            f"batching must be 'auto', True, False or a sharedml.Batching, not {value!r}."
+            f"batching must be 'auto', True, False or a sharedml.Batching, not {value!r}"
+            f"{none if value is None else ''}."
         )
 
 

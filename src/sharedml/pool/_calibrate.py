@@ -52,7 +52,6 @@ from typing import Any
 
 from sharedml._errors import SharedMLError
 from sharedml._host._platform import release_freed_heap, usable_cores
-from sharedml.model._graph import load_graph
 from sharedml.model._inputs import UNNAMED_DIM, generate, input_specs
 from sharedml.model._proto import ModelProto
 from sharedml.pool._batching import Batching
@@ -357,8 +356,8 @@ def calibrate(
     if len(splits) == 1:
         return fallback(cores, 1, "one usable core: one session of one thread; nothing to measure.")
     rows = min(CALIBRATION_ROWS, batching.max_batch_size)
+    graph = recipe.graph  # parsed once for the pool: the feeds and the guessed sizes
     try:
-        graph = load_graph(recipe.model_path)  # read once: the feeds and the guessed sizes
         feeds = {n: _feed(graph, n) for n in sorted({1, rows})}
     except (ValueError, SharedMLError) as exc:  # MeasurementError: a type it cannot generate
         return fallback(

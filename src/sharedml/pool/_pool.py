@@ -1,7 +1,9 @@
 """SessionPool: N ONNX Runtime sessions over one copy of the weights, safe to use from any thread.
 
-The pool is the client side of the split: it owns the lifecycle of its sessions; how a session
-gets its weights is the route planner's (:mod:`sharedml.route._planner`), which hands the pool a
+The pool is the client side of the split: it owns the lifecycle of its sessions. Its arguments
+become one checked :class:`~sharedml.pool._options.PoolOptions` and a plan
+(:mod:`sharedml.pool._options`) before anything is read; how a session gets its weights is the
+route planner's (:mod:`sharedml.route._planner`), which hands the pool a
 :class:`~sharedml.route.SessionRecipe`; whether requests may merge is the batching module's
 (:mod:`sharedml.pool._batching`); who runs when, and which requests merge into one ``Run``, is
 the scheduler's (:mod:`sharedml.pool._scheduler`); creation and its retries are
@@ -24,10 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import functools
 import logging
 import math
-import operator
 import os
 import threading
 import time
@@ -48,9 +48,8 @@ from sharedml._errors import (
 )
 from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.cache._root import CacheDir
-from sharedml.model._graph import load_graph
 from sharedml.model._proto import ModelProto
-from sharedml.pool._arena import MEMORY_PATTERNS_REASON, ArenaPeaks, without_memory_patterns
+from sharedml.pool._arena import MEMORY_PATTERNS_REASON, ArenaPeaks
 from sharedml.pool._batching import (
     Batching,
     BatchingDefault,
@@ -71,28 +70,24 @@ from sharedml.pool._graphs import (
     GRAPH_DEVICES,
     GraphSession,
     ShapeSessions,
-    cuda_graphs_enabled,
 )
-from sharedml.pool._relax import relax, relaxed_recipe
+from sharedml.pool._options import PoolOptions, PoolPlan, plan_pool
+from sharedml.pool._relax import relax, relaxed_model
 from sharedml.pool._runlock import FairLock, SerializedSession, run_lock_for
 from sharedml.pool._scheduler import Scheduler, closed_error
 from sharedml.pool._stats import PoolStats
-from sharedml.route._planner import Mechanism, SessionRecipe, plan_route
+from sharedml.route._options import Mechanism
+from sharedml.route._planner import SessionRecipe, open_model, plan_route
 from sharedml.runtime._errors import is_session_lost, mapped_run_errors, run_error
 from sharedml.runtime._providers import (
     CPU,
-    DML,
     ProviderPlan,
     ProviderSpec,
-    plan_providers,
-    runs_rule,
 )
 from sharedml.weights._store import WeightStore
 
-__all__ = ["DEFAULT_SESSIONS", "PoolStats", "SessionPool"]
+__all__ = ["PoolStats", "SessionPool", "open_pool"]
 
-DEFAULT_SESSIONS = 4  # sessions in a pool whose provider runs Runs side by side
-_SERIALIZED_SESSIONS = 1  # where Runs cannot overlap, more sessions buy no concurrency
 _CHECK_RTOL_CPU = 1e-3  # merged vs solo, relative to an output's largest magnitude
 _CHECK_RTOL_DEVICE = 2e-2  # GPUs may use TF32 and pick other kernels per batch size
 
@@ -122,12 +117,6 @@ def _discard(sess: Any) -> None:
     """Let a session go; a CUDA-graph session's thread stops first."""
     if isinstance(sess, (GraphSession, ShapeSessions)):
         sess.close()
-
-
-# The most sessions a pool takes: far beyond what any host holds (each session keeps its own
-# activations and threads), and far below what overflows a C size (2**63 raised OverflowError
-# deep inside the pool, not a message about the argument).
-_MAX_SESSIONS = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,19 +159,6 @@ def _metadata_of(sess: Any) -> dict[str, Any]:
     }
 
 
-def _count_argument(name: str, value: object, *, minimum: int, also: str = "") -> int:
-    """A count of sessions, checked; ``also`` names another spelling the argument takes."""
-    try:
-        count = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an integer{also}, not {value!r}.") from None
-    if isinstance(value, bool) or not minimum <= count <= _MAX_SESSIONS:
-        raise ValueError(
-            f"{name} must be an integer from {minimum} to {_MAX_SESSIONS}{also}, not {value!r}."
-        )
-    return count
-
-
 def _timeout_argument(timeout_s: object) -> float | None:
     """``None``, ``inf`` or longer than a lock can wait: wait forever; else seconds (>= 0)."""
     if timeout_s is None:
@@ -204,10 +180,10 @@ def _decide_batching(
     auto: bool,
     by_default: bool,
     serialized: bool,
-    model_path: Path,
+    graph: ModelProto,
     name: str,
-) -> tuple[Batching | None, Signature | None, str, ModelProto | None]:
-    """Whether a pool merges requests: its settings, the model's signature, why, and its graph.
+) -> tuple[Batching | None, Signature | None, str]:
+    """Whether a pool merges requests: its settings, the model's signature, and why.
 
     A model that fixes axis 0 at 1 batches where the analysis proves that axis can be relaxed
     (``signature.relaxed``). The caller serves every proven model from the graph the analysis
@@ -219,7 +195,7 @@ def _decide_batching(
         by_default: ``batching`` was left out.
         serialized: The pool holds one session by default (the provider runs one ``Run`` at a
             time, or each session holds its own copy of the weights).
-        model_path: The prepared model, whose graph the analysis reads.
+        graph: The prepared model's graph, which the analysis reads.
         name: How messages name the model.
 
     Raises:
@@ -233,9 +209,8 @@ def _decide_batching(
             "pass batching=True to merge requests"
         )
     if wanted is None and not auto:
-        return None, None, reason, None
+        return None, None, reason
     asked = wanted or Batching()
-    graph = load_graph(model_path)
     try:
         signature = signature_of(
             graph,
@@ -249,7 +224,7 @@ def _decide_batching(
             raise  # asked for: say why not; by default: run unbatched, and say why
         reason = f"not merging requests: {exc}"
         _log.info("sharedml: %s", reason)
-        return None, None, reason, None
+        return None, None, reason
     reason = (
         "merging requests: the caller said each output row depends only on its own input row "
         "(Batching(rows_independent=True))"
@@ -257,7 +232,7 @@ def _decide_batching(
         else "merging requests: the row-independence analysis proved that every output row "
         "depends only on its own input row"
     )
-    return asked, signature, reason, graph
+    return asked, signature, reason
 
 
 class _Sessions:
@@ -419,8 +394,7 @@ class SessionPool:
             ``"shared"``: the prepacked-file route, or an error if it cannot be built.
             ``"off"``: share raw weights, prepacking off (unpacked kernels).
             ``"per-session"``: ORT's own behaviour: each session packs a private copy of every
-            packed weight. ``None``, ``False`` and ``True`` (the same as ``"auto"``, ``"off"``
-            and ``"per-session"``) still work for one release, with a ``DeprecationWarning``.
+            packed weight.
         batching: Merge the requests that queue while every session is busy into one ``Run``
             (see :class:`~sharedml.Batching` and ``docs/batching.md``), one meaning per
             spelling: ``"auto"``: wherever the row-independence analysis proves the model
@@ -428,9 +402,9 @@ class SessionPool:
             ``Batching``: its settings; ``False``: never. Left out: ``"auto"`` where the
             pool holds one session by default (the provider runs one ``Run`` at a time, or each
             session holds its own copy of the weights: the provider table), else ``False``.
-            ``None`` is deprecated (it meant "left out"). :attr:`batching_reason` says which
-            and why. Only models whose rows the analysis proves apart are merged (or with
-            ``Batching(rows_independent=True)``, the caller's word).
+            :attr:`batching_reason` says which and why. Only models whose rows the analysis
+            proves apart are merged (or with ``Batching(rows_independent=True)``, the caller's
+            word).
         per_session_state: Say that each caller needs a session of its own (state kept in the
             session, CUDA or DML graph capture): no warning for extra sessions where runs are
             serialized.
@@ -493,8 +467,8 @@ class SessionPool:
         sess_options: Any | None = None,
         configure: Callable[[Any], None] | None = None,
         mechanism: str = "auto",
-        prepacking: str | bool | None = "auto",
-        batching: BatchingSetting | BatchingDefault | None = BatchingDefault.BY_PROVIDER,
+        prepacking: str = "auto",
+        batching: BatchingSetting | BatchingDefault = BatchingDefault.BY_PROVIDER,
         per_session_state: bool = False,
         create_in_background: bool = True,
         cache_dir: CacheDir = None,
@@ -507,145 +481,126 @@ class SessionPool:
         ep_libraries: Mapping[str, str | os.PathLike[str]] | None = None,
         ep_devices: Mapping[str, Any] | None = None,
     ) -> None:
-        self._state = _State.OPENING
-        self._pid = os.getpid()
         # Arguments first: nothing is prepared, mapped or created for a call that cannot work.
-        auto_sessions = isinstance(sessions, str) and sessions == "auto"
-        if auto_sessions and (min_sessions is not None or max_sessions is not None):
-            given = " and ".join(
-                f"{name}={value!r}"
-                for name, value in (("min_sessions", min_sessions), ("max_sessions", max_sessions))
-                if value is not None
-            )
-            raise ValueError(
-                f"sessions='auto' with {given}: 'auto' chooses the number of sessions itself. "
-                "Leave min_sessions and max_sessions out, or give sessions a number."
-            )
-        if cores is not None:
-            cores = _count_argument("cores", cores, minimum=1, also="")
-        counts = {
-            name: _count_argument(name, value, minimum=minimum, also=also)
-            for name, value, minimum, also in (
-                ("sessions", None if auto_sessions else sessions, 1, " or 'auto'"),
-                ("max_sessions", max_sessions, 1, ""),
-                ("min_sessions", min_sessions, 0, ""),
-            )
-            if value is not None
-        }
-        self.plan: ProviderPlan = plan_providers(
-            providers, provider_options, ep_libraries=ep_libraries, ep_devices=ep_devices
-        )
-        self._runs_rule = runs_rule(self.plan, asked=serialize_runs)
-        serialized = self._runs_rule.serialized
-        if not serialize_creation and DML in self.plan.providers:
-            raise ValueError(
-                "serialize_creation=False with DmlExecutionProvider: creating DirectML sessions "
-                "concurrently crashes some onnxruntime-directml versions; leave it True."
-            )
-        # The table's default, unless the caller overrode its rule on runs (then as it says).
-        one = self.plan.facts.default_sessions == 1 if serialize_runs is None else serialized
-        default = _SERIALIZED_SESSIONS if one else DEFAULT_SESSIONS
-        self._max = counts.get("max_sessions", counts.get("sessions", default))
-        if auto_sessions and self.plan.primary == CPU and not serialized:
-            # Routed for the most sessions calibration may choose (map budget); the count and
-            # the threads are set once it has measured.
-            self._max = max(default, cores or usable_cores())
-        self._min = counts.get("min_sessions", self._max)
-        if self._min > self._max:
-            raise ValueError(f"min_sessions ({self._min}) is more than max_sessions ({self._max}).")
-        if serialized and self._max > 1 and not per_session_state:
-            self._warn_serialized_sessions()
-        if batching is None:
-            warnings.warn(
-                "SessionPool(batching=None) is deprecated and will be refused in a future "
-                "release: leave batching out for the default ('auto' where the provider runs one "
-                "Run at a time, else False), or write 'auto', True, False or a sharedml.Batching.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            batching = BatchingDefault.BY_PROVIDER
-        by_default = batching is BatchingDefault.BY_PROVIDER
-        setting = ("auto" if one else None) if by_default else Batching.parse(batching)
-        auto = setting == "auto"
-        wanted = setting if isinstance(setting, Batching) else None
-
-        self._run_lock: FairLock | None = run_lock_for(self.plan) if serialized else None
-        graphs = cuda_graphs_enabled(self.plan.primary, self.plan.provider_options[0])
-        self._creator: Future[None] | None = None
-        self._gave_up: BaseException | None = None  # background creation stopped for good
-        self._ready = threading.Event()  # every up-front session exists (or never will)
-        self._stopping = threading.Event()  # close(): background creation stops
-
-        if self.plan.primary == CPU:  # each session would keep its activations twice over
-            configure = without_memory_patterns(configure)
-        route = functools.partial(  # again below for a graph served with its axis 0 relaxed
-            plan_route,
-            plan=self.plan,
-            max_sessions=self._max,
+        options = PoolOptions.from_arguments(
+            sessions=sessions,
+            min_sessions=min_sessions,
+            max_sessions=max_sessions,
+            providers=providers,
+            provider_options=provider_options,
             sess_options=sess_options,
             configure=configure,
             mechanism=mechanism,
             prepacking=prepacking,
+            batching=batching,
+            per_session_state=per_session_state,
+            create_in_background=create_in_background,
             cache_dir=cache_dir,
             verify_weights=verify_weights,
+            serialize_creation=serialize_creation,
+            serialize_runs=serialize_runs,
             size_threshold_bytes=size_threshold_bytes,
             weights=weights,
             cores=cores,
+            ep_libraries=ep_libraries,
+            ep_devices=ep_devices,
         )
-        self.recipe: SessionRecipe = route(model)
-        chosen, self._signature, reason, graph = _decide_batching(
-            wanted,
-            auto=auto,
-            by_default=by_default,
-            serialized=one,
-            model_path=self.recipe.model_path,
-            name=f"model '{self.source_path}'",
+        self._open(model, options)
+
+    def _open(self, model: str | os.PathLike[str] | bytes, options: PoolOptions) -> None:
+        """Plan the pool from its checked options, then route the model and start the sessions."""
+        self._state = _State.OPENING
+        self._pid = os.getpid()
+        self.plan: ProviderPlan = options.providers.plan()
+        planned = plan_pool(options, self.plan, cores=options.session.cores or usable_cores())
+        self._runs_rule = planned.runs
+        self._max, self._min = planned.route.max_sessions, planned.min_sessions
+        if planned.warn_sessions:
+            self._warn_serialized_sessions()
+        serialized = planned.runs.serialized
+        self._run_lock: FairLock | None = run_lock_for(self.plan) if serialized else None
+        self._creator: Future[None] | None = None
+        self._gave_up: BaseException | None = None  # background creation stopped for good
+        self._ready = threading.Event()  # every up-front session exists (or never will)
+        self._stopping = threading.Event()  # close(): background creation stops
+        chosen, reason = self._route(model, planned)
+        self._calibration: Calibration | None = None
+        if planned.calibrate:  # probes come and go before any session of the pool exists
+            chosen, reason = self._calibrate(planned, chosen, reason)
+        self._start(planned, chosen, reason)
+
+    def _route(
+        self, model: str | os.PathLike[str] | bytes, planned: PoolPlan
+    ) -> tuple[Batching | None, str]:
+        """Open the model, decide batching on its graph, and plan the route of the graph loaded.
+
+        Sets :attr:`recipe` and the model's batching signature; returns the batching settings
+        (None: requests do not merge) and why.
+        """
+        # The model is prepared, parsed and mapped once; every step below reads that graph.
+        opened = open_model(model, planned.route.weights)
+        chosen, self._signature, reason = _decide_batching(
+            planned.batching,
+            auto=planned.auto_batching,
+            by_default=planned.batching_by_default,
+            serialized=planned.one_session,
+            graph=opened.graph,
+            name=f"model '{opened.source_path}'",
         )
-        if graph is not None and self._signature is not None and self._signature.proof:
+        if self._signature is not None and self._signature.proof:
             # The sessions load the graph the analysis proved: no declared shape it did not
-            # prove, which ORT would fold into constants (pool/_relax).
-            relaxed = relax(graph, self._signature.proof)
+            # prove, which ORT would fold into constants (pool/_relax). It is routed instead
+            # of the prepared graph, so the pool plans one route, for the graph it loads.
+            relaxed = relax(opened.graph, self._signature.proof)
             try:
-                if relaxed.graph is not graph:
-                    self.recipe = relaxed_recipe(self.recipe, relaxed, route)
+                if relaxed.graph is not opened.graph:
+                    verify = planned.route.weights.verify_weights
+                    opened = relaxed_model(opened, relaxed, verify=verify)
                 reason += relaxed.reason
             except NotBatchableError as exc:
-                if wanted is not None:
+                if planned.batching is not None:
                     raise
                 chosen, self._signature, reason = None, None, f"not merging requests: {exc}"
                 _log.info("sharedml: %s", reason)
             del relaxed
-        del graph
-        if self.plan.primary == CPU:
+        self.recipe: SessionRecipe = plan_route(opened, planned.route)
+        if self.plan.primary == CPU:  # plan_pool turned them off (without_memory_patterns)
             self.recipe = dataclasses.replace(
                 self.recipe, reason=f"{self.recipe.reason} {MEMORY_PATTERNS_REASON}".strip()
             )
-        self._calibration: Calibration | None = None
-        if auto_sessions:  # probes come and go before any session of the pool exists
-            self._calibration = calibrate(
-                self.recipe,
-                batching=chosen,
-                serialized=serialized,
-                default_sessions=default,
-                creation_lock=CREATION_LOCK if serialize_creation else None,
-                cores=cores,
+        return chosen, reason
+
+    def _calibrate(
+        self, planned: PoolPlan, chosen: Batching | None, reason: str
+    ) -> tuple[Batching | None, str]:
+        """``sessions="auto"``: measure the split, and set the counts and threads it chose."""
+        self._calibration = calibrate(
+            self.recipe,
+            batching=chosen,
+            serialized=planned.runs.serialized,
+            default_sessions=planned.default_sessions,
+            creation_lock=CREATION_LOCK if planned.serialize_creation else None,
+            cores=planned.route.session.cores,
+        )
+        release_freed_heap()  # what the probe sessions freed: a server never trims
+        _log.info("sharedml: sessions='auto': %s", self._calibration.reason)
+        self._max = self._min = self._calibration.sessions
+        if self._calibration.threads is not None:
+            self.recipe = dataclasses.replace(
+                self.recipe, intra_op_threads=self._calibration.threads
             )
-            release_freed_heap()  # what the probe sessions freed: a server never trims
-            _log.info("sharedml: sessions='auto': %s", self._calibration.reason)
-            self._max = self._min = self._calibration.sessions
-            if self._calibration.threads is not None:
-                self.recipe = dataclasses.replace(
-                    self.recipe, intra_op_threads=self._calibration.threads
-                )
-            if chosen is not None and self._calibration.max_batch_size is not None:
-                # Merged rows measured not worth their activation memory: fewer per Run.
-                chosen = dataclasses.replace(
-                    chosen, max_batch_size=self._calibration.max_batch_size
-                )
-                reason = reason.rstrip(".") + (
-                    f". sessions='auto' found merged batches not worth their memory: at most "
-                    f"{chosen.max_batch_size} row(s) per Run (stats().calibration says why)."
-                )
+        if chosen is not None and self._calibration.max_batch_size is not None:
+            # Merged rows measured not worth their activation memory: fewer per Run.
+            chosen = dataclasses.replace(chosen, max_batch_size=self._calibration.max_batch_size)
+            reason = reason.rstrip(".") + (
+                f". sessions='auto' found merged batches not worth their memory: at most "
+                f"{chosen.max_batch_size} row(s) per Run (stats().calibration says why)."
+            )
+        return chosen, reason
+
+    def _start(self, planned: PoolPlan, chosen: Batching | None, reason: str) -> None:
+        """The scheduler and its sessions: the first ones now, the others in the background."""
+        graphs, serialized = planned.cuda_graphs, planned.runs.serialized
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
         self._sessions = _Sessions(
             self.recipe,
@@ -658,7 +613,7 @@ class SessionPool:
                 cuda_graphs=graphs,
                 convolutions=self._signature is None or self._signature.convolutions,
             ),
-            serialized_creation=serialize_creation,
+            serialized_creation=planned.serialize_creation,
             run_lock=self._run_lock,
         )
         self._scheduler = Scheduler(
@@ -677,8 +632,11 @@ class SessionPool:
             name=str(self.source_path),
         )
 
+        serialize_creation = planned.serialize_creation
         initial = (
-            self._min if not (serialize_creation and create_in_background) else min(self._min, 1)
+            self._min
+            if not (serialize_creation and planned.create_in_background)
+            else min(self._min, 1)
         )
         created = create_initial(
             self._scheduler.create_session,
@@ -713,7 +671,7 @@ class SessionPool:
             "weights. One session with batching serves the same requests; pass "
             "per_session_state=True if each caller needs a session of its own.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of SessionPool(...) (or of open_pool)
         )
 
     # ----------------------------------------------------------------------------------------
@@ -1017,3 +975,18 @@ class SessionPool:
             f"{self._max} providers={list(self.plan.providers)} mechanism={self.mechanism.value!r}"
             f"{' batching' if self.batching is not None else ''} {self._state.value}>"
         )
+
+
+def open_pool(model: str | os.PathLike[str] | bytes, options: PoolOptions) -> SessionPool:
+    """A :class:`SessionPool` from options checked already, as ``SessionPool(model, ...)`` opens it.
+
+    For code that builds one :class:`~sharedml.pool._options.PoolOptions` and passes it on
+    whole (``sharedml serve`` opens every model's pool with one; a Ray replica adjusts the
+    one it was given): the keyword arguments are not spelled out, and checked, again.
+
+    Raises:
+        SharedMLError, NotBatchableError: as ``SessionPool``.
+    """
+    pool = SessionPool.__new__(SessionPool)
+    pool._open(model, options)
+    return pool

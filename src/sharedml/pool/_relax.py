@@ -39,7 +39,6 @@ import dataclasses
 import hashlib
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +49,9 @@ from sharedml.cache._root import Cache
 from sharedml.model._graph import external_locations
 from sharedml.model._proto import AttributeProto, GraphProto, ModelProto
 from sharedml.prepared._format import read_manifest
-from sharedml.route._planner import SessionRecipe
+from sharedml.route._planner import OpenedModel
 from sharedml.rows import ONE, Dim, Fact, Kind, RowAnalysis
+from sharedml.weights._store import WeightStore
 
 __all__ = [
     "ROWS_DIM",
@@ -60,7 +60,7 @@ __all__ = [
     "relax",
     "relaxed_graph",
     "relaxed_model_for",
-    "relaxed_recipe",
+    "relaxed_model",
 ]
 
 ROWS_DIM = "sharedml_rows"
@@ -383,19 +383,22 @@ def relaxed_model_for(prepared: Path, relaxed: Relaxed, *, cache: Cache) -> Path
     return entry.file(_MODEL_NAME)
 
 
-def relaxed_recipe(
-    recipe: SessionRecipe, relaxed: Relaxed, plan_route: Callable[[Path], SessionRecipe]
-) -> SessionRecipe:
-    """The route of the relaxed graph, planned as ``recipe`` was, naming the same source.
+def relaxed_model(opened: OpenedModel, relaxed: Relaxed, *, verify: bool) -> OpenedModel:
+    """The relaxed graph as the model the pool routes, naming the same source; not parsed.
+
+    The graph is :func:`relax`'s, in memory: its entry is written from it, and the weights
+    store and everything after it read this very message, never the file written.
 
     Args:
-        recipe: The route planned for the model as given (``recipe.model_path``: its
-            prepared graph, which :func:`relax` was given).
+        opened: The model as given, opened (``opened.graph``: its prepared graph, which
+            :func:`relax` was given).
         relaxed: :func:`relax` of that graph, with something changed.
-        plan_route: Plans a route for a model path with the pool's settings.
+        verify: Check the weights' SHA-256 when first mapped (hard links of files checked
+            already are the same mapping: not read again).
     """
-    path = relaxed_model_for(recipe.model_path, relaxed, cache=Cache.at(recipe.cache))
-    return dataclasses.replace(plan_route(path), source_path=recipe.source_path)
+    path = relaxed_model_for(opened.model_path, relaxed, cache=opened.cache)
+    weights = WeightStore.open(path, verify=verify, cache_dir=opened.cache, model=relaxed.graph)
+    return dataclasses.replace(opened, model_path=path, graph=relaxed.graph, weights=weights)
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -51,6 +51,7 @@ from sharedml.cache._entries import Built, ensure_entry, open_entry
 from sharedml.cache._locks import lend_hold
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.model._graph import iter_graphs, load_graph
+from sharedml.model._proto import ModelProto
 from sharedml.prepared._compress_passes import (
     MS_DOMAIN,
     GemmsToMatMuls,
@@ -63,8 +64,14 @@ from sharedml.prepared._compress_passes import (
     run_passes,
 )
 from sharedml.prepared._files import check_outputs, scratch_folder, source_files
+from sharedml.prepared._format import read_manifest
 from sharedml.prepared._plan import DEFAULT_SIZE_THRESHOLD_BYTES, check_threshold
-from sharedml.prepared._prepare import PrepareResult, output_paths, prepare, prepared_model_for
+from sharedml.prepared._prepare import (
+    PrepareResult,
+    output_paths,
+    prepare,
+    prepared_model_with_graph,
+)
 from sharedml.runtime import _quantization
 from sharedml.runtime._quantization import BlockFormat
 
@@ -219,8 +226,8 @@ def tables_unavailable(weights: WeightsFormat) -> str | None:
 # The rewrite (passes: sharedml.prepared._compress_passes), and what it wrote
 
 
-def _refuse_if_nothing(model_path: Path, source: object) -> None:
-    if not compressible(load_graph(model_path)):
+def _refuse_if_nothing(model_path: Path, source: object, graph: ModelProto | None) -> None:
+    if not compressible(graph if graph is not None else load_graph(model_path)):
         raise CompressError(
             f"The model '{source}' has no MatMul or Gemm with a constant float weight matrix, "
             "so there is nothing to compress (convolutions and norms stay float): "
@@ -400,7 +407,7 @@ def compress(
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     with scratch_folder(dst_path.parent, "compress") as scratch:
         float_path = prepare(src, scratch / "float.onnx").model_path
-        _refuse_if_nothing(float_path, src)
+        _refuse_if_nothing(float_path, src, None)
         return _write(float_path, dst_path, fmt, scratch)
 
 
@@ -424,6 +431,7 @@ def compressed_model_for(
     size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
     verify: bool = True,
     source: str | os.PathLike[str] | None = None,
+    graph: ModelProto | None = None,
 ) -> Path:
     """A prepared, compressed copy of ``model_path`` in the cache, built once per model and format.
 
@@ -441,6 +449,8 @@ def compressed_model_for(
         source: What messages and the entry's record call the model (default: ``model_path``;
             the route planner passes the caller's model when ``model_path`` is its prepared
             copy).
+        graph: ``model_path``'s graph where the caller parsed it already (the route planner's
+            prepared float model), so that it is not parsed again.
 
     Returns:
         ``<cache>/models/<key>/model.onnx``.
@@ -456,15 +466,16 @@ def compressed_model_for(
     fmt = WeightsFormat.parse(weights)
     named = source if source is not None else model_path
     cache = Cache.at(cache_dir)  # resolved once, for every step below
-    float_path = prepared_model_for(
-        model_path,
-        cache_dir=cache,
-        size_threshold_bytes=check_threshold(size_threshold_bytes),
-        verify=verify,
-    )
+    size_threshold_bytes = check_threshold(size_threshold_bytes)
+    float_graph: ModelProto | None
+    if graph is not None and read_manifest(graph) is not None:
+        float_path, float_graph = Path(model_path), graph  # prepared already: as it is
+    else:
+        float_path, float_graph = prepared_model_with_graph(
+            model_path, cache_dir=cache, size_threshold_bytes=size_threshold_bytes, verify=verify
+        )
     if fmt is WeightsFormat.FLOAT:
         return float_path
-    _refuse_if_nothing(float_path, named)
     key = _entry_key(float_path, fmt)
     checked: bool | tuple[str, ...] = True if verify else (_PREPARED_NAME,)
     with contextlib.suppress(CacheError):  # a damaged entry: ensure_entry below rebuilds it
@@ -474,6 +485,9 @@ def compressed_model_for(
             # 50 MiB (onnx-ir, sympy), more than a compressed model saves on small weights.
             lend_hold(entry)
             return entry.file(_PREPARED_NAME)
+    # Not built yet: only now is the float graph read for what it holds (an entry exists only
+    # for a model that had something to compress).
+    _refuse_if_nothing(float_path, named, float_graph)
     why = compression_unavailable(fmt)
     if why is not None:
         raise CompressError(f"Cannot compress '{named}' to {fmt.value}: {why.rstrip('.')}.")

@@ -17,10 +17,9 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 from sharedml._errors import (
     CacheError,
@@ -39,7 +38,6 @@ from sharedml.cache._stamps import Snapshot, recall_stamp, record_stamp, snapsho
 from sharedml.model._graph import external_locations, read_model, set_external
 from sharedml.model._proto import ModelProto, parse_model
 from sharedml.prepared._dedupe import share_with_entries
-from sharedml.prepared._family import FamilyResult, prepare_family
 from sharedml.prepared._files import (
     check_outputs,
     create_temp,
@@ -78,6 +76,7 @@ __all__ = [
     "prepare",
     "prepared_model_for",
     "prepared_model_from_bytes",
+    "prepared_model_with_graph",
     "weights_path_for",
 ]
 # SharedWeights, WeightsManifest and weights_path_for live in sharedml.prepared._format; they are
@@ -191,41 +190,18 @@ def output_paths(src_path: Path, dst: str | os.PathLike[str]) -> tuple[Path, Pat
     return dst_path, weights_path
 
 
-@overload
 def prepare(
     src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    size_threshold_bytes: int = ...,
-    alignment_bytes: int = ...,
-    progress: ProgressCallback | None = ...,
-) -> PrepareResult: ...
-
-
-@overload
-def prepare(
-    src: list[str | os.PathLike[str]] | list[str] | list[Path] | tuple[str | os.PathLike[str], ...],
-    dst: str | os.PathLike[str],
-    *,
-    size_threshold_bytes: int = ...,
-    alignment_bytes: int = ...,
-    progress: ProgressCallback | None = ...,
-) -> FamilyResult: ...
-
-
-def prepare(
-    src: Any,
     dst: str | os.PathLike[str],
     *,
     size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     progress: ProgressCallback | None = None,
-) -> PrepareResult | FamilyResult:
+) -> PrepareResult:
     """Rewrite ``src`` into ``dst`` plus one aligned weights file beside it.
 
     Several models that hold the same tensors (a *family*) are prepared over one weights file
-    by :func:`sharedml.prepare_family`. Given a list, ``prepare`` still calls it, with a
-    ``DeprecationWarning``, for one more release.
+    by :func:`sharedml.prepare_family`.
 
     Args:
         src: Any ONNX model: weights inline, in external data files, in ``Constant`` nodes or
@@ -260,6 +236,7 @@ def prepare(
             symlink was swapped in below it while prepare opened the file.
         PrepareError: ``dst`` or its weights file would overwrite the source or its data, or
             is not a regular file.
+        TypeError: ``src`` is a list (:func:`sharedml.prepare_family` prepares several).
         OutputError: the outputs could not be written (a full disk, a folder this user may
             not write, a name too long); it is also an ``OSError`` with the ``errno``.
 
@@ -267,18 +244,9 @@ def prepare(
     each result complete).
     """
     if isinstance(src, (list, tuple)):
-        warnings.warn(
-            "sharedml.prepare() given a list of models is deprecated and will be removed in the "
-            "next release: call sharedml.prepare_family(models, folder) instead.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return prepare_family(
-            src,
-            dst,
-            size_threshold_bytes=size_threshold_bytes,
-            alignment_bytes=alignment_bytes,
-            progress=progress,
+        raise TypeError(
+            "sharedml.prepare() prepares one model, and was given a list: call "
+            "sharedml.prepare_family(models, folder) to prepare several over one weights file."
         )
     check_settings(size_threshold_bytes, alignment_bytes)
     src_path = Path(src)
@@ -457,6 +425,29 @@ def prepared_model_for(
     Thread and process safety: safe to call from many threads and processes at once; every
     caller gets a complete entry, and no entry is ever modified after it is published.
     """
+    return prepared_model_with_graph(
+        model_path,
+        cache_dir=cache_dir,
+        size_threshold_bytes=size_threshold_bytes,
+        verify=verify,
+        copy_prepared=copy_prepared,
+    )[0]
+
+
+def prepared_model_with_graph(
+    model_path: str | os.PathLike[str],
+    *,
+    cache_dir: CacheDir = None,
+    size_threshold_bytes: int = DEFAULT_SIZE_THRESHOLD_BYTES,
+    verify: bool = True,
+    copy_prepared: bool = False,
+) -> tuple[Path, ModelProto | None]:
+    """:func:`prepared_model_for`, and the prepared graph where finding it parsed that graph.
+
+    A model that :func:`sharedml.prepare` wrote is read to find its manifest: that parse is
+    the prepared graph, returned so that the caller does not parse the file again. A cache
+    entry is not parsed here (the source was, or a stamp spared it): None.
+    """
     path = Path(model_path)
     size_threshold_bytes = check_threshold(size_threshold_bytes)
     # A copied prepared model must not be found by a later call that wants the model itself.
@@ -479,11 +470,11 @@ def prepared_model_for(
 
     known = recall_stamp("prepared", path, params, cache=cache)
     if known is not None:  # the source is unchanged since it was hashed: skip parse and hash
-        return entry_for(known)
+        return entry_for(known), None
     before = snapshot(path)  # before the read: a stamp must not vouch for a later write
     model, model_bytes = read_model(path)
     if read_manifest(model) is not None and not copy_prepared:
-        return path
+        return path, model
     key, before = _source_key(path, model, model_bytes, before, size_threshold_bytes)
     del model, model_bytes  # the graph can be large; prepare loads its own copy
     # A source with inline weights was read and parsed whole (twice its size): glibc keeps
@@ -492,7 +483,7 @@ def prepared_model_for(
     prepared = entry_for(key)
     # Recorded only if no file changed since `before`: else the build may hold other bytes.
     record_stamp("prepared", before, key, params, cache=cache)
-    return prepared
+    return prepared, None
 
 
 def _prepare_into(

@@ -38,7 +38,8 @@ from sharedml._host._filesystems import filesystem_type, is_remote_filesystem
 from sharedml.cache._locks import held_lock
 from sharedml.cache._root import Cache, CacheDir
 from sharedml.pool._batching import BatchingSetting
-from sharedml.pool._pool import DEFAULT_SESSIONS, SessionPool
+from sharedml.pool._options import DEFAULT_SESSIONS, PoolOptions
+from sharedml.pool._pool import SessionPool, open_pool
 from sharedml.prepared._prepare import (
     prepared_model_for,
     prepared_model_from_bytes,
@@ -271,6 +272,25 @@ def _session_options(sessions: int, cpus: float) -> Any:
     return so
 
 
+def _replica_options(options: PoolOptions, cpus: float | None, cache: Cache) -> PoolOptions:
+    """The pool's options on this node: the node's cache, and the replica's CPUs shared out.
+
+    ``sessions="auto"`` splits the CPUs itself (``cores``); a count of sessions gets a template
+    of ``cpus / sessions`` intra-op threads each. A caller's own ``cores`` or ``sess_options``
+    stands.
+    """
+    session = options.session
+    if cpus is not None and options.auto_sessions:
+        if session.cores is None:
+            session = dataclasses.replace(session, cores=max(1, math.floor(cpus)))
+    elif cpus is not None and session.sess_options is None:
+        count = options.sessions if isinstance(options.sessions, int) else None
+        sessions = options.max_sessions or count or DEFAULT_SESSIONS
+        session = dataclasses.replace(session, sess_options=_session_options(sessions, cpus))
+    weights = dataclasses.replace(options.weights, cache_dir=cache)
+    return dataclasses.replace(options, session=session, weights=weights)
+
+
 def create_pool(
     model: str | os.PathLike[str] | bytes,
     *,
@@ -312,29 +332,18 @@ def create_pool(
     Raises:
         SharedMLError: as :func:`prepare_on_node` and ``SessionPool`` raise.
     """
-    threshold = pool_options.pop("size_threshold_bytes", None)
+    options = PoolOptions.from_arguments(  # checked before the node's turn is taken
+        sessions=sessions, batching=batching, providers=providers, **pool_options
+    )
     with _node_turn(
         model,
         cache_dir=cache_dir,
         local_copy=local_copy,
-        size_threshold_bytes=threshold,
+        size_threshold_bytes=options.weights.size_threshold_bytes,
         lock_timeout_s=lock_timeout_s,
     ) as turn:
         share = cpus if cpus is not None else _replica_cpus()
-        if sessions == "auto":
-            if share is not None and "cores" not in pool_options:
-                pool_options["cores"] = max(1, math.floor(share))
-        elif "sess_options" not in pool_options and share is not None:
-            count = pool_options.get("max_sessions") or sessions or DEFAULT_SESSIONS
-            pool_options["sess_options"] = _session_options(count, share)
-        pool = SessionPool(
-            turn.path,
-            sessions=sessions,
-            batching=batching,
-            providers=providers,
-            cache_dir=turn.cache,
-            **pool_options,
-        )
+        pool = open_pool(turn.path, _replica_options(options, share, turn.cache))
     assert turn.node is not None
     return pool, turn.node
 

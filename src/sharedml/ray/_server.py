@@ -41,7 +41,7 @@ import numpy as np
 
 from sharedml._errors import InvalidInputError, PoolClosedError
 from sharedml.pool._batching import Batching
-from sharedml.pool._pool import DEFAULT_SESSIONS
+from sharedml.pool._options import DEFAULT_SESSIONS, PoolOptions
 from sharedml.protocol._admission import HttpLimits, InflightBytes
 from sharedml.ray._loopback import restrict_replica_grpc
 from sharedml.ray._metrics import PoolMetrics
@@ -339,11 +339,21 @@ def deployment(
 
     Returns:
         The bound application.
+
+    Raises:
+        TypeError, ValueError: a pool argument (``sessions``, ``batching``, ``providers``,
+            ``pool_options``) that ``SessionPool`` refuses, before any replica starts.
     """
     from ray import serve
 
-    rows = batching.max_batch_size if isinstance(batching, Batching) else Batching().max_batch_size
-    per_session = rows + 1 if batching is not False else 2
+    # Checked here, once, before any replica starts: a wrong argument fails this call, not
+    # every replica in turn.
+    checked = PoolOptions.from_arguments(
+        sessions=sessions, batching=batching, providers=providers, **dict(pool_options or {})
+    )
+    chosen = checked.batching
+    rows = chosen.max_batch_size if isinstance(chosen, Batching) else Batching().max_batch_size
+    per_session = rows + 1 if chosen is not None else 2
     if sessions == "auto":  # at most a session per CPU the replica holds
         cpus = serve_options.get("ray_actor_options", {}).get("num_cpus") or 1
         count = max(DEFAULT_SESSIONS, math.ceil(cpus))

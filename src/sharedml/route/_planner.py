@@ -1,16 +1,19 @@
 """The route planner: one place decides how a pool's sessions get their weights.
 
-``plan_route(model, ...)`` takes any model path and the caller's settings and returns a
-:class:`SessionRecipe`: the prepared model, the weights mapped once for the process, the
-:class:`Mechanism` that lends them to ORT, why that one, and everything needed to build one
-session's options and create it. A pool only holds the recipe; every routing rule is here.
+``plan_route(open_model(model, ...), options)`` takes a model, prepared and opened once, and
+the caller's settings (:class:`~sharedml.route._options.RouteOptions`) and returns a
+:class:`SessionRecipe`: the prepared model and its graph, the weights mapped once for the
+process, the :class:`~sharedml.route.Mechanism` that lends them to ORT, why that one, and
+everything needed to build one session's options and create it. A pool only holds the
+recipe; every routing rule is here.
 
 The rules, in order:
 
-1. The model is prepared (cached by content) and its weights file mapped once per process
-   (:func:`sharedml.prepared_model_for`, :class:`sharedml.WeightStore`).
+1. The model is prepared (cached by content), its graph parsed once and its weights file
+   mapped once per process (:func:`open_model`: :func:`sharedml.prepared_model_for`,
+   :class:`sharedml.weights.WeightStore`). Whatever reads the model later reads that graph.
 2. On CUDA weights go to the device once and every session borrows the device buffers
-   (:class:`~sharedml.Mechanism` ``DEVICE``), if a route probed in a child process works with
+   (:class:`~sharedml.route.Mechanism` ``DEVICE``), if a route probed in a child process works with
    the installed ORT; otherwise sessions use host weights, with a warning. Where the provider
    table says no device route can work (DirectML, WebGPU, other plugin EPs: their weights
    route is ``ort-mmap``), every session uploads its own device copy, and ORT loads the
@@ -36,21 +39,25 @@ The rules, in order:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
-from sharedml._host._deprecation import warn_deprecated
 from sharedml._host._platform import release_freed_heap, usable_cores
-from sharedml.cache._root import Cache, CacheDir
+from sharedml.cache._root import Cache
 from sharedml.model._graph import iter_graphs, load_graph
 from sharedml.prepared._compress import WeightsFormat, compressed_model_for
-from sharedml.prepared._prepare import prepared_model_for, prepared_model_from_bytes
+from sharedml.prepared._prepare import prepared_model_from_bytes, prepared_model_with_graph
 from sharedml.route._cpu import CpuRoute, choose_cpu_route
+from sharedml.route._options import (
+    Mechanism,
+    Prepacking,
+    RouteOptions,
+    WeightsSettings,
+)
 from sharedml.runtime._capabilities import capability
 from sharedml.runtime._options import clone_session_options, config_entry
 from sharedml.runtime._providers import (
@@ -63,94 +70,10 @@ from sharedml.runtime._providers import (
 )
 from sharedml.weights._store import WeightStore, zero_copy_mechanisms
 
-__all__ = ["Mechanism", "Prepacking", "SessionRecipe", "plan_route"]
+if TYPE_CHECKING:  # the message classes load on first parse, not on import
+    from sharedml.model._proto import ModelProto
 
-
-class Mechanism(str, enum.Enum):
-    """How a pool's sessions get the one copy of the weights (``pool.mechanism``).
-
-    A ``str`` enum: ``pool.mechanism == "device"`` works.
-    """
-
-    PREPACKED_FILE = "prepacked-file"
-    """CPU: sessions load ORT's saved prepacked model by path and map its data file: raw,
-    derived and prepacked weights, one copy."""
-    OPTIMIZED_FILE = "optimized-file"
-    """CPU: as ``prepacked-file``, for a model ORT packs nothing of: the saved optimized model
-    shares the weights ORT's optimizers derive (fused, folded, dequantized), one copy."""
-    IN_MEMORY_FILE = "in-memory-file"
-    """CPU: the mapped weights file is lent whole to every session (ORT's in-memory external
-    data files, with ``session.use_external_initializer_file_buffers_directly=1``)."""
-    ADD_INITIALIZER = "add-initializer"
-    """CPU: each tensor is lent as an ``OrtValue`` over a slice of the map (``add_initializer``)."""
-    ORT_MMAP = "ort-mmap"
-    """CPU: ORT maps the weights file itself; sessions share the page cache."""
-    DEVICE = "device"
-    """GPU: weights uploaded once per device, every session borrows the device buffers."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-SAVED_MODEL = (Mechanism.PREPACKED_FILE, Mechanism.OPTIMIZED_FILE)  # chosen, never requested
-
-
-class Prepacking(str, enum.Enum):
-    """What to do with ORT's CPU weight prepacking (``SessionPool(prepacking=...)``)."""
-
-    AUTO = "auto"
-    """Share the packed weights too where ORT packs or derives any weight, else raw weights."""
-    SHARED = "shared"
-    """The prepacked-file route, or an error if it cannot be built."""
-    OFF = "off"
-    """Share raw weights with prepacking off: least memory, unpacked kernels."""
-    PER_SESSION = "per-session"
-    """ORT's own behaviour: each session packs a private copy of every packed weight."""
-
-    @classmethod
-    def parse(cls, value: object) -> Prepacking:
-        """One of the values, by its name (``"auto"``, ``"shared"``, ``"off"``, ``"per-session"``).
-
-        ``None``, ``False`` and ``True`` (``"auto"``, ``"off"`` and ``"per-session"``) are
-        accepted for one release with a ``DeprecationWarning``: ``True`` reads as "share the
-        packed weights" to a user of a sharing library, and means each session's private copy.
-
-        Raises:
-            ValueError: anything else that is not one of the values.
-        """
-        aliases: dict[object, Prepacking] = {None: cls.AUTO, False: cls.OFF, True: cls.PER_SESSION}
-        if isinstance(value, bool) or value is None:
-            new = aliases[value]
-            warn_deprecated(
-                f"prepacking={value!r} is deprecated: write prepacking={new.value!r} (the same "
-                "meaning); the old spelling goes in the next release."
-            )
-            return new
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"prepacking must be 'auto', 'shared', 'off' or 'per-session', not {value!r}."
-            ) from None
-
-
-def _parse_mechanism(value: object) -> Mechanism | None:
-    """``"auto"`` -> None (the planner chooses); a name -> its Mechanism.
-
-    The saved-model mechanisms are refused here: the planner chooses them, and a session told
-    to borrow raw weights that way would fail only when created.
-    """
-    if value == "auto":
-        return None
-    try:
-        found = Mechanism(value)
-    except ValueError:
-        found = None
-    if found is None or found in SAVED_MODEL:
-        names = ", ".join(repr(m.value) for m in Mechanism if m not in SAVED_MODEL)
-        chosen = " (prepacking='shared' asks for the saved model)" if found else ""
-        raise ValueError(f"mechanism must be 'auto' or one of {names}, not {value!r}{chosen}.")
-    return found
+__all__ = ["OpenedModel", "SessionRecipe", "open_model", "plan_route"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -160,6 +83,9 @@ class SessionRecipe:
     Attributes:
         source_path: The model as the caller gave it.
         model_path: The prepared model (``source_path`` itself if prepare wrote it).
+        graph: ``model_path``'s graph (external data not loaded: nodes and small tensors),
+            parsed once for the pool (:func:`open_model`); whatever reads the model after
+            that reads this, never the file again. Shared: never modified.
         load_path: The file each session loads: the prepared model, or its prepacked form.
         mechanism: How sessions get the weights.
         reason: Why this mechanism, in one or two sentences (``pool.mechanism_reason``).
@@ -182,6 +108,7 @@ class SessionRecipe:
 
     source_path: Path
     model_path: Path
+    graph: ModelProto
     load_path: Path
     mechanism: Mechanism
     reason: str
@@ -291,66 +218,94 @@ def _has_providers(so: Any) -> bool:
     return bool(has()) if callable(has) else False
 
 
-def plan_route(
-    model: str | os.PathLike[str] | bytes,
-    *,
-    plan: ProviderPlan,
-    max_sessions: int,
-    sess_options: Any | None = None,
-    configure: Callable[[Any], None] | None = None,
-    mechanism: str = "auto",
-    prepacking: object = Prepacking.AUTO,
-    cache_dir: CacheDir = None,
-    verify_weights: bool = True,
-    size_threshold_bytes: int | None = None,
-    weights: WeightsFormat | str = WeightsFormat.FLOAT,
-    cores: int | None = None,
-) -> SessionRecipe:
-    """Decide how ``max_sessions`` sessions of ``model`` get their weights (see the module).
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpenedModel:
+    """A pool's model, prepared, parsed once and mapped once: what the planner routes.
+
+    Attributes:
+        source_path: The model as the caller gave it (``<model bytes>`` for bytes).
+        model_path: The prepared model (compressed where asked), whose weights the sessions
+            share.
+        graph: ``model_path``'s graph, external data not loaded; never modified.
+        weights: Its host weights, mapped once for the process.
+        cache: The cache it was found or built in (resolved once).
+        weights_format: ``FLOAT``, or the format ``model_path`` was compressed to.
+    """
+
+    source_path: Path
+    model_path: Path
+    graph: ModelProto
+    weights: WeightStore
+    cache: Cache
+    weights_format: WeightsFormat = WeightsFormat.FLOAT
+
+
+def open_model(model: str | os.PathLike[str] | bytes, settings: WeightsSettings) -> OpenedModel:
+    """Rule 1: prepare ``model`` (cached by content), parse its graph once, map its weights.
 
     Args:
         model: Any ONNX model path, or a model's bytes (without external data).
-        plan: From :func:`sharedml.runtime._providers.plan_providers`.
-        max_sessions: The most sessions that will exist at once (threads and map budget).
-        sess_options: The caller's template ``SessionOptions`` (not modified).
-        configure: Called with each session's options before creation.
-        mechanism: ``"auto"`` or a :class:`Mechanism` value other than ``prepacked-file`` and
-            ``optimized-file`` (which the planner chooses).
-        prepacking: A :class:`Prepacking` value (or an alias, see :meth:`Prepacking.parse`).
-        cache_dir: The cache: a path, a :class:`~sharedml.cache.Cache`, or None for
-            :func:`sharedml.cache_dir`. Resolved once here; the recipe carries it.
-        verify_weights: Check the weights' SHA-256 when first mapped in the process.
-        size_threshold_bytes: Passed to prepare for models it prepares (None: its default).
-        weights: ``"float"``, or compressed MatMul/Gemm weights (``"int8"``, ``"int4"``): the
-            model is compressed once into the cache and the sessions share that file
-            (:mod:`sharedml.prepared._compress`).
-        cores: The CPU cores the sessions share, each getting ``cores // max_sessions``
-            intra-op threads on the CPU (default: this process's usable cores).
+        settings: Where the weights come from: the cache (resolved once here; the opened model
+            carries it), whether to verify them, prepare's threshold, and the weights format
+            (compressed formats are built once into the cache from the prepared float model:
+            :mod:`sharedml.prepared._compress`).
+
+    Raises:
+        SharedMLError: the model, its weights or the cache cannot be used.
+    """
+    cache = Cache.at(settings.cache_dir)
+    compressed, verify_weights = settings.weights_format, settings.verify_weights
+    threshold = settings.size_threshold_bytes
+    kwargs: dict[str, Any] = {} if threshold is None else {"size_threshold_bytes": threshold}
+    graph: ModelProto | None = None  # where finding the prepared model parsed it already
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        source = Path("<model bytes>")
+        model_path = prepared_model_from_bytes(
+            bytes(model), cache_dir=cache, verify=verify_weights, **kwargs
+        )
+    elif isinstance(model, (str, os.PathLike)):
+        source = Path(model)
+        model_path, graph = prepared_model_with_graph(
+            source, cache_dir=cache, verify=verify_weights, **kwargs
+        )
+    else:
+        raise TypeError(
+            f"model must be a path (str or os.PathLike) or the model's bytes, not "
+            f"{type(model).__name__}."
+        )
+    if compressed is not WeightsFormat.FLOAT:  # compressed once from the prepared float model
+        model_path = compressed_model_for(
+            model_path,
+            weights=compressed,
+            cache_dir=cache,
+            verify=verify_weights,
+            source=source,
+            graph=graph,
+        )
+        graph = None  # the compressed model's graph is another one
+    if graph is None:
+        graph = load_graph(model_path)  # the one parse of the graph the sessions load
+    store = WeightStore.open(model_path, verify=verify_weights, cache_dir=cache, model=graph)
+    return OpenedModel(source, model_path, graph, store, cache, compressed)
+
+
+def plan_route(model: OpenedModel, options: RouteOptions) -> SessionRecipe:
+    """Decide how ``options.max_sessions`` sessions of ``model`` get their weights (the module).
+
+    Args:
+        model: The model, opened by :func:`open_model` (with ``options.weights``).
+        options: The providers, the most sessions, each session's settings and the weights'.
 
     Returns:
         The recipe.
 
     Raises:
-        ValueError: an unknown mechanism or prepacking, or a combination that contradicts itself.
+        ValueError: a combination of settings that contradicts itself.
         ProviderError: ``mechanism="device"`` and no device route works here.
         SharedMLError: the model, its weights or the cache cannot be used.
     """
-    plan, graphs_reason = _without_unusable_graphs(plan)
-    cache = Cache.at(cache_dir)
-    recipe = _plan(
-        model,
-        plan=plan,
-        max_sessions=max_sessions,
-        sess_options=sess_options,
-        configure=configure,
-        mechanism=mechanism,
-        prepacking=prepacking,
-        cache=cache,
-        verify_weights=verify_weights,
-        size_threshold_bytes=size_threshold_bytes,
-        compressed=WeightsFormat.parse(weights),
-        cores=cores,
-    )
+    plan, graphs_reason = _without_unusable_graphs(options.plan)
+    recipe = _plan(model, dataclasses.replace(options, plan=plan))
     if graphs_reason:
         recipe = dataclasses.replace(recipe, reason=f"{recipe.reason} {graphs_reason}".strip())
     return recipe
@@ -369,67 +324,28 @@ def _without_unusable_graphs(plan: ProviderPlan) -> tuple[ProviderPlan, str]:
     )
 
 
-def _plan(
-    model: str | os.PathLike[str] | bytes,
-    *,
-    plan: ProviderPlan,
-    max_sessions: int,
-    sess_options: Any | None,
-    configure: Callable[[Any], None] | None,
-    mechanism: str,
-    prepacking: object,
-    cache: Cache,
-    verify_weights: bool,
-    size_threshold_bytes: int | None,
-    compressed: WeightsFormat = WeightsFormat.FLOAT,
-    cores: int | None = None,
-) -> SessionRecipe:
-    """:func:`plan_route` for a plan whose options can run here."""
-    requested = _parse_mechanism(mechanism)
-    packing = Prepacking.parse(prepacking)
-    if packing is Prepacking.SHARED and requested is not None:
-        raise ValueError(
-            "prepacking='shared' chooses the weight mechanism itself; leave mechanism='auto'."
-        )
-    kwargs: dict[str, Any] = (
-        {} if size_threshold_bytes is None else {"size_threshold_bytes": size_threshold_bytes}
-    )
-    if isinstance(model, (bytes, bytearray, memoryview)):
-        source = Path("<model bytes>")
-        model_path = prepared_model_from_bytes(
-            bytes(model), cache_dir=cache, verify=verify_weights, **kwargs
-        )
-    elif isinstance(model, (str, os.PathLike)):
-        source = Path(model)
-        model_path = prepared_model_for(source, cache_dir=cache, verify=verify_weights, **kwargs)
-    else:
-        raise TypeError(
-            f"model must be a path (str or os.PathLike) or the model's bytes, not "
-            f"{type(model).__name__}."
-        )
-    if compressed is not WeightsFormat.FLOAT:  # compressed once from the prepared float model
-        model_path = compressed_model_for(
-            model_path,
-            weights=compressed,
-            cache_dir=cache,
-            verify=verify_weights,
-            source=source,
-        )
-    weights = WeightStore.open(model_path, verify=verify_weights, cache_dir=cache)
+def _plan(opened: OpenedModel, options: RouteOptions) -> SessionRecipe:
+    """:func:`plan_route` for an opened model and a plan whose options can run here."""
+    plan, max_sessions = options.plan, options.max_sessions
+    sess_options, cores = options.session.sess_options, options.session.cores
+    requested, packing = options.weights.mechanism, options.weights.prepacking
+    verify_weights = options.weights.verify_weights
+    model_path, weights, compressed = opened.model_path, opened.weights, opened.weights_format
     if requested is Mechanism.IN_MEMORY_FILE and not capability("files-in-memory").available:
         raise ProviderError(
             f"mechanism='in-memory-file' cannot be used: {capability('files-in-memory').reason}. "
             "Use mechanism='auto', which picks what this onnxruntime can do."
         )
     common: dict[str, Any] = {
-        "source_path": source,
+        "source_path": opened.source_path,
         "model_path": model_path,
+        "graph": opened.graph,
         "plan": plan,
         "weights": weights,
         "prepacking": packing,
         "template": sess_options,
-        "configure": configure,
-        "cache": cache,
+        "configure": options.session.configure,
+        "cache": opened.cache,
         "intra_op_threads": (
             max(1, (cores or usable_cores()) // max_sessions) if plan.primary == CPU else None
         ),
@@ -460,16 +376,14 @@ def _plan(
         # Block-quantized MatMuls (compressed here, or quantized before they came to us) run on
         # packed weights only: where the shared packed form cannot be used, each session packs.
         block_packs = packing is Prepacking.AUTO and (
-            compressed is not WeightsFormat.FLOAT or _block_quantized(model_path)
+            compressed is not WeightsFormat.FLOAT or _block_quantized(opened.graph)
         )
         prepacked, reason, packs = _prepacked_weights(
-            weights,
+            opened,
             sess_options,
-            cache,
             max_sessions,
             forced=packing is Prepacking.SHARED,
             verify=verify_weights,
-            source=source,
             instead=(
                 "each session packs its own copy of the compressed weights instead"
                 if block_packs
@@ -505,9 +419,7 @@ def _plan(
         reason = ""
     stats = None
     if plan.primary == CPU and packing is Prepacking.OFF and device_reason == "":
-        stats, derived_reason = _derived_weights_check(
-            weights, sess_options, cache, source, verify=verify_weights
-        )
+        stats, derived_reason = _derived_weights_check(opened, sess_options, verify=verify_weights)
         reason = " ".join(r for r in (reason, derived_reason) if r)
     reason = " ".join(r for r in (device_reason, reason, _host_reason(host, packing)) if r)
     return SessionRecipe(
@@ -515,31 +427,32 @@ def _plan(
     )
 
 
-def _block_quantized(model_path: Path) -> bool:
+def _block_quantized(model: ModelProto) -> bool:
     """Whether the model runs ORT's ``MatMulNBits`` (weights in blocks of a few bits)."""
-    graph = load_graph(model_path).graph
-    return any(n.op_type == "MatMulNBits" for g, _ in iter_graphs(graph) for n in g.node)
+    return any(n.op_type == "MatMulNBits" for g, _ in iter_graphs(model.graph) for n in g.node)
 
 
-def _optimized_model(weights: WeightStore, sess_options: Any, cache: Cache, *, verify: bool) -> Any:
+def _optimized_model(opened: OpenedModel, sess_options: Any, *, verify: bool) -> Any:
     """ORT's saved optimized (and prepacked) form of the model: a cache entry, built once."""
     from sharedml.weights import _prepacked as _prepack
 
+    weights = opened.weights
     files = weights.manifest.files
     return _prepack.build_prepacked_model(
         weights.model_path,
         weights.path
         if len(files) == 1
         else {f.file: weights.model_path.parent / f.file for f in files},
-        cache,
+        opened.cache,
         sess_options=sess_options,
         weights_digest="sha256:" + ",".join(f.sha256 for f in sorted(files, key=lambda f: f.file)),
         verify=verify,
+        graph=opened.graph,
     )
 
 
 def _derived_weights_check(
-    weights: WeightStore, sess_options: Any, cache: Cache, source: Path, *, verify: bool
+    opened: OpenedModel, sess_options: Any, *, verify: bool
 ) -> tuple[Any, str]:
     """For ``prepacking="off"``: does ORT derive weights that every session then keeps itself?
 
@@ -549,7 +462,7 @@ def _derived_weights_check(
     reason saying the check could not be made.
     """
     try:
-        prepacked = _optimized_model(weights, sess_options, cache, verify=verify)
+        prepacked = _optimized_model(opened, sess_options, verify=verify)
     except CacheError:
         raise
     except (SharedMLError, ValueError) as exc:
@@ -558,7 +471,8 @@ def _derived_weights_check(
     if not derived:
         return prepacked.stats, ""
     message = (
-        f"prepacking='off' shares only the raw weights of '{source}': ORT's optimizers derive "
+        f"prepacking='off' shares only the raw weights of '{opened.source_path}': ORT's "
+        f"optimizers derive "
         f"{derived / 2**20:.1f} MiB of weights from them (fused, folded or dequantized), which "
         "every session derives and keeps for itself. prepacking='auto' (the default) shares "
         "those too."
@@ -649,14 +563,12 @@ def _device_weights(weights: WeightStore, plan: ProviderPlan, *, forced: bool) -
 
 
 def _prepacked_weights(
-    weights: WeightStore,
+    opened: OpenedModel,
     sess_options: Any,
-    cache: Cache,
     sessions: int,
     *,
     forced: bool,
     verify: bool,
-    source: Path,
     instead: str = "the pool shares raw weights with prepacking off instead",
     block_quantized: bool = False,
 ) -> tuple[Any, str, bool]:
@@ -676,14 +588,15 @@ def _prepacked_weights(
             )
         return None, f"The saved prepacked model is not used: {saves.reason}.", False
     try:
-        prepacked = _optimized_model(weights, sess_options, cache, verify=verify)
+        prepacked = _optimized_model(opened, sess_options, verify=verify)
     except CacheError:
         raise  # an untrusted cache is the caller's to fix, on every route alike
     except SharedMLError as exc:
         if forced:
             raise
         warnings.warn(
-            f"sharedml: sharing prepacked weights failed for '{source}', {instead}: {exc}",
+            f"sharedml: sharing prepacked weights failed for '{opened.source_path}', {instead}: "
+            f"{exc}",
             RuntimeWarning,
             stacklevel=4,
         )

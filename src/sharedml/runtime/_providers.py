@@ -71,6 +71,7 @@ __all__ = [
     "WEBGPU",
     "ProviderFacts",
     "ProviderPlan",
+    "ProviderSettings",
     "ProviderSpec",
     "RunsRule",
     "WeightsRoute",
@@ -458,6 +459,45 @@ def _device_choice(name: str, value: Any) -> DeviceSelector | list[Any]:
         f"ep_devices['{name}'] must be a sharedml.runtime.DeviceSelector or OrtEpDevice objects "
         f"from onnxruntime.get_ep_devices(), not {value!r}."
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ProviderSettings:
+    """Which execution providers a pool's sessions run on, as the caller spelled them.
+
+    ``SessionPool``'s provider arguments travel together: :meth:`plan` resolves them once
+    into the :class:`ProviderPlan` every session is created with; ``serialize_runs`` then says
+    which rule on runs applies (:func:`runs_rule`).
+
+    Attributes:
+        providers: As for ``onnxruntime.InferenceSession`` (see :func:`plan_providers`);
+            None means CPU.
+        provider_options: As for ``InferenceSession``: one dict per provider.
+        ep_libraries: A plugin EP's library path per EP name.
+        ep_devices: A plugin EP's device per EP name.
+        serialize_runs: One ``Run`` at a time on the device across the process: True, False,
+            or None for the provider table's rule.
+    """
+
+    providers: Sequence[ProviderSpec] | None = None
+    provider_options: Sequence[dict[str, Any]] | None = None
+    ep_libraries: Mapping[str, Any] | None = None
+    ep_devices: Mapping[str, Any] | None = None
+    serialize_runs: bool | None = None
+
+    def plan(self, *, available: Sequence[str] | None = None) -> ProviderPlan:
+        """The plan: :func:`plan_providers` of these settings (registers plugin EPs once).
+
+        Raises:
+            ProviderError: as :func:`plan_providers`.
+        """
+        return plan_providers(
+            self.providers,
+            self.provider_options,
+            available=available,
+            ep_libraries=self.ep_libraries,
+            ep_devices=self.ep_devices,
+        )
 
 
 def plan_providers(

@@ -31,13 +31,16 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sharedml.protocol._admission import HttpLimits, InflightBytes
 from sharedml.serve._http import InferenceHttp
 from sharedml.serve._models import ServedModel
+
+if TYPE_CHECKING:  # the pool (numpy, onnxruntime) loads once a server opens one
+    from sharedml.pool._options import PoolOptions
 
 __all__ = ["ModelSpec", "Server", "model_specs"]
 
@@ -116,12 +119,13 @@ class Server:
         host: The address both protocols listen on (default: loopback only).
         http_port: HTTP's port (0: any free port; :attr:`http_port` says which).
         grpc_port: gRPC's port (0: any free port), or None for no gRPC.
-        pool_options: ``SessionPool`` arguments for every model (``sessions``, ``batching``,
-            ``providers``, ``cache_dir``...). ``batching`` defaults to ``"auto"``.
+        pool_options: Every model's pool: ``SessionPool`` arguments by name (``sessions``,
+            ``batching``, ``providers``, ``cache_dir``...; ``batching`` defaults to
+            ``"auto"``), or a :class:`~sharedml.pool._options.PoolOptions` built already.
         limits: What requests may hold (:class:`HttpLimits`).
         drain_timeout_s: How long a stop waits for requests in flight.
         say: Where progress lines go (default: standard error).
-        open_pool: Opens a model's pool (default: ``SessionPool(spec.path, **pool_options)``):
+        open_pool: Opens a model's pool (default: the ``SessionPool`` ``pool_options`` describe):
             anything with the pool's ``run_async``, ``get_inputs``, ``get_outputs``,
             ``stats``, ``closed`` and ``close`` serves (the benchmark puts N plain ONNX Runtime
             sessions behind the same server this way).
@@ -137,7 +141,7 @@ class Server:
         host: str = "127.0.0.1",
         http_port: int = 8000,
         grpc_port: int | None = 8001,
-        pool_options: dict[str, Any] | None = None,
+        pool_options: PoolOptions | Mapping[str, Any] | None = None,
         limits: HttpLimits | None = None,
         drain_timeout_s: float = 30.0,
         say: Callable[[str], None] | None = None,
@@ -156,7 +160,12 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._force = False
         self.models: dict[str, ServedModel] = {}
-        self._open(models, dict(pool_options or {}), open_pool)
+        from sharedml.pool._options import PoolOptions
+
+        if not isinstance(pool_options, PoolOptions):  # checked once, for every model
+            given = {"batching": "auto", **(pool_options or {})}
+            pool_options = PoolOptions.from_arguments(**given)
+        self._open(models, pool_options, open_pool)
         from sharedml.serve._metrics import ServerMetrics
 
         self.metrics = ServerMetrics(self.models, lambda: self.budget.used_bytes)
@@ -172,16 +181,15 @@ class Server:
     def _open(
         self,
         models: Sequence[ModelSpec],
-        options: dict[str, Any],
+        options: PoolOptions,
         open_pool: Callable[[ModelSpec], Any] | None,
     ) -> None:
-        from sharedml.pool._pool import SessionPool
+        from sharedml.pool import _pool
 
-        options.setdefault("batching", "auto")
         if open_pool is None:
 
             def open_pool(spec: ModelSpec) -> Any:
-                return SessionPool(spec.path, **options)
+                return _pool.open_pool(spec.path, options)
 
         try:
             for index, spec in enumerate(models, 1):

@@ -362,7 +362,7 @@ class DeviceWeightStore:
             ProviderError: the route is unknown, or the upload failed.
         """
         # Per model (the tensor names are the model's), over device values per weights FILE:
-        # the members of a family (sharedml.prepare([...])) name the same bytes differently.
+        # the members of a family (sharedml.prepare_family([...])) name the same bytes differently.
         # Cache entries that share tensors (sharedml.prepared._dedupe) name one file by hard links:
         # the
         # file's identity is its inode, so their values are one set too.

@@ -197,6 +197,7 @@ def build_prepacked_model(
     min_external_bytes: int = _DEFAULT_MIN_EXTERNAL_BYTES,
     verify: bool = True,
     share: bool = True,
+    graph: ModelProto | None = None,
 ) -> PrepackedModel:
     """Return the cached prepacked form of ``prepared_model``, building it first if needed.
 
@@ -241,6 +242,9 @@ def build_prepacked_model(
             (a stamp spares re-reading unchanged files).
         share: Point identical initializers (raw bytes and blobs) at other entries' data files
             through hard links, so that models holding the same weights share their pages.
+        graph: ``prepared_model``'s graph where the caller parsed it already (the route
+            planner: once per pool), so that it is not parsed again; never modified. The key
+            still hashes the file's bytes.
 
     Returns:
         The entry; its ``stats`` feed :func:`sharedml.route._cpu.choose_cpu_route`.
@@ -264,6 +268,7 @@ def build_prepacked_model(
         weights_digest=weights_digest,
         min_external_bytes=min_external_bytes,
         share=share,
+        graph=graph,
     )
     entry = ensure_entry(_KIND, plan.key, plan.build, cache=plan.cache, verify=verify)
     return PrepackedModel._of(entry)
@@ -340,10 +345,12 @@ def _plan_build(
     weights_digest: str | None,
     min_external_bytes: int,
     share: bool,
+    graph: ModelProto | None = None,
 ) -> _BuildPlan:
     """Check :func:`build_prepacked_model`'s arguments and compute the entry's key.
 
-    Reads the model and (without a digest) hashes its weights; writes nothing.
+    Reads the model (parses it unless ``graph`` is its graph) and (without a digest) hashes
+    its weights; writes nothing.
     """
     cache = Cache.at(cache_dir)
     prepared_model = Path(prepared_model)
@@ -353,7 +360,7 @@ def _plan_build(
         raise ModelNotFoundError(
             f"Model '{prepared_model}' does not exist. Pass the path of a prepared model."
         ) from None
-    source = parse_model(model_bytes)
+    source = graph if graph is not None else parse_model(model_bytes)
     files = _weights_files(prepared_model, source, weights_file)
     if config_entry(sess_options, "session.disable_prepacking") == "1":
         raise ValueError(

@@ -6,7 +6,7 @@ must cost a child, never the caller's process (an earlier attempt with
 Python child: it uploads two small tensors, builds a session over them, checks the output, then
 changes the device buffers and checks that the output follows. The route planner
 (:mod:`sharedml.route._planner`) asks :func:`select_route` and hands the answer to
-:meth:`sharedml.DeviceWeightStore.for_store`; nothing else starts a probe.
+:meth:`sharedml.weights.DeviceWeightStore.for_store`; nothing else starts a probe.
 
 ``SHAREDML_DEVICE_ROUTE`` names the route to use without probing (for deployments and
 benchmarks that measured it), or ``none`` to use none.

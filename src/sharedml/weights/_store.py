@@ -188,7 +188,7 @@ class WeightStore:
         # files it shares with other entries are held by the mappings too.
         self._hold = hold_entry(model_path)
         # One mapping per weights FILE per process, whichever graph (or hard link) names it:
-        # the members of a family (sharedml.prepare([...])) and cache entries that share
+        # the members of a family (sharedml.prepare_family([...])) and cache entries that share
         # tensors (sharedml.prepared._dedupe) share it, and so share its pages.
         self._files: dict[str, _MappedFile] = {}
         try:
@@ -265,6 +265,7 @@ class WeightStore:
         *,
         verify: bool = True,
         cache_dir: CacheDir = None,
+        model: onnx.ModelProto | None = None,
     ) -> WeightStore:
         """Map the weights of the prepared model at ``model_path`` (or reuse the live mapping).
 
@@ -276,13 +277,16 @@ class WeightStore:
                 :mod:`sharedml.cache`).
             cache_dir: The cache holding those stamps: a path, a :class:`sharedml.cache.Cache`
                 (as a pool's recipe carries it), or None for :func:`sharedml.cache_dir`.
+            model: The graph at ``model_path`` (external data not loaded) where the caller parsed
+                it already (the route planner: once per pool); None: read it here.
 
         Raises:
             InvalidModelError: ``model_path`` was not written by prepare.
             WeightsMismatchError: the weights file is missing, truncated or modified.
         """
         path = Path(model_path).resolve()
-        model = load_graph(path)
+        if model is None:
+            model = load_graph(path)
         manifest = read_manifest(model)
         if manifest is None:
             raise InvalidModelError(
