@@ -6,17 +6,22 @@ and a measured part: each strategy (:mod:`sharedml.inspection._measure`) measure
 subprocess, one after another, with a least-squares fit of memory against the session count that
 projects other counts, and a recommendation computed from those figures
 (:mod:`sharedml.inspection._findings`). The CLI (``sharedml inspect``) only renders this report.
+
+:func:`inspect` goes in steps: plan (the strategies, the providers, the inputs to try and the
+static part, before any process starts), the trial run, the measurements, the findings, the
+report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import platform
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sharedml.inspection._compressed import CompressedAccuracy
 from sharedml.inspection._findings import SAME_WITHIN, Finding, SerializedRuns, findings, recommend
@@ -25,6 +30,7 @@ from sharedml.inspection._report import InspectReport
 from sharedml.inspection._results import DEFAULT_PROJECTION_SESSIONS, Measurement
 from sharedml.inspection._strategies import (
     SHARED,
+    Strategy,
     get_strategy,
     registered_strategies,
 )
@@ -35,7 +41,12 @@ from sharedml.inspection._weights_summary import (
     summarize_weights,
 )
 from sharedml.model._inputs import SIZE_CHOICES, InputSpec, input_specs
-from sharedml.model._tables import indexed_tables
+from sharedml.model._tables import IndexedTable, indexed_tables
+
+if TYPE_CHECKING:
+    from sharedml.inspection._measure import TrialRun
+    from sharedml.prepared._compress import WeightsFormat
+    from sharedml.runtime._providers import ProviderPlan
 
 __all__ = [
     "DEFAULT_PROJECTION_SESSIONS",
@@ -129,18 +140,187 @@ def inspect(
 
     Thread safety: safe to call from any thread; concurrent calls disturb each other's figures.
     """
-    import onnxruntime as ort
+    plan = _plan(
+        model,
+        sessions=sessions,
+        providers=providers,
+        provider_options=provider_options,
+        dims=dims,
+        shapes=shapes,
+        feeds=feeds,
+        strategies=strategies,
+        projection_sessions=projection_sessions,
+        timeout_s=timeout_s,
+        progress=progress,
+        compress=compress,
+        ep_libraries=ep_libraries,
+        ep_devices=ep_devices,
+    )
+    with tempfile.TemporaryDirectory(prefix="sharedml-inspect-") as folder:
+        scratch = Path(folder)
+        trial = _trial(plan, scratch)
+        accuracy = _compressed_accuracy(plan, trial, scratch)
+        measurements = _measure_strategies(plan, trial)
+        fixed = _fixed_cost(plan, trial, measurements)
+    report = _assemble(plan, trial.inputs, trial.record, measurements, fixed, accuracy)
+    return _with_findings(report, plan.serialized)
 
-    from sharedml._errors import MeasurementError
-    from sharedml.inspection._measure import trial_run
+
+# --------------------------------------------------------------------------------------------
+# Plan: everything decided before a process starts
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What :func:`inspect` measures, and with what; settled before any process starts.
+
+    Attributes:
+        path: The model file (the demo's, built in the cache, for ``model=None``).
+        demo: Whether it is the demo model.
+        label: How messages name it.
+        sessions: N.
+        strategies: The strategies to measure, in order, each once.
+        providers: The providers every measuring process plans the same way.
+        child_options: The keyword arguments every measuring process is given: providers and
+            their options, a plugin EP's library and device, the feeds, the time limit.
+        dims: The dimensions the caller gave, for the trial run's message.
+        candidates: The inputs to try, most plausible sizes first (a recognizer refuses a
+            height of 224): the trial run takes the first that a plain session runs.
+        tables: Weights that inputs index.
+        weights: The static part of the report.
+        serialized: Where the provider runs one ``Run`` at a time, for the findings.
+        projection_sessions: The session counts the report projects (N included).
+        compressed: With ``compress``: the format and the compressed model (built already).
+        progress: Told of each step.
+    """
+
+    path: Path
+    demo: bool
+    label: str
+    sessions: int
+    strategies: tuple[Strategy, ...]
+    providers: ProviderPlan
+    child_options: Mapping[str, Any]
+    dims: Mapping[str, int] | None
+    candidates: tuple[tuple[InputSpec, ...], ...]
+    tables: tuple[IndexedTable, ...]
+    weights: WeightsSummary
+    serialized: SerializedRuns | None
+    projection_sessions: tuple[int, ...]
+    compressed: tuple[WeightsFormat, Path] | None
+    progress: InspectProgress | None
+
+    @property
+    def steps(self) -> int:
+        """Progress steps in all: one per session measured."""
+        return self.sessions * len(self.strategies)
+
+    def tell(self, description: str, done: int) -> None:
+        """Report progress: ``done`` of :attr:`steps`."""
+        if self.progress is not None:
+            self.progress(description, done, self.steps)
+
+
+def _plan(
+    model: str | os.PathLike[str] | None,
+    *,
+    sessions: int,
+    providers: Sequence[Any] | None,
+    provider_options: Sequence[dict[str, Any]] | None,
+    dims: Mapping[str, int] | None,
+    shapes: Mapping[str, Sequence[int]] | None,
+    feeds: str | os.PathLike[str] | None,
+    strategies: Sequence[str] | None,
+    projection_sessions: Sequence[int],
+    timeout_s: float | None,
+    progress: InspectProgress | None,
+    compress: str | None,
+    ep_libraries: Mapping[str, str | os.PathLike[str]] | None,
+    ep_devices: Mapping[str, Any] | None,
+) -> _Plan:
+    """Check the arguments, choose the strategies and providers, read the model's static part.
+
+    The model's protobuf is read once here and let go before anything is measured: a model
+    with inline weights is as large as they are.
+    """
     from sharedml.model._graph import load_graph
-    from sharedml.model._inputs import defaulted_dims, described, load_feeds
     from sharedml.runtime._providers import plan_providers
 
     if sessions < 1:
         raise ValueError(f"sessions must be at least 1, not {sessions}.")
     if any(n < 1 for n in projection_sessions):
         raise ValueError("projection_sessions must all be at least 1.")
+    chosen, compressed_format = _strategies_to_measure(strategies, compress)
+    # Fails early on a missing provider; a plugin EP's library is registered and its device
+    # chosen here, and every measuring child is given the same (plan.to_spec()).
+    provider_plan = plan_providers(
+        providers, provider_options, ep_libraries=ep_libraries, ep_devices=ep_devices
+    )
+    plugin_args = {
+        key: value
+        for key, value in provider_plan.to_spec().items()
+        if key in ("ep_libraries", "ep_devices")
+    }
+
+    demo = model is None
+    if model is None:
+        from sharedml.inspection._demo import demo_model_path
+
+        if progress is not None:
+            progress("building the demo model", 0, 0)
+        path = demo_model_path()
+    else:
+        path = Path(model)
+    proto = load_graph(path)
+    label = "the demo model" if demo else f"'{path}'"
+    candidates = _inputs_to_try(proto, label, dims=dims, shapes=shapes, feeds=feeds)
+    tables = indexed_tables(proto)
+    weights = summarize_weights(proto, path)
+    serialized = _serialized_for(provider_plan, proto, label)
+    del proto  # a model with inline weights is as large as they are: not kept while measuring
+    gc.collect()
+
+    compressed = None
+    if compressed_format is not None:  # refused here, before any process is started
+        from sharedml.prepared._compress import compressed_model_for
+
+        if progress is not None:
+            progress(f"compressing the weights to {compressed_format.value} (cached)", 0, 0)
+        compressed = (compressed_format, compressed_model_for(path, weights=compressed_format))
+
+    return _Plan(
+        path=path,
+        demo=demo,
+        label=label,
+        sessions=sessions,
+        strategies=chosen,
+        providers=provider_plan,
+        child_options={
+            "providers": provider_plan.providers,
+            "provider_options": provider_plan.provider_options,
+            **plugin_args,
+            "feeds": feeds,
+            "timeout_s": timeout_s,
+        },
+        dims=dims,
+        candidates=candidates,
+        tables=tables,
+        weights=weights,
+        serialized=serialized,
+        projection_sessions=tuple(sorted({*projection_sessions, sessions})),
+        compressed=compressed,
+        progress=progress,
+    )
+
+
+def _strategies_to_measure(
+    strategies: Sequence[str] | None, compress: str | None
+) -> tuple[tuple[Strategy, ...], WeightsFormat | None]:
+    """The strategies named (or the default ones), and a compressed pool's after them.
+
+    Raises:
+        ValueError: no strategy, an unknown one, or a ``compress`` format that is not one.
+    """
     names = (
         tuple(strategies)
         if strategies is not None
@@ -156,27 +336,20 @@ def inspect(
         if compressed_format is WeightsFormat.FLOAT:
             raise ValueError("compress must be 'int8' or 'int4' (the float model is measured).")
         names = (*names, f"{SHARED}-{compressed_format.value}")
-    chosen = [get_strategy(n) for n in dict.fromkeys(names)]
-    # Fails early on a missing provider; a plugin EP's library is registered and its device
-    # chosen here, and every measuring child is given the same (plan.to_spec()).
-    plan = plan_providers(
-        providers, provider_options, ep_libraries=ep_libraries, ep_devices=ep_devices
-    )
-    plugin_args = {
-        key: value for key, value in plan.to_spec().items() if key in ("ep_libraries", "ep_devices")
-    }
+    return tuple(get_strategy(n) for n in dict.fromkeys(names)), compressed_format
 
-    demo = model is None
-    if model is None:
-        from sharedml.inspection._demo import demo_model_path
 
-        if progress is not None:
-            progress("building the demo model", 0, 0)
-        path = demo_model_path()
-    else:
-        path = Path(model)
-    proto = load_graph(path)
-    label = "the demo model" if demo else f"'{path}'"
+def _inputs_to_try(
+    proto: Any,
+    label: str,
+    *,
+    dims: Mapping[str, int] | None,
+    shapes: Mapping[str, Sequence[int]] | None,
+    feeds: str | os.PathLike[str] | None,
+) -> tuple[tuple[InputSpec, ...], ...]:
+    """The inputs to run on, one set per size guess for the dimensions nobody gave, distinct."""
+    from sharedml.model._inputs import described, load_feeds
+
     given = None
     if feeds is not None:
         given = described(load_feeds(feeds))
@@ -187,174 +360,7 @@ def inspect(
         specs = input_specs(proto, dims, shapes=shapes, given=given, model_name=label, guess=guess)
         if specs not in candidates:
             candidates.append(specs)
-    inputs = candidates[0]
-    tables = indexed_tables(proto)
-    weights = summarize_weights(proto, path)
-    serialized = _serialized_for(plan, proto, label)
-    del proto  # a model with inline weights is as large as they are: not kept while measuring
-    gc.collect()
-
-    total_steps = sessions * len(chosen)
-
-    accuracy: CompressedAccuracy | None = None
-
-    def report(
-        measured: Sequence[Measurement],
-        found: tuple[Finding, ...],
-        trial: Mapping[str, Any],
-        error: str | None = None,
-        fixed: FixedCost | None = None,
-    ) -> InspectReport:
-        return InspectReport(
-            model_path=path,
-            demo=demo,
-            sessions=sessions,
-            providers=plan.providers,
-            device=trial.get("device") or plan.device,
-            inputs=inputs,
-            weights=weights,
-            measurements=tuple(measured),
-            projection_sessions=tuple(sorted({*projection_sessions, sessions})),
-            recommendation=" ".join(f.text for f in found),
-            onnxruntime_version=(measured[0].onnxruntime_version if measured else "")
-            or ort.__version__,
-            platform=platform.platform(),
-            findings=found,
-            trial=trial,
-            error=error,
-            fixed_cost=fixed,
-            tables=tables,
-            compressed=accuracy,
-        )
-
-    compressed_path = None
-    if compressed_format is not None:  # refused here, before any process is started
-        from sharedml.prepared._compress import compressed_model_for
-
-        if progress is not None:
-            progress(f"compressing the weights to {compressed_format.value} (cached)", 0, 0)
-        compressed_path = compressed_model_for(path, weights=compressed_format)
-
-    measurements: list[Measurement] = []
-    with tempfile.TemporaryDirectory(prefix="sharedml-inspect-") as scratch:
-        if progress is not None:
-            progress("trial run: one plain session, ORT defaults", 0, total_steps)
-        rejected: list[dict[str, Any]] = []
-        for inputs in candidates:
-            trial = trial_run(
-                path,
-                inputs=inputs,
-                reference=Path(scratch) / "plain-outputs.npz",
-                providers=plan.providers,
-                provider_options=plan.provider_options,
-                **plugin_args,
-                feeds=feeds,
-                timeout_s=timeout_s,
-            )
-            if trial.error is None:
-                break
-            rejected.append({"inputs": [i.describe() for i in inputs], "error": trial.error})
-        trial_dict = trial.to_dict() | {"rejected_sizes": rejected}
-        if trial.error is not None:
-            inputs = candidates[0]
-            message = _trial_failed(label, rejected, defaulted_dims(inputs, dims))
-            exc = MeasurementError(message)
-            exc.report = report((), (), trial_dict, message)
-            raise exc
-        if compressed_format and compressed_path and trial.reference is not None:
-            from sharedml.inspection._compressed import compressed_accuracy
-
-            if progress is not None:
-                what = f"{compressed_format.value}: one run on the same inputs, for accuracy"
-                progress(what, 0, total_steps)
-            accuracy = compressed_accuracy(
-                compressed_path,
-                compressed_format,
-                reference=trial.reference,
-                inputs=inputs,
-                scratch=Path(scratch),
-                providers=plan.providers,
-                provider_options=plan.provider_options,
-                **plugin_args,
-                feeds=feeds,
-                timeout_s=timeout_s,
-            )
-        for index, strategy in enumerate(chosen):
-            done_before = index * sessions
-
-            def step(
-                done: int, _total: int, name: str = strategy.name, base: int = done_before
-            ) -> None:
-                if progress is not None:
-                    progress(f"{name}: {done}/{sessions} sessions", base + done, total_steps)
-
-            if progress is not None:
-                what = (
-                    "preparing the model (cached) and opening the pool"
-                    if strategy.warm_cache
-                    else "starting a fresh process"
-                )
-                progress(f"{strategy.name}: {what}", done_before, total_steps)
-            measurements.append(
-                measure(
-                    path,
-                    strategy.name,
-                    sessions=sessions,
-                    providers=plan.providers,
-                    provider_options=plan.provider_options,
-                    **plugin_args,
-                    inputs=inputs,
-                    timeout_s=timeout_s,
-                    progress=step,
-                    feeds=feeds,
-                    reference=trial.reference,
-                    tables=tables,
-                )
-            )
-        fixed: FixedCost | None = None
-        shared = next((m for m in measurements if m.strategy == SHARED), None)
-        if shared is not None:
-            from sharedml.inspection._measure import fixed_cost
-
-            if progress is not None:
-                progress(
-                    "sharedml's own cost: a fresh process imports it, opens and closes a pool",
-                    total_steps,
-                    total_steps,
-                )
-            fixed = fixed_cost(
-                path,
-                inputs=inputs,
-                sessions=sessions,
-                providers=plan.providers,
-                provider_options=plan.provider_options,
-                **plugin_args,
-                feeds=feeds,
-                timeout_s=timeout_s,
-                rounds=shared.points[-1].rounds,
-            )
-    by_name = {m.strategy: m for m in measurements}
-    metric = measurements[0].metric if measurements else "pss"
-    fixed_bytes = (
-        fixed.bytes(metric, by_name[SHARED].trimmed_bytes)
-        if fixed is not None and fixed.error is None and SHARED in by_name
-        else None
-    )
-    # Compressed weights change the outputs on purpose: their own section reports them
-    # (InspectReport.compressed); the findings compare the float model's strategies.
-    float_only = {n: m for n, m in by_name.items() if get_strategy(n).weights == "float"}
-    found = findings(
-        float_only,
-        sessions=sessions,
-        weights_bytes=weights.total_bytes,
-        unshared=weights.unshared,
-        serialized=serialized,
-        trial=trial_dict,
-        inputs=inputs,
-        fixed_bytes=fixed_bytes,
-        tables=tables,
-    )
-    return report(measurements, found, trial_dict, fixed=fixed)
+    return tuple(candidates)
 
 
 def _serialized_for(plan: Any, proto: Any, label: str) -> SerializedRuns | None:
@@ -374,6 +380,189 @@ def _serialized_for(plan: Any, proto: Any, label: str) -> SerializedRuns | None:
     except NotBatchableError as exc:
         why = str(exc)
     return SerializedRuns(plan.primary, ort.__version__, why, rule.reason)
+
+
+# --------------------------------------------------------------------------------------------
+# Measure: the trial run, the compressed model's accuracy, each strategy, sharedml's own cost
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trial:
+    """The trial run that succeeded.
+
+    Attributes:
+        run: Its result; its outputs are every strategy's reference.
+        inputs: The inputs it ran on, which every strategy then runs on.
+        record: What the report keeps of it (:attr:`InspectReport.trial`), the sizes that
+            failed before it included.
+    """
+
+    run: TrialRun
+    inputs: tuple[InputSpec, ...]
+    record: Mapping[str, Any]
+
+
+def _trial(plan: _Plan, scratch: Path) -> _Trial:
+    """One plain session with ORT's defaults, in a fresh process, on each candidate until one runs.
+
+    Raises:
+        MeasurementError: it ran on none; ``report`` holds the partial report (the static part,
+            the inputs, the error).
+    """
+    from sharedml._errors import MeasurementError
+    from sharedml.inspection._measure import trial_run
+    from sharedml.model._inputs import defaulted_dims
+
+    plan.tell("trial run: one plain session, ORT defaults", 0)
+    rejected: list[dict[str, Any]] = []
+    for inputs in plan.candidates:
+        trial = trial_run(
+            plan.path,
+            inputs=inputs,
+            reference=scratch / "plain-outputs.npz",
+            **plan.child_options,
+        )
+        if trial.error is None:
+            break
+        rejected.append({"inputs": [i.describe() for i in inputs], "error": trial.error})
+    record = trial.to_dict() | {"rejected_sizes": rejected}
+    if trial.error is not None:
+        inputs = plan.candidates[0]
+        message = _trial_failed(plan.label, rejected, defaulted_dims(inputs, plan.dims))
+        exc = MeasurementError(message)
+        exc.report = _assemble(plan, inputs, record, error=message)
+        raise exc
+    return _Trial(trial, inputs, record)
+
+
+def _compressed_accuracy(plan: _Plan, trial: _Trial, scratch: Path) -> CompressedAccuracy | None:
+    """The compressed model's outputs on the trial's inputs against the trial's; None: no model."""
+    if plan.compressed is None or trial.run.reference is None:
+        return None
+    from sharedml.inspection._compressed import compressed_accuracy
+
+    compressed_format, compressed_path = plan.compressed
+    plan.tell(f"{compressed_format.value}: one run on the same inputs, for accuracy", 0)
+    return compressed_accuracy(
+        compressed_path,
+        compressed_format,
+        reference=trial.run.reference,
+        inputs=trial.inputs,
+        scratch=scratch,
+        **plan.child_options,
+    )
+
+
+def _measure_strategies(plan: _Plan, trial: _Trial) -> list[Measurement]:
+    """Each strategy in a fresh process, one after another, on the trial's inputs."""
+    measurements: list[Measurement] = []
+    for index, strategy in enumerate(plan.strategies):
+        done_before = index * plan.sessions
+
+        def step(
+            done: int, _total: int, name: str = strategy.name, base: int = done_before
+        ) -> None:
+            plan.tell(f"{name}: {done}/{plan.sessions} sessions", base + done)
+
+        what = (
+            "preparing the model (cached) and opening the pool"
+            if strategy.warm_cache
+            else "starting a fresh process"
+        )
+        plan.tell(f"{strategy.name}: {what}", done_before)
+        measurements.append(
+            measure(
+                plan.path,
+                strategy.name,
+                sessions=plan.sessions,
+                inputs=trial.inputs,
+                progress=step,
+                reference=trial.run.reference,
+                tables=plan.tables,
+                **plan.child_options,
+            )
+        )
+    return measurements
+
+
+def _fixed_cost(
+    plan: _Plan, trial: _Trial, measurements: Sequence[Measurement]
+) -> FixedCost | None:
+    """What sharedml itself costs a process, where the pool was measured; else None."""
+    shared = next((m for m in measurements if m.strategy == SHARED), None)
+    if shared is None:
+        return None
+    from sharedml.inspection._measure import fixed_cost
+
+    plan.tell(
+        "sharedml's own cost: a fresh process imports it, opens and closes a pool", plan.steps
+    )
+    return fixed_cost(
+        plan.path,
+        inputs=trial.inputs,
+        sessions=plan.sessions,
+        rounds=shared.points[-1].rounds,
+        **plan.child_options,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Report: what was measured, then the findings computed from it
+
+
+def _assemble(
+    plan: _Plan,
+    inputs: tuple[InputSpec, ...],
+    trial: Mapping[str, Any],
+    measurements: Sequence[Measurement] = (),
+    fixed: FixedCost | None = None,
+    accuracy: CompressedAccuracy | None = None,
+    error: str | None = None,
+) -> InspectReport:
+    """The report of what was measured, without findings (:func:`_with_findings` adds them)."""
+    import onnxruntime as ort
+
+    return InspectReport(
+        model_path=plan.path,
+        demo=plan.demo,
+        sessions=plan.sessions,
+        providers=plan.providers.providers,
+        device=trial.get("device") or plan.providers.device,
+        inputs=inputs,
+        weights=plan.weights,
+        measurements=tuple(measurements),
+        projection_sessions=plan.projection_sessions,
+        recommendation="",
+        onnxruntime_version=(measurements[0].onnxruntime_version if measurements else "")
+        or ort.__version__,
+        platform=platform.platform(),
+        trial=trial,
+        error=error,
+        fixed_cost=fixed,
+        tables=plan.tables,
+        compressed=accuracy,
+    )
+
+
+def _with_findings(report: InspectReport, serialized: SerializedRuns | None) -> InspectReport:
+    """``report`` with its findings and recommendation, computed from its own figures."""
+    # Compressed weights change the outputs on purpose: their own section reports them
+    # (InspectReport.compressed); the findings compare the float model's strategies.
+    float_only = {n: m for n, m in report.strategies.items() if get_strategy(n).weights == "float"}
+    found = findings(
+        float_only,
+        sessions=report.sessions,
+        weights_bytes=report.weights.total_bytes,
+        unshared=report.weights.unshared,
+        serialized=serialized,
+        trial=report.trial,
+        inputs=report.inputs,
+        fixed_bytes=report.fixed_bytes,
+        tables=report.tables,
+    )
+    return dataclasses.replace(
+        report, findings=found, recommendation=" ".join(f.text for f in found)
+    )
 
 
 # What Windows says where ORT turns a wide file name into the ANSI code page and cannot: the
