@@ -513,7 +513,7 @@ def test_the_console_width_decides_the_columns_as_before(width: int) -> None:
 
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, highlight=False)
-    render_text(everything_on_the_cpu(), console=console)
+    render_text(everything_on_the_cpu(), plot=Path("memory.png"), console=console)
     # rich pads lines to the width; a terminal does not show it, and editors strip it
     text = "".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines())
     matches_golden(f"everything.{width}.txt", text)
@@ -549,5 +549,6 @@ def test_the_scenarios_reach_every_finding_and_section() -> None:
         "Memory is read as",
         "Device memory not measurable", "Already prepared by sharedml", "prepare would move",
         "Not shared:", "more tables indexed by inputs", "traffic MiB", "device ┃",
+        "\nWrote memory.png",
     ):  # fmt: skip
         assert section in texts, section
