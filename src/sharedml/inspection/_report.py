@@ -24,7 +24,7 @@ from sharedml.inspection._weights_summary import WeightsSummary
 from sharedml.model._inputs import InputSpec
 from sharedml.model._tables import IndexedTable
 
-__all__ = ["InspectReport"]
+__all__ = ["InspectReport", "RuntimeWeights", "runtime_weights_by_strategy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,37 +127,11 @@ class InspectReport:
         read from ORT's saved optimized model where a pooled strategy built it, and how the
         strategy holds each: ``"once"`` (mapped once for every session), ``"per session"``,
         ``"none"`` (not made: prepacking off) or ``"-"`` (ORT makes none for this model).
+        The JSON form of :func:`runtime_weights_by_strategy`.
         """
-        stats: Mapping[str, Any] = {}
-        for m in self.measurements:
-            found = m.details.get("runtime_weights")
-            if isinstance(found, Mapping):
-                stats = found
-                break
-        out: dict[str, dict[str, Any]] = {}
-        for m in self.measurements:
-            raw, derived, packed = _HOLDING.get(
-                str(m.details.get("mechanism", "")) if m.details else m.strategy,
-                _HOLDING.get(m.strategy, ("?", "?", "?")),
-            )
-            if m.strategy == SHARED_RAW:
-                packed = "none"
-            elif m.strategy == SHARED_PRIVATE_PACKS:
-                packed = "per session"
-            if stats.get("derived_bytes") == 0:
-                derived = "-"  # ORT derives nothing from this model
-            if stats.get("prepacked_bytes") == 0:
-                packed = "-"
-            out[m.strategy] = {
-                "file_bytes": self.weights_bytes,
-                "per_session_bytes": m.per_session_bytes,
-                "derived_bytes": stats.get("derived_bytes"),
-                "prepacked_bytes": stats.get("prepacked_bytes"),
-                "file_weights": raw,
-                "derived": derived,
-                "packed": packed,
-            }
-        return out
+        return {
+            name: dataclasses.asdict(row) for name, row in runtime_weights_by_strategy(self).items()
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object that ``sharedml inspect --json`` prints."""
@@ -190,6 +164,67 @@ class InspectReport:
             "recommendation": self.recommendation,
             "compressed": self.compressed.to_dict() if self.compressed is not None else None,
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeWeights:
+    """What one strategy's sessions hold as weights at run time, beside the file's.
+
+    One row of :attr:`InspectReport.runtime_weights` (its JSON form).
+
+    Attributes:
+        file_bytes: The file's weights.
+        per_session_bytes: The measured growth per extra session (None from one point).
+        derived_bytes: Weights ORT derives from the file's (fused, folded, dequantized), read
+            from its saved optimized model where a pooled strategy built it; else None.
+        prepacked_bytes: Weights ORT packs, from the same model; else None.
+        file_weights: How the strategy holds the file's weights: ``"once"``, ``"per
+            session"``, ``"once per device"``.
+        derived: How it holds the derived ones (``"-"``: ORT derives none for this model).
+        packed: How it holds the packed ones (``"none"``: prepacking off; ``"-"``: none).
+    """
+
+    file_bytes: int
+    per_session_bytes: int | None
+    derived_bytes: int | None
+    prepacked_bytes: int | None
+    file_weights: str
+    derived: str
+    packed: str
+
+
+def runtime_weights_by_strategy(report: InspectReport) -> dict[str, RuntimeWeights]:
+    """:attr:`InspectReport.runtime_weights`, typed: one :class:`RuntimeWeights` per strategy."""
+    stats: Mapping[str, Any] = {}
+    for m in report.measurements:
+        found = m.details.get("runtime_weights")
+        if isinstance(found, Mapping):
+            stats = found
+            break
+    out: dict[str, RuntimeWeights] = {}
+    for m in report.measurements:
+        raw, derived, packed = _HOLDING.get(
+            str(m.details.get("mechanism", "")) if m.details else m.strategy,
+            _HOLDING.get(m.strategy, ("?", "?", "?")),
+        )
+        if m.strategy == SHARED_RAW:
+            packed = "none"
+        elif m.strategy == SHARED_PRIVATE_PACKS:
+            packed = "per session"
+        if stats.get("derived_bytes") == 0:
+            derived = "-"  # ORT derives nothing from this model
+        if stats.get("prepacked_bytes") == 0:
+            packed = "-"
+        out[m.strategy] = RuntimeWeights(
+            file_bytes=report.weights_bytes,
+            per_session_bytes=m.per_session_bytes,
+            derived_bytes=stats.get("derived_bytes"),
+            prepacked_bytes=stats.get("prepacked_bytes"),
+            file_weights=raw,
+            derived=derived,
+            packed=packed,
+        )
+    return out
 
 
 # How each mechanism (or plain strategy) holds the file's weights, the derived ones, the packed.
