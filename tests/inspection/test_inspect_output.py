@@ -1,10 +1,11 @@
 """``sharedml inspect``'s output, byte for byte, for reports made up here (nothing is measured).
 
 Each scenario builds the report objects directly (measurements, weights, tables, the trial
-run, sharedml's own cost, a compressed model's accuracy), computes the findings as
-:func:`sharedml.inspect` does, and runs the CLI on it (``inspect`` itself replaced by one that
-returns the report): the text it prints to a pipe, its ``--json`` and the rich rendering at a
-narrow width must equal the files under ``golden/``. Together the scenarios reach every
+run, sharedml's own cost, a compressed model's accuracy), adds the findings with
+:func:`sharedml.inspect`'s own last step, and runs the CLI on it (``inspect`` itself replaced
+by one that returns the report): the text it prints to a pipe and to a cp1252 pipe, its
+``--json`` and the rich rendering at a narrow and a wide console must equal the files under
+``golden/``. Together the scenarios reach every
 section of the text report and every finding, so a rendering or a finding that changes shows
 here as a diff.
 
@@ -14,7 +15,6 @@ tests/inspection/test_inspect_output.py`` and review the diff of ``golden/`` bef
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -36,7 +36,6 @@ from sharedml.inspection._inspect import (
     SerializedRuns,
     TensorInfo,
     WeightsSummary,
-    findings,
 )
 from sharedml.inspection._measure import FixedCost
 from sharedml.inspection._results import Measurement, MemoryPoint
@@ -153,22 +152,8 @@ def weights_summary(
 
 
 def with_findings(report: InspectReport, serialized: SerializedRuns | None = None) -> InspectReport:
-    """``report`` with the findings :func:`sharedml.inspect` would compute from its figures."""
-    float_only = {n: m for n, m in report.strategies.items() if not n.endswith(("-int8", "-int4"))}
-    found = findings(
-        float_only,
-        sessions=report.sessions,
-        weights_bytes=report.weights.total_bytes,
-        unshared=report.weights.unshared,
-        serialized=serialized,
-        trial=report.trial,
-        inputs=report.inputs,
-        fixed_bytes=report.fixed_bytes,
-        tables=report.tables,
-    )
-    return dataclasses.replace(
-        report, findings=found, recommendation=" ".join(f.text for f in found)
-    )
+    """``report`` with the findings :func:`sharedml.inspect` computes from its figures."""
+    return inspect_module._with_findings(report, serialized)
 
 
 def report_of(**kw: Any) -> InspectReport:
