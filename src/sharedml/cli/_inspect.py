@@ -16,12 +16,20 @@ import secrets
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sharedml._errors import MeasurementError, missing_package
 from sharedml._units import human_bytes, human_seconds
 from sharedml.cli._cache import add_cache_dir_option
 from sharedml.cli._providers import add_provider_arguments, provider_options
+
+if TYPE_CHECKING:  # imported where used: ``sharedml --help`` loads neither onnx nor numpy
+    from rich.console import Console, RenderableType
+    from rich.table import Table
+
+    from sharedml.inspection._report import InspectReport
+    from sharedml.inspection._results import Measurement, MemoryPoint
+    from sharedml.inspection._weights_summary import WeightsSummary
 
 __all__ = [
     "add_parser",
@@ -269,7 +277,7 @@ def _cmd_inspect_family(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from sharedml.inspection._inspect import inspect
+    from sharedml.inspection._inspect import InspectReport, inspect
 
     if not 1 <= args.sessions <= MAX_SESSIONS:
         raise ValueError(
@@ -305,7 +313,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 compress=args.compress,
             )
     except MeasurementError as exc:
-        if exc.report is None:
+        if not isinstance(exc.report, InspectReport):
             raise
         _print_report(exc.report, json_out=args.json, plot=None)  # what needed no run
         raise
@@ -327,7 +335,7 @@ class _TextFor(io.StringIO):
         return self._encoding
 
 
-def _print_report(report: Any, *, json_out: bool, plot: Path | None) -> None:
+def _print_report(report: InspectReport, *, json_out: bool, plot: Path | None) -> None:
     if json_out:
         print(json.dumps(report.to_dict(), indent=2))
     elif sys.stdout.isatty():
@@ -355,7 +363,7 @@ def _mib(n: float | None) -> str:
     return f"{value:.1f}" if abs(value) < 10_000 else f"{value:.0f}"
 
 
-def _vs_plain(m: Any) -> str:
+def _vs_plain(m: Measurement) -> str:
     """The numerics column: '=' bitwise equal to a default plain session, else the largest gap."""
     if m.plain_outputs_nonfinite:
         return "NaN/inf"  # not compared: NaN in the same places proves nothing
@@ -374,7 +382,7 @@ _OPTIONAL = ("RSS", "USS", "trimmed")
 _TABLES_SHOWN = 3
 
 
-def _rounds_text(points: Sequence[Any]) -> str:
+def _rounds_text(points: Sequence[MemoryPoint]) -> str:
     """How often the sessions ran before memory was read: ``run 3 times, until memory settled``."""
     counts = sorted({p.rounds for p in points}) or [1]
     times = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
@@ -383,7 +391,11 @@ def _rounds_text(points: Sequence[Any]) -> str:
     return f"run {times} times; memory still grew in the last round of some"
 
 
-def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
+_Column = tuple[str, str, Callable[["Measurement"], str]]
+"""A column of the memory table: key, header, the cell of a measurement."""
+
+
+def _memory_table(report: InspectReport, width: int) -> tuple[Table, list[str]]:
     """The memory table, with as many optional columns as fit in ``width``; and those left out."""
     from rich.table import Table
 
@@ -391,7 +403,7 @@ def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
     metric = report.metric.upper()
     trimmed = all(m.trimmed for m in measurements)
     show_device = any(m.device_metric is not None or m.device_note for m in measurements)
-    columns: list[tuple[str, str, Any]] = [
+    columns: list[_Column] = [
         ("strategy", "strategy", lambda m: m.strategy),
         (
             "total",
@@ -411,7 +423,7 @@ def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
         )
     for other, key in (("USS", "uss"), ("RSS", "rss")):
         if other != metric:
-            columns.append((other, f"{other}\nMiB", lambda m, k=key: _mib(m.total(k))))
+            columns.append((other, f"{other}\nMiB", _total_cell(key)))
     if show_device:
         columns.append(
             (
@@ -426,7 +438,7 @@ def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
         ("plain", "vs plain\nmax diff", _vs_plain),
     ]
 
-    def needed(chosen: list[tuple[str, str, Any]]) -> int:
+    def needed(chosen: list[_Column]) -> int:
         widest = [
             max([len(line) for line in header.splitlines()] + [len(cell(m)) for m in measurements])
             for _key, header, cell in chosen
@@ -448,51 +460,131 @@ def _memory_table(report: Any, width: int) -> tuple[Any, list[str]]:
     return table, left_out
 
 
-def projected(m: Any) -> str:
+def _total_cell(metric: str) -> Callable[[Measurement], str]:
+    """A column's cell: a measurement's total in ``metric``, MiB."""
+    return lambda m: _mib(m.total(metric))
+
+
+def projected(m: Measurement) -> str:
     """``*`` after a total that was projected because measuring stopped early."""
     return "*" if m.measured_sessions != m.sessions else ""
 
 
-def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -> None:
+class _Page:
+    """The console a report is printed on: headings, indented paragraphs and tables."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def heading(self, title: str, rest: str = "") -> None:
+        """A bold title, and ``rest`` after it in plain text."""
+        from rich.text import Text
+
+        self.console.print(Text.assemble((title, "bold"), rest))
+
+    def para(self, text: str, indent: int = 2) -> None:
+        """A paragraph, wrapped to the console, indented by ``indent`` columns."""
+        from rich.text import Text
+
+        self.indented(Text(text), indent)
+
+    def indented(self, renderable: RenderableType, indent: int = 2) -> None:
+        """A table (or any rich renderable), indented by ``indent`` columns."""
+        from rich.padding import Padding
+
+        self.console.print(Padding(renderable, (0, 0, 0, indent), expand=False))
+
+    def blank(self) -> None:
+        """An empty line: the end of a section."""
+        self.console.print()
+
+
+def render_text(
+    report: InspectReport, *, plot: Path | None = None, console: Console | None = None
+) -> None:
     """Print ``report`` (an :class:`~sharedml.InspectReport`) as tables on ``console``.
 
     A partial report (``report.error``: the trial run failed) prints its static part and the
     error; nothing measured is invented.
     """
     from rich.console import Console
-    from rich.padding import Padding
-    from rich.table import Table
-    from rich.text import Text
 
-    out = console or Console(highlight=False)
-    w = report.weights
-    metric = report.metric.upper()
-    n = report.sessions
-    measurements = report.measurements
+    page = _Page(console or Console(highlight=False))
+    _inspected(page, report)
+    _weights_in_the_file(page, report)
+    if report.error is not None or not report.measurements:
+        page.heading("Not measured")
+        page.para(report.error or "No strategy was measured.")
+        return
+    _memory(page, report)
+    _weights_at_run_time(page, report)
+    _projection(page, report)
+    _compressed(page, report)
+    _recommendation(page, report, plot)
 
-    def para(text: str | Text, indent: int = 2) -> None:
-        out.print(
-            Padding(text if isinstance(text, Text) else Text(text), (0, 0, 0, indent), expand=False)
-        )
 
-    def heading(title: str, rest: str = "") -> None:
-        out.print(Text.assemble((title, "bold"), rest))
-
-    # ---- what was inspected
+def _inspected(page: _Page, report: InspectReport) -> None:
+    """What was inspected: the model, onnxruntime, the providers and device, the inputs."""
     if report.demo:
-        heading("sharedml inspect", ": the built-in demo model (an MLP generated by sharedml)")
+        page.heading("sharedml inspect", ": the built-in demo model (an MLP generated by sharedml)")
     else:
-        heading("sharedml inspect", f": {report.model_path.name}")
-    para(str(report.model_path))
-    para(
+        page.heading("sharedml inspect", f": {report.model_path.name}")
+    page.para(str(report.model_path))
+    device = report.device
+    page.para(
         f"onnxruntime {report.onnxruntime_version}, {', '.join(report.providers)}"
-        f"{f' (device: {report.device})' if report.device and report.device != 'CPU' else ''}"
+        f"{f' (device: {device})' if device and device != 'CPU' else ''}"
         f"; inputs: {', '.join(i.describe() for i in report.inputs) or 'none'}"
     )
-    out.print()
+    page.blank()
 
-    # ---- static part
-    heading("Weights in the file", f"  {human_bytes(w.total_bytes)} in {w.tensors} tensors")
+
+def _weights_in_the_file(page: _Page, report: InspectReport) -> None:
+    """The static part: where the weights sit, the largest, the tables inputs index, prepare."""
+    w = report.weights
+    page.heading("Weights in the file", f"  {human_bytes(w.total_bytes)} in {w.tensors} tensors")
+    page.indented(_placements_grid(w))
+    for table in report.tables[:_TABLES_SHOWN]:
+        page.para(
+            f"indexed by {'input ' + repr(table.input) if table.input else 'computed indices'} "
+            f"({table.op}): {table.name} {table.dtype}[{'x'.join(map(str, table.shape))}] "
+            f"{human_bytes(table.nbytes)}, read only at the rows indexed"
+        )
+    if len(report.tables) > _TABLES_SHOWN:
+        page.para(f"and {len(report.tables) - _TABLES_SHOWN} more tables indexed by inputs")
+    if w.already_prepared:
+        page.para("Already prepared by sharedml: the pool maps its weights file as it is.")
+    else:
+        converts = (
+            f"; {w.prepare_converts_constants} Constant nodes become initializers"
+            if w.prepare_converts_constants
+            else ""
+        )
+        leaves = (
+            f"{w.prepare_leaves_tensors} small tensors ({human_bytes(w.prepare_leaves_bytes)}: "
+            "initializers and Constant nodes under 1 KiB) stay in the graph"
+            if w.prepare_leaves_tensors
+            else "no initializer or Constant stays in the graph"
+        )
+        page.para(
+            f"prepare would move {w.prepare_moves_tensors} tensors "
+            f"({human_bytes(w.prepare_moves_bytes)}) into one aligned, mappable weights file; "
+            f"{leaves}{converts}."
+        )
+    unshared_tensors, unshared_bytes = w.unshared
+    if unshared_bytes >= 0.01 * max(w.total_bytes, 1):  # a ConstantOfShape's 4 B is not news
+        page.para(
+            f"Not shared: {human_bytes(unshared_bytes)} in {unshared_tensors} node attributes or "
+            "sparse initializers (ai.onnx.ml parameters, tensor attributes) stay in the graph, "
+            "and every session keeps its own copy."
+        )
+    page.blank()
+
+
+def _placements_grid(w: WeightsSummary) -> Table:
+    """Bytes per placement, per external file, and the largest tensors."""
+    from rich.table import Table
+
     grid = Table.grid(padding=(0, 2))
     grid.add_column()
     grid.add_column()
@@ -509,74 +601,65 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         grid.add_row(
             "largest" if i == 0 else "", t.name, f"{t.dtype}[{shape}]{where}", human_bytes(t.nbytes)
         )
-    out.print(Padding(grid, (0, 0, 0, 2), expand=False))
-    for t in report.tables[:_TABLES_SHOWN]:
-        para(
-            f"indexed by {'input ' + repr(t.input) if t.input else 'computed indices'} "
-            f"({t.op}): {t.name} {t.dtype}[{'x'.join(map(str, t.shape))}] "
-            f"{human_bytes(t.nbytes)}, read only at the rows indexed",
-            indent=2,
-        )
-    if len(report.tables) > _TABLES_SHOWN:
-        para(f"and {len(report.tables) - _TABLES_SHOWN} more tables indexed by inputs")
-    if w.already_prepared:
-        para("Already prepared by sharedml: the pool maps its weights file as it is.")
-    else:
-        converts = (
-            f"; {w.prepare_converts_constants} Constant nodes become initializers"
-            if w.prepare_converts_constants
-            else ""
-        )
-        leaves = (
-            f"{w.prepare_leaves_tensors} small tensors ({human_bytes(w.prepare_leaves_bytes)}: "
-            "initializers and Constant nodes under 1 KiB) stay in the graph"
-            if w.prepare_leaves_tensors
-            else "no initializer or Constant stays in the graph"
-        )
-        para(
-            f"prepare would move {w.prepare_moves_tensors} tensors "
-            f"({human_bytes(w.prepare_moves_bytes)}) into one aligned, mappable weights file; "
-            f"{leaves}{converts}."
-        )
-    unshared_tensors, unshared_bytes = w.unshared
-    if unshared_bytes >= 0.01 * max(w.total_bytes, 1):  # a ConstantOfShape's 4 B is not news
-        para(
-            f"Not shared: {human_bytes(unshared_bytes)} in {unshared_tensors} node attributes or "
-            "sparse initializers (ai.onnx.ml parameters, tensor attributes) stay in the graph, "
-            "and every session keeps its own copy."
-        )
-    out.print()
+    return grid
 
-    if report.error is not None or not measurements:
-        heading("Not measured")
-        para(report.error or "No strategy was measured.")
-        return
 
-    # ---- measured part
+def _memory(page: _Page, report: InspectReport) -> None:
+    """The measured part: the memory table, its legend, what the figures are, notes."""
+    from rich.table import Table
+
+    measurements, n = report.measurements, report.sessions
     concurrently = all(m.concurrent for m in measurements)
     rounds = _rounds_text([m.points[-1] for m in measurements if m.points])
     if n == 1:
-        heading("Memory with 1 session", f"  ({rounds})")
+        page.heading("Memory with 1 session", f"  ({rounds})")
     else:
-        heading(
+        page.heading(
             f"Memory with {n} sessions",
             f"  ({rounds}, {'all at once' if concurrently else 'one after another'}, "
             "one thread each)",
         )
-    table, left_out = _memory_table(report, out.width)
-    out.print(Padding(table, (0, 0, 0, 2), expand=False))
+    table, left_out = _memory_table(report, page.console.width)
+    page.indented(table)
     legend = Table.grid(padding=(0, 2))
     legend.add_column(no_wrap=True)
     legend.add_column()
     for m in measurements:
         legend.add_row(m.strategy, m.summary)
-    out.print(Padding(legend, (0, 0, 0, 2), expand=False))
-    out.print()
+    page.indented(legend)
+    page.blank()
+    page.para(_what_the_figures_are(report, left_out))
+    fixed = report.fixed_cost
+    if fixed is not None and fixed.error is None:
+        total, imports = report.fixed_bytes, fixed.imports_bytes(report.metric)
+        page.para(
+            f"sharedml itself: {human_bytes(total)} ({report.metric.upper()}) once per process, "
+            f"whatever its pools hold: its imports ({human_bytes(imports)}) and its "
+            "session-creation thread. A fresh process that had run onnxruntime alone grew by "
+            "the pool's figure plus this when it opened the same pool. The pooled rows leave it "
+            "out; the recommendation counts it wherever a pool is compared with plain sessions."
+        )
+    elif fixed is not None:
+        page.para(f"sharedml's own per-process cost could not be measured: {fixed.error}")
+    for note in sorted({m.metric_note for m in measurements if m.metric_note}):
+        page.para(f"Memory is read as {note}.")
+    for note in sorted({m.device_note for m in measurements if m.device_note}):
+        page.para(f"Device memory {note}.")
+    for m in measurements:
+        if m.stopped_reason:
+            page.para(f"* {m.strategy}: {m.stopped_reason}.")
+    page.blank()
+
+
+def _what_the_figures_are(report: InspectReport, left_out: Sequence[str]) -> str:
+    """The paragraph under the memory table: what was measured, over what, held or trimmed."""
+    measurements = report.measurements
     baseline = max((m.baseline_bytes for m in measurements), default=0)
     trimmed = all(m.trimmed for m in measurements)
-    para(
-        f"Each strategy ran in a fresh process. Figures are the growth of its {metric} over the "
-        f"same process with onnxruntime loaded (about {human_bytes(baseline)}, not counted)"
+    return (
+        f"Each strategy ran in a fresh process. Figures are the growth of its "
+        f"{report.metric.upper()} over the same process with onnxruntime loaded (about "
+        f"{human_bytes(baseline)}, not counted)"
         + (
             ", as a server holds it after concurrent traffic: nothing was trimmed, so the free "
             "heap that glibc kept after creating and running the sessions counts (no other "
@@ -591,97 +674,95 @@ def render_text(report: Any, *, plot: Path | None = None, console: Any = None) -
         "largest absolute difference)."
         + (f" Left out to fit this width (in --json): {', '.join(left_out)}." if left_out else "")
     )
-    fixed = report.fixed_cost
-    if fixed is not None and fixed.error is None:
-        total, imports = report.fixed_bytes, fixed.imports_bytes(report.metric)
-        para(
-            f"sharedml itself: {human_bytes(total)} ({metric}) once per process, whatever its "
-            f"pools hold: its imports ({human_bytes(imports)}) and its session-creation thread. "
-            "A fresh process that had run onnxruntime alone grew by the pool's figure plus "
-            "this when it opened the same pool. The pooled rows leave it out; the "
-            "recommendation counts it wherever a pool is compared with plain sessions."
-        )
-    elif fixed is not None:
-        para(f"sharedml's own per-process cost could not be measured: {fixed.error}")
-    for note in sorted({m.metric_note for m in measurements if m.metric_note}):
-        para(f"Memory is read as {note}.")
-    for note in sorted({m.device_note for m in measurements if m.device_note}):
-        para(f"Device memory {note}.")
-    for m in measurements:
-        if m.stopped_reason:
-            para(f"* {m.strategy}: {m.stopped_reason}.")
-    out.print()
 
-    # ---- runtime weights
-    runtime = report.runtime_weights
-    if runtime:
-        any_stats = next(iter(runtime.values()))
-        derived, packed = any_stats["derived_bytes"], any_stats["prepacked_bytes"]
-        known = (
-            f"ORT derives {human_bytes(derived)} and packs {human_bytes(packed)} of weights "
-            "from them (read from its saved optimized model)"
-            if derived is not None
-            else "what ORT derives and packs is unknown (no pooled strategy built its saved model)"
-        )
-        heading("Weights at run time", f"  the file holds {human_bytes(w.total_bytes)}; {known}")
-        grid = Table(show_edge=False, pad_edge=False)
-        for header in (
-            "strategy",
-            "per extra\nsession MiB",
-            "file's\nweights",
-            "derived",
-            "packed",
-        ):
-            grid.add_column(header, no_wrap=True, justify="left")
-        for name, r in runtime.items():
-            grid.add_row(
-                name, _mib(r["per_session_bytes"]), r["file_weights"], r["derived"], r["packed"]
-            )
-        out.print(Padding(grid, (0, 0, 0, 2), expand=False))
-        para("once: one copy for all sessions (mapped); per session: each session its own copy.")
-        out.print()
 
-    # ---- projection
-    if any(m.fit() is not None for m in measurements):
-        heading(
-            f"Projected {metric} by session count, MiB",
-            f"  (least-squares line through the measured 1..{n}"
-            + (", after runs over the tables' rows)" if report.after_traffic else ")"),
-        )
-        proj = Table(show_edge=False, pad_edge=False)
-        proj.add_column("strategy", no_wrap=True)
-        for count in report.projection_sessions:
-            proj.add_column(str(count), justify="right", no_wrap=True)
-        for m in measurements:
-            values = report.projection(m.strategy)
-            proj.add_row(m.strategy, *(_mib(values[c]) for c in report.projection_sessions))
-        out.print(Padding(proj, (0, 0, 0, 2), expand=False))
-        out.print()
+def _weights_at_run_time(page: _Page, report: InspectReport) -> None:
+    """How each strategy holds the file's weights, those ORT derives and those it packs."""
+    from rich.table import Table
 
-    if report.compressed is not None:
-        c = report.compressed
-        heading(
-            f"Compressed weights ({c.weights})",
-            "  (MatMul/Gemm weights in blocks; against the float model, on the inputs above)",
-        )
-        for line in compressed_lines(report):
-            para(line)
-        out.print()
+    from sharedml.inspection._report import runtime_weights_by_strategy
 
-    heading("Recommendation")
-    for finding in report.findings or ():
-        para(f"- {finding.text}")
+    runtime = runtime_weights_by_strategy(report)
+    if not runtime:
+        return
+    first = next(iter(runtime.values()))
+    known = (
+        f"ORT derives {human_bytes(first.derived_bytes)} and packs "
+        f"{human_bytes(first.prepacked_bytes)} of weights from them (read from its saved "
+        "optimized model)"
+        if first.derived_bytes is not None
+        else "what ORT derives and packs is unknown (no pooled strategy built its saved model)"
+    )
+    page.heading(
+        "Weights at run time",
+        f"  the file holds {human_bytes(report.weights.total_bytes)}; {known}",
+    )
+    grid = Table(show_edge=False, pad_edge=False)
+    for header in ("strategy", "per extra\nsession MiB", "file's\nweights", "derived", "packed"):
+        grid.add_column(header, no_wrap=True, justify="left")
+    for name, row in runtime.items():
+        grid.add_row(name, _mib(row.per_session_bytes), row.file_weights, row.derived, row.packed)
+    page.indented(grid)
+    page.para("once: one copy for all sessions (mapped); per session: each session its own copy.")
+    page.blank()
+
+
+def _projection(page: _Page, report: InspectReport) -> None:
+    """Memory projected to other session counts, where a strategy has a fit."""
+    from rich.table import Table
+
+    if not any(m.fit() is not None for m in report.measurements):
+        return
+    page.heading(
+        f"Projected {report.metric.upper()} by session count, MiB",
+        f"  (least-squares line through the measured 1..{report.sessions}"
+        + (", after runs over the tables' rows)" if report.after_traffic else ")"),
+    )
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("strategy", no_wrap=True)
+    for count in report.projection_sessions:
+        table.add_column(str(count), justify="right", no_wrap=True)
+    for m in report.measurements:
+        values = report.projection(m.strategy)
+        table.add_row(m.strategy, *(_mib(values[c]) for c in report.projection_sessions))
+    page.indented(table)
+    page.blank()
+
+
+def _compressed(page: _Page, report: InspectReport) -> None:
+    """The compressed model against the float one, with ``--compress``."""
+    if report.compressed is None:
+        return
+    page.heading(
+        f"Compressed weights ({report.compressed.weights})",
+        "  (MatMul/Gemm weights in blocks; against the float model, on the inputs above)",
+    )
+    for line in compressed_lines(report):
+        page.para(line)
+    page.blank()
+
+
+def _recommendation(page: _Page, report: InspectReport, plot: Path | None) -> None:
+    """The findings, one paragraph each; and where the plot went."""
+    page.heading("Recommendation")
+    for finding in report.findings:
+        page.para(f"- {finding.text}")
     if not report.findings:
-        para(report.recommendation)
+        page.para(report.recommendation)
     if plot is not None:
-        out.print()
-        para(f"Wrote {plot}", indent=0)
+        page.blank()
+        page.para(f"Wrote {plot}", indent=0)
 
 
-def compressed_lines(report: Any) -> list[str]:
-    """The compressed-weights section: memory and first run against the float pool, accuracy."""
+def compressed_lines(report: InspectReport) -> list[str]:
+    """The compressed-weights section: memory and first run against the float pool, accuracy.
+
+    Empty where the report has no compressed model.
+    """
     c = report.compressed
-    by_name = {m.strategy: m for m in report.measurements}
+    if c is None:
+        return []
+    by_name = report.strategies
     lines = []
     mine, floats = by_name.get(c.strategy), by_name.get("shared")
     if mine is not None:
@@ -713,7 +794,7 @@ def compressed_lines(report: Any) -> list[str]:
     return lines
 
 
-def plot_figure(report: Any) -> Any:
+def plot_figure(report: InspectReport) -> Any:
     """The figure :func:`write_plot` saves: memory against session count, one line a strategy.
 
     Both axes are logarithmic: the strategies differ by factors (a pool at 0.1x of plain
@@ -791,7 +872,7 @@ def plot_figure(report: Any) -> Any:
     return fig
 
 
-def write_plot(report: Any, path: Path) -> None:
+def write_plot(report: InspectReport, path: Path) -> None:
     """Write :func:`plot_figure` as a PNG. The file appears atomically: nothing is left on failure.
 
     Raises:

@@ -13,9 +13,17 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sharedml.inspection._strategies import Strategy
+from sharedml.inspection._strategies import NAIVE, SHARED, SINGLE, Strategy
 
-__all__ = ["Measurement", "MemoryPoint"]
+__all__ = [
+    "DEFAULT_PROJECTION_SESSIONS",
+    "Measurement",
+    "MemoryPoint",
+    "compared_per_session",
+    "compared_projection",
+    "compared_total",
+    "compares_after_traffic",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,3 +445,34 @@ class Measurement:
             trimmed_growth=dict(served["trimmed"]) if served else {},
             served_rounds=int(served["rounds"]) if served else 0,
         )
+
+
+# --------------------------------------------------------------------------------------------
+# The figures a report compares: after runs over the indexed tables' rows, where every compared
+# strategy has them (traffic reads such tables whole over time), else as measured.
+
+DEFAULT_PROJECTION_SESSIONS = (1, 2, 4, 8, 16, 32)
+"""The session counts a report projects memory to unless given others."""
+
+
+def compares_after_traffic(measurements: Mapping[str, Measurement]) -> bool:
+    """Compare figures after the table-covering runs: only where every compared one has them."""
+    compared = [measurements[n] for n in (NAIVE, SHARED, SINGLE) if n in measurements]
+    return bool(compared) and all(m.traffic_bytes is not None for m in compared)
+
+
+def compared_total(m: Measurement | None, traffic: bool) -> int | None:
+    """``m``'s memory at N sessions, after traffic where ``traffic``; None without ``m``."""
+    if m is None:
+        return None
+    return m.traffic_bytes if traffic else m.total_bytes
+
+
+def compared_per_session(m: Measurement, traffic: bool) -> int | None:
+    """What each extra session of ``m`` costs, after traffic where ``traffic``."""
+    return m.traffic_per_session_bytes if traffic else m.per_session_bytes
+
+
+def compared_projection(m: Measurement, sessions: int, traffic: bool) -> int | None:
+    """``m``'s memory projected to ``sessions`` sessions, after traffic where ``traffic``."""
+    return m.traffic_projected_bytes(sessions) if traffic else m.projected_bytes(sessions)
