@@ -302,3 +302,11 @@ def test_held_vs_trimmed_names_the_strategy_the_trimmed_figures_would_have_chose
 def test_without_a_serving_process_there_is_no_held_vs_trimmed_finding() -> None:
     found = verdicts(4, MiB, naive=(5, 0), shared=(0.2, 2.0))
     assert "held-vs-trimmed" not in found
+
+
+def test_totals_that_shrank_below_zero_still_give_advice() -> None:
+    # A total is growth over the baseline: a reading that shrank (the heap given back, another
+    # process's pages gone) can make it negative, and a value is still the same as itself.
+    found = verdicts(4, MiB, naive=(-0.5, 0), shared=(-0.1, -1), single=(0, -2))
+    assert found["advice"].figures["least"] in ("naive", "shared", "single")
+    assert found["pool-vs-plain"].figures["verdict"] in ("less", "same", "more")

@@ -213,10 +213,15 @@ def _pct(part: float, whole: float) -> str:
 
 
 def _compare(a: float, b: float) -> str:
-    """``"less"``, ``"same"`` (within :data:`SAME_WITHIN` of ``b``) or ``"more"``."""
-    if a < (1 - SAME_WITHIN) * b:
+    """``"less"``, ``"same"`` (within :data:`SAME_WITHIN` of ``b``) or ``"more"``.
+
+    The band is a share of ``b``'s size: a total is growth, which a reading that shrank makes
+    negative, and a value is always the same as itself.
+    """
+    band = SAME_WITHIN * abs(b)
+    if a < b - band:
         return "less"
-    if a > (1 + SAME_WITHIN) * b:
+    if a > b + band:
         return "more"
     return "same"
 
