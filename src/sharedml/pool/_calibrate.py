@@ -225,31 +225,8 @@ def choose(
     """
     if not candidates:
         raise ValueError("choose() needs at least one measured candidate.")
-    best = max(candidates, key=lambda c: c.rows_per_s)
-    fewest, most = min(c.rows for c in candidates), max(c.rows for c in candidates)
-    single = max((c for c in candidates if c.rows == fewest), key=lambda c: c.rows_per_s)
-    batch = max((c for c in candidates if c.rows == most), key=lambda c: c.rows_per_s)
-    size_note = ""
-    unpaid = False
-    costly = batch_memory_share is not None and batch_memory_share > BATCH_MEMORY_SHARE
-    if fewest != most and costly and single.rows_per_s * (1 + ROWS_MARGIN) >= best.rows_per_s:
-        size = fewest
-        size_note = (
-            f" Batches of {most} rows predicted {batch.rows_per_s:.0f} rows/s, within "
-            f"{ROWS_MARGIN:.0%} of {fewest} row(s) at a time ({single.rows_per_s:.0f}), and "
-            f"added {batch_memory_share:.0%} to a session's memory: not worth it, so each Run "
-            f"holds at most {size} row(s)."
-        )
-    elif fewest != most and batch.rows_per_s < single.rows_per_s * BATCH_PAYS:
-        size, unpaid = fewest, True
-        size_note = (
-            f" Batches of {most} rows predicted {batch.rows_per_s:.0f} rows/s, under "
-            f"{BATCH_PAYS:g}x what {fewest} row(s) at a time did ({single.rows_per_s:.0f}): "
-            "the split is chosen for single rows, and the pool's own measurement decides "
-            "whether merging pays."
-        )
-    else:  # the batch size stands, even where single rows happened to time faster
-        size = most
+    size, unpaid, size_note = _batch_size(candidates, batch_memory_share)
+    most = max(c.rows for c in candidates)
     sized = [c for c in candidates if c.rows == size]
     if unpaid:  # only splits whose batch was measured too: that is the candidate returned
         batched = {(c.sessions, c.threads) for c in candidates if c.rows == most}
@@ -275,6 +252,36 @@ def choose(
             c for c in candidates if c.rows == most and (c.sessions, c.threads) == split_of
         )
     return chosen, why
+
+
+def _batch_size(
+    candidates: Sequence[CalibrationCandidate], batch_memory_share: float | None
+) -> tuple[int, bool, str]:
+    """The rows the split is chosen at, whether batches did not pay, and why (see choose)."""
+    best = max(candidates, key=lambda c: c.rows_per_s)
+    fewest, most = min(c.rows for c in candidates), max(c.rows for c in candidates)
+    single = max((c for c in candidates if c.rows == fewest), key=lambda c: c.rows_per_s)
+    batch = max((c for c in candidates if c.rows == most), key=lambda c: c.rows_per_s)
+    costly = batch_memory_share is not None and batch_memory_share > BATCH_MEMORY_SHARE
+    if fewest != most and costly and single.rows_per_s * (1 + ROWS_MARGIN) >= best.rows_per_s:
+        return (
+            fewest,
+            False,
+            f" Batches of {most} rows predicted {batch.rows_per_s:.0f} rows/s, within "
+            f"{ROWS_MARGIN:.0%} of {fewest} row(s) at a time ({single.rows_per_s:.0f}), and "
+            f"added {batch_memory_share:.0%} to a session's memory: not worth it, so each Run "
+            f"holds at most {fewest} row(s).",
+        )
+    if fewest != most and batch.rows_per_s < single.rows_per_s * BATCH_PAYS:
+        return (
+            fewest,
+            True,
+            f" Batches of {most} rows predicted {batch.rows_per_s:.0f} rows/s, under "
+            f"{BATCH_PAYS:g}x what {fewest} row(s) at a time did ({single.rows_per_s:.0f}): "
+            "the split is chosen for single rows, and the pool's own measurement decides "
+            "whether merging pays.",
+        )
+    return most, False, ""  # the batch size stands, even where single rows timed faster
 
 
 def _split_text(sessions: int, threads: int | None) -> str:
@@ -475,10 +482,11 @@ def calibrate(
                     f"measured again, it predicted {got.get(contender, 0.0):.0f} rows/s against "
                     f"{got.get(default, 0.0):.0f}, not beyond the {SESSIONS_MARGIN:.0%} margin"
                 )
+            _size, _unpaid, size_note = _batch_size(measured, memory_share)
             reason = (
                 f"{_split_text(*default)}: the fewest sessions stand. {first} predicted "
                 f"{chosen.rows_per_s:.0f} rows/s against {stand.rows_per_s:.0f} in the first "
-                f"pass, but {why}."
+                f"pass, but {why}.{size_note}"
             )
             chosen = stand
         elif again is not None:

@@ -84,7 +84,6 @@ _PAGE_BYTES = mmap.PAGESIZE  # bytes; a blob at a page-aligned offset is mapped 
 # Initializers below this size stay inside the saved .onnx instead of its data file: a small
 # tensor costs each session a private copy of a few KiB, where an external one costs a map.
 _DEFAULT_MIN_EXTERNAL_BYTES = 64 * 1024  # bytes
-_PARALLEL_PREPACK = "session.prepack.enable_parallel"  # onnxruntime >= 1.32's config key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +154,12 @@ class PrepackedModel:
           level the key records; optimizing again is redundant work per session.
         * ``session.disable_prepacking = 0``, where the options said otherwise: with prepacking
           off the kernels ignore the blobs and run unpacked.
-        * ``session.prepack.enable_parallel = 1`` unless the options set it: ORT packs every
-          weight again at load to validate its blob (most of a session's creation), one
-          weight after another unless this spreads them over the session's intra-op threads
-          (onnxruntime 1.32 and later; sessions of one thread, and older versions, ignore it).
+        * Deliberately not set: ``session.prepack.enable_parallel`` (onnxruntime 1.32), which
+          spreads the validation pack every session makes at load over its intra-op threads.
+          Each process kept about 14-16 MiB more for it (4 workers of 2 sessions over a 96 MiB
+          MLP, ``tests/test_multiprocess.py``: 71 -> 85 MiB PSS a worker), the freed packs
+          staying in the threads' heaps, for a start-up gain not measured on a quiet machine.
+          A caller's template may set it.
         * Deliberately not set, and not to be set by the caller either:
           ``add_external_initializers_from_files_in_memory`` for this file (ORT then ignores the
           blobs and each session packs a private copy), nor a weight store's registration for
@@ -172,8 +173,6 @@ class PrepackedModel:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if config_entry(so, "session.disable_prepacking") not in (None, "0"):
             so.add_session_config_entry("session.disable_prepacking", "0")
-        if config_entry(so, _PARALLEL_PREPACK) is None:
-            so.add_session_config_entry(_PARALLEL_PREPACK, "1")
 
     @classmethod
     def _of(cls, entry: CacheEntry) -> PrepackedModel:
