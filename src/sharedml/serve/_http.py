@@ -69,6 +69,18 @@ def _json(doc: Any, status: int = 200) -> tuple[int, bytes, str, dict[str, str]]
     return status, json.dumps(doc).encode(), JSON, {}
 
 
+# Bodies and outputs up to this size are decoded and encoded on the event loop itself: handing
+# such work to a thread costs more than the work (two thread switches a step), bytes.
+_INLINE_BYTES = 64 * 1024
+
+
+async def _off_loop_if(off: bool, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)``, in a worker thread where ``off``, else here."""
+    if off:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 _WATCH_DISCONNECT = "sharedml.watch_disconnect"  # scope key: this request's hang-up is watched
 
 
@@ -266,8 +278,10 @@ class InferenceHttp:
             timeout_s=self.limits.body_timeout_s,
         )
         # Parsing is CPU work proportional to the body: off the event loop, where the server
-        # answers every other request (and Ray Serve its health checks).
-        parsed = await asyncio.to_thread(
+        # answers every other request (and Ray Serve its health checks), where the body is
+        # large enough for that to matter.
+        parsed = await _off_loop_if(
+            len(body) > _INLINE_BYTES,
             parse_request,
             body,
             content_type,
@@ -284,13 +298,18 @@ class InferenceHttp:
                 request, model.infer(parsed.feed, parsed.output_names)
             )
             # Encoding a large reply is CPU work too.
-            reply = await asyncio.to_thread(
+            large = any(getattr(v, "dtype", None) == "O" for v in outputs.values()) or (
+                sum(getattr(v, "nbytes", 0) for v in outputs.values()) > _INLINE_BYTES
+            )
+            reply = await _off_loop_if(
+                large,
                 encode_outputs,
                 outputs,
                 parsed,
                 accept=headers.get("accept", ""),
                 model_name=model.name,
             )
-            return 200, await asyncio.to_thread(reply.body), reply.media, dict(reply.headers)
+            body_out = await _off_loop_if(large, reply.body)
+            return 200, body_out, reply.media, dict(reply.headers)
         finally:
             parsed.release()
