@@ -22,6 +22,7 @@ from _models import PLACEMENTS, batchable_model, build_model, feeds, fixed_at_on
 from _waiting import DEADLINE_S, wait_until
 
 import sharedml
+from sharedml.pool._options import DEFAULT_SESSIONS
 from sharedml.runtime import _providers
 
 DIM = 32
@@ -834,3 +835,24 @@ def test_a_batching_pool_routes_its_relaxed_graph_from_memory(tmp_path: Path, re
         assert reads.of(prepared) == 1, reads
         assert reads.of(relaxed) == 0, reads  # written from memory, and never read back
     assert reads.planned == 1  # the relaxed graph's route only: the prepared one is not loaded
+
+
+@pytest.mark.parametrize(("cores", "sessions", "threads"), [(2, 1, 2), (8, 2, 4), (16, 4, 4)])
+def test_a_merging_pool_runs_a_lone_request_on_several_cores(
+    tmp_path: Path, cores: int, sessions: int, threads: int
+) -> None:
+    """Left to its defaults, a CPU pool whose requests merge does not split the cores into
+    sessions of one thread: a lone request would run on one core while the others idle."""
+    path = batchable_model(tmp_path / "mlp.onnx")
+    with sharedml.SessionPool(path, batching="auto", cores=cores) as pool:
+        pool.wait_ready()
+        assert pool.batching is not None
+        assert pool.max_sessions == sessions, pool.batching_reason
+        with pool.session() as sess:
+            assert sess.get_session_options().intra_op_num_threads == threads
+        assert f"{sessions} of {threads} intra-op thread" in pool.batching_reason
+    # Where requests do not merge, the cores are split over the default count as before.
+    with sharedml.SessionPool(path, cores=cores) as pool:
+        assert pool.batching is None and pool.max_sessions == DEFAULT_SESSIONS
+        with pool.session() as sess:
+            assert sess.get_session_options().intra_op_num_threads == max(1, cores // 4)

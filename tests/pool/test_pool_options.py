@@ -11,10 +11,18 @@ import dataclasses
 import types
 from pathlib import Path
 
+import onnxruntime as ort
 import pytest
 
 import sharedml
-from sharedml.pool._options import DEFAULT_SESSIONS, PoolOptions, PoolPlan, plan_pool
+from sharedml.pool._options import (
+    BATCHING_THREADS,
+    DEFAULT_SESSIONS,
+    PoolOptions,
+    PoolPlan,
+    batching_split,
+    plan_pool,
+)
 from sharedml.route import Mechanism, Prepacking
 from sharedml.runtime._providers import ProviderPlan, ProviderSettings
 
@@ -100,6 +108,35 @@ def test_a_cpu_pool_runs_side_by_side_and_merges_only_when_asked() -> None:
     assert plan(batching=True).batching == sharedml.Batching()
     grown = plan(sessions=2, min_sessions=0, max_sessions=6)
     assert (grown.min_sessions, grown.route.max_sessions) == (0, 6)
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 7, 8, 12, 16, 64])
+def test_a_merging_cpu_pool_gives_every_session_several_cores(cores: int) -> None:
+    sessions, threads = batching_split(cores)
+    assert 1 <= sessions <= DEFAULT_SESSIONS and sessions * threads <= cores
+    assert threads >= min(cores, BATCHING_THREADS)  # a lone request gets several cores
+    assert sessions * threads > cores - sessions  # and the sessions leave none idle
+    assert plan(cores=cores).batching_split == (sessions, threads)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"sessions": 4},
+        {"min_sessions": 1},
+        {"max_sessions": 2},
+        {"sessions": "auto"},
+    ],
+)
+def test_a_count_the_caller_gave_is_never_replaced(arguments: dict[str, object]) -> None:
+    assert plan(batching=True, **arguments).batching_split is None
+
+
+def test_threads_the_caller_gave_keep_the_count() -> None:
+    template = ort.SessionOptions()
+    template.intra_op_num_threads = 1
+    assert plan(sess_options=template).batching_split is None
+    assert plan(DML).batching_split is None  # one session already, runs serialized
 
 
 def test_a_serialized_provider_gets_one_session_that_merges_by_default() -> None:

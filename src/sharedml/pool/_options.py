@@ -37,9 +37,23 @@ from sharedml.runtime._providers import (
     runs_rule,
 )
 
-__all__ = ["DEFAULT_SESSIONS", "PoolOptions", "PoolPlan", "plan_pool"]
+__all__ = [
+    "BATCHING_THREADS",
+    "DEFAULT_SESSIONS",
+    "PoolOptions",
+    "PoolPlan",
+    "batching_split",
+    "plan_pool",
+]
 
 DEFAULT_SESSIONS = 4  # sessions in a pool whose provider runs Runs side by side
+
+# A CPU pool whose requests merge, and whose count nothing set, gives each session at least this
+# many intra-op threads (all the cores, where fewer): measured on 2 cores, four one-thread
+# sessions served one caller at 0.45-0.52x of one session of both cores, and 16 callers of an
+# MLP at 0.42x of one batching session of both cores (benchmarks/results/defaults-cpu.json,
+# docs/batching.md). From 16 cores on the split is DEFAULT_SESSIONS sessions as before.
+BATCHING_THREADS = 4
 _SERIALIZED_SESSIONS = 1  # where Runs cannot overlap, more sessions buy no concurrency
 
 # The most sessions a pool takes: far beyond what any host holds (each session keeps its own
@@ -192,6 +206,9 @@ class PoolPlan:
         runs: Whether runs are serialized on the device, and which rule said so.
         min_sessions: Sessions created up front (calibration may change both counts).
         default_sessions: The provider table's count, where nothing else says.
+        batching_split: ``(sessions, intra-op threads)`` the pool takes instead where its
+            requests merge, on the CPU, when neither a count nor threads were given
+            (:func:`batching_split`); None: the count stands whatever batching decides.
         one_session: The pool holds one session by default (runs serialized, or each
             session holds its own copy of the weights): batching is ``"auto"`` by default.
         batching: The settings asked for; None: none asked for.
@@ -208,6 +225,7 @@ class PoolPlan:
     runs: RunsRule
     min_sessions: int
     default_sessions: int
+    batching_split: tuple[int, int] | None
     one_session: bool
     batching: Batching | None
     auto_batching: bool
@@ -222,6 +240,18 @@ class PoolPlan:
     def providers(self) -> ProviderPlan:
         """The providers every session is created with."""
         return self.route.plan
+
+
+def batching_split(cores: int) -> tuple[int, int]:
+    """``(sessions, intra-op threads)`` of a merging CPU pool on ``cores`` by default.
+
+    Sessions of at least :data:`BATCHING_THREADS` threads (one session of every core below
+    twice that), at most :data:`DEFAULT_SESSIONS` of them: a lone request runs on as many
+    cores as one session may use, and waiting requests merge into that session's batch
+    instead of splitting the cores into sessions of one thread.
+    """
+    sessions = max(1, min(DEFAULT_SESSIONS, cores // BATCHING_THREADS))
+    return sessions, max(1, cores // sessions)
 
 
 def plan_pool(
@@ -262,6 +292,13 @@ def plan_pool(
     by_default = options.batching is BatchingDefault.BY_PROVIDER
     setting = ("auto" if one else None) if by_default else options.batching
     session = options.session
+    threads_given = bool(getattr(session.sess_options, "intra_op_num_threads", 0))
+    counted = threads_given or any(
+        n is not None for n in (options.sessions, options.min_sessions, options.max_sessions)
+    )
+    split = None
+    if providers.primary == CPU and not serialized and not counted:
+        split = batching_split(cores)
     if providers.primary == CPU:  # each session would keep its activations twice over
         session = dataclasses.replace(session, configure=without_memory_patterns(session.configure))
     return PoolPlan(
@@ -269,6 +306,7 @@ def plan_pool(
         runs=runs,
         min_sessions=least,
         default_sessions=default,
+        batching_split=split,
         one_session=one,
         batching=setting if isinstance(setting, Batching) else None,
         auto_batching=setting == "auto",

@@ -360,7 +360,10 @@ class SessionPool:
             the provider runs one ``Run`` at a time across the process, DirectML and WebGPU,
             where more sessions only multiply the weights on the device: asking for more warns,
             unless ``per_session_state``; 1 on OpenVINO, whose sessions each compile their own
-            copy of the weights).
+            copy of the weights). On the CPU, a pool whose requests merge (and whose
+            ``sess_options`` set no thread count) takes sessions of at least 4 intra-op threads
+            instead: one session of every core on up to 7 cores, 4 sessions from 16 on
+            (``docs/batching.md``, the default split).
             ``"auto"``: on the CPU with batching on, split the usable cores into sessions x
             intra-op threads by measuring a few probe sessions before the pool's own are
             created (within a time budget of 10 s and a memory budget for the probes'
@@ -527,6 +530,8 @@ class SessionPool:
         self._calibration: Calibration | None = None
         if planned.calibrate:  # probes come and go before any session of the pool exists
             chosen, reason = self._calibrate(planned, chosen, reason)
+        elif chosen is not None and planned.batching_split is not None:
+            reason = self._split_for_batching(planned.batching_split, reason)
         self._start(planned, chosen, reason)
 
     def _route(
@@ -597,6 +602,17 @@ class SessionPool:
                 f"{chosen.max_batch_size} row(s) per Run (stats().calibration says why)."
             )
         return chosen, reason
+
+    def _split_for_batching(self, split: tuple[int, int], reason: str) -> str:
+        """A merging CPU pool given no count: its sessions and their threads; the reason."""
+        sessions, threads = split
+        self._max = self._min = sessions
+        self.recipe = dataclasses.replace(self.recipe, intra_op_threads=threads)
+        return reason.rstrip(".") + (
+            f". Sessions: {sessions} of {threads} intra-op thread(s) each, the default of a "
+            "merging CPU pool: a lone request runs on those threads, waiting ones merge into a "
+            "session's batch (sessions= or intra_op_num_threads sets another)."
+        )
 
     def _start(self, planned: PoolPlan, chosen: Batching | None, reason: str) -> None:
         """The scheduler and its sessions: the first ones now, the others in the background."""
