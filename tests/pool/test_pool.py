@@ -837,7 +837,7 @@ def test_a_batching_pool_routes_its_relaxed_graph_from_memory(tmp_path: Path, re
     assert reads.planned == 1  # the relaxed graph's route only: the prepared one is not loaded
 
 
-@pytest.mark.parametrize(("cores", "sessions", "threads"), [(2, 1, 2), (8, 2, 4), (16, 4, 4)])
+@pytest.mark.parametrize(("cores", "sessions", "threads"), [(2, 1, 2), (16, 1, 16), (32, 2, 16)])
 def test_a_merging_pool_runs_a_lone_request_on_several_cores(
     tmp_path: Path, cores: int, sessions: int, threads: int
 ) -> None:

@@ -49,11 +49,12 @@ __all__ = [
 DEFAULT_SESSIONS = 4  # sessions in a pool whose provider runs Runs side by side
 
 # A CPU pool whose requests merge, and whose count nothing set, gives each session at least this
-# many intra-op threads (all the cores, where fewer): measured on 2 cores, four one-thread
-# sessions served one caller at 0.45-0.52x of one session of both cores, and 16 callers of an
-# MLP at 0.42x of one batching session of both cores (benchmarks/results/defaults-cpu.json,
-# docs/batching.md). From 16 cores on the split is DEFAULT_SESSIONS sessions as before.
-BATCHING_THREADS = 4
+# many intra-op threads (all the cores, where fewer). Measured (docs/batching.md, the default
+# split): one session of every core served 1 and 16 callers at least as well as 4 sessions
+# splitting the cores, on 2 cores (four one-thread sessions: 0.42-0.74x of the best alternative)
+# and on 16 (four of four threads: 0.45-0.72x). Not measured beyond 16 cores: there the sessions
+# keep 16 threads each, at most DEFAULT_SESSIONS of them.
+BATCHING_THREADS = 16
 _SERIALIZED_SESSIONS = 1  # where Runs cannot overlap, more sessions buy no concurrency
 
 # The most sessions a pool takes: far beyond what any host holds (each session keeps its own
@@ -246,9 +247,9 @@ def batching_split(cores: int) -> tuple[int, int]:
     """``(sessions, intra-op threads)`` of a merging CPU pool on ``cores`` by default.
 
     Sessions of at least :data:`BATCHING_THREADS` threads (one session of every core below
-    twice that), at most :data:`DEFAULT_SESSIONS` of them: a lone request runs on as many
-    cores as one session may use, and waiting requests merge into that session's batch
-    instead of splitting the cores into sessions of one thread.
+    twice that), at most :data:`DEFAULT_SESSIONS` of them: a lone request runs on every core
+    one session may use, and waiting requests merge into that session's batch instead of
+    splitting the cores into small sessions.
     """
     sessions = max(1, min(DEFAULT_SESSIONS, cores // BATCHING_THREADS))
     return sessions, max(1, cores // sessions)

@@ -361,8 +361,8 @@ class SessionPool:
             where more sessions only multiply the weights on the device: asking for more warns,
             unless ``per_session_state``; 1 on OpenVINO, whose sessions each compile their own
             copy of the weights). On the CPU, a pool whose requests merge (and whose
-            ``sess_options`` set no thread count) takes sessions of at least 4 intra-op threads
-            instead: one session of every core on up to 7 cores, 4 sessions from 16 on
+            ``sess_options`` set no thread count) takes one session of every core instead
+            (sessions of 16 intra-op threads from 32 cores on, at most 4)
             (``docs/batching.md``, the default split).
             ``"auto"``: on the CPU with batching on, split the usable cores into sessions x
             intra-op threads by measuring a few probe sessions before the pool's own are
