@@ -856,3 +856,24 @@ def test_a_merging_pool_runs_a_lone_request_on_several_cores(
         assert pool.batching is None and pool.max_sessions == DEFAULT_SESSIONS
         with pool.session() as sess:
             assert sess.get_session_options().intra_op_num_threads == max(1, cores // 4)
+
+
+def test_a_merging_pool_bounds_its_rows_by_what_a_row_holds(tmp_path: Path) -> None:
+    """Where activations dominate, the default merging pool runs fewer rows at once; where the
+    weights dominate it keeps its batch size; a size the caller gave is kept."""
+    from tools.realistic_models import unet_like
+
+    heavy = Path(unet_like(tmp_path / "unet.onnx", image=64).path)
+    with sharedml.SessionPool(heavy, batching="auto", cache_dir=tmp_path / "c") as pool:
+        assert pool.batching is not None
+        rows = pool.batching.max_batch_size
+        assert DEFAULT_SESSIONS <= rows < sharedml.Batching().max_batch_size
+        assert f"At most {rows} rows per Run" in pool.batching_reason
+    given = sharedml.Batching(max_batch_size=20)
+    with sharedml.SessionPool(heavy, batching=given, cache_dir=tmp_path / "c") as pool:
+        assert pool.batching is not None and pool.batching.max_batch_size == 20
+    light = batchable_model(tmp_path / "mlp.onnx", dim=256)
+    with sharedml.SessionPool(light, batching=True, cache_dir=tmp_path / "c") as pool:
+        assert pool.batching is not None
+        assert pool.batching.max_batch_size == sharedml.Batching().max_batch_size
+        assert "not bounded by memory" in pool.batching_reason

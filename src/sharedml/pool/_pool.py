@@ -58,7 +58,7 @@ from sharedml.pool._batching import (
     Signature,
     signature_of,
 )
-from sharedml.pool._calibrate import Calibration, calibrate
+from sharedml.pool._calibrate import Calibration, calibrate, rows_for_memory
 from sharedml.pool._creation import (
     CREATION_LOCK,
     background_creator,
@@ -71,7 +71,7 @@ from sharedml.pool._graphs import (
     GraphSession,
     ShapeSessions,
 )
-from sharedml.pool._options import PoolOptions, PoolPlan, plan_pool
+from sharedml.pool._options import DEFAULT_SESSIONS, PoolOptions, PoolPlan, plan_pool
 from sharedml.pool._relax import relax, relaxed_model
 from sharedml.pool._runlock import FairLock, SerializedSession, run_lock_for
 from sharedml.pool._scheduler import Scheduler, closed_error
@@ -342,6 +342,9 @@ class _Sessions:
             self._template = None
 
 
+_DEFAULT_ROWS = Batching().max_batch_size  # a caller who set another sized batches
+
+
 class SessionPool:
     """N ONNX Runtime sessions over one shared copy of a model's weights.
 
@@ -528,11 +531,16 @@ class SessionPool:
         self._stopping = threading.Event()  # close(): background creation stops
         chosen, reason = self._route(model, planned)
         self._calibration: Calibration | None = None
+        bound_rows = False
         if planned.calibrate:  # probes come and go before any session of the pool exists
             chosen, reason = self._calibrate(planned, chosen, reason)
         elif chosen is not None and planned.batching_split is not None:
             reason = self._split_for_batching(planned.batching_split, reason)
-        self._start(planned, chosen, reason)
+            # The caller left the batch size to the pool: bound it by memory (_start measures).
+            bound_rows = planned.batching is None or (
+                planned.batching.max_batch_size == _DEFAULT_ROWS
+            )
+        self._start(planned, chosen, reason, bound_rows=bound_rows)
 
     def _route(
         self, model: str | os.PathLike[str] | bytes, planned: PoolPlan
@@ -614,8 +622,14 @@ class SessionPool:
             "session's batch (sessions= or intra_op_num_threads sets another)."
         )
 
-    def _start(self, planned: PoolPlan, chosen: Batching | None, reason: str) -> None:
-        """The scheduler and its sessions: the first ones now, the others in the background."""
+    def _start(
+        self, planned: PoolPlan, chosen: Batching | None, reason: str, *, bound_rows: bool = False
+    ) -> None:
+        """The scheduler and its sessions: the first ones now, the others in the background.
+
+        ``bound_rows``: measure one row's activations on the first session before the scheduler
+        exists, and merge no more rows than keep the pool within the sessions it replaces.
+        """
         graphs, serialized = planned.cuda_graphs, planned.runs.serialized
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
         self._sessions = _Sessions(
@@ -632,6 +646,16 @@ class SessionPool:
             serialized_creation=planned.serialize_creation,
             run_lock=self._run_lock,
         )
+        first: list[Any] = []  # measured before the scheduler exists: counted below
+        first_s = 0.0
+        if bound_rows and chosen is not None:
+            began = time.perf_counter()
+            first.append(self._sessions.create())
+            first_s = time.perf_counter() - began
+            rows, why = rows_for_memory(
+                first[0], self.recipe, chosen.max_batch_size, replaces=DEFAULT_SESSIONS
+            )
+            chosen, reason = dataclasses.replace(chosen, max_batch_size=rows), f"{reason} {why}"
         self._scheduler = Scheduler(
             self._sessions,
             max_sessions=self._max,
@@ -654,9 +678,12 @@ class SessionPool:
             if not (serialize_creation and planned.create_in_background)
             else min(self._min, 1)
         )
-        created = create_initial(
+        if first:
+            counters = self._scheduler.counters
+            counters.created, counters.create_seconds = len(first), first_s
+        created = first + create_initial(
             self._scheduler.create_session,
-            initial,
+            initial - len(first),
             serialized=serialize_creation,
             trim=self.recipe.prepacked is not None,
         )
