@@ -67,6 +67,7 @@ __all__ = [
     "HARD_LIMIT_S",
     "PROBE_AVAILABLE_SHARE",
     "PROBE_MEMORY_FLOOR",
+    "ROWS_MEMORY_FLOOR",
     "ROWS_MARGIN",
     "SESSIONS_MARGIN",
     "Calibration",
@@ -761,6 +762,12 @@ def _probe(
     )
 
 
+# A merging pool's batches may always hold this much activation memory: on a model of a few MiB
+# (a 256-wide MLP: half a MiB of weights, a tenth of a MiB a row on onnxruntime 1.20) the bound
+# would cut batches to a handful of rows to save less than the process's own noise.
+ROWS_MEMORY_FLOOR = 8 * 2**20
+
+
 def rows_for_memory(
     session: Any, recipe: SessionRecipe, limit: int, *, replaces: int
 ) -> tuple[int, str]:
@@ -774,7 +781,8 @@ def rows_for_memory(
     and ``W`` the weights' bytes. Plain sessions
     keep about twice their activations (ORT's memory patterns: ``pool/_arena.py``), which is
     left out: the bound holds with that margin. At least ``replaces`` rows (where the
-    inequality always holds), at most ``limit``. An activation-heavy model (a 160x160
+    inequality always holds), at most ``limit``; batches whose activations stay within
+    :data:`ROWS_MEMORY_FLOOR` are not cut. An activation-heavy model (a 160x160
     U-Net-like segmenter, 2 MiB of weights) held 1.7-1.8x of four plain sessions in batches
     of 16 rows.
 
@@ -797,7 +805,7 @@ def rows_for_memory(
     except Exception as exc:  # the pool's own runs will report it where it matters
         return limit, f"Rows per Run are not bounded by memory: a run failed ({_short(exc)})."
     weights = recipe.weights.nbytes
-    fits = (replaces * (weights + row) - weights) // row
+    fits = max(replaces * (weights + row) - weights, ROWS_MEMORY_FLOOR) // row
     rows = min(limit, max(replaces, fits))
     mib = 2**20
     measured = (
