@@ -1027,14 +1027,7 @@ def main(argv: list[str] | None = None) -> int:
                         # round then favours no configuration every time.
                         shift = repeat % len(configs)
                         for config in configs[shift:] + configs[:shift]:
-                            spec = {
-                                **base,
-                                "config": config,
-                                "callers": callers,
-                                "duration_s": args.duration_s,
-                                "warmup_s": args.warmup_s,
-                            }
-                            result = _child("worker", spec, args.timeout_s)
+                            result = _serve_window(base, config, callers, args)
                             result |= {"name": config, "callers": callers, "repeat": repeat}
                             entry["configs"].append(result)
                             print(_line(meta["name"], result), flush=True)
@@ -1043,14 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for callers in args.callers:
                     for config in configs:
-                        spec = {
-                            **base,
-                            "config": config,
-                            "callers": callers,
-                            "duration_s": args.duration_s,
-                            "warmup_s": args.warmup_s,
-                        }
-                        result = _child("worker", spec, args.timeout_s)
+                        result = _serve_window(base, config, callers, args)
                         cfg = _parse_config(config)
                         result |= {
                             "name": config,
@@ -1078,6 +1064,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def _serve_window(
+    base: dict[str, Any], config: str, callers: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One configuration served to ``callers`` for one window, in a worker process of its own."""
+    spec = {
+        **base,
+        "config": config,
+        "callers": callers,
+        "duration_s": args.duration_s,
+        "warmup_s": args.warmup_s,
+    }
+    return _child("worker", spec, args.timeout_s)
 
 
 def _first_result_summary(model: str, results: list[dict[str, Any]]) -> str:
