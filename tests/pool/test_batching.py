@@ -26,7 +26,7 @@ import onnxruntime as ort
 import pytest
 from _models import OPSET, batchable_model, fixed_at_one, save_model
 from _waiting import DEADLINE_S, wait_until
-from hypothesis import given, settings, target
+from hypothesis import example, given, settings, target
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
@@ -899,7 +899,20 @@ def _request(kind: str, rows: int, seed: int) -> dict[str, np.ndarray]:
     return f
 
 
+# Patterns that merge whatever the timing: every caller queued behind the held sessions, and
+# their rows fit one batch. Whether a drawn pattern merges depends on the draw (rows that do not
+# fit together, callers that never queue), which left as few as 6 of 50 merging in a CI run.
+MERGING = [
+    [("good", 1, 0), ("good", 1, 1), ("good", 1, 2), ("good", 1, 3)],
+    [("good", 2, 0), ("bad-shape", 1, 1), ("good", 3, 2), ("good", 1, 3)],
+    [("good", 1, 0), ("good", 1, 1), ("bad-dtype", 2, 2), ("good", 1, 3), ("good", 2, 4)],
+]
+
+
 @settings(max_examples=50, deadline=None)
+@example(pattern=MERGING[0], max_rows=8, queued=4)
+@example(pattern=MERGING[1], max_rows=8, queued=4)
+@example(pattern=MERGING[2], max_rows=8, queued=5)
 @given(pattern=arrivals(), max_rows=st.integers(1, 8), queued=st.integers(0, 10))
 def _every_caller_gets_its_own_rows(
     merged: list[bool],
@@ -953,8 +966,9 @@ def test_any_arrival_pattern_gives_every_caller_its_own_rows(
 ) -> None:
     merged: list[bool] = []
     _every_caller_gets_its_own_rows(merged, model, solo)
-    # Patterns that never merged would pass with batching broken or off: enough must merge.
-    assert sum(merged) >= 10, f"{sum(merged)} of {len(merged)} patterns merged requests"
+    # Patterns that never merged would pass with batching broken or off: the explicit ones
+    # (MERGING) merge whatever the timing, and drawn ones add to them.
+    assert sum(merged) >= len(MERGING), f"{sum(merged)} of {len(merged)} patterns merged requests"
 
 
 def test_padded_batches_run_at_a_bucket_and_give_each_caller_its_rows(

@@ -22,6 +22,7 @@ from _models import PLACEMENTS, batchable_model, build_model, feeds, fixed_at_on
 from _waiting import DEADLINE_S, wait_until
 
 import sharedml
+from sharedml.pool import _payoff
 from sharedml.pool._options import DEFAULT_SESSIONS
 from sharedml.runtime import _providers
 
@@ -877,3 +878,43 @@ def test_a_merging_pool_bounds_its_rows_by_what_a_row_holds(tmp_path: Path) -> N
         assert pool.batching is not None
         assert pool.batching.max_batch_size == sharedml.Batching().max_batch_size
         assert "not bounded by memory" in pool.batching_reason
+
+
+def test_a_merging_pool_runs_requests_side_by_side_where_merging_does_not_pay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default merging CPU pool, once merging paused, lets several requests run on its one
+    session at once (ORT's CPU Run is thread-safe) instead of one after another: the Run
+    seconds of its requests then add up to more than the wall time they took."""
+    from tools.realistic_models import sample_inputs, unet_like
+
+    monkeypatch.setattr(_payoff, "PAUSE_BELOW", float("inf"))  # no merged batch pays
+    info = unet_like(tmp_path / "unet.onnx", image=64)
+    path, feed = Path(info.path), sample_inputs(info, batch=1)
+    stop = threading.Event()
+    with sharedml.SessionPool(path, batching="auto", cores=2, cache_dir=tmp_path / "c") as pool:
+        assert pool.max_sessions == 1
+
+        def caller() -> None:
+            while not stop.is_set():
+                pool.run(None, feed)
+
+        barrier = threading.Barrier(8)
+        threads = [
+            threading.Thread(target=lambda: (barrier.wait(), caller()), daemon=True)
+            for _ in range(8)
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_until(lambda: pool.stats().merge_pauses == 1, what="merging to pause")
+            before, began = pool.stats(), time.perf_counter()
+            wait_until(lambda: pool.stats().runs >= before.runs + 40, what="40 runs")
+            after, elapsed = pool.stats(), time.perf_counter() - began
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(DEADLINE_S)
+        assert "side by side" in pool.batching_reason
+        assert after.sessions == 1
+        assert after.run_seconds - before.run_seconds > 1.5 * elapsed

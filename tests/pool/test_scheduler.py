@@ -36,8 +36,9 @@ class FakeSessions:
 
     ``leak_above``: a run whose feed holds a value above it adds the feed's column sums to
     every row (a batch statistic): a model that mixes rows only for some inputs. ``gate``:
-    merged runs wait for it (``merged_started`` is set once one does). ``seen`` holds the rows
-    of every run: what ran, and what never did.
+    merged runs wait for it (``merged_started`` is set once one does); ``solo_gate``: runs of
+    one request wait for it. ``seen`` holds the rows of every run: what ran, and what never
+    did; ``most`` the most runs one session had at once.
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class FakeSessions:
         interrupt_merged: bool = False,
         leak_above: float | None = None,
         gate: threading.Event | None = None,
+        solo_gate: threading.Event | None = None,
         lose_session_on: float | None = None,
         cost: Callable[[int], float] = lambda rows: 1e-4,
     ) -> None:
@@ -58,12 +60,14 @@ class FakeSessions:
         self.interrupt_merged = interrupt_merged
         self.leak_above = leak_above
         self.gate = gate  # merged runs wait for it to be set
+        self.solo_gate = solo_gate  # runs of one request wait for it to be set
         self.merged_started = threading.Event()
         self.lock = threading.Lock()
         self.feeds: list[tuple[int, bool]] = []  # (rows, merged) of every run
         self.seen: list[np.ndarray] = []  # the rows of every run
         self.created = 0
-        self.running: set[int] = set()
+        self.running: dict[int, int] = {}  # runs in flight, by session
+        self.most = 0  # the most runs one session had at once
         self.overlapped = False  # two runs on one session at once
 
     def create(self) -> Any:
@@ -75,7 +79,8 @@ class FakeSessions:
         x = (feed if feed is not None else request.feed)["x"]
         with self.lock:
             self.overlapped |= session in self.running
-            self.running.add(session)
+            self.running[session] = self.running.get(session, 0) + 1
+            self.most = max(self.most, self.running[session])
             self.feeds.append((len(x), feed is not None))
             self.seen.append(x.copy())
             self.now += self.cost(len(x))
@@ -91,12 +96,16 @@ class FakeSessions:
                 raise InvalidInputError("a row holds the poison value")
             if self.lose_session_on is not None and (x == self.lose_session_on).any():
                 raise RunError("the device went away", session_lost=True)
+            if feed is None and self.solo_gate is not None:
+                assert self.solo_gate.wait(DEADLINE_S)
             if self.leak_above is not None and (x > self.leak_above).any():
                 return [x * 2.0 + 1.0 + x.sum(axis=0)]
             return [x * 2.0 + 1.0]
         finally:
             with self.lock:
-                self.running.discard(session)
+                self.running[session] -= 1
+                if not self.running[session]:
+                    del self.running[session]
 
     def discard(self, session: Any) -> None:
         with self.lock:
@@ -125,6 +134,7 @@ def make() -> Iterator[Callable[..., tuple[Scheduler, FakeSessions]]]:
         *,
         batching: Batching | None = None,
         check_seed: int | None = None,
+        share_runs: int = 1,
         **fake: Any,
     ) -> tuple[Scheduler, FakeSessions]:
         source = FakeSessions(**fake)
@@ -134,6 +144,7 @@ def make() -> Iterator[Callable[..., tuple[Scheduler, FakeSessions]]]:
             batching=batching,
             check_seed=check_seed,
             run_clock=source.clock,
+            share_runs=share_runs,
         )
         scheduler.add_sessions([source.create() for _ in range(sessions)])
         made.append(scheduler)
@@ -805,3 +816,114 @@ def test_measure_gain_false_keeps_merging_whatever_the_gain(
     stats = scheduler.stats()
     assert stats.batching and stats.merge_pauses == 0 and stats.gain_runs == 0
     assert merged_runs(source) == 2 * _payoff.SAMPLES
+
+
+# ---------------------------------------------------------------------------------------------
+# Side by side: where merging does not pay, a session whose Run is thread-safe runs requests
+# at once (each its own Run), up to share_runs
+
+
+def paused(
+    make: Callable[..., tuple[Scheduler, FakeSessions]], gate: threading.Event, **kwargs: Any
+) -> Any:
+    """A scheduler of one session whose merging measured not to pay (n rows cost n rows);
+    from now on its runs of one request wait for ``gate``."""
+    batching = Batching(max_batch_size=8, max_delay_ms=0)
+    scheduler, source = make(
+        1, batching=batching, cost=lambda rows: 1e-3 * rows, solo_gate=gate, **kwargs
+    )
+    gate.set()  # open while the checks' solo runs measure
+    for b in range(_payoff.WARM_RUNS + _payoff.SAMPLES):
+        merged_batch(scheduler, distinct(b, members=4))
+    assert not scheduler.stats().batching
+    gate.clear()
+    return scheduler, source
+
+
+def in_flight(source: FakeSessions) -> int:
+    with source.lock:
+        return sum(source.running.values())
+
+
+@pytest.mark.parametrize("share_runs", [2, 3])
+def test_a_paused_pool_runs_requests_side_by_side_up_to_its_share(
+    make: Callable[..., tuple[Scheduler, FakeSessions]], share_runs: int
+) -> None:
+    gate = threading.Event()
+    scheduler, source = paused(make, gate, share_runs=share_runs)
+    assert f"side by side, each its own Run, up to {share_runs}" in scheduler.batching_reason
+    inputs = distinct(50, members=5)
+    threads, outcomes = start([lambda x=x: scheduler.run(request(x)) for x in inputs])
+    wait_until(lambda: in_flight(source) == share_runs, what="runs side by side")
+    wait_until(lambda: scheduler.stats().waiting == 5 - share_runs, what="the rest to queue")
+    stats = scheduler.stats()
+    assert (stats.sessions, stats.busy) == (1, 1)  # one session, busy: not one per run
+    gate.set()
+    for thread in threads:
+        thread.join(DEADLINE_S)
+    for i, x in enumerate(inputs):
+        np.testing.assert_array_equal(outcomes[i][0], x * 2.0 + 1.0)
+    assert source.most == share_runs  # never more at once than the share
+    assert source.created == 1 and scheduler.stats().busy == 0
+
+
+def test_a_pool_that_merges_runs_one_request_or_batch_at_a_time(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    # Merging pays here: leaders hold their session alone, whatever the share.
+    batching = Batching(max_batch_size=8, max_delay_ms=0)
+    scheduler, source = make(
+        1, batching=batching, cost=lambda rows: 1e-3 + 1e-5 * rows, share_runs=4
+    )
+    for b in range(3 * _payoff.SAMPLES):
+        merged_batch(scheduler, distinct(b, members=4))
+    threads, outcomes = start(
+        [lambda b=b: merged_batch(scheduler, distinct(100 + b)) for b in range(4)]
+    )
+    for thread in threads:
+        thread.join(DEADLINE_S)
+    assert len(outcomes) == 4 and scheduler.stats().batching
+    assert not source.overlapped
+
+
+def test_a_checkout_waits_for_the_runs_side_by_side_and_then_has_the_session_alone(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    gate = threading.Event()
+    scheduler, source = paused(make, gate, share_runs=4)
+    first = [scheduler.submit(request(x)) for x in distinct(60, members=2)]
+    wait_until(lambda: in_flight(source) == 2, what="two runs side by side")
+    checked_out: list[Any] = []
+    holder = threading.Thread(target=lambda: checked_out.append(scheduler.checkout(DEADLINE_S)))
+    holder.start()
+    wait_until(lambda: scheduler.stats().waiting == 1, what="the checkout to queue")
+    later = scheduler.submit(request(rows(1, 70.0)))  # behind the checkout: no place beside
+    assert scheduler.stats().waiting == 2 and in_flight(source) == 2
+    gate.set()
+    holder.join(DEADLINE_S)
+    assert checked_out == [1]
+    for future in first:
+        future.result(DEADLINE_S)
+    # The session is the checkout's alone: the run queued behind it waits for the checkin.
+    assert scheduler.stats().waiting == 1 and not later.done()
+    scheduler.checkin(checked_out[0])
+    np.testing.assert_array_equal(later.result(DEADLINE_S)[0], rows(1, 70.0) * 2.0 + 1.0)
+
+
+def test_a_session_lost_beside_other_runs_takes_no_more_and_is_let_go_once_they_end(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    gate = threading.Event()  # holds the run that keeps going; the lost one fails at once
+    scheduler, source = paused(make, gate, share_runs=4, lose_session_on=13.0)
+    kept = scheduler.submit(request(rows(1, 80.0)))
+    wait_until(lambda: in_flight(source) == 1, what="a run on the session")
+    with pytest.raises(RunError, match="device went away"):
+        scheduler.submit(request(np.full((1, 3), 13.0))).result(DEADLINE_S)
+    later = scheduler.submit(request(rows(1, 90.0)))
+    assert scheduler.stats().waiting == 1  # not beside the run still on the lost session
+    assert source.discarded == []  # that run still uses it
+    gate.set()
+    np.testing.assert_array_equal(kept.result(DEADLINE_S)[0], rows(1, 80.0) * 2.0 + 1.0)
+    np.testing.assert_array_equal(later.result(DEADLINE_S)[0], rows(1, 90.0) * 2.0 + 1.0)
+    assert source.discarded == [1]  # once, after the last run on it ended
+    assert source.created == 2 and scheduler.stats().sessions == 1

@@ -24,7 +24,8 @@ runs took (rows/s merged over rows/s alone, per Run second of a session).
   around them more than the model: :data:`SAMPLES` of those decide to merge.
 - **Merging**: the checks' solo runs keep comparing (at most every ``check_within`` batches);
   a window of the last :data:`SAMPLES` whose gain falls under :data:`PAUSE_BELOW` pauses.
-- **Paused**: leaders run their own request alone and take no followers. After
+- **Paused**: leaders run their own request alone and take no followers (where sessions run
+  requests side by side, several such leaders share a session). After
   :data:`FIRST_RETRY_RUNS` such runs (doubling after each retry that failed, up to
   :data:`MAX_RETRY_RUNS`) merging is tried again: **probing** compares every merged batch
   until :data:`SAMPLES` comparisons, and merging resumes only where their gain reaches
@@ -115,10 +116,13 @@ class MergeGain:
     Args:
         enabled: False: never pauses (``Batching(measure_gain=False)``); comparisons that
             the checks give are still recorded.
+        side_by_side: The most requests a session runs side by side while merging is
+            paused (the reason says so); None: one at a time.
     """
 
-    def __init__(self, *, enabled: bool = True) -> None:
+    def __init__(self, *, enabled: bool = True, side_by_side: int | None = None) -> None:
         self.enabled = enabled
+        self.side_by_side = side_by_side
         self.state = MergeState.MEASURING if enabled else MergeState.MERGING
         self.window: deque[Comparison] = deque(maxlen=SAMPLES)
         self.comparisons = 0  # over the pool's life
@@ -219,7 +223,13 @@ class MergeGain:
         self.window.clear()
 
     def _paused_text(self, measured: str) -> str:
+        runs = (
+            "each request runs alone"
+            if self.side_by_side is None
+            else f"requests run side by side, each its own Run, up to {self.side_by_side} on "
+            "a session"
+        )
         return (
-            f"merging paused: {measured}; each request runs alone, and merging is measured "
-            f"again after {self._retry} runs"
+            f"merging paused: {measured}; {runs}, and merging is measured again after "
+            f"{self._retry} runs"
         )

@@ -531,16 +531,17 @@ class SessionPool:
         self._stopping = threading.Event()  # close(): background creation stops
         chosen, reason = self._route(model, planned)
         self._calibration: Calibration | None = None
-        bound_rows = False
+        bound_rows = side_by_side = False
         if planned.calibrate:  # probes come and go before any session of the pool exists
             chosen, reason = self._calibrate(planned, chosen, reason)
         elif chosen is not None and planned.batching_split is not None:
             reason = self._split_for_batching(planned.batching_split, reason)
+            side_by_side = True
             # The caller left the batch size to the pool: bound it by memory (_start measures).
             bound_rows = planned.batching is None or (
                 planned.batching.max_batch_size == _DEFAULT_ROWS
             )
-        self._start(planned, chosen, reason, bound_rows=bound_rows)
+        self._start(planned, chosen, reason, bound_rows=bound_rows, side_by_side=side_by_side)
 
     def _route(
         self, model: str | os.PathLike[str] | bytes, planned: PoolPlan
@@ -619,16 +620,26 @@ class SessionPool:
         return reason.rstrip(".") + (
             f". Sessions: {sessions} of {threads} intra-op thread(s) each, the default of a "
             "merging CPU pool: a lone request runs on those threads, waiting ones merge into a "
-            "session's batch (sessions= or intra_op_num_threads sets another)."
+            "session's batch, or run side by side on it where that serves more (sessions= or "
+            "intra_op_num_threads sets another)."
         )
 
     def _start(
-        self, planned: PoolPlan, chosen: Batching | None, reason: str, *, bound_rows: bool = False
+        self,
+        planned: PoolPlan,
+        chosen: Batching | None,
+        reason: str,
+        *,
+        bound_rows: bool = False,
+        side_by_side: bool = False,
     ) -> None:
         """The scheduler and its sessions: the first ones now, the others in the background.
 
         ``bound_rows``: measure one row's activations on the first session before the scheduler
         exists, and merge no more rows than keep the pool within the sessions it replaces.
+        ``side_by_side``: where merging does not pay, a session runs up to a batch's rows of
+        requests at once, each its own ``Run`` (ORT's CPU ``Run`` is thread-safe): the
+        activations of as many rows as a batch holds, so within the same memory bound.
         """
         graphs, serialized = planned.cuda_graphs, planned.runs.serialized
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
@@ -670,6 +681,7 @@ class SessionPool:
                 else _CHECK_RTOL_DEVICE
             ),
             name=str(self.source_path),
+            share_runs=chosen.max_batch_size if side_by_side and chosen is not None else 1,
         )
 
         serialize_creation = planned.serialize_creation

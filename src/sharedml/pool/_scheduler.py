@@ -230,6 +230,10 @@ class Scheduler:
             check merged batches or time them against solo runs: whether merging pays, and
             the adaptive delay). Default ``time.perf_counter``; tests give a fake clock.
         name: The model, as warnings name it.
+        share_runs: The most requests one session runs side by side (each its own ``Run``)
+            while requests do not merge: merging measured not to pay, or stopped. 1 (the
+            default): a session runs one ``Run`` at a time. Only for sessions whose ``Run``
+            is thread-safe (ORT's CPU provider).
 
     Thread safety: every method may be called from any thread.
     """
@@ -247,6 +251,7 @@ class Scheduler:
         check_seed: int | None = None,
         run_clock: Callable[[], float] | None = None,
         name: str = "model",
+        share_runs: int = 1,
     ) -> None:
         self._source = source
         self._clock = run_clock if run_clock is not None else time.perf_counter
@@ -264,7 +269,13 @@ class Scheduler:
         self._idle: deque[Any] = deque()
         self._queue: deque[Ticket] = deque()  # waiting tickets, oldest first
         self._count = 0  # sessions that exist or are being created
-        self._busy = 0
+        self._busy = 0  # grants in flight: sessions handed out, and runs side by side on them
+        # Side by side (share_runs > 1, requests not merging): a session handed to a request
+        # takes more requests until it runs share_runs; it goes back to the idle ones when
+        # the last leaves. A checkout or a merging leader gets an idle session only.
+        self._share_limit = max(1, share_runs)
+        self._side: dict[int, list[Any]] = {}  # id(session) -> [session, runs, broken]
+        self._extra = 0  # grants beyond each shared session's first
         self._filling = 0  # leaders waiting for more rows (Batching.max_delay_ms)
         # Adaptive delay: rows and run seconds of the latest batches (newest last); with
         # Batching.share_rows, the leaders forming or running a batch and the rows they hold.
@@ -281,7 +292,10 @@ class Scheduler:
         self._leaked = False  # a check failed: batches still in flight are checked in full
         # Whether merging pays, measured on the traffic (merged Runs against solo reruns of
         # their requests): merging pauses where it does not (pool/_payoff).
-        self._gain = MergeGain(enabled=batching is not None and batching.measure_gain)
+        self._gain = MergeGain(
+            enabled=batching is not None and batching.measure_gain,
+            side_by_side=self._share_limit if self._share_limit > 1 else None,
+        )
         self._base_reason = batching_reason
         self._executor: ThreadPoolExecutor | None = None
         self._creation_error: BaseException | None = None  # undelivered background failure
@@ -292,7 +306,7 @@ class Scheduler:
     @property
     def sessions(self) -> int:
         """Sessions that exist now (idle or busy)."""
-        return len(self._idle) + self._busy
+        return len(self._idle) + self._busy - self._extra
 
     def create_session(self) -> Any:
         """A new session from the source, counted in ``created`` and ``create_seconds``."""
@@ -358,23 +372,58 @@ class Scheduler:
         Called with ``self.cond`` held. A handed-over session counts as busy from here on, so
         ``stats()`` never misses it while its new owner wakes up.
         """
-        while self._open and self._queue and (self._idle or self._count < self._max):
-            ticket = self._queue.popleft()
+        while self._open and self._queue:
+            ticket = self._queue[0]
             if ticket.gone():
-                self._left(ticket)
+                self._left(self._queue.popleft())
                 continue
-            if self._idle:
-                ticket.session = self._idle.pop()
-            else:
-                self._count += 1  # the ticket's owner creates it
-            ticket.granted = True
-            self._busy += 1
+            if not self._grant(ticket):
+                break  # first come, first served: the oldest waits, and those behind it
+            self._queue.popleft()
             self.counters.wait_seconds += time.monotonic() - ticket.queued_at
             if ticket.future is not None:
                 self._lead_async(ticket)
             else:
                 ticket.event.set()
         self.cond.notify_all()  # close() waits for busy to reach 0, leaders for more rows
+
+    def _grant(self, ticket: Ticket) -> bool:
+        """Give ``ticket`` an idle session, a slot to create one, or a place beside other runs.
+
+        Called with ``self.cond`` held; False where none is free for it now.
+        """
+        side = ticket.request is not None and self._side_by_side()
+        if self._idle:
+            ticket.session = self._idle.pop()
+            if side:
+                self._side[id(ticket.session)] = [ticket.session, 1, False]
+        elif self._count < self._max:
+            self._count += 1  # the ticket's owner creates it
+        elif side and (entry := self._roomiest()) is not None:
+            entry[1] += 1
+            self._extra += 1
+            ticket.session = entry[0]
+        else:
+            return False
+        ticket.granted = True
+        self._busy += 1
+        return True
+
+    def _side_by_side(self) -> bool:
+        """Whether requests run side by side on sessions now (``self.cond`` held)."""
+        return self._share_limit > 1 and (
+            self.batching is None or self._gain.state is MergeState.PAUSED
+        )
+
+    def _roomiest(self) -> list[Any] | None:
+        """The shared session with the fewest runs, where it takes one more; else None."""
+        best = None
+        for entry in self._side.values():
+            if entry[2] or entry[1] >= self._share_limit:
+                continue  # broken (let go once its runs end), or full
+            if best is None or entry[1] < best[1]:
+                best = entry
+        return best
 
     def _take(self, ticket: Ticket) -> bool:
         """Give ``ticket`` a session (or a slot) at once if that is fair; else queue it.
@@ -383,19 +432,10 @@ class Scheduler:
         """
         if not self._open:
             raise closed_error()
-        if not self._queue:
-            # First come, first served: nobody may take a session while others wait, or a
-            # caller that loops on the pool starves the ones already waiting.
-            if self._idle:
-                ticket.session = self._idle.pop()
-                ticket.granted = True
-                self._busy += 1
-                return True
-            if self._count < self._max:
-                self._count += 1
-                ticket.granted = True
-                self._busy += 1
-                return True
+        # First come, first served: nobody may take a session while others wait, or a caller
+        # that loops on the pool starves the ones already waiting.
+        if not self._queue and self._grant(ticket):
+            return True
         if self._creation_error is not None:
             error, self._creation_error = self._creation_error, None
             raise error  # this caller would have had the session that failed
@@ -443,12 +483,37 @@ class Scheduler:
 
     def _give_back(self, sess: Any) -> None:
         """Return an unused grant (``None``: a creation slot). Called with ``self.cond`` held."""
-        self._busy -= 1
-        if sess is not None:
-            self._idle.append(sess)
-        else:
+        if sess is None:
+            self._busy -= 1
             self._count -= 1
+            self._dispatch()
+        else:
+            self._put_back(sess, broken=False)
+
+    def _put_back(self, sess: Any, *, broken: bool) -> bool:
+        """A grant of ``sess`` ends (``self.cond`` held); whether the session is to be let go.
+
+        A session that runs requests side by side goes back to the idle ones when its last
+        run ends; one found broken meanwhile takes no more runs and is let go then.
+        """
+        self._busy -= 1
+        entry = self._side.get(id(sess))
+        if entry is not None:
+            entry[2] = entry[2] or broken
+            if entry[1] > 1:
+                entry[1] -= 1
+                self._extra -= 1
+                self._dispatch()
+                return False
+            del self._side[id(sess)]
+            broken = entry[2]
+        if broken:
+            self._count -= 1  # the next acquire creates a fresh session in its place
+            self.counters.replaced += 1
+        else:
+            self._idle.append(sess)
         self._dispatch()
+        return broken
 
     def _acquire(self, ticket: Ticket, timeout_s: float | None) -> Any:
         """A session for ``ticket``; ``None`` if a leader ran its request meanwhile."""
@@ -486,15 +551,9 @@ class Scheduler:
             if held is not None:
                 self._leading -= 1
                 self._held_rows -= held
-            self._busy -= 1
             self.counters.runs += requests
             self.counters.failed_runs += failed
-            if broken:
-                self._count -= 1  # the next acquire creates a fresh session in its place
-                self.counters.replaced += 1
-            else:
-                self._idle.append(sess)
-            self._dispatch()
+            broken = self._put_back(sess, broken=broken)
         if broken:
             self._source.discard(sess)
 
@@ -552,7 +611,7 @@ class Scheduler:
         """Run a granted async ticket on the executor. Called with ``self.cond`` held."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                max_workers=self._max, thread_name_prefix="sharedml-run"
+                max_workers=self._max * self._share_limit, thread_name_prefix="sharedml-run"
             )
         self._executor.submit(self._lead_and_settle, ticket)
 
@@ -918,8 +977,8 @@ class Scheduler:
         """A snapshot of the counters (``SessionPool.stats``)."""
         with self.cond:
             return PoolStats(
-                sessions=len(self._idle) + self._busy,
-                busy=self._busy,
+                sessions=len(self._idle) + self._busy - self._extra,
+                busy=self._busy - self._extra,
                 waiting=len(self._queue),
                 max_sessions=self._max,
                 batching=self.batching is not None and self._gain.state is not MergeState.PAUSED,

@@ -77,7 +77,9 @@ class PoolStats:
             ``run_async`` (their ``Run`` calls, with a merged batch's merge of its feeds and
             split of its outputs; checkouts through ``session()`` are the caller's own). Over
             a window, divided by the window and the sessions, it is how busy they were: the
-            rest went to waiting for rows, handing results back, and idling.
+            rest went to waiting for rows, handing results back, and idling. Requests run side
+            by side on a session (merging paused on CPU) count each their own Run, so the
+            share can pass 1 then.
         batching: Whether the pool merges requests now (see ``SessionPool.batching_reason``):
             False where it never does, stopped, or paused because merging did not pay.
         batch_checks: Merged batches checked against solo runs of their requests: the first
