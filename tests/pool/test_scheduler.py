@@ -11,6 +11,7 @@ callers queue (polling ``waiting``), as tests/pool/test_batching.py does with a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 import time
@@ -51,8 +52,13 @@ class FakeSessions:
         solo_gate: threading.Event | None = None,
         lose_session_on: float | None = None,
         cost: Callable[[int], float] = lambda rows: 1e-4,
+        sleep: bool = False,
+        contended: bool = False,
     ) -> None:
         self.cost = cost  # fake seconds a run of that many rows takes
+        self.sleep = sleep  # ... and real ones, sleeping
+        # ... one run at a time per session, as a session whose threads one run keeps busy
+        self.contended = threading.Lock() if contended else None
         self.now = 0.0  # the fake clock: advanced by the runs only
         self.fail_merged = fail_merged
         self.lose_session_on = lose_session_on  # a run holding this value loses its session
@@ -85,6 +91,9 @@ class FakeSessions:
             self.seen.append(x.copy())
             self.now += self.cost(len(x))
         try:
+            if self.sleep:
+                with self.contended or contextlib.nullcontext():
+                    time.sleep(self.cost(len(x)))
             if feed is not None and self.gate is not None:
                 self.merged_started.set()
                 assert self.gate.wait(DEADLINE_S)
@@ -927,3 +936,74 @@ def test_a_session_lost_beside_other_runs_takes_no_more_and_is_let_go_once_they_
     np.testing.assert_array_equal(later.result(DEADLINE_S)[0], rows(1, 90.0) * 2.0 + 1.0)
     assert source.discarded == [1]  # once, after the last run on it ended
     assert source.created == 2 and scheduler.stats().sessions == 1
+
+
+def callers_until(scheduler: Scheduler, done: Callable[[], bool], n: int = 4) -> int:
+    """``n`` callers of one row each run in a loop until ``done()``; the requests they made."""
+    made = [0] * n
+    stop = threading.Event()
+
+    def caller(i: int) -> None:
+        while not stop.is_set():
+            x = rows(1, 1000 * i + made[i])
+            np.testing.assert_array_equal(scheduler.run(request(x))[0], x * 2.0 + 1.0)
+            made[i] += 1
+
+    threads, outcomes = start([lambda i=i: caller(i) for i in range(n)])
+    try:
+        wait_until(done, what="the pool to decide")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(DEADLINE_S)
+    assert not any(isinstance(o, BaseException) for o in outcomes.values()), outcomes
+    return sum(made)
+
+
+def test_merging_that_beats_solo_runs_pauses_where_requests_side_by_side_serve_faster(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    # A merged Run of n rows costs less than n solo Runs (merging "pays" against them), but
+    # requests run at once on the session overlap: the trial finds that and pauses merging.
+    scheduler, source = make(
+        1,
+        batching=Batching(max_batch_size=8),
+        cost=lambda rows: 4e-3 + 2e-3 * (rows - 1),
+        sleep=True,
+        share_runs=4,
+    )
+    callers_until(scheduler, lambda: scheduler.stats().merge_pauses == 1)
+    assert (
+        scheduler.batching_reason.startswith(
+            "merging paused: requests run side by side got their results in"
+        )
+        or "; merging paused: requests run side by side" in scheduler.batching_reason
+    )
+    stats = scheduler.stats()
+    assert stats.merge_gain is not None and stats.merge_gain > _payoff.PAUSE_BELOW
+    assert source.most > 1 and not stats.batching
+
+
+def test_merging_goes_on_where_requests_side_by_side_serve_no_faster(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    # The same costs, but runs on one session do not overlap (its threads are all busy).
+    scheduler, source = make(
+        1,
+        batching=Batching(max_batch_size=8),
+        cost=lambda rows: 4e-3 + 2e-3 * (rows - 1),
+        sleep=True,
+        contended=True,
+        share_runs=4,
+    )
+    after_trial: list[int] = []
+
+    def merging_again() -> bool:
+        # The trial's side phase ran (runs overlapped); then merged batches again, and more.
+        if source.most > 1 and not after_trial:
+            after_trial.append(merged_runs(source))
+        return bool(after_trial) and merged_runs(source) >= after_trial[0] + 2 * _payoff.SAMPLES
+
+    callers_until(scheduler, merging_again)
+    stats = scheduler.stats()
+    assert stats.batching and stats.merge_pauses == 0, scheduler.batching_reason

@@ -142,6 +142,7 @@ class Ticket:
     """A caller in the queue: a checkout, or a request to run (with batching: to merge)."""
 
     __slots__ = (
+        "arrived",
         "done",
         "error",
         "event",
@@ -168,6 +169,7 @@ class Ticket:
         self.views = False  # ... to hand over as views of the caller's rows only
         self.error: BaseException | None = None
         self.queued_at = 0.0
+        self.arrived = time.monotonic()
         self.left = False  # its caller is gone (cancelled, interrupted) before it ran
 
     def gone(self) -> bool:
@@ -411,9 +413,7 @@ class Scheduler:
 
     def _side_by_side(self) -> bool:
         """Whether requests run side by side on sessions now (``self.cond`` held)."""
-        return self._share_limit > 1 and (
-            self.batching is None or self._gain.state is MergeState.PAUSED
-        )
+        return self._share_limit > 1 and (self.batching is None or self._gain.runs_side_by_side)
 
     def _roomiest(self) -> list[Any] | None:
         """The shared session with the fewest runs, where it takes one more; else None."""
@@ -545,9 +545,14 @@ class Scheduler:
         broken: bool,
         held: int | None = None,
         run_s: float = 0.0,
+        ran: list[Ticket] | None = None,
     ) -> None:
         with self.cond:
             self.counters.run_seconds += run_s
+            if ran is not None and self._gain.trial is not None:
+                for t in ran:
+                    if t.error is None and t.request is not None:
+                        self._changed(self._gain.observe(t.arrived, t.request.rows))
             if held is not None:
                 self._leading -= 1
                 self._held_rows -= held
@@ -656,7 +661,13 @@ class Scheduler:
         finally:
             failed = sum(t.error is not None for t in batch)
             self._release(
-                sess, requests=len(batch), failed=failed, broken=broken, held=held, run_s=run_s
+                sess,
+                requests=len(batch),
+                failed=failed,
+                broken=broken,
+                held=held,
+                run_s=run_s,
+                ran=batch,
             )
             for follower in taken:
                 if follower in batch:
@@ -925,7 +936,10 @@ class Scheduler:
 
     def _compared(self, comparison: Comparison) -> None:
         """Record a comparison (``self.cond`` held); say so where merging paused or resumed."""
-        change = self._gain.add(comparison)
+        self._changed(self._gain.add(comparison))
+
+    def _changed(self, change: str | None) -> None:
+        """Say why merging paused or resumed, where it did (``self.cond`` held)."""
         if change is not None:
             base = self._base_reason.rstrip(".")
             self.batching_reason = f"{base}; {change}" if base else change

@@ -1,0 +1,125 @@
+"""Whether merging pays, decided on its own: comparisons and trials on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from sharedml.pool import _payoff
+from sharedml.pool._payoff import Comparison, MergeGain, MergeState
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def merging(clock: Clock, *, side_by_side: int | None = 8) -> MergeGain:
+    """A MergeGain that decided to merge: merged rows cost a quarter of solo rows' Run time."""
+    gain = MergeGain(side_by_side=side_by_side, clock=clock)
+    for _ in range(_payoff.WARM_RUNS + _payoff.SAMPLES):
+        gain.add(Comparison(merged_seconds=1e-2, merged_rows=4, solo_seconds=1e-2, solo_rows=1))
+    assert gain.state is MergeState.MERGING
+    return gain
+
+
+def phase(
+    gain: MergeGain, clock: Clock, per_row_s: float, *, requests: int | None = None
+) -> list[str | None]:
+    """Requests of one row arriving now and each getting its result ``per_row_s`` later."""
+    changes = []
+    n = requests if requests is not None else _payoff.TRIAL_REQUESTS
+    step = max(_payoff.TRIAL_MIN_S / n, 1e-4) * 1.01
+    for _ in range(n):
+        arrived = clock.now
+        clock.now += per_row_s
+        changes.append(gain.observe(arrived, 1))
+        clock.now += step
+    return changes
+
+
+def test_a_decision_to_merge_is_tried_against_requests_side_by_side() -> None:
+    clock = Clock()
+    gain = merging(clock)
+    assert gain.trial == "merged" and not gain.runs_side_by_side and gain.merges()
+    phase(gain, clock, per_row_s=0.2)
+    assert gain.trial == "side" and gain.runs_side_by_side and not gain.merges()
+    changes = phase(gain, clock, per_row_s=0.2 / (_payoff.TRIAL_MARGIN * 1.05))
+    assert gain.state is MergeState.PAUSED and gain.trial is None and gain.runs_side_by_side
+    (change,) = [c for c in changes if c is not None]
+    assert change.startswith("merging paused: requests run side by side got their results in")
+    assert "up to 8 on a session" in change and gain.pauses == 1
+
+
+@pytest.mark.parametrize("side_per_row_s", [0.2, 0.2 / _payoff.TRIAL_MARGIN * 1.01, 0.5])
+def test_merging_goes_on_where_side_by_side_is_not_clearly_faster(side_per_row_s: float) -> None:
+    clock = Clock()
+    gain = merging(clock)
+    phase(gain, clock, per_row_s=0.2)
+    assert not [c for c in phase(gain, clock, per_row_s=side_per_row_s) if c is not None]
+    assert gain.state is MergeState.MERGING and gain.trial is None and gain.merges()
+
+
+def test_a_phase_counts_only_requests_that_arrived_within_it() -> None:
+    clock = Clock()
+    gain = merging(clock)
+    early = clock.now - 1.0  # arrived before the trial: slow, from before merging was decided
+    for _ in range(10 * _payoff.TRIAL_REQUESTS):
+        assert gain.observe(early, 1) is None
+    assert gain.trial == "merged"
+    phase(gain, clock, per_row_s=0.2)
+    before_side = clock.now - 1e-3  # arrived while merging, answered in the side phase
+    for _ in range(10 * _payoff.TRIAL_REQUESTS):
+        gain.observe(before_side, 1)
+    assert gain.trial == "side"
+    phase(gain, clock, per_row_s=0.1)
+    assert gain.state is MergeState.PAUSED
+
+
+def test_a_phase_lasts_its_requests_and_its_seconds() -> None:
+    clock = Clock()
+    gain = merging(clock)
+    for _ in range(_payoff.TRIAL_REQUESTS - 1):  # time enough, one request short
+        clock.now += 1.0
+        gain.observe(clock.now - 0.5, 1)
+    assert gain.trial == "merged"
+    gain = merging(clock)
+    for _ in range(5 * _payoff.TRIAL_REQUESTS):  # requests enough, no time
+        gain.observe(clock.now, 1)
+    assert gain.trial == "merged"
+    clock.now += _payoff.TRIAL_MIN_S
+    gain.observe(clock.now, 1)
+    assert gain.trial == "side"
+
+
+def test_each_later_trial_that_pauses_merging_waits_twice_as_long() -> None:
+    clock = Clock()
+    gain = merging(clock)
+    retries = []
+    for _ in range(3):
+        phase(gain, clock, per_row_s=0.2)
+        phase(gain, clock, per_row_s=0.05)
+        assert gain.state is MergeState.PAUSED
+        runs = 0
+        while not gain.merges():  # paused: solo leaders until merging is measured again
+            runs += 1
+        retries.append(runs + 1)
+        assert gain.state is MergeState.PROBING
+        for _ in range(_payoff.SAMPLES):  # the probe finds merged Runs still pay
+            gain.add(Comparison(1e-2, 4, 1e-2, 1))
+        assert gain.state is MergeState.MERGING and gain.trial == "merged"
+    assert retries == [
+        _payoff.FIRST_RETRY_RUNS,
+        2 * _payoff.FIRST_RETRY_RUNS,
+        4 * _payoff.FIRST_RETRY_RUNS,
+    ]
+
+
+def test_pools_whose_sessions_run_one_request_at_a_time_never_try() -> None:
+    clock = Clock()
+    gain = merging(clock, side_by_side=None)
+    assert gain.trial is None
+    assert all(c is None for c in phase(gain, clock, per_row_s=0.2))
+    assert gain.state is MergeState.MERGING and not gain.runs_side_by_side
