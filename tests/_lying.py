@@ -166,8 +166,14 @@ def _pad_to_a_multiple() -> ModelProto:
         ],
         [vi("x", F, ["N", "S", 4])],
         [vi("y", F, ["N", 4])],
-        [c("one", 1), c("eight", 8), c("ax0", [0]), c("ax1", [1]), c("zeros4", [0] * 4),
-         c("zero1", [0])],
+        [
+            c("one", 1),
+            c("eight", 8),
+            c("ax0", [0]),
+            c("ax1", [1]),
+            c("zeros4", [0] * 4),
+            c("zero1", [0]),
+        ],
     )
 
 
@@ -185,16 +191,21 @@ def _torch_f_pad() -> ModelProto:
         ],
         [vi("x", F, ["N", 5])],
         [vi("y", F, ["N", 8])],
-        [c("two", [2]), c("lr", [1, 2]), c("pairs", [-1, 2]), c("m1", [-1]),
-         c("big", [-(2**63) + 1]), c("ax0", [0])],
+        [
+            c("two", [2]),
+            c("lr", [1, 2]),
+            c("pairs", [-1, 2]),
+            c("m1", [-1]),
+            c("big", [-(2**63) + 1]),
+            c("ax0", [0]),
+        ],
     )
 
 
 def row_feeds(shape: Sequence[int], *, seed: int = 0) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return [
-        {"x": (rng.standard_normal((1, *shape)) + 4 * k).astype(np.float32)}
-        for k in range(CALLERS)
+        {"x": (rng.standard_normal((1, *shape)) + 4 * k).astype(np.float32)} for k in range(CALLERS)
     ]
 
 

@@ -118,7 +118,7 @@ def declarations(m: ModelProto) -> list[tuple[str, int, Any]]:
             found.extend((v.name, depth, v.type) for v in (*g.input, *g.output))
         for node in g.node:
             for a in node.attribute:
-                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
                     walk(sub, depth + 1)
 
     walk(m.graph, 0)
@@ -245,9 +245,7 @@ def test_an_unused_mixing_node_is_found_though_another_branch_reuses_its_name() 
 
 def _weights_of(model_path: Path) -> list[Path]:
     graph = onnx.load(model_path, load_external_data=False).graph
-    found = {
-        e.value for t in graph.initializer for e in t.external_data if e.key == "location"
-    }
+    found = {e.value for t in graph.initializer for e in t.external_data if e.key == "location"}
     return [model_path.parent / name for name in sorted(found)]
 
 

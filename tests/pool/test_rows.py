@@ -1283,8 +1283,7 @@ def _lying_graphs_give_solo_outputs(seen: Counter[str], chain: Chain, seed: int)
     rng = np.random.default_rng(seed)
     # One row per caller: there the declarations hold, so the file run alone is the reference.
     feeds = [
-        {"x": (rng.standard_normal((1, 3, 4)) * (k + 1) + k).astype(np.float32)}
-        for k in range(3)
+        {"x": (rng.standard_normal((1, 3, 4)) * (k + 1) + k).astype(np.float32)} for k in range(3)
     ]
     try:
         solo = [run(m, f) for f in feeds]
@@ -1324,7 +1323,6 @@ def test_the_docs_hold_the_rule_table_as_the_code_has_it() -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Models exported with axis 0 fixed at 1: relaxed where no constant ties the rows to one
-
 
 
 def fixed_at_one(m: ModelProto) -> ModelProto:

@@ -95,8 +95,14 @@ def embed_layer_norm(segment: TensorProto) -> ModelProto:
             domain=MS,
         ),
         [("ids", I32, ["N", S])],
-        [segment, w("we", 10, H), w("pe", 8, H), w("se", 2, H), c("gamma", np.ones(H)),
-         c("beta", np.zeros(H))],
+        [
+            segment,
+            w("we", 10, H),
+            w("pe", 8, H),
+            w("se", 2, H),
+            c("gamma", np.ones(H)),
+            c("beta", np.zeros(H)),
+        ],
     )
 
 

@@ -103,9 +103,7 @@ def conv_bn(tmp_path: Path) -> Path:
     return save_model(model, tmp_path / "conv_bn.onnx")
 
 
-def route(
-    model: Path | bytes, providers: list[str] | None = None, **kwargs: Any
-) -> SessionRecipe:
+def route(model: Path | bytes, providers: list[str] | None = None, **kwargs: Any) -> SessionRecipe:
     available = [DML, CUDA, CPU] if providers else None
     plan = plan_providers(providers, available=available)
     sessions = kwargs.pop("max_sessions", 2)

@@ -129,9 +129,11 @@ def test_clients_that_hang_up_leave_the_others_their_rows_and_hold_nothing(
         # Whatever the hung-up requests did (ran, or were cancelled before they ran), nothing
         # of theirs stays held: no session busy, no request queued, no byte of the budget.
         wait_until(
-            lambda: pool.stats().busy == 0
-            and pool.stats().waiting == 0
-            and server.budget.used_bytes == 0,
+            lambda: (
+                pool.stats().busy == 0
+                and pool.stats().waiting == 0
+                and server.budget.used_bytes == 0
+            ),
             what="the pool and the byte budget to be idle",
         )
         # Requests whose clients left while they waited never ran.
