@@ -10,7 +10,10 @@ the scheduler's (:mod:`sharedml.pool._scheduler`); creation and its retries are
 :mod:`sharedml.pool._creation`'s, the device's fair run lock :mod:`sharedml.pool._runlock`'s.
 
 - A session is used by one caller at a time: never two ``Run()``s on one session at once
-  (DirectML crashes otherwise; CUDA graphs and stateful kernels need it too).
+  (DirectML crashes otherwise; CUDA graphs and stateful kernels need it too). One exception,
+  on the CPU only: a pool left to its default count whose requests could merge runs requests
+  side by side on its session where merging does not pay (ORT's CPU ``Run`` is thread-safe);
+  a checkout (``session()``) still has its session alone.
 - Every checked-out session comes back: a run that raises returns its session; a session whose
   provider failed (``EPFail``/``EngineError``) is dropped and a fresh one takes its place.
 - Where the provider runs one ``Run`` at a time across the process (DirectML on
@@ -413,7 +416,7 @@ class SessionPool:
             word).
         per_session_state: Say that each caller needs a session of its own (state kept in the
             session, CUDA or DML graph capture): no warning for extra sessions where runs are
-            serialized.
+            serialized, and a merging CPU pool never runs requests side by side on a session.
         create_in_background: Return once the first session exists and create the rest on one
             background thread per process (default): callers are served meanwhile. That thread
             costs a few MiB once per process (its own malloc arena: figures in README).
@@ -535,8 +538,12 @@ class SessionPool:
         if planned.calibrate:  # probes come and go before any session of the pool exists
             chosen, reason = self._calibrate(planned, chosen, reason)
         elif chosen is not None and planned.batching_split is not None:
-            reason = self._split_for_batching(planned.batching_split, reason)
-            side_by_side = True
+            # Where merging does not pay, requests run side by side on a session, unless the
+            # caller said each needs a session of its own.
+            side_by_side = not options.per_session_state
+            reason = self._split_for_batching(
+                planned.batching_split, reason, side_by_side=side_by_side
+            )
             # The caller left the batch size to the pool: bound it by memory (_start measures).
             bound_rows = planned.batching is None or (
                 planned.batching.max_batch_size == _DEFAULT_ROWS
@@ -612,16 +619,18 @@ class SessionPool:
             )
         return chosen, reason
 
-    def _split_for_batching(self, split: tuple[int, int], reason: str) -> str:
+    def _split_for_batching(
+        self, split: tuple[int, int], reason: str, *, side_by_side: bool
+    ) -> str:
         """A merging CPU pool given no count: its sessions and their threads; the reason."""
         sessions, threads = split
         self._max = self._min = sessions
         self.recipe = dataclasses.replace(self.recipe, intra_op_threads=threads)
+        side = ", or run side by side on it where that serves more" if side_by_side else ""
         return reason.rstrip(".") + (
             f". Sessions: {sessions} of {threads} intra-op thread(s) each, the default of a "
             "merging CPU pool: a lone request runs on those threads, waiting ones merge into a "
-            "session's batch, or run side by side on it where that serves more (sessions= or "
-            "intra_op_num_threads sets another)."
+            f"session's batch{side} (sessions= or intra_op_num_threads sets another)."
         )
 
     def _start(
