@@ -960,25 +960,27 @@ def callers_until(scheduler: Scheduler, done: Callable[[], bool], n: int = 4) ->
     return sum(made)
 
 
-def test_merging_that_beats_solo_runs_pauses_where_requests_side_by_side_serve_faster(
-    make: Callable[..., tuple[Scheduler, FakeSessions]],
-) -> None:
-    # A merged Run of n rows costs less than n solo Runs (merging "pays" against them), but
-    # requests run at once on the session overlap: the trial finds that and pauses merging.
-    scheduler, source = make(
+def sleeping(make: Callable[..., tuple[Scheduler, FakeSessions]], **fake: Any) -> Any:
+    """One session whose runs sleep: a merged Run of n rows costs less than n solo Runs."""
+    return make(
         1,
         batching=Batching(max_batch_size=8),
         cost=lambda rows: 4e-3 + 2e-3 * (rows - 1),
         sleep=True,
         share_runs=4,
+        **fake,
     )
+
+
+def test_merging_that_beats_solo_runs_pauses_where_requests_side_by_side_serve_faster(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    # A merged Run of n rows costs less than n solo Runs (merging "pays" against them), but
+    # requests run at once on the session overlap: the trial finds that and pauses merging.
+    scheduler, source = sleeping(make)
     callers_until(scheduler, lambda: scheduler.stats().merge_pauses == 1)
-    assert (
-        scheduler.batching_reason.startswith(
-            "merging paused: requests run side by side got their results in"
-        )
-        or "; merging paused: requests run side by side" in scheduler.batching_reason
-    )
+    reason = scheduler.batching_reason
+    assert "merging paused: requests run side by side got their results in" in reason
     stats = scheduler.stats()
     assert stats.merge_gain is not None and stats.merge_gain > _payoff.PAUSE_BELOW
     assert source.most > 1 and not stats.batching
@@ -988,14 +990,7 @@ def test_merging_goes_on_where_requests_side_by_side_serve_no_faster(
     make: Callable[..., tuple[Scheduler, FakeSessions]],
 ) -> None:
     # The same costs, but runs on one session do not overlap (its threads are all busy).
-    scheduler, source = make(
-        1,
-        batching=Batching(max_batch_size=8),
-        cost=lambda rows: 4e-3 + 2e-3 * (rows - 1),
-        sleep=True,
-        contended=True,
-        share_runs=4,
-    )
+    scheduler, source = sleeping(make, contended=True)
     after_trial: list[int] = []
 
     def merging_again() -> bool:
