@@ -30,7 +30,7 @@ def phase(
 ) -> list[str | None]:
     """Requests of one row arriving now and each getting its result ``per_row_s`` later."""
     changes = []
-    n = requests if requests is not None else _payoff.TRIAL_REQUESTS
+    n = _payoff.TRIAL_SETTLE + (requests if requests is not None else _payoff.TRIAL_REQUESTS)
     step = max(_payoff.TRIAL_MIN_S / n, 1e-4) * 1.01
     for _ in range(n):
         arrived = clock.now
@@ -81,13 +81,14 @@ def test_a_phase_counts_only_requests_that_arrived_within_it() -> None:
 def test_a_phase_lasts_its_requests_and_its_seconds() -> None:
     clock = Clock()
     gain = merging(clock)
-    for _ in range(_payoff.TRIAL_REQUESTS - 1):  # time enough, one request short
+    for _ in range(_payoff.TRIAL_SETTLE + _payoff.TRIAL_REQUESTS - 1):  # time, a request short
         clock.now += 1.0
         gain.observe(clock.now - 0.5, 1)
     assert gain.trial == "merged"
     gain = merging(clock)
     for _ in range(5 * _payoff.TRIAL_REQUESTS):  # requests enough, no time
         gain.observe(clock.now, 1)
+        clock.now += 1e-9
     assert gain.trial == "merged"
     clock.now += _payoff.TRIAL_MIN_S
     gain.observe(clock.now, 1)
@@ -123,3 +124,17 @@ def test_pools_whose_sessions_run_one_request_at_a_time_never_try() -> None:
     assert gain.trial is None
     assert all(c is None for c in phase(gain, clock, per_row_s=0.2))
     assert gain.state is MergeState.MERGING and not gain.runs_side_by_side
+
+
+def test_a_phase_measures_once_its_first_requests_finished() -> None:
+    # The first runs side by side grow the arena for their concurrent runs: slow, once.
+    clock = Clock()
+    gain = merging(clock)
+    phase(gain, clock, per_row_s=0.2)
+    assert gain.trial == "side"
+    for _ in range(_payoff.TRIAL_SETTLE):
+        arrived = clock.now
+        clock.now += 5.0
+        assert gain.observe(arrived, 1) is None
+    phase(gain, clock, per_row_s=0.1, requests=_payoff.TRIAL_REQUESTS - _payoff.TRIAL_SETTLE)
+    assert gain.state is MergeState.PAUSED

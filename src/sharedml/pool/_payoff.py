@@ -38,8 +38,9 @@ row than a request alone served fewer requests (343/s) than the same session run
 callers' requests side by side (437/s, 16 cores). Rerunning a batch side by side to time it
 doubles the work while deciding (on 2 cores the decision then outlasted a 3 s window), so such
 pools measure the traffic itself instead: a **trial** follows each decision to merge, one
-phase merging and one side by side, of at least :data:`TRIAL_REQUESTS` requests and
-:data:`TRIAL_MIN_S` each, counting only requests that arrived within the phase; the mean time
+phase merging and one side by side, each measured once :data:`TRIAL_SETTLE` of its requests
+finished, over at least :data:`TRIAL_REQUESTS` requests and :data:`TRIAL_MIN_S`, counting only
+requests that arrived within the measured part; the mean time
 from a request's arrival to its result, per row, decides (for callers that wait for their
 results, as many at a time, that is the inverse of rows/s). Side by side wins only where it is
 :data:`TRIAL_MARGIN` faster; merging then pauses as above, and each later trial that pauses it
@@ -61,6 +62,7 @@ __all__ = [
     "TRIAL_MARGIN",
     "TRIAL_MIN_S",
     "TRIAL_REQUESTS",
+    "TRIAL_SETTLE",
     "MAX_RETRY_RUNS",
     "MIN_RUN_S",
     "PAUSE_BELOW",
@@ -93,8 +95,12 @@ FIRST_RETRY_RUNS = 256  # solo runs while paused before merging is measured agai
 # A trial's phases (merging, then side by side): requests that arrived within the phase and got
 # their results, and seconds, at least; side by side must take this much less time per row.
 TRIAL_REQUESTS = 64
-TRIAL_MIN_S = 0.25
+TRIAL_MIN_S = 0.5
 TRIAL_MARGIN = 1.1
+# Requests a phase lets finish before it measures: the first runs side by side grow the arena
+# and plan memory for their concurrent runs (on 16 cores a MiniLM-like model's side phase,
+# measured from its first request, lost to merging that a warm session beat by 1.3x).
+TRIAL_SETTLE = 16
 MAX_RETRY_RUNS = 16384  # the most, after retries that found merging still unpaid
 
 
@@ -158,6 +164,7 @@ class MergeGain:
         # it began; seconds from arrival to result and rows of its requests, and how many.
         self.trial: str | None = None
         self._began = 0.0
+        self._settling = 0
         self._phase = [0.0, 0, 0]
         self._merged_per_row = 0.0
         self._trial_retry = 0  # runs paused after the last trial that paused merging
@@ -200,6 +207,11 @@ class MergeGain:
         if self.trial is None or arrived < self._began:
             return None
         now = self._now()
+        if self._settling:
+            self._settling -= 1
+            if not self._settling:
+                self._began = now  # measured from here: requests that arrive from now on
+            return None
         phase = self._phase
         phase[0] += now - arrived
         phase[1] += rows
@@ -230,6 +242,7 @@ class MergeGain:
     def _begin(self, phase: str | None) -> None:
         self.trial = phase
         self._began = self._now()
+        self._settling = TRIAL_SETTLE
         self._phase = [0.0, 0, 0]
 
     def _merging(self) -> None:
