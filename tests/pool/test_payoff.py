@@ -138,3 +138,27 @@ def test_a_phase_measures_once_its_first_requests_finished() -> None:
         assert gain.observe(arrived, 1) is None
     phase(gain, clock, per_row_s=0.1, requests=_payoff.TRIAL_REQUESTS - _payoff.TRIAL_SETTLE)
     assert gain.state is MergeState.PAUSED
+
+
+def test_a_side_phase_plainly_slower_than_merging_ends_early() -> None:
+    clock = Clock()
+    gain = merging(clock)
+    phase(gain, clock, per_row_s=0.01)
+    assert gain.trial == "side"
+    phase(gain, clock, per_row_s=0.01 * _payoff.TRIAL_LOSING * 1.5, requests=_payoff.TRIAL_SETTLE)
+    assert gain.trial is None and gain.state is MergeState.MERGING and gain.merges()
+
+
+def test_a_gain_over_solo_runs_past_the_cores_is_not_tried_against_side_by_side() -> None:
+    # Requests side by side serve at most `cores` times a solo run's rows/s: merged batches
+    # 4x faster a row than solo runs cannot lose to them on 2 cores, and can on 8.
+    clock = Clock()
+    gain = MergeGain(side_by_side=8, cores=2, clock=clock)
+    for _ in range(_payoff.WARM_RUNS + _payoff.SAMPLES):
+        gain.add(Comparison(merged_seconds=1e-2, merged_rows=4, solo_seconds=1e-2, solo_rows=1))
+    assert gain.state is MergeState.MERGING and gain.gain == pytest.approx(4.0)
+    assert gain.trial is None
+    gain = MergeGain(side_by_side=8, cores=8, clock=clock)
+    for _ in range(_payoff.WARM_RUNS + _payoff.SAMPLES):
+        gain.add(Comparison(merged_seconds=1e-2, merged_rows=4, solo_seconds=1e-2, solo_rows=1))
+    assert gain.trial == "merged"

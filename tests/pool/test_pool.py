@@ -870,8 +870,6 @@ def test_a_merging_pool_bounds_its_rows_by_what_a_row_holds(tmp_path: Path) -> N
         rows = pool.batching.max_batch_size
         assert DEFAULT_SESSIONS <= rows < sharedml.Batching().max_batch_size
         assert f"At most {rows} rows per Run" in pool.batching_reason
-        with pool.session() as sess:  # activations bound the batches: kept once, not twice
-            assert sess.get_session_options().enable_mem_pattern is False
     given = sharedml.Batching(max_batch_size=20)
     with sharedml.SessionPool(heavy, batching=given, cache_dir=tmp_path / "c") as pool:
         assert pool.batching is not None and pool.batching.max_batch_size == 20
@@ -880,8 +878,6 @@ def test_a_merging_pool_bounds_its_rows_by_what_a_row_holds(tmp_path: Path) -> N
         assert pool.batching is not None
         assert pool.batching.max_batch_size == sharedml.Batching().max_batch_size
         assert "not bounded by memory" in pool.batching_reason
-        with pool.session() as sess:  # requests side by side plan their memory
-            assert sess.get_session_options().enable_mem_pattern is True
 
 
 @pytest.mark.parametrize("per_session_state", [False, True])
@@ -931,7 +927,8 @@ def test_a_merging_pool_runs_requests_side_by_side_where_merging_does_not_pay(
         run_s = after.run_seconds - before.run_seconds
         if per_session_state:
             assert "side by side" not in pool.batching_reason
-            assert run_s <= elapsed
+            # A run in flight at the first snapshot counts whole: a few milliseconds of slack.
+            assert run_s <= 1.2 * elapsed
         else:
             assert "side by side" in pool.batching_reason
             assert run_s > 1.5 * elapsed

@@ -965,7 +965,7 @@ def sleeping(make: Callable[..., tuple[Scheduler, FakeSessions]], **fake: Any) -
     return make(
         1,
         batching=Batching(max_batch_size=8),
-        cost=lambda rows: 4e-3 + 2e-3 * (rows - 1),
+        cost=lambda rows: 4e-3 + 1e-3 * (rows - 1),
         sleep=True,
         share_runs=4,
         **fake,

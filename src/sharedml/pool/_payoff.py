@@ -61,6 +61,7 @@ __all__ = [
     "FIRST_RETRY_RUNS",
     "TRIAL_MARGIN",
     "TRIAL_MIN_S",
+    "TRIAL_LOSING",
     "TRIAL_REQUESTS",
     "TRIAL_SETTLE",
     "MAX_RETRY_RUNS",
@@ -101,6 +102,10 @@ TRIAL_MARGIN = 1.1
 # and plan memory for their concurrent runs (on 16 cores a MiniLM-like model's side phase,
 # measured from its first request, lost to merging that a warm session beat by 1.3x).
 TRIAL_SETTLE = 16
+# A side phase this many times slower a row than merging, over TRIAL_SETTLE measured requests,
+# ends there: merging wins plainly (the MLP's side phase ran at a fifth of its merged rate, and
+# took a tenth of a 3 s benchmark window at full length).
+TRIAL_LOSING = 2.0
 MAX_RETRY_RUNS = 16384  # the most, after retries that found merging still unpaid
 
 
@@ -148,6 +153,9 @@ class MergeGain:
             the checks give are still recorded.
         side_by_side: The most requests a session runs side by side while merging is
             paused (the reason says so); None: one at a time.
+        cores: The cores those requests share: a gain over solo runs of this many times (and
+            the trial's margin) is not tried against them. None: always tried.
+        clock: What times the trial's phases (tests give a fake one).
     """
 
     def __init__(
@@ -155,10 +163,12 @@ class MergeGain:
         *,
         enabled: bool = True,
         side_by_side: int | None = None,
+        cores: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.enabled = enabled
         self.side_by_side = side_by_side
+        self._cores = cores
         self._now = clock
         # The trial (side_by_side pools): the phase measured ("merged", "side") or None; when
         # it began; seconds from arrival to result and rows of its requests, and how many.
@@ -216,6 +226,13 @@ class MergeGain:
         phase[0] += now - arrived
         phase[1] += rows
         phase[2] += 1
+        if (
+            self.trial == "side"
+            and phase[2] >= TRIAL_SETTLE
+            and phase[0] / phase[1] > TRIAL_LOSING * self._merged_per_row
+        ):
+            self.trial = None  # plainly slower than merging: no need to measure it longer
+            return None
         if phase[2] < TRIAL_REQUESTS or now - self._began < TRIAL_MIN_S:
             return None
         per_row = phase[0] / phase[1]
@@ -248,8 +265,14 @@ class MergeGain:
     def _merging(self) -> None:
         """Merging decided on (again): where requests could run side by side, try that too."""
         self.state = MergeState.MERGING
-        if self.side_by_side is not None:
-            self._begin("merged")
+        if self.side_by_side is None:
+            return
+        # Requests side by side serve at most ``cores`` times the rows/s of one alone (a run
+        # keeps its calling thread busy throughout): a gain over solo runs past that, with the
+        # margin, cannot lose to them, and the trial would only cost its side phase.
+        if self._cores and self.gain is not None and self.gain >= self._cores * TRIAL_MARGIN:
+            return
+        self._begin("merged")
 
     @property
     def deciding(self) -> bool:

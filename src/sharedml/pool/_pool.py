@@ -305,10 +305,6 @@ class _Sessions:
         release_freed_heap()
         return sess
 
-    def use(self, recipe: SessionRecipe) -> None:
-        """Create the sessions from now on with ``recipe`` (before the pool serves)."""
-        self._recipe = recipe
-
     def _graph_template(self) -> Any:
         """The pool's one session with graphs off, never run: what its graph sessions report."""
         with self._guard:
@@ -525,7 +521,8 @@ class SessionPool:
         self._state = _State.OPENING
         self._pid = os.getpid()
         self.plan: ProviderPlan = options.providers.plan()
-        planned = plan_pool(options, self.plan, cores=options.session.cores or usable_cores())
+        self._cores = options.session.cores or usable_cores()
+        planned = plan_pool(options, self.plan, cores=self._cores)
         self._runs_rule = planned.runs
         self._max, self._min = planned.route.max_sessions, planned.min_sessions
         if planned.warn_sessions:
@@ -539,7 +536,6 @@ class SessionPool:
         chosen, reason = self._route(model, planned)
         self._calibration: Calibration | None = None
         bound_rows = side_by_side = False
-        self._without_patterns: SessionRecipe | None = None  # the split sets it
         if planned.calibrate:  # probes come and go before any session of the pool exists
             chosen, reason = self._calibrate(planned, chosen, reason)
         elif chosen is not None and planned.batching_split is not None:
@@ -547,10 +543,7 @@ class SessionPool:
             # caller said each needs a session of its own.
             side_by_side = not options.per_session_state
             reason = self._split_for_batching(
-                planned.batching_split,
-                reason,
-                side_by_side=side_by_side,
-                configure=options.session.configure,
+                planned.batching_split, reason, side_by_side=side_by_side
             )
             # The caller left the batch size to the pool: bound it by memory (_start measures).
             bound_rows = planned.batching is None or (
@@ -628,35 +621,12 @@ class SessionPool:
         return chosen, reason
 
     def _split_for_batching(
-        self,
-        split: tuple[int, int],
-        reason: str,
-        *,
-        side_by_side: bool,
-        configure: Callable[[Any], None] | None,
+        self, split: tuple[int, int], reason: str, *, side_by_side: bool
     ) -> str:
-        """A merging CPU pool given no count: its sessions and their threads; the reason.
-
-        ``configure``: the caller's own, which replaces the pool's where requests may run side
-        by side (memory patterns back on).
-        """
+        """A merging CPU pool given no count: its sessions and their threads; the reason."""
         sessions, threads = split
         self._max = self._min = sessions
         self.recipe = dataclasses.replace(self.recipe, intra_op_threads=threads)
-        if side_by_side:
-            self._without_patterns = self.recipe
-            # Memory patterns back on (the caller's configure still decides): requests side by
-            # side each allocate their activations, and without a pattern each does so tensor
-            # by tensor from the one arena (on 16 cores a MiniLM-like model run by 16 threads
-            # at once served 316 requests/s without, 417 with). One session keeping its
-            # activations twice holds less than the sessions it replaces, and the row bound
-            # measures a row with them; where a row's activations bound the batches they are
-            # turned off again (_start).
-            self.recipe = dataclasses.replace(
-                self.recipe,
-                configure=configure,
-                reason=self.recipe.reason.replace(MEMORY_PATTERNS_REASON, "").strip(),
-            )
         side = ", or run side by side on it where that serves more" if side_by_side else ""
         return reason.rstrip(".") + (
             f". Sessions: {sessions} of {threads} intra-op thread(s) each, the default of a "
@@ -702,21 +672,10 @@ class SessionPool:
         if bound_rows and chosen is not None:
             began = time.perf_counter()
             first.append(self._sessions.create())
+            first_s = time.perf_counter() - began
             rows, why = rows_for_memory(
                 first[0], self.recipe, chosen.max_batch_size, replaces=DEFAULT_SESSIONS
             )
-            if rows < chosen.max_batch_size and self._without_patterns is not None:
-                # Activations bound the batches: memory patterns would keep them twice over
-                # (pool/_arena.py). Off again, for a session created and measured again.
-                self._sessions.discard(first.pop())
-                self.recipe = self._without_patterns
-                self._sessions.use(self.recipe)
-                release_freed_heap()
-                first.append(self._sessions.create())
-                rows, why = rows_for_memory(
-                    first[0], self.recipe, chosen.max_batch_size, replaces=DEFAULT_SESSIONS
-                )
-            first_s = time.perf_counter() - began
             chosen, reason = dataclasses.replace(chosen, max_batch_size=rows), f"{reason} {why}"
         self._scheduler = Scheduler(
             self._sessions,
@@ -733,6 +692,7 @@ class SessionPool:
             ),
             name=str(self.source_path),
             share_runs=chosen.max_batch_size if side_by_side and chosen is not None else 1,
+            cores=self._cores,
         )
 
         serialize_creation = planned.serialize_creation

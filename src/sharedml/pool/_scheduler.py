@@ -236,6 +236,8 @@ class Scheduler:
             while requests do not merge: merging measured not to pay, or stopped. 1 (the
             default): a session runs one ``Run`` at a time. Only for sessions whose ``Run``
             is thread-safe (ORT's CPU provider).
+        cores: The cores the sessions' runs share (``MergeGain``'s, for the trial of merging
+            against requests side by side); None: not known.
 
     Thread safety: every method may be called from any thread.
     """
@@ -254,6 +256,7 @@ class Scheduler:
         run_clock: Callable[[], float] | None = None,
         name: str = "model",
         share_runs: int = 1,
+        cores: int | None = None,
     ) -> None:
         self._source = source
         self._clock = run_clock if run_clock is not None else time.perf_counter
@@ -297,6 +300,7 @@ class Scheduler:
         self._gain = MergeGain(
             enabled=batching is not None and batching.measure_gain,
             side_by_side=self._share_limit if self._share_limit > 1 else None,
+            cores=cores,
         )
         self._base_reason = batching_reason
         self._executor: ThreadPoolExecutor | None = None
