@@ -59,16 +59,16 @@ from collections.abc import Callable
 
 __all__ = [
     "FIRST_RETRY_RUNS",
-    "TRIAL_MARGIN",
-    "TRIAL_MIN_S",
-    "TRIAL_LOSING",
-    "TRIAL_REQUESTS",
-    "TRIAL_SETTLE",
     "MAX_RETRY_RUNS",
     "MIN_RUN_S",
     "PAUSE_BELOW",
     "RESUME_AT",
     "SAMPLES",
+    "TRIAL_LOSING",
+    "TRIAL_MARGIN",
+    "TRIAL_MIN_S",
+    "TRIAL_REQUESTS",
+    "TRIAL_SETTLE",
     "WARM_RUNS",
     "Comparison",
     "MergeGain",
@@ -171,11 +171,14 @@ class MergeGain:
         self._cores = cores
         self._now = clock
         # The trial (side_by_side pools): the phase measured ("merged", "side") or None; when
-        # it began; seconds from arrival to result and rows of its requests, and how many.
+        # it began; its requests still to settle; seconds from arrival to result and rows of
+        # the requests measured, and how many.
         self.trial: str | None = None
         self._began = 0.0
         self._settling = 0
-        self._phase = [0.0, 0, 0]
+        self._seconds = 0.0
+        self._rows = 0
+        self._requests = 0
         self._merged_per_row = 0.0
         self._trial_retry = 0  # runs paused after the last trial that paused merging
         self.state = MergeState.MEASURING if enabled else MergeState.MERGING
@@ -222,20 +225,19 @@ class MergeGain:
             if not self._settling:
                 self._began = now  # measured from here: requests that arrive from now on
             return None
-        phase = self._phase
-        phase[0] += now - arrived
-        phase[1] += rows
-        phase[2] += 1
+        self._seconds += now - arrived
+        self._rows += rows
+        self._requests += 1
+        per_row = self._seconds / self._rows
         if (
             self.trial == "side"
-            and phase[2] >= TRIAL_SETTLE
-            and phase[0] / phase[1] > TRIAL_LOSING * self._merged_per_row
+            and self._requests >= TRIAL_SETTLE
+            and per_row > TRIAL_LOSING * self._merged_per_row
         ):
             self.trial = None  # plainly slower than merging: no need to measure it longer
             return None
-        if phase[2] < TRIAL_REQUESTS or now - self._began < TRIAL_MIN_S:
+        if self._requests < TRIAL_REQUESTS or now - self._began < TRIAL_MIN_S:
             return None
-        per_row = phase[0] / phase[1]
         if self.trial == "merged":
             self._merged_per_row = per_row
             self._begin("side")
@@ -260,7 +262,7 @@ class MergeGain:
         self.trial = phase
         self._began = self._now()
         self._settling = TRIAL_SETTLE
-        self._phase = [0.0, 0, 0]
+        self._seconds, self._rows, self._requests = 0.0, 0, 0
 
     def _merging(self) -> None:
         """Merging decided on (again): where requests could run side by side, try that too."""

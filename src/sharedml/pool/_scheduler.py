@@ -214,6 +214,17 @@ class Ticket:
         return self.result
 
 
+class _Shared:
+    """A session running requests side by side: how many now, and whether one found it broken."""
+
+    __slots__ = ("broken", "runs", "session")
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.runs = 1
+        self.broken = False  # let go once its last run ends; it takes no more meanwhile
+
+
 class Scheduler:
     """The queue of a pool's callers, its sessions, and the batches their leaders form.
 
@@ -279,8 +290,7 @@ class Scheduler:
         # takes more requests until it runs share_runs; it goes back to the idle ones when
         # the last leaves. A checkout or a merging leader gets an idle session only.
         self._share_limit = max(1, share_runs)
-        self._side: dict[int, list[Any]] = {}  # id(session) -> [session, runs, broken]
-        self._extra = 0  # grants beyond each shared session's first
+        self._side: dict[int, _Shared] = {}  # by id(session)
         self._filling = 0  # leaders waiting for more rows (Batching.max_delay_ms)
         # Adaptive delay: rows and run seconds of the latest batches (newest last); with
         # Batching.share_rows, the leaders forming or running a batch and the rows they hold.
@@ -312,7 +322,11 @@ class Scheduler:
     @property
     def sessions(self) -> int:
         """Sessions that exist now (idle or busy)."""
-        return len(self._idle) + self._busy - self._extra
+        return len(self._idle) + self._busy - self._extra()
+
+    def _extra(self) -> int:
+        """Grants beyond each shared session's first: runs side by side, not sessions."""
+        return sum(shared.runs - 1 for shared in self._side.values())
 
     def create_session(self) -> Any:
         """A new session from the source, counted in ``created`` and ``create_seconds``."""
@@ -402,13 +416,12 @@ class Scheduler:
         if self._idle:
             ticket.session = self._idle.pop()
             if side:
-                self._side[id(ticket.session)] = [ticket.session, 1, False]
+                self._side[id(ticket.session)] = _Shared(ticket.session)
         elif self._count < self._max:
             self._count += 1  # the ticket's owner creates it
-        elif side and (entry := self._roomiest()) is not None:
-            entry[1] += 1
-            self._extra += 1
-            ticket.session = entry[0]
+        elif side and (shared := self._roomiest()) is not None:
+            shared.runs += 1
+            ticket.session = shared.session
         else:
             return False
         ticket.granted = True
@@ -419,15 +432,10 @@ class Scheduler:
         """Whether requests run side by side on sessions now (``self.cond`` held)."""
         return self._share_limit > 1 and (self.batching is None or self._gain.runs_side_by_side)
 
-    def _roomiest(self) -> list[Any] | None:
+    def _roomiest(self) -> _Shared | None:
         """The shared session with the fewest runs, where it takes one more; else None."""
-        best = None
-        for entry in self._side.values():
-            if entry[2] or entry[1] >= self._share_limit:
-                continue  # broken (let go once its runs end), or full
-            if best is None or entry[1] < best[1]:
-                best = entry
-        return best
+        room = [s for s in self._side.values() if not s.broken and s.runs < self._share_limit]
+        return min(room, key=lambda shared: shared.runs, default=None)
 
     def _take(self, ticket: Ticket) -> bool:
         """Give ``ticket`` a session (or a slot) at once if that is fair; else queue it.
@@ -501,16 +509,15 @@ class Scheduler:
         run ends; one found broken meanwhile takes no more runs and is let go then.
         """
         self._busy -= 1
-        entry = self._side.get(id(sess))
-        if entry is not None:
-            entry[2] = entry[2] or broken
-            if entry[1] > 1:
-                entry[1] -= 1
-                self._extra -= 1
+        shared = self._side.get(id(sess))
+        if shared is not None:
+            shared.broken = shared.broken or broken
+            if shared.runs > 1:
+                shared.runs -= 1
                 self._dispatch()
                 return False
             del self._side[id(sess)]
-            broken = entry[2]
+            broken = shared.broken
         if broken:
             self._count -= 1  # the next acquire creates a fresh session in its place
             self.counters.replaced += 1
@@ -995,8 +1002,8 @@ class Scheduler:
         """A snapshot of the counters (``SessionPool.stats``)."""
         with self.cond:
             return PoolStats(
-                sessions=len(self._idle) + self._busy - self._extra,
-                busy=self._busy - self._extra,
+                sessions=self.sessions,
+                busy=self._busy - self._extra(),
                 waiting=len(self._queue),
                 max_sessions=self._max,
                 batching=self.batching is not None and self._gain.state is not MergeState.PAUSED,
