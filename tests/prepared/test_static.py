@@ -373,10 +373,15 @@ def test_the_scratch_folder_of_a_killed_build_is_removed_by_the_next_one(tmp_pat
     src = small_cnn(tmp_path / "cnn.onnx", width=32, depth=2)
     out = tmp_path / "q"
     out.mkdir()
+    # onnxruntime's quantizer keeps its own temporary folder (ort.quant.*) in TMPDIR, which the
+    # kill leaves when it comes late enough: the child's TMPDIR is this test's, not the run's.
+    scratch_tmp = tmp_path / "tmp"
+    scratch_tmp.mkdir()
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(src), str(out / "cnn.onnx")],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(scratch_tmp)},
     )
     try:
         # Killed once the quantizer has begun: the prepared float model is in its scratch.
