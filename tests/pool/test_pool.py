@@ -880,6 +880,39 @@ def test_a_merging_pool_bounds_its_rows_by_what_a_row_holds(tmp_path: Path) -> N
         assert "not bounded by memory" in pool.batching_reason
 
 
+def _patterns(pool: sharedml.SessionPool) -> bool:
+    with pool.session() as sess:
+        return bool(sess.get_session_options().enable_mem_pattern)
+
+
+def test_memory_patterns_stay_on_only_where_requests_may_run_side_by_side(
+    tmp_path: Path,
+) -> None:
+    """Concurrent Runs on a session without memory patterns take every activation from its one
+    arena, so the default merging CPU pool (whose requests may run side by side) keeps them,
+    unless one row's activations bound its rows: then they would hold every batch twice. Pools
+    that run one request a session at a time keep them off."""
+    from tools.realistic_models import unet_like
+
+    cache = tmp_path / "c"
+    light = batchable_model(tmp_path / "mlp.onnx", dim=256)
+    with sharedml.SessionPool(light, batching="auto", cache_dir=cache) as pool:
+        assert pool.max_sessions == 1 and _patterns(pool)
+        assert "Memory patterns stay on" in pool.mechanism_reason
+        assert "not bounded by memory" in pool.batching_reason
+    heavy = Path(unet_like(tmp_path / "unet.onnx", image=64).path)
+    with sharedml.SessionPool(heavy, batching="auto", cache_dir=cache) as pool:
+        assert pool.max_sessions == 1 and not _patterns(pool)
+        assert "Memory patterns are off" in pool.mechanism_reason
+        assert "At most" in pool.batching_reason
+        assert pool.stats().sessions == 1  # the session measured with patterns was let go
+    for kwargs in ({"per_session_state": True}, {"sessions": 2}, {"batching": False}):
+        options = {"batching": "auto", **kwargs}
+        with sharedml.SessionPool(light, cache_dir=cache, **options) as pool:  # type: ignore[arg-type]
+            assert not _patterns(pool), kwargs
+            assert "Memory patterns are off" in pool.mechanism_reason
+
+
 @pytest.mark.parametrize("per_session_state", [False, True])
 def test_a_merging_pool_runs_requests_side_by_side_where_merging_does_not_pay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_session_state: bool

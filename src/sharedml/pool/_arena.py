@@ -12,6 +12,16 @@ pattern; the pool's CPU sessions run without it, which is why a pool of N holds 
 plain sessions do on models whose activations dominate. ``configure`` runs after this and may
 turn it back on.
 
+**Except where requests run side by side.** The default merging CPU pool runs requests side by
+side on its session (each its own ``Run``) where merging does not pay. Without patterns every
+activation of every concurrent ``Run`` is taken from, and given back to, the session's one arena
+under its lock: on 16 cores, 16 callers of a MiniLM-like session served 0.81-0.89x the requests
+of the same session with patterns (which takes one block a ``Run``), and a plain session's
+1.02-1.13x with them (three runs, ``docs/batching.md``). That pool keeps patterns on; its rows
+per ``Run`` are bounded by one row's activations measured with them on (two runs: the chunks
+and the block), so its batches and its side-by-side runs stay within the plain sessions it
+stands for.
+
 **Giving a peak back.**
 ORT's CPU arena keeps what the largest ``Run`` of a session needed, for the session's life: a
 ResNet-50-like session that once ran 16 rows held 393 MiB afterwards against 189 before, while
@@ -34,6 +44,7 @@ from typing import Any
 
 __all__ = [
     "FALL",
+    "MEMORY_PATTERNS_ON_REASON",
     "MEMORY_PATTERNS_REASON",
     "QUIET_RUNS",
     "ArenaPeaks",
@@ -58,6 +69,13 @@ MEMORY_PATTERNS_REASON = (
     "about twice its activations (configure= may turn them back on)."
 )
 """What a CPU pool's route reason says of its sessions' memory patterns."""
+
+MEMORY_PATTERNS_ON_REASON = (
+    "Memory patterns stay on: requests may run side by side on the session, and without them "
+    "every activation of every concurrent run is taken from the session's one arena; the rows "
+    "a run may hold are measured with them on."
+)
+"""... and of a pool whose requests may run side by side (the default merging CPU pool)."""
 
 
 def without_memory_patterns(

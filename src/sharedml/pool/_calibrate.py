@@ -778,11 +778,12 @@ def rows_for_memory(
     activations each. So ``W + R*A <= S*(W + A)``, where ``A`` is what one row's runs add to
     the process's anonymous memory (the arena of ``session``, a fresh session of ``recipe``:
     the pool's first, run twice on one generated row before it serves, which also warms it up)
-    and ``W`` the weights' bytes. Plain sessions
-    keep about twice their activations (ORT's memory patterns: ``pool/_arena.py``), which is
-    left out: the bound holds with that margin. At least ``replaces`` rows (where the
-    inequality always holds), at most ``limit``; batches whose activations stay within
-    :data:`ROWS_MEMORY_FLOOR` are not cut. An activation-heavy model (a 160x160
+    and ``W`` the weights' bytes. Plain sessions keep about twice their activations (ORT's
+    memory patterns: ``pool/_arena.py``); a session without them measures ``A`` once, and the
+    bound holds with that margin; one with them (a pool whose requests may run side by side)
+    measures the chunks and the block, as plain sessions hold them. At least ``replaces``
+    rows (where the inequality always holds), at most ``limit``; batches whose activations
+    stay within :data:`ROWS_MEMORY_FLOOR` are not cut. An activation-heavy model (a 160x160
     U-Net-like segmenter, 2 MiB of weights) held 1.7-1.8x of four plain sessions in batches
     of 16 rows.
 

@@ -52,7 +52,7 @@ from sharedml._errors import (
 from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.cache._root import CacheDir
 from sharedml.model._proto import ModelProto
-from sharedml.pool._arena import MEMORY_PATTERNS_REASON, ArenaPeaks
+from sharedml.pool._arena import MEMORY_PATTERNS_ON_REASON, MEMORY_PATTERNS_REASON, ArenaPeaks
 from sharedml.pool._batching import (
     Batching,
     BatchingDefault,
@@ -262,7 +262,7 @@ class _Sessions:
         serialized_creation: bool,
         run_lock: FairLock | None,
     ) -> None:
-        self._recipe = recipe
+        self.recipe = recipe  # replaced where the pool's first session changed its settings
         self._plan = plan
         self._graphs = graphs
         self._buckets = buckets
@@ -290,7 +290,7 @@ class _Sessions:
             )
         else:
             with self._lock:
-                sess = self._recipe.create_session()
+                sess = self.recipe.create_session()
             if self._per_bucket:
                 # One session per batch bucket, dims fixed, created as buckets arrive (see
                 # Batching.session_per_bucket); this one runs every other shape.
@@ -309,12 +309,12 @@ class _Sessions:
         """The pool's one session with graphs off, never run: what its graph sessions report."""
         with self._guard:
             if self._template is None:
-                self._template = self._recipe.create_session(cuda_graph=False)
+                self._template = self.recipe.create_session(cuda_graph=False)
             return self._template
 
     def _create_with_dims(self, dims: Mapping[str, int]) -> Any:
         with self._lock:
-            return self._recipe.create_session(dims=dims)
+            return self.recipe.create_session(dims=dims)
 
     def run(self, sess: Any, request: Request, feed: Mapping[str, Any] | None) -> list[Any]:
         """One ``sess.run``, under the device's run lock where runs are serialized."""
@@ -390,7 +390,8 @@ class SessionPool:
             that cannot be read back from a template (free-dimension overrides, custom ops).
             On the CPU it is called after the pool turned memory patterns off
             (``enable_mem_pattern=False``: with them each session keeps its activations twice,
-            ``docs/memory.md``), so it may turn them back on.
+            ``docs/memory.md``), so it may turn them back on; the default merging pool, whose
+            requests may run side by side, keeps them on (``pool/_arena.py``).
         mechanism: How sessions get the shared weights: ``"auto"`` (the route planner picks:
             device buffers on a GPU provider where a route works, else the best zero-copy host
             mechanism measured on the installed ORT) or a :class:`~sharedml.route.Mechanism` value:
@@ -463,6 +464,8 @@ class SessionPool:
     Thread safety: every method may be called from any thread; ``run_async`` from event loops.
     A pool cannot be used in a child process made by ``fork()``: create it in the child.
     """
+
+    recipe: SessionRecipe  # how each session is made (the route planner's, then the pool's)
 
     def __init__(
         self,
@@ -549,7 +552,19 @@ class SessionPool:
             bound_rows = planned.batching is None or (
                 planned.batching.max_batch_size == _DEFAULT_ROWS
             )
-        self._start(planned, chosen, reason, bound_rows=bound_rows, side_by_side=side_by_side)
+        # plan_pool turned memory patterns off on the CPU; a pool whose requests may run side by
+        # side tries them on (pool/_arena.py), where measuring bounds its rows.
+        patterns_off = self.recipe.configure
+        if side_by_side and bound_rows:
+            self.recipe = dataclasses.replace(self.recipe, configure=options.session.configure)
+        self._start(
+            planned,
+            chosen,
+            reason,
+            bound_rows=bound_rows,
+            side_by_side=side_by_side,
+            patterns_off=patterns_off,
+        )
 
     def _route(
         self, model: str | os.PathLike[str] | bytes, planned: PoolPlan
@@ -585,11 +600,7 @@ class SessionPool:
                 chosen, self._signature, reason = None, None, f"not merging requests: {exc}"
                 _log.info("sharedml: %s", reason)
             del relaxed
-        self.recipe: SessionRecipe = plan_route(opened, planned.route)
-        if self.plan.primary == CPU:  # plan_pool turned them off (without_memory_patterns)
-            self.recipe = dataclasses.replace(
-                self.recipe, reason=f"{self.recipe.reason} {MEMORY_PATTERNS_REASON}".strip()
-            )
+        self.recipe = plan_route(opened, planned.route)
         return chosen, reason
 
     def _calibrate(
@@ -642,6 +653,7 @@ class SessionPool:
         *,
         bound_rows: bool = False,
         side_by_side: bool = False,
+        patterns_off: Callable[[Any], None] | None = None,
     ) -> None:
         """The scheduler and its sessions: the first ones now, the others in the background.
 
@@ -650,6 +662,9 @@ class SessionPool:
         ``side_by_side``: where merging does not pay, a session runs up to a batch's rows of
         requests at once, each its own ``Run`` (ORT's CPU ``Run`` is thread-safe): the
         activations of as many rows as a batch holds, so within the same memory bound.
+        ``patterns_off``: the recipe's ``configure`` with memory patterns off, where the recipe
+        has them on; used instead where one row's activations, measured with them, bound the
+        rows (they would hold every batch's activations twice).
         """
         graphs, serialized = planned.cuda_graphs, planned.runs.serialized
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
@@ -676,7 +691,25 @@ class SessionPool:
             rows, why = rows_for_memory(
                 first[0], self.recipe, chosen.max_batch_size, replaces=DEFAULT_SESSIONS
             )
+            if self.recipe.configure is not patterns_off and rows < chosen.max_batch_size:
+                # Activations matter here: without patterns the pool keeps them once, as before.
+                self._sessions.discard(first.pop())
+                self.recipe = dataclasses.replace(self.recipe, configure=patterns_off)
+                self._sessions.recipe = self.recipe
+                began = time.perf_counter()
+                first.append(self._sessions.create())
+                first_s += time.perf_counter() - began
+                rows, why = rows_for_memory(
+                    first[0], self.recipe, chosen.max_batch_size, replaces=DEFAULT_SESSIONS
+                )
             chosen, reason = dataclasses.replace(chosen, max_batch_size=rows), f"{reason} {why}"
+        if self.plan.primary == CPU:
+            on = self.recipe.configure is not patterns_off
+            patterns = MEMORY_PATTERNS_ON_REASON if on else MEMORY_PATTERNS_REASON
+            self.recipe = dataclasses.replace(
+                self.recipe, reason=f"{self.recipe.reason} {patterns}".strip()
+            )
+            self._sessions.recipe = self.recipe
         self._scheduler = Scheduler(
             self._sessions,
             max_sessions=self._max,
