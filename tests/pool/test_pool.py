@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from _models import PLACEMENTS, batchable_model, build_model, feeds, fixed_at_one, save_model
+from _models import OPSET, PLACEMENTS, batchable_model, build_model, feeds, fixed_at_one, save_model
 from _waiting import DEADLINE_S, wait_until
+from onnx import TensorProto, helper, numpy_helper
 
 import sharedml
 from sharedml.pool import _payoff
@@ -906,6 +907,24 @@ def test_memory_patterns_stay_on_only_where_requests_may_run_side_by_side(
         assert "Memory patterns are off" in pool.mechanism_reason
         assert "At most" in pool.batching_reason
         assert pool.stats().sessions == 1  # the session measured with patterns was let go
+    # A model whose generated row fails (its Reshape wants 35 values a row): nothing measured,
+    # so nothing says the activations are small.
+    reshape = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Reshape", ["x", "shape"], ["y"])],
+            "reshape",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5, 7])],
+            [numpy_helper.from_array(np.array([0, 5, 7], np.int64), "shape")],
+        ),
+        opset_imports=[helper.make_opsetid("", OPSET)],
+    )
+    reshape.ir_version = 8  # what the oldest onnxruntime CI runs reads
+    unmeasured = save_model(reshape, tmp_path / "reshape.onnx")
+    with sharedml.SessionPool(unmeasured, batching="auto", cache_dir=cache) as pool:
+        assert "a run failed" in pool.batching_reason
+        assert not _patterns(pool) and pool.stats().sessions == 1
+        assert pool.run(None, {"x": np.ones((1, 35), np.float32)})[0].shape == (1, 5, 7)
     for kwargs in ({"per_session_state": True}, {"sessions": 2}, {"batching": False}):
         options = {"batching": "auto", **kwargs}
         with sharedml.SessionPool(light, cache_dir=cache, **options) as pool:  # type: ignore[arg-type]

@@ -20,7 +20,8 @@ of the same session with patterns (which takes one block a ``Run``), and a plain
 1.02-1.13x with them (three runs, ``docs/batching.md``). That pool keeps patterns on; its rows
 per ``Run`` are bounded by one row's activations measured with them on (two runs: the chunks
 and the block), so its batches and its side-by-side runs stay within the plain sessions it
-stands for.
+stands for. Where that row bounds the rows, or could not be measured, the pool creates its
+session again without patterns.
 
 **Giving a peak back.**
 ORT's CPU arena keeps what the largest ``Run`` of a session needed, for the session's life: a

@@ -48,7 +48,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sharedml._errors import SharedMLError
 from sharedml._host._platform import release_freed_heap, usable_cores
@@ -72,6 +72,7 @@ __all__ = [
     "SESSIONS_MARGIN",
     "Calibration",
     "CalibrationCandidate",
+    "RowBound",
     "calibrate",
     "candidate_splits",
     "choose",
@@ -768,9 +769,15 @@ def _probe(
 ROWS_MEMORY_FLOOR = 8 * 2**20
 
 
-def rows_for_memory(
-    session: Any, recipe: SessionRecipe, limit: int, *, replaces: int
-) -> tuple[int, str]:
+class RowBound(NamedTuple):
+    """The most rows a merging CPU pool runs at once, and why (:func:`rows_for_memory`)."""
+
+    rows: int
+    reason: str  # one sentence, for batching_reason
+    measured: bool  # one row's activations were measured (else ``rows`` is the limit as given)
+
+
+def rows_for_memory(session: Any, recipe: SessionRecipe, limit: int, *, replaces: int) -> RowBound:
     """The most rows a merging CPU pool runs at once without holding more than plain sessions.
 
     A pool of one session that merges ``R`` rows holds its weights once and ``R`` rows'
@@ -788,7 +795,7 @@ def rows_for_memory(
     of 16 rows.
 
     Returns:
-        The rows, and a sentence saying why (``limit``, and why not, where nothing could be
+        The rows and a sentence saying why (``limit``, and why not, where nothing could be
         measured: inputs that cannot be generated, or a probe that failed).
     """
     import psutil
@@ -796,7 +803,7 @@ def rows_for_memory(
     try:
         feed = _feed(recipe.graph, 1)
     except (SharedMLError, ValueError) as exc:
-        return limit, f"Rows per Run are not bounded by memory: {_short(exc)}."
+        return RowBound(limit, f"Rows per Run are not bounded by memory: {_short(exc)}.", False)
     me = psutil.Process()
     try:
         before = _anonymous_bytes(me)
@@ -804,7 +811,8 @@ def rows_for_memory(
             session.run(None, feed)
         row = max(1, _anonymous_bytes(me) - before)
     except Exception as exc:  # the pool's own runs will report it where it matters
-        return limit, f"Rows per Run are not bounded by memory: a run failed ({_short(exc)})."
+        why = f"Rows per Run are not bounded by memory: a run failed ({_short(exc)})."
+        return RowBound(limit, why, False)
     weights = recipe.weights.nbytes
     fits = max(replaces * (weights + row) - weights, ROWS_MEMORY_FLOOR) // row
     rows = min(limit, max(replaces, fits))
@@ -815,8 +823,8 @@ def rows_for_memory(
         "stands for"
     )
     if rows < limit:
-        return rows, f"At most {rows} rows per Run: {measured}."
-    return rows, f"Rows per Run not bounded by memory: {measured}."
+        return RowBound(rows, f"At most {rows} rows per Run: {measured}.", True)
+    return RowBound(rows, f"Rows per Run not bounded by memory: {measured}.", True)
 
 
 def _short(exc: BaseException, limit: int = 200) -> str:

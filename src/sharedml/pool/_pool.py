@@ -688,21 +688,25 @@ class SessionPool:
             began = time.perf_counter()
             first.append(self._sessions.create())
             first_s = time.perf_counter() - began
-            rows, why = rows_for_memory(
+            bound = rows_for_memory(
                 first[0], self.recipe, chosen.max_batch_size, replaces=DEFAULT_SESSIONS
             )
-            if self.recipe.configure is not patterns_off and rows < chosen.max_batch_size:
-                # Activations matter here: without patterns the pool keeps them once, as before.
+            if self.recipe.configure is not patterns_off and (
+                not bound.measured or bound.rows < chosen.max_batch_size
+            ):
+                # Activations matter here, or nobody knows: without patterns the pool keeps them
+                # once, as before.
                 self._sessions.discard(first.pop())
                 self.recipe = dataclasses.replace(self.recipe, configure=patterns_off)
                 self._sessions.recipe = self.recipe
                 began = time.perf_counter()
                 first.append(self._sessions.create())
                 first_s += time.perf_counter() - began
-                rows, why = rows_for_memory(
+                bound = rows_for_memory(
                     first[0], self.recipe, chosen.max_batch_size, replaces=DEFAULT_SESSIONS
                 )
-            chosen, reason = dataclasses.replace(chosen, max_batch_size=rows), f"{reason} {why}"
+            chosen = dataclasses.replace(chosen, max_batch_size=bound.rows)
+            reason = f"{reason} {bound.reason}"
         if self.plan.primary == CPU:
             on = self.recipe.configure is not patterns_off
             patterns = MEMORY_PATTERNS_ON_REASON if on else MEMORY_PATTERNS_REASON
