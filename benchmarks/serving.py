@@ -549,6 +549,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "batching_reason": getattr(server, "batching_reason", lambda: None)(),
             "merge_gain": s.merge_gain,
             "merge_pauses": s.merge_pauses,
+            "merge_trials": s.merge_trials,
             "merge_comparisons": s.merge_comparisons,
             "batches": s.batches,
             "mean_batch_rows": s.mean_batch_rows,

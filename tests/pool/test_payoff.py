@@ -149,6 +149,41 @@ def test_a_side_phase_plainly_slower_than_merging_ends_early() -> None:
     assert gain.trial is None and gain.state is MergeState.MERGING and gain.merges()
 
 
+def batches_until_a_trial(gain: MergeGain) -> int:
+    """Merged batches (leaders that merge) until the next trial begins."""
+    batches = 0
+    while gain.trial is None:
+        assert gain.merges() and gain.state is MergeState.MERGING
+        batches += 1
+        assert batches <= 2 * _payoff.MAX_RETRY_RUNS, "no trial came"
+    return batches
+
+
+def test_a_trial_that_kept_merging_is_made_again_ever_later_until_one_pauses() -> None:
+    # One phase measured on a session still warming up must not decide for the pool's life.
+    clock = Clock()
+    gain = merging(clock)
+    gaps = []
+    for slower in (0.3, 0.2 * _payoff.TRIAL_LOSING * 1.5, 0.25):
+        phase(gain, clock, per_row_s=0.2)
+        phase(gain, clock, per_row_s=slower)  # side by side loses (the second: plainly)
+        assert gain.trial is None and gain.state is MergeState.MERGING
+        gaps.append(batches_until_a_trial(gain))
+        assert gain.trial == "merged"
+    first = _payoff.TRIAL_AGAIN_BATCHES
+    assert gaps == [first, 2 * first, 4 * first] and gain.trials == 4
+    phase(gain, clock, per_row_s=0.2)
+    phase(gain, clock, per_row_s=0.1)  # the traffic changed: side by side now wins
+    assert gain.state is MergeState.PAUSED and gain.pauses == 1
+
+
+def test_trials_are_not_made_again_where_they_cannot_win() -> None:
+    clock = Clock()
+    gain = merging(clock, side_by_side=None)
+    for _ in range(4 * _payoff.TRIAL_AGAIN_BATCHES):
+        assert gain.merges() and gain.trial is None
+
+
 def test_a_gain_over_solo_runs_past_the_cores_is_not_tried_against_side_by_side() -> None:
     # Requests side by side serve at most `cores` times a solo run's rows/s: merged batches
     # 4x faster a row than solo runs cannot lose to them on 2 cores, and can on 8.

@@ -44,7 +44,11 @@ requests that arrived within the measured part; the mean time
 from a request's arrival to its result, per row, decides (for callers that wait for their
 results, as many at a time, that is the inverse of rows/s). Side by side wins only where it is
 :data:`TRIAL_MARGIN` faster; merging then pauses as above, and each later trial that pauses it
-doubles the runs until merging is measured again.
+doubles the runs until merging is measured again. A trial that keeps merging is made again
+after :data:`TRIAL_AGAIN_BATCHES` merged batches, twice as many after each such trial: one
+phase measured on a session still warming up, or on traffic that changed since, does not
+decide for the pool's life (on 16 cores, one default MiniLM-like pool kept merging at 278
+requests/s where another paused it and served 319, and side by side served 384-408).
 
 Thread safety: none of its own; the scheduler calls it with its lock held.
 """
@@ -64,6 +68,7 @@ __all__ = [
     "PAUSE_BELOW",
     "RESUME_AT",
     "SAMPLES",
+    "TRIAL_AGAIN_BATCHES",
     "TRIAL_LOSING",
     "TRIAL_MARGIN",
     "TRIAL_MIN_S",
@@ -107,6 +112,11 @@ TRIAL_SETTLE = 16
 # took a tenth of a 3 s benchmark window at full length).
 TRIAL_LOSING = 2.0
 MAX_RETRY_RUNS = 16384  # the most, after retries that found merging still unpaid
+# Merged batches after a trial that kept merging before the next trial (doubling after each
+# such trial, up to MAX_RETRY_RUNS). A trial where merging wins plainly costs the side phase's
+# TRIAL_SETTLE + TRIAL_SETTLE requests (TRIAL_LOSING ends it), so this keeps that under 1-2% of
+# the requests on a 16-caller MLP even at the first retrial.
+TRIAL_AGAIN_BATCHES = 256
 
 
 class MergeState(enum.Enum):
@@ -181,10 +191,13 @@ class MergeGain:
         self._requests = 0
         self._merged_per_row = 0.0
         self._trial_retry = 0  # runs paused after the last trial that paused merging
+        self._trial_again = 0  # merged batches after the last trial that kept merging
+        self._until_trial = 0  # merged batches left until the next trial (0: none due)
         self.state = MergeState.MEASURING if enabled else MergeState.MERGING
         self.window: deque[Comparison] = deque(maxlen=SAMPLES)
         self.comparisons = 0  # over the pool's life
         self.pauses = 0
+        self.trials = 0  # trials begun (merging, then side by side)
         self.gain: float | None = None  # of the window, as last decided on
         self._alone = 0  # solo runs since merging paused
         self._shapes: dict[int, int] = {}  # merged Runs seen per row count (WARM_RUNS)
@@ -199,6 +212,10 @@ class MergeGain:
         if self.trial == "side":
             return False
         if self.state is not MergeState.PAUSED:
+            if self._until_trial and self.trial is None and self.state is MergeState.MERGING:
+                self._until_trial -= 1
+                if not self._until_trial:
+                    self._try_side_by_side()
             return True
         self._alone += 1
         if self._alone < self._retry:
@@ -235,6 +252,7 @@ class MergeGain:
             and per_row > TRIAL_LOSING * self._merged_per_row
         ):
             self.trial = None  # plainly slower than merging: no need to measure it longer
+            self._kept_merging()
             return None
         if self._requests < TRIAL_REQUESTS or now - self._began < TRIAL_MIN_S:
             return None
@@ -245,8 +263,10 @@ class MergeGain:
         self.trial = None
         merged = self._merged_per_row
         if per_row * TRIAL_MARGIN > merged or self.state is not MergeState.MERGING:
+            self._kept_merging()
             return None
         self._pause()
+        self._trial_again = 0  # side by side won: a later decision to merge starts afresh
         # Probes that resume merging start their retries afresh; trials keep their own count.
         self._trial_retry = (
             min(MAX_RETRY_RUNS, self._trial_retry * 2) if self._trial_retry else FIRST_RETRY_RUNS
@@ -259,6 +279,8 @@ class MergeGain:
         )
 
     def _begin(self, phase: str | None) -> None:
+        if phase == "merged":
+            self.trials += 1
         self.trial = phase
         self._began = self._now()
         self._settling = TRIAL_SETTLE
@@ -267,6 +289,11 @@ class MergeGain:
     def _merging(self) -> None:
         """Merging decided on (again): where requests could run side by side, try that too."""
         self.state = MergeState.MERGING
+        self._try_side_by_side()
+
+    def _try_side_by_side(self) -> None:
+        """Begin a trial, where requests could run side by side and might serve more."""
+        self._until_trial = 0
         if self.side_by_side is None:
             return
         # Requests side by side serve at most ``cores`` times the rows/s of one alone (a run
@@ -275,6 +302,13 @@ class MergeGain:
         if self._cores and self.gain is not None and self.gain >= self._cores * TRIAL_MARGIN:
             return
         self._begin("merged")
+
+    def _kept_merging(self) -> None:
+        """A trial kept merging: the next one comes after twice the merged batches of the last."""
+        if self.state is not MergeState.MERGING:
+            return
+        gap = self._trial_again * 2 if self._trial_again else TRIAL_AGAIN_BATCHES
+        self._trial_again = self._until_trial = min(MAX_RETRY_RUNS, gap)
 
     @property
     def deciding(self) -> bool:
@@ -346,6 +380,7 @@ class MergeGain:
 
     def _pause(self) -> None:
         self.trial = None
+        self._until_trial = 0
         self.state = MergeState.PAUSED
         self.pauses += 1
         self._alone = 0

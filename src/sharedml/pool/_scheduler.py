@@ -1010,6 +1010,7 @@ class Scheduler:
                 merge_gain=self._gain.gain,
                 merge_comparisons=self._gain.comparisons,
                 merge_pauses=self._gain.pauses,
+                merge_trials=self._gain.trials,
                 **self.counters.published(),
             )
 

@@ -102,6 +102,8 @@ class PoolStats:
             checks' solo runs, and ``gain_runs``).
         merge_pauses: Times merging paused because merged batches gained too little over solo
             runs (``batching`` is then False, and ``SessionPool.batching_reason`` says why).
+        merge_trials: Trials of merging against requests side by side on the traffic (pools
+            whose sessions run requests side by side: :mod:`sharedml.pool._payoff`).
         gain_runs: Solo runs made only to time a merged batch's request alone, while a
             decision on merging was pending (part of ``run_seconds``).
         gain_seconds: Total time sessions spent in those runs.
@@ -146,6 +148,7 @@ class PoolStats:
     merge_gain: float | None = None
     merge_comparisons: int = 0
     merge_pauses: int = 0
+    merge_trials: int = 0
     gain_runs: int = 0
     gain_seconds: float = 0.0
     serialized_runs: bool = False
