@@ -113,9 +113,10 @@ TRIAL_SETTLE = 16
 TRIAL_LOSING = 2.0
 MAX_RETRY_RUNS = 16384  # the most, after retries that found merging still unpaid
 # Merged batches after a trial that kept merging before the next trial (doubling after each
-# such trial, up to MAX_RETRY_RUNS). A trial where merging wins plainly costs the side phase's
-# TRIAL_SETTLE + TRIAL_SETTLE requests (TRIAL_LOSING ends it), so this keeps that under 1-2% of
-# the requests on a 16-caller MLP even at the first retrial.
+# such trial, up to MAX_RETRY_RUNS). Where merging wins plainly a trial costs its side phase's
+# TRIAL_SETTLE settling and TRIAL_SETTLE measured requests (TRIAL_LOSING then ends it), against
+# the 256 merged batches before it (about 4,000 requests at 16 callers), a share that halves
+# with each retrial.
 TRIAL_AGAIN_BATCHES = 256
 
 
