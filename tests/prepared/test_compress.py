@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from _models import conv_model
+from _waiting import wait_until
 from onnx import TensorProto, helper, numpy_helper
 from packaging.version import Version
 
@@ -167,7 +168,6 @@ def test_compressed_graph_is_row_wise_and_merged_batches_equal_solo_runs(
     callers = 8
     xs = [rows(1, seed=i) for i in range(callers)]
     results: list[list[np.ndarray]] = [[] for _ in range(callers)]
-    barrier = threading.Barrier(callers)
     with SessionPool(
         model, sessions=1, cache_dir=tmp_path / "cache", weights="int4", batching=True
     ) as pool:
@@ -176,13 +176,16 @@ def test_compressed_graph_is_row_wise_and_merged_batches_equal_solo_runs(
         signature_of(onnx.load(str(pool.recipe.model_path), load_external_data=False), name="m")
 
         def call(i: int) -> None:
-            barrier.wait()
             for _ in range(10):
                 results[i].append(pool.run(None, {"x": xs[i]})[0])
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
-        for t in threads:
-            t.start()
+        # The pool's one session held: every caller's first request queues behind it, and the
+        # leader that gets it back merges them (a run this short rarely finds others waiting).
+        with pool.session():
+            for t in threads:
+                t.start()
+            wait_until(lambda: pool.stats().waiting == callers, what="every caller to queue")
         for t in threads:
             t.join()
         stats = pool.stats()
