@@ -71,6 +71,9 @@ from sharedml._errors import (
     UnsafePathError as UnsafePathError,
 )
 from sharedml._errors import (
+    UnsupportedModelError as UnsupportedModelError,
+)
+from sharedml._errors import (
     WeightsMismatchError as WeightsMismatchError,
 )
 from sharedml.cache._root import cache_dir as cache_dir

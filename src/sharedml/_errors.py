@@ -7,6 +7,7 @@ subclass inherits it too, so callers can catch either::
     ├── ModelError (ValueError)              the model file cannot be used
     │   ├── ModelNotFoundError (FileNotFoundError)
     │   ├── InvalidModelError                not an ONNX model, or a malformed one
+    │   ├── UnsupportedModelError            one onnxruntime refuses (a SessionCreationError too)
     │   └── ExternalDataError                external data that is missing, short or unsafe
     │       └── UnsafePathError (PermissionError)   a location escaping the model's folder
     ├── WeightsMismatchError                 a prepared weights file changed after prepare
@@ -49,6 +50,7 @@ __all__ = [
     "SessionCreationError",
     "SharedMLError",
     "UnsafePathError",
+    "UnsupportedModelError",
     "WeightsMismatchError",
     "missing_package",
 ]
@@ -120,6 +122,15 @@ class ProviderError(SharedMLError, ValueError):
 
 class SessionCreationError(SharedMLError):
     """ONNX Runtime failed to create a session for the model."""
+
+
+class UnsupportedModelError(ModelError, SessionCreationError):
+    """This onnxruntime refuses the model itself, as a plain ``InferenceSession`` would.
+
+    An IR version or opset newer than it reads, an operator it has no kernel or schema for, a
+    graph it finds invalid (types that do not match). The message is ORT's, with the model's
+    path; no route of sharedml's can load what ORT cannot, so none is tried instead.
+    """
 
 
 class RunError(SharedMLError, RuntimeError):

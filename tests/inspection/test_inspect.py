@@ -635,7 +635,8 @@ def test_a_model_onnxruntime_refuses_fails_in_one_line_naming_the_strategy(
     assert progress == [
         "sharedml inspect: trial run: one plain session, ORT defaults (0/20 sessions measured)"
     ]
-    assert last.startswith("sharedml: error: One plain onnxruntime session") and "NoSuchOp" in last
+    assert last.startswith("sharedml: error: This onnxruntime refuses") and "NoSuchOp" in last
+    assert "--dim" not in last and "--inputs" not in last  # no other inputs would load it
     assert children() <= children_before  # no measuring process left behind
     assert [p.name for p in tmp_path.iterdir()] == ["noop.onnx"]  # no plot, no temp file
 

@@ -42,6 +42,7 @@ from sharedml.inspection._weights_summary import (
 )
 from sharedml.model._inputs import SIZE_CHOICES, InputSpec, input_specs
 from sharedml.model._tables import IndexedTable, indexed_tables
+from sharedml.runtime._errors import is_model_refused
 
 if TYPE_CHECKING:
     from sharedml.inspection._measure import TrialRun
@@ -425,6 +426,8 @@ def _trial(plan: _Plan, scratch: Path) -> _Trial:
         if trial.error is None:
             break
         rejected.append({"inputs": [i.describe() for i in inputs], "error": trial.error})
+        if is_model_refused(trial.error):
+            break  # ORT refuses the model: no other size would load it
     record = trial.to_dict() | {"rejected_sizes": rejected}
     if trial.error is not None:
         inputs = plan.candidates[0]
@@ -582,6 +585,11 @@ def _trial_failed(
             "character outside the system's ANSI code page (onnxruntime pull request 27724). "
             "Rename or copy the model to a file name without such characters (the folders may "
             f"keep theirs), or use onnxruntime 1.25 or newer. ORT said: {first['error']}"
+        )
+    if is_model_refused(str(first["error"])):
+        return (
+            f"This onnxruntime refuses {label}, as any session would (nothing was measured): "
+            f"{str(first['error']).rstrip('.')}."
         )
     text = (
         f"One plain onnxruntime session of {label} could not run on the inputs inspect made "

@@ -45,7 +45,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sharedml._errors import CacheError, ProviderError, SessionCreationError, SharedMLError
+from sharedml._errors import (
+    CacheError,
+    ProviderError,
+    SessionCreationError,
+    SharedMLError,
+    UnsupportedModelError,
+)
 from sharedml._host._platform import release_freed_heap, usable_cores
 from sharedml.cache._root import Cache
 from sharedml.model._graph import iter_graphs, load_graph
@@ -59,6 +65,7 @@ from sharedml.route._options import (
     WeightsSettings,
 )
 from sharedml.runtime._capabilities import capability
+from sharedml.runtime._errors import is_model_refused, refused_model_error
 from sharedml.runtime._options import clone_session_options, config_entry
 from sharedml.runtime._providers import (
     CPU,
@@ -199,6 +206,8 @@ class SessionRecipe:
         except SharedMLError:
             raise
         except Exception as exc:
+            if is_model_refused(exc):
+                raise refused_model_error(exc, str(self.source_path)) from exc
             raise SessionCreationError(
                 f"onnxruntime could not create a session for '{self.source_path}' (prepared as "
                 f"'{self.model_path}') with {list(self.plan.providers)} ({self.plan.device}): "
@@ -591,6 +600,11 @@ def _prepacked_weights(
         prepacked = _optimized_model(opened, sess_options, verify=verify)
     except CacheError:
         raise  # an untrusted cache is the caller's to fix, on every route alike
+    except UnsupportedModelError as exc:
+        # Named by its prepared copy in the cache: say which model the caller gave. No route
+        # would load it, so none is tried instead.
+        cause = exc.__cause__ or exc
+        raise refused_model_error(cause, str(opened.source_path)) from cause
     except SharedMLError as exc:
         if forced:
             raise

@@ -50,6 +50,7 @@ from sharedml._errors import (
     ExternalDataError,
     ModelNotFoundError,
     SessionCreationError,
+    UnsupportedModelError,
 )
 from sharedml._host import _hashing, _platform
 from sharedml.cache._entries import CacheEntry, ensure_entry, iter_entries
@@ -63,6 +64,7 @@ from sharedml.model._graph import (
 )
 from sharedml.model._proto import ModelProto, parse_model
 from sharedml.runtime._capabilities import capability
+from sharedml.runtime._errors import is_model_refused, refused_model_error
 from sharedml.runtime._options import config_entry, graph_settings
 
 if TYPE_CHECKING:
@@ -317,6 +319,8 @@ class _BuildPlan:
                 stats = _count_inline_packs(self.model, options, tmp, stats)
             own_index = _blob_index(tmp / _MODEL_NAME)
             sharing = _share_then_check(self, tmp, stats, own_index, reference)
+        except UnsupportedModelError:
+            raise
         except Exception as exc:
             raise SessionCreationError(
                 f"onnxruntime could not save or reload the prepacked form of '{self.model}': "
@@ -497,7 +501,12 @@ def _save_optimized(model: Path, saving: ort.SessionOptions, source: ModelProto)
     """
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(model), saving, providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(str(model), saving, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        if is_model_refused(exc):  # not prepacking's failure: no session loads this model
+            raise refused_model_error(exc, str(model)) from exc
+        raise
     return _reference_run(session, source)
 
 
