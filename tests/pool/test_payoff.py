@@ -95,7 +95,7 @@ def test_a_phase_lasts_its_requests_and_its_seconds() -> None:
     assert gain.trial == "side"
 
 
-def test_each_later_trial_that_pauses_merging_waits_twice_as_long() -> None:
+def test_each_later_trial_that_pauses_merging_waits_twice_as_long_then_tries_again() -> None:
     clock = Clock()
     gain = merging(clock)
     retries = []
@@ -107,10 +107,10 @@ def test_each_later_trial_that_pauses_merging_waits_twice_as_long() -> None:
         while not gain.merges():  # paused: solo leaders until merging is measured again
             runs += 1
         retries.append(runs + 1)
-        assert gain.state is MergeState.PROBING
-        for _ in range(_payoff.SAMPLES):  # the probe finds merged Runs still pay
-            gain.add(Comparison(1e-2, 4, 1e-2, 1))
+        # Measured again by a trial, not a probe: merged Runs beat serial solo ones here, and a
+        # probe would only merge again until the trial after it.
         assert gain.state is MergeState.MERGING and gain.trial == "merged"
+        assert not gain.deciding and not gain.wants_comparison(4)
     assert retries == [
         _payoff.FIRST_RETRY_RUNS,
         2 * _payoff.FIRST_RETRY_RUNS,

@@ -44,11 +44,13 @@ requests that arrived within the measured part; the mean time
 from a request's arrival to its result, per row, decides (for callers that wait for their
 results, as many at a time, that is the inverse of rows/s). Side by side wins only where it is
 :data:`TRIAL_MARGIN` faster; merging then pauses as above, and each later trial that pauses it
-doubles the runs until merging is measured again. A trial that keeps merging is made again
-after :data:`TRIAL_AGAIN_BATCHES` merged batches, twice as many after each such trial: one
-phase measured on a session still warming up, or on traffic that changed since, does not
-decide for the pool's life (on 16 cores, one default MiniLM-like pool kept merging at 278
-requests/s where another paused it and served 319, and side by side served 384-408).
+doubles the runs until merging is measured again, and measures it again by another trial,
+not by probing (solo runs one after another are not what such a pool's requests would do). A
+trial that keeps merging is made again after :data:`TRIAL_AGAIN_BATCHES` merged batches, twice
+as many after each such trial: one phase measured on a session still warming up, or on
+traffic that changed since, does not decide for the pool's life (on 16 cores, one default
+MiniLM-like pool kept merging at 278 requests/s where another paused it and served 319, and
+side by side served 384-408).
 
 Thread safety: none of its own; the scheduler calls it with its lock held.
 """
@@ -115,9 +117,10 @@ MAX_RETRY_RUNS = 16384  # the most, after retries that found merging still unpai
 # Merged batches after a trial that kept merging before the next trial (doubling after each
 # such trial, up to MAX_RETRY_RUNS). Where merging wins plainly a trial costs its side phase's
 # TRIAL_SETTLE settling and TRIAL_SETTLE measured requests (TRIAL_LOSING then ends it), against
-# the 256 merged batches before it (about 4,000 requests at 16 callers), a share that halves
-# with each retrial.
-TRIAL_AGAIN_BATCHES = 256
+# the 32 merged batches before it (about 500 requests at 16 callers), a share that halves with
+# each retrial. At 256, a 16-core MiniLM-like pool whose first trial kept merging (0.78x of a
+# plain session) merged for 15 s before the next; at 32 the next came within 2 s and paused.
+TRIAL_AGAIN_BATCHES = 32
 
 
 class MergeState(enum.Enum):
@@ -194,6 +197,7 @@ class MergeGain:
         self._trial_retry = 0  # runs paused after the last trial that paused merging
         self._trial_again = 0  # merged batches after the last trial that kept merging
         self._until_trial = 0  # merged batches left until the next trial (0: none due)
+        self._trial_paused = False  # the last pause was a trial's: its retry is a trial
         self.state = MergeState.MEASURING if enabled else MergeState.MERGING
         self.window: deque[Comparison] = deque(maxlen=SAMPLES)
         self.comparisons = 0  # over the pool's life
@@ -221,6 +225,14 @@ class MergeGain:
         self._alone += 1
         if self._alone < self._retry:
             return False
+        if self._trial_paused:
+            # Side by side beat merging on the traffic: measure the two again the same way.
+            # A probe would compare merged runs with serial solo ones, which merging wins here
+            # by design, and merge again until the trial after it paused once more: on 16
+            # cores each such round cost a MiniLM-like pool a second at 0.6-0.8x its rate.
+            self.state = MergeState.MERGING
+            self._begin("merged")
+            return True
         self.state = MergeState.PROBING  # measure again on the traffic of now
         self.window.clear()
         return True
@@ -267,6 +279,7 @@ class MergeGain:
             self._kept_merging()
             return None
         self._pause()
+        self._trial_paused = True
         self._trial_again = 0  # side by side won: a later decision to merge starts afresh
         # Probes that resume merging start their retries afresh; trials keep their own count.
         self._trial_retry = (
@@ -381,6 +394,7 @@ class MergeGain:
 
     def _pause(self) -> None:
         self.trial = None
+        self._trial_paused = False  # the comparisons paused it (a trial says otherwise)
         self._until_trial = 0
         self.state = MergeState.PAUSED
         self.pauses += 1
