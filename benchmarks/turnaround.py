@@ -11,6 +11,11 @@ runs a batch, then waits while the batch's callers come back with their next req
   k-th of the batch's callers was back in the pool after the batch ended (``back``: the
   caller's call returned; ``again``: its next request arrived).
 
+``--pin N`` keeps the callers' threads on the first N CPUs the process may use
+(``sched_setaffinity``): the GIL runs one of them at a time anyway, and a thread woken on the
+CPU that the GIL's last holder leaves needs no other CPU woken (on a VM, no halted vCPU).
+ORT's own threads keep every CPU.
+
 ``--simulate`` replaces each ``Run`` by a real run of a small generated model (a Gather into
 ``[rows, 128, 768]`` floats, 384 KiB a row, as BERT-base's output at sequence 128) padded
 with sleep to the milliseconds a BERT-like session took per batch size on an H100
@@ -180,7 +185,12 @@ def measure(
         counts = [0] * args.callers
         ready = threading.Barrier(2 if args.asyncio else args.callers + 1)
 
+        def pin() -> None:
+            if args.pin:
+                os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.pin])
+
         def caller(c: int) -> None:
+            pin()
             ready.wait()
             k = 0
             while not stop.is_set():
@@ -197,6 +207,7 @@ def measure(
 
         def loop() -> None:
             async def main() -> None:
+                pin()
                 ready.wait()
                 await asyncio.gather(*(task(c) for c in range(args.callers)))
 
@@ -224,6 +235,7 @@ def measure(
             "views": args.views,
             "asyncio": args.asyncio,
             "callers": args.callers,
+            "pinned_cpus": args.pin,
             "ceiling_rows_per_s": round(ceiling, 1),
             "requests_per_s": round((n1 - n0) / window, 1),
             "of_ceiling": round((n1 - n0) / window / ceiling, 3),
@@ -252,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--callers", type=int, default=16)
     p.add_argument("--views", action="store_true", help="Batching(copy_outputs=False)")
     p.add_argument("--asyncio", action="store_true", help="callers are tasks on one event loop")
+    p.add_argument(
+        "--pin", type=int, default=0, help="callers' threads on the first N CPUs (0: all)"
+    )
     p.add_argument("--ceiling-s", type=float, default=1.5)
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--duration-s", type=float, default=3.0)
