@@ -262,7 +262,7 @@ class _Sessions:
         serialized_creation: bool,
         run_lock: FairLock | None,
     ) -> None:
-        self.recipe = recipe  # replaced where the pool's first session changed its settings
+        self.recipe = recipe  # the pool's: replaced where its first session changed its settings
         self._plan = plan
         self._graphs = graphs
         self._buckets = buckets
@@ -465,8 +465,6 @@ class SessionPool:
     A pool cannot be used in a child process made by ``fork()``: create it in the child.
     """
 
-    recipe: SessionRecipe  # how each session is made (the route planner's, then the pool's)
-
     def __init__(
         self,
         model: str | os.PathLike[str] | bytes,
@@ -536,17 +534,17 @@ class SessionPool:
         self._gave_up: BaseException | None = None  # background creation stopped for good
         self._ready = threading.Event()  # every up-front session exists (or never will)
         self._stopping = threading.Event()  # close(): background creation stops
-        chosen, reason = self._route(model, planned)
+        chosen, reason, recipe = self._route(model, planned)
         self._calibration: Calibration | None = None
         bound_rows = side_by_side = False
         if planned.calibrate:  # probes come and go before any session of the pool exists
-            chosen, reason = self._calibrate(planned, chosen, reason)
+            chosen, reason, recipe = self._calibrate(planned, recipe, chosen, reason)
         elif chosen is not None and planned.batching_split is not None:
             # Where merging does not pay, requests run side by side on a session, unless the
             # caller said each needs a session of its own.
             side_by_side = not options.per_session_state
-            reason = self._split_for_batching(
-                planned.batching_split, reason, side_by_side=side_by_side
+            reason, recipe = self._split_for_batching(
+                planned.batching_split, reason, recipe, side_by_side=side_by_side
             )
             # The caller left the batch size to the pool: bound it by memory (_start measures).
             bound_rows = planned.batching is None or (
@@ -554,11 +552,12 @@ class SessionPool:
             )
         # plan_pool turned memory patterns off on the CPU; a pool whose requests may run side by
         # side tries them on (pool/_arena.py), where measuring bounds its rows.
-        patterns_off = self.recipe.configure
+        patterns_off = recipe.configure
         if side_by_side and bound_rows:
-            self.recipe = dataclasses.replace(self.recipe, configure=options.session.configure)
+            recipe = dataclasses.replace(recipe, configure=options.session.configure)
         self._start(
             planned,
+            recipe,
             chosen,
             reason,
             bound_rows=bound_rows,
@@ -568,11 +567,11 @@ class SessionPool:
 
     def _route(
         self, model: str | os.PathLike[str] | bytes, planned: PoolPlan
-    ) -> tuple[Batching | None, str]:
+    ) -> tuple[Batching | None, str, SessionRecipe]:
         """Open the model, decide batching on its graph, and plan the route of the graph loaded.
 
-        Sets :attr:`recipe` and the model's batching signature; returns the batching settings
-        (None: requests do not merge) and why.
+        Sets the model's batching signature; returns the batching settings (None: requests do
+        not merge), why, and the route's recipe for a session.
         """
         # The model is prepared, parsed and mapped once; every step below reads that graph.
         opened = open_model(model, planned.route.weights)
@@ -600,15 +599,14 @@ class SessionPool:
                 chosen, self._signature, reason = None, None, f"not merging requests: {exc}"
                 _log.info("sharedml: %s", reason)
             del relaxed
-        self.recipe = plan_route(opened, planned.route)
-        return chosen, reason
+        return chosen, reason, plan_route(opened, planned.route)
 
     def _calibrate(
-        self, planned: PoolPlan, chosen: Batching | None, reason: str
-    ) -> tuple[Batching | None, str]:
-        """``sessions="auto"``: measure the split, and set the counts and threads it chose."""
+        self, planned: PoolPlan, recipe: SessionRecipe, chosen: Batching | None, reason: str
+    ) -> tuple[Batching | None, str, SessionRecipe]:
+        """``sessions="auto"``: measure the split; set the counts, and the threads it chose."""
         self._calibration = calibrate(
-            self.recipe,
+            recipe,
             batching=chosen,
             serialized=planned.runs.serialized,
             default_sessions=planned.default_sessions,
@@ -619,9 +617,7 @@ class SessionPool:
         _log.info("sharedml: sessions='auto': %s", self._calibration.reason)
         self._max = self._min = self._calibration.sessions
         if self._calibration.threads is not None:
-            self.recipe = dataclasses.replace(
-                self.recipe, intra_op_threads=self._calibration.threads
-            )
+            recipe = dataclasses.replace(recipe, intra_op_threads=self._calibration.threads)
         if chosen is not None and self._calibration.max_batch_size is not None:
             # Merged rows measured not worth their activation memory: fewer per Run.
             chosen = dataclasses.replace(chosen, max_batch_size=self._calibration.max_batch_size)
@@ -629,25 +625,25 @@ class SessionPool:
                 f". sessions='auto' found merged batches not worth their memory: at most "
                 f"{chosen.max_batch_size} row(s) per Run (stats().calibration says why)."
             )
-        return chosen, reason
+        return chosen, reason, recipe
 
     def _split_for_batching(
-        self, split: tuple[int, int], reason: str, *, side_by_side: bool
-    ) -> str:
+        self, split: tuple[int, int], reason: str, recipe: SessionRecipe, *, side_by_side: bool
+    ) -> tuple[str, SessionRecipe]:
         """A merging CPU pool given no count: its sessions and their threads; the reason."""
         sessions, threads = split
         self._max = self._min = sessions
-        self.recipe = dataclasses.replace(self.recipe, intra_op_threads=threads)
         side = ", or run side by side on it where that serves more" if side_by_side else ""
         return reason.rstrip(".") + (
             f". Sessions: {sessions} of {threads} intra-op thread(s) each, the default of a "
             "merging CPU pool: a lone request runs on those threads, waiting ones merge into a "
             f"session's batch{side} (sessions= or intra_op_num_threads sets another)."
-        )
+        ), dataclasses.replace(recipe, intra_op_threads=threads)
 
     def _start(
         self,
         planned: PoolPlan,
+        recipe: SessionRecipe,
         chosen: Batching | None,
         reason: str,
         *,
@@ -669,7 +665,7 @@ class SessionPool:
         graphs, serialized = planned.cuda_graphs, planned.runs.serialized
         self._pads = chosen is not None and chosen.pads(self.plan.primary, cuda_graphs=graphs)
         self._sessions = _Sessions(
-            self.recipe,
+            recipe,
             self.plan,
             graphs=graphs,
             buckets=len(chosen.buckets()) if chosen is not None else 0,
@@ -697,8 +693,7 @@ class SessionPool:
                 # Activations matter here, or nobody knows: without patterns the pool keeps them
                 # once, as before.
                 self._sessions.discard(first.pop())
-                self.recipe = dataclasses.replace(self.recipe, configure=patterns_off)
-                self._sessions.recipe = self.recipe
+                self._sessions.recipe = dataclasses.replace(self.recipe, configure=patterns_off)
                 began = time.perf_counter()
                 first.append(self._sessions.create())
                 first_s += time.perf_counter() - began
@@ -710,10 +705,9 @@ class SessionPool:
         if self.plan.primary == CPU:
             on = self.recipe.configure is not patterns_off
             patterns = MEMORY_PATTERNS_ON_REASON if on else MEMORY_PATTERNS_REASON
-            self.recipe = dataclasses.replace(
+            self._sessions.recipe = dataclasses.replace(
                 self.recipe, reason=f"{self.recipe.reason} {patterns}".strip()
             )
-            self._sessions.recipe = self.recipe
         self._scheduler = Scheduler(
             self._sessions,
             max_sessions=self._max,
@@ -779,6 +773,11 @@ class SessionPool:
 
     # ----------------------------------------------------------------------------------------
     # What the route planner decided
+
+    @property
+    def recipe(self) -> SessionRecipe:
+        """How each session is made: the route planner's recipe, with the pool's settings."""
+        return self._sessions.recipe
 
     @property
     def source_path(self) -> Path:
