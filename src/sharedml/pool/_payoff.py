@@ -230,8 +230,7 @@ class MergeGain:
             # A probe would compare merged runs with serial solo ones, which merging wins here
             # by design, and merge again until the trial after it paused once more: on 16
             # cores each such round cost a MiniLM-like pool a second at 0.6-0.8x its rate.
-            self.state = MergeState.MERGING
-            self._begin("merged")
+            self._merging()
             return True
         self.state = MergeState.PROBING  # measure again on the traffic of now
         self.window.clear()
