@@ -634,11 +634,12 @@ class SessionPool:
         sessions, threads = split
         self._max = self._min = sessions
         side = ", or run side by side on it where that serves more" if side_by_side else ""
-        return reason.rstrip(".") + (
+        reason = reason.rstrip(".") + (
             f". Sessions: {sessions} of {threads} intra-op thread(s) each, the default of a "
             "merging CPU pool: a lone request runs on those threads, waiting ones merge into a "
             f"session's batch{side} (sessions= or intra_op_num_threads sets another)."
-        ), dataclasses.replace(recipe, intra_op_threads=threads)
+        )
+        return reason, dataclasses.replace(recipe, intra_op_threads=threads)
 
     def _start(
         self,
