@@ -271,6 +271,102 @@ def test_close_wakes_every_waiter_with_pool_closed_error(
         scheduler.run(request(rows(1, 0)))
 
 
+class LoopWakes:
+    """Counts the calls that other threads make into an event loop (``call_soon_threadsafe``).
+
+    Each such call writes to the loop's self-pipe and wakes its thread: the hand-over that
+    delivering a batch's results costs. Installed on the loop object itself.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.calls = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+
+
+def test_a_batch_of_run_async_callers_wakes_their_loop_once(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    scheduler, source = make(1, batching=Batching(max_batch_size=8, max_delay_ms=0))
+    inputs = [rows(1, 10 * i) for i in range(8)]
+
+    async def main() -> None:
+        wakes = LoopWakes(asyncio.get_running_loop())
+        session = scheduler.checkout(None)
+        tasks = callers(scheduler, inputs)
+        await until(lambda: scheduler.stats().waiting == 8, "every caller to queue")
+        scheduler.checkin(session)
+        outs = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
+        for x, out in zip(inputs, outs, strict=True):
+            np.testing.assert_array_equal(out[0], x * 2.0 + 1.0)
+        assert wakes.calls == 1  # the leader's thread handed the loop the whole batch
+
+    asyncio.run(main())
+    assert source.feeds[0] == (8, True) and scheduler.stats().batches == 1  # then its checks
+
+
+def test_callers_on_two_loops_in_one_batch_each_get_their_rows_one_wake_per_loop(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    scheduler, source = make(1, batching=Batching(max_batch_size=8, max_delay_ms=0))
+    inputs = [rows(1, 10 * i) for i in range(8)]
+    session = scheduler.checkout(None)
+    wakes: list[LoopWakes] = []
+
+    def loop_thread(mine: list[np.ndarray]) -> Any:
+        async def main() -> Any:
+            wakes.append(LoopWakes(asyncio.get_running_loop()))
+            return await asyncio.gather(*(call_async(scheduler, x) for x in mine))
+
+        return asyncio.run(main())
+
+    # Interleaved: the batch alternates between the two loops' callers.
+    _, outcomes = start([lambda: loop_thread(inputs[0::2]), lambda: loop_thread(inputs[1::2])])
+    wait_until(lambda: scheduler.stats().waiting == 8, what="both loops' callers to queue")
+    scheduler.checkin(session)
+    wait_until(lambda: len(outcomes) == 2, what="both loops to finish")
+    for mine, outs in ((inputs[0::2], outcomes[0]), (inputs[1::2], outcomes[1])):
+        assert not isinstance(outs, BaseException), outs
+        for x, out in zip(mine, outs, strict=True):
+            np.testing.assert_array_equal(out[0], x * 2.0 + 1.0)
+    assert source.feeds[0] == (8, True) and scheduler.stats().batches == 1
+    assert [w.calls for w in wakes] == [1, 1]
+
+
+def test_a_loop_closed_while_its_callers_batch_runs_leaves_the_others_their_results(
+    make: Callable[..., tuple[Scheduler, FakeSessions]],
+) -> None:
+    # A loop closed without cancelling its caller (a thread whose loop was torn down): the
+    # result has nowhere to go and is dropped; the batch's leader, a thread, gets its own.
+    gate = threading.Event()
+    scheduler, source = make(1, batching=Batching(max_batch_size=8, max_delay_ms=0), gate=gate)
+    mine, theirs = rows(1, 10), rows(1, 20)
+    session = scheduler.checkout(None)
+    _, outcomes = start([lambda: scheduler.run(request(mine))])  # first: it leads the batch
+    wait_until(lambda: scheduler.stats().waiting == 1, what="the thread's caller to queue")
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(scheduler.run_async(request(theirs)))
+    loop.run_until_complete(asyncio.sleep(0))  # the task runs up to its wait: queued
+    wait_until(lambda: scheduler.stats().waiting == 2, what="the loop's caller to queue")
+    scheduler.checkin(session)
+    assert source.merged_started.wait(DEADLINE_S)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        loop.close()  # the task still waits: it is never resumed
+    gate.set()
+    wait_until(lambda: 0 in outcomes, what="the thread's run to finish")
+    assert not isinstance(outcomes[0], BaseException), outcomes[0]
+    np.testing.assert_array_equal(outcomes[0][0], mine * 2.0 + 1.0)
+    assert source.feeds[0] == (2, True) and scheduler.stats().batches == 1
+    wait_until(lambda: scheduler.stats().busy == 0, what="the session to come back")
+    assert not task.done()
+
+
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
 def test_ctrl_c_in_a_leader_filling_its_batch_hands_the_rows_it_took_back(
     make: Callable[..., tuple[Scheduler, FakeSessions]],
@@ -540,13 +636,27 @@ async def until(predicate: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.001)
 
 
-def callers(scheduler: Scheduler, inputs: list[np.ndarray]) -> list[asyncio.Task[Any]]:
+# How an async caller queues: ``run_async`` (a future of the caller's loop, as
+# ``SessionPool.run_async`` uses) or ``submit`` (a thread-safe future, awaited wrapped).
+FLAVOURS = ["run_async", "submit"]
+
+
+def call_async(scheduler: Scheduler, x: np.ndarray, flavour: str = "run_async") -> Any:
+    """An awaitable of ``x``'s run, queued the ``flavour`` way (see ``FLAVOURS``)."""
+    if flavour == "submit":
+        return asyncio.wrap_future(scheduler.submit(request(x)))
+    return scheduler.run_async(request(x))
+
+
+def callers(
+    scheduler: Scheduler, inputs: list[np.ndarray], flavour: str = "run_async"
+) -> list[asyncio.Task[Any]]:
     """An asyncio task per input that meets the others on a barrier, then runs it."""
     barrier = asyncio.Barrier(len(inputs))
 
     async def call(x: np.ndarray) -> Any:
         await barrier.wait()
-        return await asyncio.wrap_future(scheduler.submit(request(x)))
+        return await call_async(scheduler, x, flavour)
 
     return [asyncio.ensure_future(call(x)) for x in inputs]
 
@@ -573,7 +683,7 @@ async def settled_and_free(
     assert (stats.busy, stats.waiting, stats.failed_runs) == (0, 0, 0)
     later = [rows(1, 900 + i) for i in range(4)]  # fills a batch: no delay waits for more
     session = scheduler.checkout(None)
-    futures = [asyncio.wrap_future(scheduler.submit(request(x))) for x in later]
+    futures = [asyncio.ensure_future(call_async(scheduler, x)) for x in later]
     await until(lambda: scheduler.stats().waiting == 4, "the later requests to queue")
     scheduler.checkin(session)
     batches = scheduler.stats().batches
@@ -582,8 +692,9 @@ async def settled_and_free(
     assert scheduler.stats().batches == batches + 1  # one merged batch
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
 def test_callers_cancelled_while_queued_leave_the_queue_and_never_run(
-    make: Callable[..., tuple[Scheduler, FakeSessions]],
+    make: Callable[..., tuple[Scheduler, FakeSessions]], flavour: str
 ) -> None:
     scheduler, source = make(1, batching=Batching(max_batch_size=8, max_delay_ms=0))
     inputs = [rows(1, 10 * i) for i in range(6)]
@@ -591,7 +702,7 @@ def test_callers_cancelled_while_queued_leave_the_queue_and_never_run(
 
     async def main() -> None:
         session = scheduler.checkout(None)
-        tasks = callers(scheduler, inputs)
+        tasks = callers(scheduler, inputs, flavour)
         await until(lambda: scheduler.stats().waiting == 6, "every caller to queue")
         for i in gone:
             tasks[i].cancel()
@@ -605,9 +716,10 @@ def test_callers_cancelled_while_queued_leave_the_queue_and_never_run(
     assert scheduler.stats().cancelled == 2
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("who", ["leader", "follower"])
 def test_a_caller_cancelled_while_its_batch_forms_leaves_it_and_never_runs(
-    make: Callable[..., tuple[Scheduler, FakeSessions]], who: str
+    make: Callable[..., tuple[Scheduler, FakeSessions]], who: str, flavour: str
 ) -> None:
     # The leader waits (a long delay) for 4 rows; it took the second caller's already. One of
     # the two is cancelled; then two more arrive, the batch starts, and runs without it.
@@ -618,7 +730,7 @@ def test_a_caller_cancelled_while_its_batch_forms_leaves_it_and_never_runs(
 
     async def main() -> None:
         session = scheduler.checkout(None)
-        tasks = callers(scheduler, inputs[:2])
+        tasks = callers(scheduler, inputs[:2], flavour)
         await until(lambda: scheduler.stats().waiting == 2, "two callers to queue")
         scheduler.checkin(session)
         await until(
@@ -628,7 +740,7 @@ def test_a_caller_cancelled_while_its_batch_forms_leaves_it_and_never_runs(
         for i in gone:
             tasks[i].cancel()
         await until(lambda: all(tasks[i].done() for i in gone), "the cancel to land")
-        tasks += callers(scheduler, inputs[2:])
+        tasks += callers(scheduler, inputs[2:], flavour)
         await settled_and_free(scheduler, tasks, inputs, gone)
 
     asyncio.run(main())
@@ -637,8 +749,9 @@ def test_a_caller_cancelled_while_its_batch_forms_leaves_it_and_never_runs(
     assert scheduler.stats().cancelled == 1
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
 def test_a_caller_cancelled_while_its_batch_runs_leaves_the_others_their_results(
-    make: Callable[..., tuple[Scheduler, FakeSessions]],
+    make: Callable[..., tuple[Scheduler, FakeSessions]], flavour: str
 ) -> None:
     gate = threading.Event()
     scheduler, source = make(1, batching=Batching(max_batch_size=8, max_delay_ms=0), gate=gate)
@@ -647,7 +760,7 @@ def test_a_caller_cancelled_while_its_batch_runs_leaves_the_others_their_results
 
     async def main() -> None:
         session = scheduler.checkout(None)
-        tasks = callers(scheduler, inputs)
+        tasks = callers(scheduler, inputs, flavour)
         await until(lambda: scheduler.stats().waiting == 4, "every caller to queue")
         scheduler.checkin(session)
         await until(source.merged_started.is_set, "the merged run to start")

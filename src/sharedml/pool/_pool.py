@@ -933,11 +933,11 @@ class SessionPool:
         Raises:
             The same as :meth:`run`.
         """
-        import asyncio  # here: its import (ssl, sockets) is start-up time a pool need not pay
-
         self._check_usable()
-        request = self._request(output_names, input_feed, run_options)
-        return await asyncio.wrap_future(self._scheduler.submit(request))
+        result: list[Any] = await self._scheduler.run_async(
+            self._request(output_names, input_feed, run_options)
+        )
+        return result
 
     def warm_up(self, input_feed: Mapping[str, Any], *, timeout_s: float | None = None) -> None:
         """Run ``input_feed`` once on every session, before serving.
