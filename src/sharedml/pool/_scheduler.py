@@ -192,7 +192,7 @@ class Ticket:
         An async caller's future is set running here, so that a cancel from now on (the
         caller gone while its batch runs) leaves the result to be dropped instead. An asyncio
         future has no running state: one cancelled from here on drops its result in
-        :func:`_deliver`.
+        :func:`_set_results`.
         """
         if self.left:
             return False
@@ -250,9 +250,9 @@ def deliver(tickets: list[Ticket]) -> None:
 
     asyncio's ``wrap_future`` wakes the loop once per settled future, through its self-pipe:
     for a merged batch of N async callers, N writes from the leader's thread, each releasing
-    the GIL to a loop thread that then runs one caller and waits for the next (measured: the
-    16 hand-overs took a third of the gap between two batches on one GPU session). Handing
-    the loop the whole batch lets it resume every caller in one pass.
+    the GIL to a loop thread that then runs one caller and waits for the next, while the
+    session idles (docs/gpu.md has the figures). Handing the loop the whole batch lets it
+    resume every caller in one pass.
     """
     by_loop: dict[asyncio.AbstractEventLoop, list[Ticket]] = {}
     for ticket in tickets:
