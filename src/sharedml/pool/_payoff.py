@@ -277,8 +277,7 @@ class MergeGain:
         if per_row * TRIAL_MARGIN > merged or self.state is not MergeState.MERGING:
             self._kept_merging()
             return None
-        self._pause()
-        self._trial_paused = True
+        self._pause(by_trial=True)
         self._trial_again = 0  # side by side won: a later decision to merge starts afresh
         # Probes that resume merging start their retries afresh; trials keep their own count.
         self._trial_retry = (
@@ -391,9 +390,10 @@ class MergeGain:
             self._merging()
         return None
 
-    def _pause(self) -> None:
+    def _pause(self, *, by_trial: bool = False) -> None:
+        """Pause merging; ``by_trial``: a trial paused it (else the comparisons did)."""
         self.trial = None
-        self._trial_paused = False  # the comparisons paused it (a trial says otherwise)
+        self._trial_paused = by_trial
         self._until_trial = 0
         self.state = MergeState.PAUSED
         self.pauses += 1
