@@ -661,9 +661,7 @@ class Scheduler:
         """
         future: Future[Any] = Future()
         ticket = Ticket(request, future)
-        with self.cond:
-            if self._take(ticket):
-                self._lead_async(ticket)
+        self._queue_async(ticket)
         future.add_done_callback(lambda f: self._cancelled(ticket) if f.cancelled() else None)
         return future
 
@@ -680,9 +678,7 @@ class Scheduler:
 
         loop = asyncio.get_running_loop()
         ticket = Ticket(request, loop.create_future(), loop)
-        with self.cond:
-            if self._take(ticket):
-                self._lead_async(ticket)
+        self._queue_async(ticket)
         try:
             return await ticket.future  # type: ignore[misc]
         except asyncio.CancelledError:
@@ -706,6 +702,12 @@ class Scheduler:
         if not ticket.done:
             ticket.done = True
             self.counters.cancelled += 1
+
+    def _queue_async(self, ticket: Ticket) -> None:
+        """Queue an async caller's ticket; one granted at once runs on the executor."""
+        with self.cond:
+            if self._take(ticket):
+                self._lead_async(ticket)
 
     def _lead_async(self, ticket: Ticket) -> None:
         """Run a granted async ticket on the executor. Called with ``self.cond`` held."""
