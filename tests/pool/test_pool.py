@@ -881,6 +881,67 @@ def test_a_merging_pool_bounds_its_rows_by_what_a_row_holds(tmp_path: Path) -> N
         assert "not bounded by memory" in pool.batching_reason
 
 
+@pytest.mark.parametrize("always", [False, True])
+def test_memory_another_thread_takes_while_a_row_is_measured_does_not_cut_the_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, always: bool
+) -> None:
+    """A row's activations are read off the process's memory: what another thread allocates
+    once during the reading must not read as this model's, cutting a light model's batches and
+    turning its memory patterns off. Memory that grows with every Run does cut them (nothing
+    tells it from activations)."""
+    light = batchable_model(tmp_path / "mlp.onnx", dim=256)
+    held: list[np.ndarray] = []
+    run = ort.InferenceSession.run
+
+    def run_beside_a_burst(self: ort.InferenceSession, names: object, feed: dict) -> object:
+        # The model's Runs (not the library's probes of ORT): another thread's 8 MiB, touched,
+        # while the first one runs, or while each does.
+        if (always or not held) and feed["x"].shape[1:] == (256,):
+            held.append(np.ones(2**21, np.float32))
+        return run(self, names, feed)
+
+    monkeypatch.setattr(ort.InferenceSession, "run", run_beside_a_burst)
+    with sharedml.SessionPool(light, batching="auto", cache_dir=tmp_path / "c") as pool:
+        assert pool.batching is not None and held  # the burst met the pool's first Runs
+        if always:
+            assert pool.batching.max_batch_size < sharedml.Batching().max_batch_size
+        else:
+            assert pool.batching.max_batch_size == sharedml.Batching().max_batch_size
+            assert "not bounded by memory" in pool.batching_reason and _patterns(pool)
+
+
+def test_no_session_of_this_process_is_created_while_a_row_is_measured(tmp_path: Path) -> None:
+    """Creating a session allocates: another pool's creation during the reading would read as
+    this model's activations. It waits, then goes ahead."""
+    light = batchable_model(tmp_path / "mlp.onnx", dim=256)
+    other = batchable_model(tmp_path / "other.onnx", dim=64)
+    created, measuring = threading.Event(), threading.Event()
+    overlapped: list[bool] = []
+
+    def open_another_pool() -> None:
+        with sharedml.SessionPool(
+            other, sessions=1, configure=lambda so: created.set(), cache_dir=tmp_path / "c"
+        ):
+            pass
+
+    another = threading.Thread(target=open_another_pool)
+    run = ort.InferenceSession.run
+
+    def run_as_another_pool_opens(self: ort.InferenceSession, names: object, feed: dict) -> object:
+        if feed["x"].shape[1:] == (256,) and not measuring.is_set():  # the model's first Run
+            measuring.set()
+            another.start()
+            overlapped.append(created.wait(1.0))  # ample for a 64-wide MLP's session
+        return run(self, names, feed)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ort.InferenceSession, "run", run_as_another_pool_opens)
+        with sharedml.SessionPool(light, batching="auto", cache_dir=tmp_path / "c") as pool:
+            assert pool.batching is not None
+    another.join(DEADLINE_S)
+    assert overlapped == [False] and created.is_set()
+
+
 def _patterns(pool: sharedml.SessionPool) -> bool:
     with pool.session() as sess:
         return bool(sess.get_session_options().enable_mem_pattern)

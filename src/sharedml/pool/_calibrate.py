@@ -777,7 +777,9 @@ class RowBound(NamedTuple):
     measured: bool  # one row's activations were measured (else ``rows`` is the limit as given)
 
 
-def rows_for_memory(session: Any, recipe: SessionRecipe, limit: int, *, replaces: int) -> RowBound:
+def rows_for_memory(
+    session: Any, recipe: SessionRecipe, limit: int, *, replaces: int, lock: Any = None
+) -> RowBound:
     """The most rows a merging CPU pool runs at once without holding more than plain sessions.
 
     A pool of one session that merges ``R`` rows holds its weights once and ``R`` rows'
@@ -794,6 +796,15 @@ def rows_for_memory(session: Any, recipe: SessionRecipe, limit: int, *, replaces
     U-Net-like segmenter, 2 MiB of weights) held 1.7-1.8x of four plain sessions in batches
     of 16 rows.
 
+    The process's memory is all there is to read, and whatever another thread allocates
+    meanwhile reads as activations: ``lock`` (the pool's creation lock) keeps this process's
+    session creations out of the measurement, and a row that would cut the batches is measured
+    again, as half of what two rows add (the arena takes a region for them). Where that second
+    reading cuts nothing, the first was not the model's and the second stands; else the first
+    does (two rows read 0.8-0.9 of twice one row on U-Net-like models). One burst of a few MiB
+    read as a 256-wide MLP's row would otherwise cut a pool of 32 rows to 4 and turn its memory
+    patterns off.
+
     Returns:
         The rows and a sentence saying why (``limit``, and why not, where nothing could be
         measured: inputs that cannot be generated, or a probe that failed).
@@ -805,17 +816,32 @@ def rows_for_memory(session: Any, recipe: SessionRecipe, limit: int, *, replaces
     except (SharedMLError, ValueError) as exc:
         return RowBound(limit, f"Rows per Run are not bounded by memory: {_short(exc)}.", False)
     me = psutil.Process()
-    try:
+    weights = recipe.weights.nbytes
+
+    def fits(row: int) -> int:
+        return min(
+            limit,
+            max(replaces, max(replaces * (weights + row) - weights, ROWS_MEMORY_FLOOR) // row),
+        )
+
+    def added(feed: Mapping[str, Any]) -> int:
         before = _anonymous_bytes(me)
         for _ in range(2):  # ORT plans a shape's memory on the first Run, allocates on the second
             session.run(None, feed)
-        row = max(1, _anonymous_bytes(me) - before)
-    except Exception as exc:  # the pool's own runs will report it where it matters
-        why = f"Rows per Run are not bounded by memory: a run failed ({_short(exc)})."
-        return RowBound(limit, why, False)
-    weights = recipe.weights.nbytes
-    fits = max(replaces * (weights + row) - weights, ROWS_MEMORY_FLOOR) // row
-    rows = min(limit, max(replaces, fits))
+        return _anonymous_bytes(me) - before
+
+    with lock if lock is not None else contextlib.nullcontext():
+        try:
+            row = max(1, added(feed))
+        except Exception as exc:  # the pool's own runs will report it where it matters
+            why = f"Rows per Run are not bounded by memory: a run failed ({_short(exc)})."
+            return RowBound(limit, why, False)
+        if fits(row) < limit:
+            with contextlib.suppress(Exception):  # the first reading stands
+                again = max(1, added(_feed(recipe.graph, 2)) // 2)
+                if fits(again) == limit:  # the first read another thread's memory too
+                    row = again
+    rows = fits(row)
     mib = 2**20
     measured = (
         f"one row's activations measured {row / mib:.1f} MiB beside {weights / mib:.1f} MiB of "

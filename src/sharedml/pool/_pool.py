@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import math
 import os
@@ -682,12 +683,18 @@ class SessionPool:
         first: list[Any] = []  # measured before the scheduler exists: counted below
         first_s = 0.0
         if bound_rows and chosen is not None:
+            measure = functools.partial(
+                rows_for_memory,
+                recipe=self.recipe,
+                limit=chosen.max_batch_size,
+                replaces=DEFAULT_SESSIONS,
+                # this process's other creations would read as this model's activations
+                lock=CREATION_LOCK if planned.serialize_creation else None,
+            )
             began = time.perf_counter()
             first.append(self._sessions.create())
             first_s = time.perf_counter() - began
-            bound = rows_for_memory(
-                first[0], self.recipe, chosen.max_batch_size, replaces=DEFAULT_SESSIONS
-            )
+            bound = measure(first[0])
             if self.recipe.configure is not patterns_off and (
                 not bound.measured or bound.rows < chosen.max_batch_size
             ):
@@ -698,9 +705,7 @@ class SessionPool:
                 began = time.perf_counter()
                 first.append(self._sessions.create())
                 first_s += time.perf_counter() - began
-                bound = rows_for_memory(
-                    first[0], self.recipe, chosen.max_batch_size, replaces=DEFAULT_SESSIONS
-                )
+                bound = measure(first[0])
             chosen = dataclasses.replace(chosen, max_batch_size=bound.rows)
             reason = f"{reason} {bound.reason}"
         if self.plan.primary == CPU:
