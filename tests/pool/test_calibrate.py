@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from _creations import another_pool_opening
 from _models import OPSET, batchable_model, conv_model, fixed_at_one, save_model
 from _waiting import DEADLINE_S
 from onnx import TensorProto, helper, numpy_helper
@@ -850,3 +851,19 @@ def test_an_auto_pool_of_an_activation_heavy_model_peaks_about_as_a_fixed_one(
     # Before the budget: an 8-row probe batch of ~100 MiB a row, several times the fixed
     # pool's peak (131 MiB for both here since).
     assert auto < 1.5 * fixed
+
+
+def test_no_session_of_this_process_is_created_while_the_probe_reads_memory(
+    tmp_path: Path, model: Path
+) -> None:
+    """The first probe reads what its session and its rows add to the process's memory: another
+    pool's session created meanwhile would read as theirs. It waits, then goes ahead."""
+    sharedml.SessionPool(model, batching=True, cache_dir=tmp_path / "c").close()  # prepared
+    with (
+        another_pool_opening(tmp_path, width=DIM) as overlapped,
+        sharedml.SessionPool(
+            model, sessions="auto", batching=True, cache_dir=tmp_path / "c"
+        ) as pool,
+    ):
+        assert pool.stats().calibration is not None
+    assert overlapped == [False]

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from _creations import another_pool_opening
 from _models import OPSET, PLACEMENTS, batchable_model, build_model, feeds, fixed_at_one, save_model
 from _waiting import DEADLINE_S, wait_until
 from onnx import TensorProto, helper, numpy_helper
@@ -914,32 +915,13 @@ def test_no_session_of_this_process_is_created_while_a_row_is_measured(tmp_path:
     """Creating a session allocates: another pool's creation during the reading would read as
     this model's activations. It waits, then goes ahead."""
     light = batchable_model(tmp_path / "mlp.onnx", dim=256)
-    other = batchable_model(tmp_path / "other.onnx", dim=64)
-    created, measuring = threading.Event(), threading.Event()
-    overlapped: list[bool] = []
-
-    def open_another_pool() -> None:
-        with sharedml.SessionPool(
-            other, sessions=1, configure=lambda so: created.set(), cache_dir=tmp_path / "c"
-        ):
-            pass
-
-    another = threading.Thread(target=open_another_pool)
-    run = ort.InferenceSession.run
-
-    def run_as_another_pool_opens(self: ort.InferenceSession, names: object, feed: dict) -> object:
-        if feed["x"].shape[1:] == (256,) and not measuring.is_set():  # the model's first Run
-            measuring.set()
-            another.start()
-            overlapped.append(created.wait(1.0))  # ample for a 64-wide MLP's session
-        return run(self, names, feed)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ort.InferenceSession, "run", run_as_another_pool_opens)
-        with sharedml.SessionPool(light, batching="auto", cache_dir=tmp_path / "c") as pool:
-            assert pool.batching is not None
-    another.join(DEADLINE_S)
-    assert overlapped == [False] and created.is_set()
+    sharedml.SessionPool(light, batching="auto", cache_dir=tmp_path / "c").close()  # prepared
+    with (
+        another_pool_opening(tmp_path, width=256) as overlapped,
+        sharedml.SessionPool(light, batching="auto", cache_dir=tmp_path / "c") as pool,
+    ):
+        assert pool.batching is not None
+    assert overlapped == [False]
 
 
 def _patterns(pool: sharedml.SessionPool) -> bool:

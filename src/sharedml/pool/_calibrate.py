@@ -310,7 +310,8 @@ def calibrate(
         batching: The pool's batching settings; None: it does not merge requests.
         serialized: The provider runs one ``Run`` at a time.
         default_sessions: The pool's default session count (where nothing is measured).
-        creation_lock: Held while a probe session is created (the pool's creation lock).
+        creation_lock: Held while a probe session is created (the pool's creation lock), and
+            while the first probe's warm-ups read memory.
         cores: The usable cores (default: :func:`sharedml._host._platform.usable_cores`).
         time_budget_s: Calibration's time budget (default: :data:`HARD_LIMIT_S`).
 
@@ -660,8 +661,17 @@ def _probe(
     if memory is not None:  # heap freed earlier and trimmed during creation would read negative
         release_freed_heap()
     before = me.memory_info().rss
-    with lock:
+    # Reading memory, the creation lock stays held until the batch's warm-ups ran: this
+    # process's other session creations would read as this model's session and rows.
+    held = contextlib.ExitStack()
+    held.enter_context(lock)
+    try:
         session = [recipe.create_session()]  # a list: released in `finally`, used by run()
+    except BaseException:
+        held.close()
+        raise
+    if memory is None:
+        held.close()
     try:
         created = _anonymous_bytes(me)
         runs: dict[int, list[float]] = {}
@@ -733,6 +743,7 @@ def _probe(
                     share = grown / session_bytes if session_bytes > 0 else None
             else:
                 budget.skipped.append(unmeasured(rows))
+        held.close()
         timed: dict[int, list[float]] = {n: [] for n in sizes}
         started = time.perf_counter()
         while sizes and budget.fits(sum(predict(n) for n in sizes)):
@@ -746,6 +757,7 @@ def _probe(
             if turns >= _MIN_RUNS and time.perf_counter() - started >= share_s:
                 break
     finally:
+        held.close()
         session.clear()
         release_freed_heap()
     # A zero would divide the prediction.
