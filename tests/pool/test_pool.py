@@ -924,6 +924,28 @@ def test_no_session_of_this_process_is_created_while_a_row_is_measured(tmp_path:
     assert overlapped == [False]
 
 
+def test_a_pool_whose_session_creates_sessions_as_it_runs_measures_its_rows(
+    tmp_path: Path,
+) -> None:
+    """A session per batch bucket creates its bucket's session on its first Run, while the
+    pool measures its rows with the process's creation lock held: no deadlock."""
+    light = batchable_model(tmp_path / "mlp.onnx", dim=64)
+    given = sharedml.Batching(pad_to_buckets=True, session_per_bucket=True)
+    seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def open_and_run() -> None:
+        with sharedml.SessionPool(light, batching=given, cache_dir=tmp_path / "c") as pool:
+            out = pool.run(None, {"x": np.ones((3, 64), np.float32)})[0]
+            seen.append((pool.batching_reason, out.shape))
+
+    opener = threading.Thread(target=open_and_run, daemon=True)  # a deadlock must not hang pytest
+    opener.start()
+    opener.join(DEADLINE_S)
+    assert not opener.is_alive() and len(seen) == 1
+    reason, shape = seen[0]
+    assert "Rows per Run not bounded by memory: one row's" in reason and shape == (3, 64)
+
+
 def _patterns(pool: sharedml.SessionPool) -> bool:
     with pool.session() as sess:
         return bool(sess.get_session_options().enable_mem_pattern)

@@ -25,7 +25,9 @@ __all__ = [
     "creation_error",
 ]
 
-CREATION_LOCK = threading.Lock()  # process-wide: DirectML crashes on concurrent creation
+# Process-wide: DirectML crashes on concurrent creation. Reentrant: a pool measuring its first
+# session's rows holds it, and a session per batch bucket creates its sessions as it runs.
+CREATION_LOCK = threading.RLock()
 _CREATION_RETRIES = 5  # background attempts per session before the pool stops growing
 _RETRY_BASE_S = 0.1  # seconds before the first retry; doubles each time
 
