@@ -705,7 +705,7 @@ class SessionPool:
                 began = time.perf_counter()
                 first.append(self._sessions.create())
                 first_s += time.perf_counter() - began
-                bound = measure(first[0])
+                bound = measure(first[0], recheck=False)  # read as heavy already
             chosen = dataclasses.replace(chosen, max_batch_size=bound.rows)
             reason = f"{reason} {bound.reason}"
         if self.plan.primary == CPU:
