@@ -665,14 +665,11 @@ def _probe(
     # process's other session creations would read as this model's session and rows.
     held = contextlib.ExitStack()
     held.enter_context(lock)
+    session: list[Any] = []  # a list: released in `finally`, used by run()
     try:
-        session = [recipe.create_session()]  # a list: released in `finally`, used by run()
-    except BaseException:
-        held.close()
-        raise
-    if memory is None:
-        held.close()
-    try:
+        session.append(recipe.create_session())
+        if memory is None:
+            held.close()
         created = _anonymous_bytes(me)
         runs: dict[int, list[float]] = {}
 
@@ -867,7 +864,7 @@ def rows_for_memory(
 
             with contextlib.suppress(Exception):  # the first reading stands
                 again = max(1, added(_feed(recipe.graph, 2), enough=cuts) // 2)
-                if not cuts(2 * again):  # the first read another thread's memory too
+                if fits(again) == limit:  # the first read another thread's memory too
                     row = again
     rows = fits(row)
     mib = 2**20
