@@ -816,7 +816,8 @@ def rows_for_memory(
     session creations out of the measurement, and a row that would cut the batches is measured
     again, as half of what two rows add (the arena takes a region for them). Where that second
     reading cuts nothing, the first was not the model's and the second stands; else the first
-    does (two rows read 0.8-0.9 of twice one row on U-Net-like models). One burst of a few MiB
+    does (half of two rows read 0.52-0.60 of one row on U-Net-like models: a cut either way,
+    and the bound as before; ``benchmarks/row_reading.py``). One burst of a few MiB
     read as a 256-wide MLP's row would otherwise cut a pool of 32 rows to 4 and turn its memory
     patterns off. The second reading stops after one Run where that already cuts: it cost the
     U-Net-like models' constructors 0.05-0.1 s (0.09 -> 0.14 s at 160x160, 0.38 -> 0.44-0.50
