@@ -1050,6 +1050,7 @@ def test_warm_up_runs_every_bucket_when_batches_are_padded(tmp_path: Path) -> No
         ("share_rows", 0),
         ("copy_outputs", None),
         ("rows_independent", 1),
+        ("required", "auto"),
         ("check_within", 0),
         ("check_within", 1.5),
         ("check_within", False),
@@ -1100,6 +1101,27 @@ def test_auto_merges_wherever_the_model_is_proven_batchable(model: Path) -> None
     with sharedml.SessionPool(model, sessions=1, batching="auto") as pool:
         assert pool.batching == sharedml.Batching()
         assert "row-independence analysis proved" in pool.batching_reason
+
+
+def test_batching_not_required_is_auto_with_its_own_settings(model: Path, tmp_path: Path) -> None:
+    settings = sharedml.Batching(max_batch_size=4, copy_outputs=False, required=False)
+    with sharedml.SessionPool(model, sessions=1, batching=settings) as pool:
+        assert pool.batching == settings
+        outs = queue_behind_a_checkout(
+            pool, [lambda s=s: pool.run(None, feed(1, s)) for s in range(6)]
+        )
+        assert pool.stats().max_batch_rows == 4
+        assert all(not out[0].flags.owndata for out in outs)  # views: copy_outputs=False
+    mixing = _sum_over_rows(tmp_path)
+    with sharedml.SessionPool(mixing, sessions=1, batching=settings) as pool:
+        assert pool.batching is None and not pool.stats().batching
+        assert "ReduceSum" in pool.batching_reason
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        np.testing.assert_array_equal(pool.run(None, {"x": x})[0], x.sum(axis=0, keepdims=True))
+    with pytest.raises(sharedml.NotBatchableError, match="ReduceSum"):
+        sharedml.SessionPool(
+            mixing, sessions=1, batching=dataclasses.replace(settings, required=True)
+        )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -158,6 +158,10 @@ class Batching:
             itself (a batch of n rows costing about n single rows: convolutions on a few
             cores), trying again later with hysteresis (:mod:`sharedml.pool._payoff`;
             ``stats().merge_gain``, ``batching_reason``). False: merge whatever it gains.
+        required: True (default): a model the row-independence analysis cannot prove
+            batchable raises ``NotBatchableError``. False: such a model is served unbatched
+            and ``batching_reason`` says why, as ``batching="auto"`` does with the default
+            settings; ``Batching(required=False, ...)`` is ``"auto"`` with other settings.
     """
 
     max_batch_size: int = 32
@@ -169,6 +173,7 @@ class Batching:
     rows_independent: bool = False
     check_within: int | None = 64
     measure_gain: bool = True
+    required: bool = True
 
     def __post_init__(self) -> None:
         # Every field is checked here, so that a bad setting fails where it is written, not
@@ -198,7 +203,7 @@ class Batching:
                     "(the provider's default)."
                 )
             object.__setattr__(self, name, None if value is None else bool(value))
-        for name in ("copy_outputs", "rows_independent", "measure_gain"):
+        for name in ("copy_outputs", "rows_independent", "measure_gain", "required"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"Batching({name}={value!r}): {name} must be True or False.")
@@ -294,7 +299,8 @@ BatchingSetting = bool | Batching | Literal["auto"]
 """What ``batching=`` takes, with one meaning per spelling (:meth:`Batching.parse`): ``"auto"``
 merges wherever the row-independence analysis proves the model batchable (``batching_reason``
 says why not), ``True`` the defaults of :class:`Batching` (or ``NotBatchableError``), a
-``Batching`` its settings, ``False`` never."""
+``Batching`` its settings (``NotBatchableError`` unless ``required=False``), ``False``
+never."""
 
 
 class BatchingDefault(enum.Enum):

@@ -310,7 +310,7 @@ def plan_pool(
         batching_split=split,
         one_session=one,
         batching=setting if isinstance(setting, Batching) else None,
-        auto_batching=setting == "auto",
+        auto_batching=setting == "auto" or (isinstance(setting, Batching) and not setting.required),
         batching_by_default=by_default,
         calibrate=options.auto_sessions,
         cuda_graphs=cuda_graphs_enabled(providers.primary, providers.provider_options[0]),

@@ -195,7 +195,8 @@ def _decide_batching(
 
     Args:
         wanted: The settings asked for (``True`` or a ``Batching``); None: not asked for.
-        auto: ``"auto"``: merge if the analysis proves the model batchable, else say why not.
+        auto: ``"auto"`` (or ``Batching(required=False)``): merge if the analysis proves the
+            model batchable, else say why not.
         by_default: ``batching`` was left out.
         serialized: The pool holds one session by default (the provider runs one ``Run`` at a
             time, or each session holds its own copy of the weights).
@@ -224,7 +225,7 @@ def _decide_batching(
             relax=True,
         )
     except NotBatchableError as exc:
-        if wanted is not None:
+        if wanted is not None and wanted.required:
             raise  # asked for: say why not; by default: run unbatched, and say why
         reason = f"not merging requests: {exc}"
         _log.info("sharedml: %s", reason)
@@ -410,9 +411,11 @@ class SessionPool:
             (see :class:`~sharedml.Batching` and ``docs/batching.md``), one meaning per
             spelling: ``"auto"``: wherever the row-independence analysis proves the model
             batchable, else off; ``True``: the defaults, or ``NotBatchableError``; a
-            ``Batching``: its settings; ``False``: never. Left out: ``"auto"`` where the
-            pool holds one session by default (the provider runs one ``Run`` at a time, or each
-            session holds its own copy of the weights: the provider table), else ``False``.
+            ``Batching``: its settings, or ``NotBatchableError`` (unless
+            ``Batching(required=False)``: then as ``"auto"``); ``False``: never. Left out:
+            ``"auto"`` where the pool holds one session by default (the provider runs one
+            ``Run`` at a time, or each session holds its own copy of the weights: the provider
+            table), else ``False``.
             :attr:`batching_reason` says which and why. Only models whose rows the analysis
             proves apart are merged (or with ``Batching(rows_independent=True)``, the caller's
             word).
@@ -595,7 +598,7 @@ class SessionPool:
                     opened = relaxed_model(opened, relaxed, verify=verify)
                 reason += relaxed.reason
             except NotBatchableError as exc:
-                if planned.batching is not None:
+                if planned.batching is not None and planned.batching.required:
                     raise
                 chosen, self._signature, reason = None, None, f"not merging requests: {exc}"
                 _log.info("sharedml: %s", reason)
