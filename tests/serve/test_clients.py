@@ -68,6 +68,8 @@ def test_kserve_clients_with_their_defaults_reach_every_endpoint(served: Served)
 def test_sixteen_concurrent_callers_each_get_their_own_rows(served: Served, protocol: str) -> None:
     pool = served.pool("typed")
     assert pool.batching is not None, pool.batching_reason  # type: ignore[attr-defined]
+    # The server encodes each caller's outputs at once: views of its rows, not copies.
+    assert pool.batching.copy_outputs is False  # type: ignore[attr-defined]
     wrong = _clients.concurrent_callers(
         protocol, served.url(protocol), "typed", served.paths["typed"], _clients.typed_feed
     )

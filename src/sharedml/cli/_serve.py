@@ -171,7 +171,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from sharedml.pool._batching import BatchingSetting
     from sharedml.pool._options import PoolOptions
     from sharedml.protocol._admission import HttpLimits
-    from sharedml.serve._server import Server, model_specs
+    from sharedml.serve._server import Server, model_specs, served_batching
 
     given = {
         "max_request_bytes": args.max_request_bytes,
@@ -184,7 +184,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     spelled: dict[str, BatchingSetting] = {"auto": "auto", "on": True, "off": False}
     pool_options = PoolOptions.from_arguments(  # every model's pool, checked once
         sessions=args.sessions,
-        batching=spelled[args.batching],
+        batching=served_batching(spelled[args.batching]),
         cache_dir=args.cache_dir,
         **provider_options(args),
     )

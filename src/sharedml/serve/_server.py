@@ -12,6 +12,10 @@ Decisions:
   ``batching="auto"`` by default: a server holds many callers' requests at once, and the pool
   merges them wherever the row-independence analysis proves it safe (the pool says why not
   otherwise, and the start-up line shows it).
+- A merged request's outputs are views of its own rows (``Batching(copy_outputs=False)``,
+  :func:`served_batching`): the server encodes them at once and lets go, so a copy per caller
+  would be work for nothing, made on the leader's thread before the event loop hears of the
+  batch (async callers have no thread of their own to copy in).
 - One byte budget (:class:`~sharedml.protocol._admission.InflightBytes`) for both protocols:
   HTTP bodies are reserved before they are read, gRPC messages as they arrive.
 - SIGINT (Ctrl-C) and SIGTERM drain: readiness turns false, the listeners close, requests in
@@ -42,7 +46,7 @@ from sharedml.serve._models import ServedModel
 if TYPE_CHECKING:  # the pool (numpy, onnxruntime) loads once a server opens one
     from sharedml.pool._options import PoolOptions
 
-__all__ = ["ModelSpec", "Server", "model_specs"]
+__all__ = ["ModelSpec", "Server", "model_specs", "served_batching"]
 
 _NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -85,6 +89,23 @@ def model_specs(models: Sequence[str], name: str | None = None) -> list[ModelSpe
     return specs
 
 
+def served_batching(setting: Any) -> Any:
+    """A pool's ``batching=`` as the server opens it: ``"auto"`` and ``True`` hand out views.
+
+    ``"auto"`` becomes ``Batching(copy_outputs=False, required=False)`` and ``True``
+    ``Batching(copy_outputs=False)``: each caller's outputs are views of its own rows of the
+    batch, which the server encodes and drops (no other caller's rows are reachable from
+    them). A ``Batching`` given is kept as it is, and so is ``False``.
+    """
+    from sharedml.pool._batching import Batching
+
+    if isinstance(setting, str) and setting == "auto":
+        return Batching(copy_outputs=False, required=False)
+    if setting is True:
+        return Batching(copy_outputs=False)
+    return setting
+
+
 def _describe(pool: Any) -> str:
     """``4 session(s), CPUExecutionProvider, batching on (why)`` for a start-up line."""
     sessions = pool.stats().sessions
@@ -121,7 +142,8 @@ class Server:
         grpc_port: gRPC's port (0: any free port), or None for no gRPC.
         pool_options: Every model's pool: ``SessionPool`` arguments by name (``sessions``,
             ``batching``, ``providers``, ``cache_dir``...; ``batching`` defaults to
-            ``"auto"``), or a :class:`~sharedml.pool._options.PoolOptions` built already.
+            ``"auto"``, and ``"auto"`` and ``True`` hand out views: :func:`served_batching`),
+            or a :class:`~sharedml.pool._options.PoolOptions` built already.
         limits: What requests may hold (:class:`HttpLimits`).
         drain_timeout_s: How long a stop waits for requests in flight.
         say: Where progress lines go (default: standard error).
@@ -164,6 +186,7 @@ class Server:
 
         if not isinstance(pool_options, PoolOptions):  # checked once, for every model
             given = {"batching": "auto", **(pool_options or {})}
+            given["batching"] = served_batching(given["batching"])
             pool_options = PoolOptions.from_arguments(**given)
         self._open(models, pool_options, open_pool)
         from sharedml.serve._metrics import ServerMetrics
