@@ -7,6 +7,8 @@ loop, and the requests/s over ``--duration-s`` after ``--warmup-s`` are printed 
 ``plain``                 one ``InferenceSession`` (ORT's defaults), run by every caller at once
 ``plain:nopatterns``      the same with ``enable_mem_pattern=False``
 ``plain:noarena``         ``enable_mem_pattern=False`` and ``enable_cpu_mem_arena=False``
+``plain:cores``           ORT's defaults but ``intra_op_num_threads`` = the usable cores, as the
+                          pool's session has them (ORT's own default counts physical cores)
 ``pool:session``          the default merging pool's own session, checked out and run directly
                           by every caller (no scheduler)
 ``pool:side``             the default merging pool, merging forced off: every request side by
@@ -37,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = [
     "plain",
+    "plain:cores",
     "plain:nopatterns",
     "plain:noarena",
     "pool:session",
@@ -68,6 +71,26 @@ def _feeds(sess: Any, n: int, seq: int) -> list[dict[str, Any]]:
     return feeds
 
 
+def _host() -> dict[str, Any]:
+    """The CPUs, and the onnxruntime that ran (the figures are per host and version)."""
+    import onnxruntime as ort
+    import psutil
+
+    return {
+        "cpus": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "onnxruntime": ort.__version__,
+    }
+
+
+def _threads() -> int:
+    """This process's threads now (Linux), else 0."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
 def _configure(config: str) -> Any:
     if config.endswith(":patterns") or config.endswith(":nopatterns"):
         on = config.endswith(":patterns")
@@ -93,11 +116,15 @@ def child(
     pool = None
     if config.startswith("plain"):
         so = ort.SessionOptions()
-        if config != "plain":
+        if config == "plain:cores":
+            so.intra_op_num_threads = len(os.sched_getaffinity(0))
+        elif config != "plain":
             so.enable_mem_pattern = False
         if config == "plain:noarena":
             so.enable_cpu_mem_arena = False
+        threads = _threads()
         sess = ort.InferenceSession(model, so)
+        info["session_threads"] = _threads() - threads  # its intra-op pool, less the caller
 
         def run(feed: dict[str, Any]) -> Any:
             return sess.run(None, feed)
@@ -232,9 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 rate = result["requests_per_s"]
                 print(f"{name:7} {config:22} round {r + 1}: {rate:8.1f} requests/s", flush=True)
     if args.json:
-        args.json.write_text(
-            json.dumps({"cpus": os.cpu_count(), "results": results}, indent=1) + "\n"
-        )
+        args.json.write_text(json.dumps({**_host(), "results": results}, indent=1) + "\n")
     return 0
 
 
