@@ -11,6 +11,9 @@ runs a batch, then waits while the batch's callers come back with their next req
   k-th of the batch's callers was back in the pool after the batch ended (``back``: the
   caller's call returned; ``again``: its next request arrived).
 
+``--uvloop`` runs the tasks on uvloop's event loop, which uvicorn (``sharedml serve``) picks
+where it is installed.
+
 ``--pin N`` keeps the callers' threads on the first N CPUs the process may use
 (``sched_setaffinity``): the GIL runs one of them at a time anyway, and a thread woken on the
 CPU that the GIL's last holder leaves needs no other CPU woken (on a VM, no halted vCPU).
@@ -211,7 +214,12 @@ def measure(
                 ready.wait()
                 await asyncio.gather(*(task(c) for c in range(args.callers)))
 
-            asyncio.run(main())
+            if args.uvloop:
+                import uvloop
+
+                uvloop.run(main())
+            else:
+                asyncio.run(main())
 
         threads = (
             [threading.Thread(target=loop)]
@@ -234,6 +242,7 @@ def measure(
             "sessions": sessions,
             "views": args.views,
             "asyncio": args.asyncio,
+            "uvloop": args.asyncio and args.uvloop,
             "callers": args.callers,
             "pinned_cpus": args.pin,
             "ceiling_rows_per_s": round(ceiling, 1),
@@ -264,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--callers", type=int, default=16)
     p.add_argument("--views", action="store_true", help="Batching(copy_outputs=False)")
     p.add_argument("--asyncio", action="store_true", help="callers are tasks on one event loop")
+    p.add_argument(
+        "--uvloop", action="store_true", help="with --asyncio: uvloop's loop (uvicorn's choice)"
+    )
     p.add_argument(
         "--pin", type=int, default=0, help="callers' threads on the first N CPUs (0: all)"
     )
