@@ -774,8 +774,9 @@ class Scheduler:
                 ran=batch,
             )
             ready_here: list[Ticket] = [] if ready is None else ready
+            ran = {id(t) for t in batch}  # a set: a list's `in` compares a batch's n tickets n times
             for follower in taken:
-                if follower in batch:
+                if id(follower) in ran:
                     self._finish(follower, into=ready_here)
             if ready is None and ready_here:
                 deliver(ready_here)
