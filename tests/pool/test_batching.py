@@ -1103,6 +1103,37 @@ def test_auto_merges_wherever_the_model_is_proven_batchable(model: Path) -> None
         assert "row-independence analysis proved" in pool.batching_reason
 
 
+_DTYPES = [np.float32, np.float64, np.int64, np.int32, np.uint8, np.bool_, np.object_]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    want_dtype=st.sampled_from([*_DTYPES, None]),
+    want_shape=st.none() | st.lists(st.none() | st.integers(0, 3), max_size=3).map(tuple),
+    got_dtype=st.sampled_from([*_DTYPES, np.dtype(">f4"), np.dtype("<U3")]),
+    got_shape=st.lists(st.integers(0, 3), max_size=3).map(tuple),
+)
+def test_a_request_is_refused_exactly_where_the_full_check_refuses_it(
+    want_dtype: Any, want_shape: Any, got_dtype: Any, got_shape: tuple[int, ...]
+) -> None:
+    # Requests pass a quick test first and go through the full check only where it fails:
+    # the two must never disagree, in what they let through or in what they say.
+    spec = _batching._Input("x", "tensor", want_dtype, want_shape)
+    signature = _batching.Signature({"x": spec}, ("y",))
+    value = np.zeros(got_shape, got_dtype)
+    said: list[str | None] = []
+    for check in (
+        lambda: _batching.Signature._check(spec, value),
+        lambda: signature.request(None, {"x": value}, None),
+    ):
+        try:
+            check()
+            said.append(None)
+        except sharedml.InvalidInputError as exc:
+            said.append(str(exc))
+    assert said[0] == said[1]
+
+
 def test_batching_not_required_is_auto_with_its_own_settings(model: Path, tmp_path: Path) -> None:
     settings = sharedml.Batching(max_batch_size=4, copy_outputs=False, required=False)
     with sharedml.SessionPool(model, sessions=1, batching=settings) as pool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import itertools
 import math
 import numbers
@@ -320,6 +321,19 @@ class _Input:
     dtype: Any  # numpy dtype, or None for types batching cannot check
     shape: tuple[int | None, ...] | None  # None entries: dynamic; None: no shape known
 
+    @functools.cached_property
+    def accepts(self) -> tuple[Any, int, tuple[tuple[int, int], ...]] | None:
+        """What an array passes unchecked: (its dtype, rank, fixed (axis, size)s); None: none.
+
+        Every request checks its arrays against this first, with no conversion and no
+        message built: a caller's validation runs on the event loop for every async request,
+        16 times between two batches of 16 callers. Anything else goes through ``_check``.
+        """
+        if self.dtype is None or self.shape is None:
+            return None
+        fixed = tuple((axis, size) for axis, size in enumerate(self.shape) if size is not None)
+        return np.dtype(self.dtype), len(self.shape), fixed
+
 
 @dataclasses.dataclass(frozen=True)
 class Signature:
@@ -364,8 +378,10 @@ class Signature:
             InvalidInputError: a missing or unknown input, or an array whose dtype, rank or
                 fixed dimensions differ from the model's.
         """
-        missing = [n for n in self.inputs if n not in feed]
-        unknown = [n for n in feed if n not in self.inputs]
+        missing = unknown = None
+        if feed.keys() != self.inputs.keys():
+            missing = [n for n in self.inputs if n not in feed]
+            unknown = [n for n in feed if n not in self.inputs]
         if missing or unknown:
             parts = []
             if missing:
@@ -387,7 +403,16 @@ class Signature:
                 # A list, a scalar, an OrtValue: ORT converts and checks it; it runs alone.
                 mergeable = False
                 continue
-            self._check(spec, value)
+            accepts, shape, dtype = spec.accepts, value.shape, value.dtype
+            passes = False
+            if accepts is not None and dtype == accepts[0] and len(shape) == accepts[1]:
+                passes = True
+                for axis, size in accepts[2]:
+                    if shape[axis] != size:
+                        passes = False
+                        break
+            if not passes:
+                self._check(spec, value)  # raises, naming what differs, or lets it through
             if value.ndim == 0:
                 mergeable = False
                 continue
@@ -395,7 +420,7 @@ class Signature:
                 rows = int(value.shape[0])
             elif rows != int(value.shape[0]):
                 mergeable = False  # ORT may broadcast such inputs; batching must not merge them
-            key_parts.append((name, value.dtype.str, value.shape[1:]))
+            key_parts.append((name, dtype, shape[1:]))
         outputs = tuple(output_names) if output_names is not None else None
         key: Any = None
         if mergeable and rows is not None:

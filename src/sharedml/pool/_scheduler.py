@@ -774,7 +774,7 @@ class Scheduler:
                 ran=batch,
             )
             ready_here: list[Ticket] = [] if ready is None else ready
-            ran = {id(t) for t in batch}  # a set: a list's `in` compares a batch's n tickets n times
+            ran = {id(t) for t in batch}  # not `in batch`: n comparisons per follower
             for follower in taken:
                 if id(follower) in ran:
                     self._finish(follower, into=ready_here)
