@@ -194,7 +194,7 @@ def child_serve(args: argparse.Namespace) -> None:
         pool_options={"sessions": args.sessions},
         open_pool=open_pool,
     )
-    server.run()
+    server.run(loop=args.loop)
 
 
 # ------------------------------------------------------------------------------------------
@@ -212,6 +212,8 @@ def _serve(kind: str, args: argparse.Namespace) -> tuple[subprocess.Popen[str], 
             args.model,
             "--sessions",
             str(args.sessions),
+            "--loop",
+            args.loop,
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -256,6 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--protocols", nargs="+", default=["http", "grpc"])
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument(
+        "--loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="the servers' event loop (sharedml serve --loop)",
+    )
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=("pool", "plain"),
+        default=["pool", "plain"],
+        help="servers to run: the pool's, N plain sessions",
+    )
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--child", choices=("inprocess", "pool", "plain"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -281,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             base = json.loads(done.stdout.strip().splitlines()[-1])
             rows.append({"config": "inprocess", "callers": callers, **base})
-            for kind in ("pool", "plain"):
+            for kind in args.kinds:
                 process, http, grpc = _serve(kind, args)
                 try:
                     for protocol in args.protocols:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import signal
 import socket
@@ -93,6 +94,51 @@ def test_serve_says_what_it_opens_serves_and_stops_cleanly_on_a_signal(
     assert process.returncode == 0, rest
     assert "draining" in rest and rest.rstrip().endswith("sharedml serve: stopped"), rest
     assert "Traceback" not in rest
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_serve_runs_on_the_event_loop_asked_for(tmp_path: Path, loop: str) -> None:
+    if loop == "uvloop":
+        pytest.importorskip("uvloop", reason="uvloop is not installed (the serve extra has it)")
+    path = mixing_model(tmp_path / "mix.onnx")
+    process, lines, http_address, _ = start([f"m={path}", "--loop", loop], tmp_path)
+    try:
+        assert f"event loop: {loop})" in lines[-1], lines
+        x = np.ones((1, 8), np.float32)
+        doc = {"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [1] * 8}]}
+        status, reply = post_json(http_address, "/v2/models/m/infer", doc)
+        assert status == 200, reply
+        np.testing.assert_allclose(reply["outputs"][0]["data"], (x - x.mean(axis=0)).ravel())
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, rest = process.communicate(timeout=60)
+    assert process.returncode == 0 and "Traceback" not in rest, rest
+
+
+def test_a_missing_uvloop_is_a_one_line_error_before_any_pool_opens(tmp_path: Path) -> None:
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "uvloop.py").write_text("raise ImportError('no uvloop here')\n")
+    path = mixing_model(tmp_path / "mix.onnx")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), *sys.path])}
+    args = [*SHAREDML, "serve", str(path), "--http-port", "0", "--no-grpc"]
+    for loop, status in (("uvloop", 1), ("auto", 0)):
+        process = subprocess.Popen(
+            [*args, "--loop", loop], env=env, stderr=subprocess.PIPE, text=True
+        )
+        assert process.stderr is not None
+        lines: list[str] = []
+        while (line := process.stderr.readline()) and "HTTP on" not in line:
+            lines.append(line)
+        if line:  # auto: asyncio's loop serves
+            assert "event loop: asyncio)" in line, line
+            process.send_signal(signal.SIGTERM)
+        _, rest = process.communicate(timeout=60)
+        err = "".join(lines) + rest
+        assert process.returncode == status, err
+        if status:
+            assert err.count("sharedml: error:") == 1 and "pip install uvloop" in err, err
+            assert "opening model" not in err and "Traceback" not in err, err
 
 
 def test_serve_help_shows_examples() -> None:

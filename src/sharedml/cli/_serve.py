@@ -111,6 +111,13 @@ def add_parser(sub: Any) -> None:
         help="sessions per model's pool (default: the pool's); auto: measured",
     )
     p.add_argument(
+        "--loop",
+        choices=("auto", "asyncio", "uvloop"),  # serve._server.LOOPS, without its imports
+        default="auto",
+        help="the event loop every request's Python runs on: auto (default) uvloop where it "
+        "is installed, else asyncio's",
+    )
+    p.add_argument(
         "--batching",
         choices=("auto", "on", "off"),
         default="auto",
@@ -171,7 +178,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from sharedml.pool._batching import BatchingSetting
     from sharedml.pool._options import PoolOptions
     from sharedml.protocol._admission import HttpLimits
-    from sharedml.serve._server import Server, model_specs, served_batching
+    from sharedml.serve._server import Server, loop_runner, model_specs, served_batching
+
+    loop_runner(args.loop)  # an event loop that is not installed fails before any pool opens
 
     given = {
         "max_request_bytes": args.max_request_bytes,
@@ -197,5 +206,5 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         limits=limits,
         drain_timeout_s=args.drain_timeout_s,
     )
-    server.run()
+    server.run(loop=args.loop)
     return 0
