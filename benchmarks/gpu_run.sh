@@ -2,13 +2,17 @@
 # The GPU figures of README and docs/gpu.md, on a lent NVIDIA H200 (see benchmarks/README.md).
 #
 # onnxruntime-gpu (255 MB) travels in parts: ../shared/device/split-wheel.sh writes .ortgpu1..5
-# here; five calls copy one part each into /tmp/ortgpu-parts; then, while the machine is warm:
+# here; five calls copy one part each into /tmp/ortgpu-parts (the first also carries .whl/,
+# platformdirs and filelock wheels: pip download --no-deps -d .whl platformdirs filelock);
+# then, while the machine is warm:
 #   bash benchmarks/gpu_run.sh tests     # wheel assembled; the GPU tests (~1 min)
 #   bash benchmarks/gpu_run.sh levers    # ORT's arena levers on 8 pooled BERT sessions (~1 min)
 #   bash benchmarks/gpu_run.sh bert      # serving figures, BERT-base-like (~5 min)
 #   bash benchmarks/gpu_run.sh resnet    # serving figures, ResNet-50-like (~4 min)
 #   bash benchmarks/gpu_run.sh ceiling   # one BERT-like session, batches of 1..32 back to back,
 #                                        # without and with CUDA graphs (~2 min)
+#   bash benchmarks/gpu_run.sh turnaround  # 16 async callers against that ceiling: asyncio and
+#                                        # uvloop, busy vCPUs, a pinned loop (~3 min)
 # Results go to $OUT (the device tool brings them back) and benchmarks/results/ by hand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +25,11 @@ if [ ! -d /tmp/site/onnxruntime ]; then
   cat "$d"/part.? > "/tmp/$name"
   [ "$(sha256sum "/tmp/$name" | cut -d' ' -f1)" = "$(cat "$d/SHA256")" ] || { echo "a wheel part is missing"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "/tmp/$name"
+fi
+# Packages sharedml needs that the image lacks (platformdirs; filelock >= 3.20.1), carried as
+# wheels in .whl/ (the device tool's README says how), go beside the GPU build.
+if [ -d .whl ] && [ ! -d /tmp/site/platformdirs ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 export PYTHONUNBUFFERED=1
@@ -58,5 +67,24 @@ case "${1:-}" in
       --models "$1" --seq 128 --callers 1 8 --configs ${LATENCY_CONFIGS:-pool:1 pool:1:graph pool:8 pool:8:graph} \
       --duration-s 1.5 --warmup-s 0.5 --json "$OUT/gpu-latency-{model}.json" 2>&1 | tail -8
     ;;
-  *) echo "usage: $0 tests|levers|ceiling|bert|resnet"; exit 2 ;;
+  turnaround)
+    # 16 callers on one event loop against one session's 16-row ceiling (docs/gpu.md), on
+    # asyncio's loop and uvloop's, with idle vCPUs kept busy by low-priority loops (a
+    # demonstration of the host's share), and the callers' loop pinned to one CPU (~3 min).
+    export SHAREDML_DEVICE_ROUTE=ort-slab
+    t="python3 benchmarks/turnaround.py --model bert --providers CUDAExecutionProvider --sessions 1 --asyncio --out-dir /tmp/turnaround"
+    one() { label=$1; shift; echo "== $label"; timeout 150 "$@" --json "$OUT/turnaround-$label.json" 2>&1 | grep '^{'; }
+    one asyncio $t --views
+    one asyncio-copies $t
+    one uvloop $t --views --uvloop
+    for _ in $(seq "$(( $(nproc) - 2 ))"); do nice -n 19 python3 -c "while True: pass" & done
+    sleep 0.5
+    one asyncio-busy $t --views
+    one uvloop-busy $t --views --uvloop
+    kill $(jobs -p) 2>/dev/null; wait 2>/dev/null
+    one asyncio-pin1 $t --views --pin 1
+    one asyncio-again $t --views
+    one uvloop-again $t --views --uvloop
+    ;;
+  *) echo "usage: $0 tests|levers|ceiling|bert|resnet|turnaround"; exit 2 ;;
 esac

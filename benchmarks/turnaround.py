@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     folder = args.out_dir or tempfile.mkdtemp(prefix="sharedml-turnaround-")
+    os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(0)
     if args.simulate:
         model, vocab = _simulated_model(folder), 1000
