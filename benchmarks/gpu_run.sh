@@ -2,9 +2,8 @@
 # The GPU figures of README and docs/gpu.md, on a lent NVIDIA H200 (see benchmarks/README.md).
 #
 # onnxruntime-gpu (255 MB) travels in parts: ../shared/device/split-wheel.sh writes .ortgpu1..5
-# here; five calls copy one part each into /tmp/ortgpu-parts (the first also carries .whl/,
-# platformdirs and filelock wheels: pip download --no-deps -d .whl platformdirs filelock);
-# then, while the machine is warm:
+# here; five calls copy one part each into /tmp/ortgpu-parts; then, while the machine is warm,
+# a call that also carries .whl/ (pip download --no-deps -d .whl platformdirs filelock):
 #   bash benchmarks/gpu_run.sh tests     # wheel assembled; the GPU tests (~1 min)
 #   bash benchmarks/gpu_run.sh levers    # ORT's arena levers on 8 pooled BERT sessions (~1 min)
 #   bash benchmarks/gpu_run.sh bert      # serving figures, BERT-base-like (~5 min)
