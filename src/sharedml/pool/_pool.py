@@ -204,7 +204,8 @@ def _decide_batching(
         name: How messages name the model.
 
     Raises:
-        NotBatchableError: settings were asked for and the model cannot be proven batchable.
+        NotBatchableError: settings were asked for, required, and the model cannot be proven
+            batchable.
     """
     reason = "batching was not asked for (batching=False)"
     if by_default and not serialized:
@@ -225,8 +226,8 @@ def _decide_batching(
             relax=True,
         )
     except NotBatchableError as exc:
-        if wanted is not None and wanted.required:
-            raise  # asked for: say why not; by default: run unbatched, and say why
+        if not auto:
+            raise  # required: say why not; "auto" (or not required): run unbatched, say why
         reason = f"not merging requests: {exc}"
         _log.info("sharedml: %s", reason)
         return None, None, reason
@@ -598,7 +599,7 @@ class SessionPool:
                     opened = relaxed_model(opened, relaxed, verify=verify)
                 reason += relaxed.reason
             except NotBatchableError as exc:
-                if planned.batching is not None and planned.batching.required:
+                if not planned.auto_batching:
                     raise
                 chosen, self._signature, reason = None, None, f"not merging requests: {exc}"
                 _log.info("sharedml: %s", reason)
