@@ -6,7 +6,9 @@ is back, for ``--duration-s``. Printed (and written with ``--json``):
 
 - every second: the requests served in it, whether merging is paused, trials and pauses so far;
 - every trial phase that ends (merging, then side by side, ``sharedml.pool._payoff``): the
-  seconds per row its measured requests took, the merged phase's, and what was decided.
+  seconds per row its measured requests took, the merged phase's, the rows/s the callers got
+  over the measured part (the same quantity counted the other way: a check on the trial's
+  figure), and what was decided.
 
 This is how the 16-core probing rounds of docs/batching.md were found: each pause a trial
 decided ended in probing, which merged again until the next trial paused once more.
@@ -37,18 +39,37 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 import sharedml  # noqa: E402
 from sharedml.pool import _payoff  # noqa: E402
 
+BATCH_S = 1e-3  # results this close to a phase's first are of its batch
+
 
 def _trace_trials(start: float, phases: list[dict[str, Any]]) -> None:
-    """Record each trial phase that ends, as ``MergeGain.observe`` ends it."""
+    """Record each trial phase that ends, as ``MergeGain.observe`` ends it.
+
+    Beside the phase's own figure (seconds from arrival to result, per row, of the requests
+    that arrived within its measured part), each phase gets the rows/s its callers got over
+    that part: the rows of every result after the part's first (and its batch's), over the
+    time from that first result to the phase's last.
+    """
     observe = _payoff.MergeGain.observe
+    results: list[tuple[float, int]] = []  # (when, rows) of each result since the phase began
 
     def traced(self: _payoff.MergeGain, arrived: float, rows: int) -> str | None:
-        phase = self.trial
+        phase, began, settling = self.trial, self._began, self._settling
         change = observe(self, arrived, rows)
+        if phase is not None and not settling:
+            results.append((time.monotonic(), rows))
         if phase is not None and self.trial != phase:
             # A side phase ends the trial: its figures are still there. A merged phase hands
             # over to the side phase, which starts afresh: its figure is _merged_per_row.
             per_row = self._seconds / self._rows if phase == "side" and self._rows else None
+            measured = [(t, r) for t, r in results if t >= began]
+            rate = None
+            if measured and measured[-1][0] - measured[0][0] > BATCH_S:
+                # A merged batch's results come at once: the first one's rows are not counted
+                first = measured[0][0]
+                after = sum(r for t, r in measured if t > first + BATCH_S)
+                rate = after / (measured[-1][0] - first)
+            results.clear()
             phases.append(
                 {
                     "t_s": round(time.monotonic() - start, 2),
@@ -56,6 +77,7 @@ def _trace_trials(start: float, phases: list[dict[str, Any]]) -> None:
                     "side_s_per_row": per_row,
                     "merged_s_per_row": self._merged_per_row,
                     "requests": self._requests if phase == "side" else None,
+                    "rows_per_s": None if rate is None else round(rate, 1),
                     "state_after": self.state.value,
                     "paused": change is not None,
                 }
