@@ -62,6 +62,19 @@ def test_merging_goes_on_where_side_by_side_is_not_clearly_faster(side_per_row_s
     assert gain.state is MergeState.MERGING and gain.trial is None and gain.merges()
 
 
+@pytest.mark.parametrize("faster", [1.06, 1.08, 1.15])
+def test_side_by_side_faster_by_more_than_the_defaults_tolerance_pauses_merging(
+    faster: float,
+) -> None:
+    # The default pool may trail its best alternative by 5% at most: side by side serving
+    # more than that must not leave the pool merging.
+    clock = Clock()
+    gain = merging(clock)
+    phase(gain, clock, per_row_s=0.2)
+    phase(gain, clock, per_row_s=0.2 / faster)
+    assert gain.state is MergeState.PAUSED and gain.runs_side_by_side
+
+
 def test_a_phase_counts_only_requests_that_arrived_within_it() -> None:
     clock = Clock()
     gain = merging(clock)
