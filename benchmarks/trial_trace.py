@@ -17,6 +17,8 @@ Usage::
 
     python benchmarks/trial_trace.py --model minilm --callers 16 --duration-s 40 --json out.json
 
+``--margin 1.1`` runs it with the trial margin of earlier versions (1.05 now).
+
 The trace wraps ``MergeGain.observe`` (timestamps and the phase's figures only); nothing else
 changes.
 """
@@ -97,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128, help="sequence length of transformers")
     p.add_argument("--out-dir", default=None, help="where the model is written (temp dir)")
     p.add_argument("--json", default=None)
+    p.add_argument("--margin", type=float, help="_payoff.TRIAL_MARGIN for this run (an A/B)")
     args = p.parse_args(argv)
+    if args.margin is not None:
+        _payoff.TRIAL_MARGIN = args.margin
 
     from tools import realistic_models as rm
 
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "second": second,
                     "requests": now - served,
-                    "merging": bool(pool.batching),
+                    "merging": stats.batching,  # False while paused (pool.batching is the setting)
                     "trials": stats.merge_trials,
                     "pauses": stats.merge_pauses,
                 }
@@ -156,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": seconds,
             "phases": phases,
             "batching_reason": reason,
+            "trial_margin": _payoff.TRIAL_MARGIN,
         }
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
