@@ -70,6 +70,7 @@ class SleepingSession:
 
 
 def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of ``--duration-s`` in ``mode``: its rates, decisions and batches."""
     source = SleepingSession(args.a, args.b, args.C)
     scheduler = Scheduler(
         source,
@@ -79,7 +80,7 @@ def one(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         cores=args.cores,
     )
     scheduler.add_sessions([source.create()])
-    gain = scheduler._gain  # the decision, sampled (read only)
+    gain = scheduler._gain  # the decision: sampled, and for --mode side held paused
     forced = mode == "side"
     stop, counts = threading.Event(), [0] * args.callers
 
